@@ -1,0 +1,55 @@
+"""Node configuration: one node file describes every worker of a machine.
+
+Typical use::
+
+    worker = rsrv.config.load_worker("node.yaml", name="gpu0")
+    log.info("config", config=rsrv.config.effective_config_dict(worker))
+
+See ``specs/config.md`` for the file format, the environment overrides
+and the resolution rules.
+"""
+
+from .env import ENV_PREFIX, apply_env, env_variables, parse_env_value
+from .errors import ConfigError
+from .load import (
+    DEFAULT_NODE_NAME,
+    effective_config_dict,
+    load_node,
+    load_worker,
+    resolve_worker,
+)
+from .schema import (
+    EndpointsConfig,
+    GlobalConfig,
+    LoggingConfig,
+    ModelSchedConfig,
+    NodeConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    WorkerEntry,
+    node_json_schema,
+)
+
+__all__ = [
+    "DEFAULT_NODE_NAME",
+    "ENV_PREFIX",
+    "ConfigError",
+    "EndpointsConfig",
+    "GlobalConfig",
+    "LoggingConfig",
+    "ModelSchedConfig",
+    "NodeConfig",
+    "RuntimeConfig",
+    "SchedulerConfig",
+    "WorkerConfig",
+    "WorkerEntry",
+    "apply_env",
+    "effective_config_dict",
+    "env_variables",
+    "load_node",
+    "load_worker",
+    "node_json_schema",
+    "parse_env_value",
+    "resolve_worker",
+]

@@ -1,0 +1,325 @@
+"""The node file's schema, and the resolved per-worker configuration.
+
+Every class here is a frozen ``msgspec.Struct`` that rejects unknown
+fields, so a typo in a node file is an error rather than a silently
+ignored key. Ranges are ``msgspec.Meta`` constraints, so they are enforced
+on decode *and* appear in :func:`node_json_schema`.
+
+Two layers:
+
+* :class:`NodeConfig` is the node file as written: values are kept as
+  given (relative paths stay relative, ``~`` stays unexpanded, derived
+  ports stay ``None``).
+* :class:`WorkerConfig` is what one worker process runs with, produced by
+  :func:`rsrv.config.resolve_worker`: flat, merged, absolute, no
+  ``None`` left where a concrete value can be derived.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+import typing
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "EndpointsConfig",
+    "GlobalConfig",
+    "LoggingConfig",
+    "ModelSchedConfig",
+    "NodeConfig",
+    "RuntimeConfig",
+    "SchedulerConfig",
+    "WorkerConfig",
+    "WorkerEntry",
+    "node_json_schema",
+]
+
+
+def _doc(text: str) -> Meta:
+    return Meta(description=text)
+
+
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Backend = Literal["cpu", "cuda"]
+Residency = Literal["unpinned", "system", "device"]
+Discipline = Literal["fair", "fifo", "edf"]
+ControlMode = Literal["dynamic", "static", "explicit"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
+
+
+class _Strict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Common options: immutable, keyword-only, unknown keys rejected."""
+
+
+# --- sections of the `global` block (each may be overridden per worker) ---
+
+
+class RuntimeConfig(_Strict):
+    """How the worker drives its accelerator."""
+
+    backend: Annotated[Backend, _doc("PJRT backend the worker compiles and runs on.")] = "cpu"
+    mem_fraction: Annotated[
+        float, Meta(gt=0, le=1), _doc("Fraction of device memory the runtime may use.")
+    ] = 0.9
+    preallocate: Annotated[
+        bool, _doc("Reserve the memory fraction at startup instead of growing on demand.")
+    ] = True
+    allow_cpu_fallback: Annotated[
+        bool, _doc("Fall back to the CPU backend when the requested backend is unavailable.")
+    ] = False
+    weight_cache_fraction: Annotated[
+        float,
+        Meta(ge=0, le=1),
+        _doc("Share of free device memory for the on-demand weight cache; 0 disables it."),
+    ] = 1.0
+    weight_cache_wiggle_fraction: Annotated[
+        float,
+        Meta(ge=0, lt=1),
+        _doc("Slack around the weight cache budget, as a fraction of it, before eviction."),
+    ] = 0.1
+    weight_cache_bytes: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _doc("Explicit weight cache budget in bytes; overrides weight_cache_fraction."),
+    ] = None
+
+
+class ModelSchedConfig(_Strict):
+    """Scheduling policy for one model, keyed by model name."""
+
+    weight: Annotated[
+        float, Meta(gt=0), _doc("Fair-share weight; a model gets service in proportion.")
+    ] = 1.0
+    residency: Annotated[
+        Residency | None,
+        _doc("Where the weights live between requests; null lets the scheduler decide."),
+    ] = None
+    max_batch_size: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        _doc("Cap on requests merged into one execution; null uses the bundle's limit."),
+    ] = None
+    latency_budget_seconds: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        _doc("Target latency per request, the deadline under edf; null means none."),
+    ] = None
+
+
+class SchedulerConfig(_Strict):
+    """How requests from many models share one accelerator."""
+
+    discipline: Annotated[Discipline, _doc("Queueing discipline across models.")] = "fair"
+    ema_halflife_seconds: Annotated[
+        float, Meta(gt=0), _doc("Half-life of the per-model usage average used by `fair`.")
+    ] = 30.0
+    cost_ema_alpha: Annotated[
+        float, Meta(gt=0, le=1), _doc("Smoothing factor of the per-model execution cost estimate.")
+    ] = 0.2
+    max_queue_depth: Annotated[
+        int, Meta(gt=0), _doc("Requests queued per model before new ones are rejected.")
+    ] = 1024
+    dispatch_timeout_seconds: Annotated[
+        float, Meta(gt=0), _doc("Longest a request may wait in the queue before it fails.")
+    ] = 30.0
+    compaction_interval: Annotated[
+        int,
+        Meta(ge=0),
+        _doc("Interval between automatic weight-memory compactions; 0: only on request."),
+    ] = 0
+    meta_concurrency: Annotated[
+        int,
+        Meta(ge=1),
+        _doc("Sub-requests a meta model (one composed of others) may have in flight."),
+    ] = 4
+    models: Annotated[
+        dict[str, ModelSchedConfig], _doc("Per-model policy, keyed by model name.")
+    ] = {}
+
+
+class EndpointsConfig(_Strict):
+    """Where and how the worker listens."""
+
+    host: Annotated[str, _doc("Address the gRPC and admin HTTP servers bind.")] = "127.0.0.1"
+    port: Annotated[Port | None, _doc("gRPC port; null means base_port + worker index.")] = None
+    metrics_port: Annotated[
+        Port | None,
+        _doc(
+            "Admin HTTP (metrics, health) port; null means metrics_base_port + worker index "
+            "when metrics_base_port is set, else no admin HTTP server."
+        ),
+    ] = None
+    max_concurrent_requests: Annotated[
+        int, Meta(ge=0), _doc("In-flight gRPC requests per worker; 0 means uncapped.")
+    ] = 64
+    max_message_bytes: Annotated[
+        int,
+        Meta(ge=1 << 20, le=(1 << 31) - 1),
+        _doc("Largest gRPC message accepted or sent, in bytes."),
+    ] = 1 << 28
+    system_shared_memory: Annotated[
+        bool, _doc("Accept system shared memory regions for tensor transfer.")
+    ] = True
+    shutdown_grace_seconds: Annotated[
+        float, Meta(ge=0), _doc("How long in-flight requests may finish after a stop signal.")
+    ] = 30.0
+
+
+class LoggingConfig(_Strict):
+    """What the worker logs, and how."""
+
+    level: Annotated[LogLevel, _doc("Least severe level that is logged.")] = "info"
+    format: Annotated[LogFormat, _doc("`text` for people, `json` for one object per line.")] = (
+        "text"
+    )
+
+
+class GlobalConfig(_Strict):
+    """Settings shared by every worker on the node (the `global` key)."""
+
+    cache_dir: Annotated[
+        str, _doc("Compilation cache directory; `~` expanded, relative to the node file.")
+    ] = "~/.cache/rsrv"
+    model_control_mode: Annotated[
+        ControlMode,
+        _doc(
+            "dynamic: follow the repository; static: load once at startup; "
+            "explicit: load only on request."
+        ),
+    ] = "dynamic"
+    model_poll_seconds: Annotated[
+        float, Meta(gt=0), _doc("Repository poll interval in dynamic mode.")
+    ] = 15.0
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    endpoints: EndpointsConfig = msgspec.field(default_factory=EndpointsConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+
+# --- per-worker overrides: the same sections, every field optional ---
+
+
+def _substitute(tp: Any, table: dict[type, type]) -> Any:
+    """`tp` with every struct type in `table` replaced by its partial twin."""
+    if isinstance(tp, type) and tp in table:
+        return table[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return Annotated[(_substitute(args[0], table), *tp.__metadata__)]
+    if origin in (dict, list):
+        return origin[tuple(_substitute(a, table) for a in args)]
+    if args and origin in (Union, types.UnionType):
+        return functools.reduce(operator.or_, (_substitute(a, table) for a in args))
+    return tp
+
+
+def _partial(cls: type[msgspec.Struct], table: dict[type, type]) -> type[msgspec.Struct]:
+    # Generated rather than written out so that an override block can never
+    # drift from the section it overrides. UNSET fields are dropped by
+    # msgspec.to_builtins, which leaves exactly the keys the file gave.
+    fields = [
+        (f.name, _substitute(f.type, table) | msgspec.UnsetType, msgspec.UNSET)
+        for f in msgspec.structs.fields(cls)
+    ]
+    name = cls.__name__.removesuffix("Config") + "Override"
+    partial = msgspec.defstruct(
+        name,
+        fields,
+        bases=(_Strict,),
+        module=__name__,
+        namespace={
+            "__doc__": f"Any subset of {cls.__name__}, merged over `global` for one worker."
+        },
+    )
+    table[cls] = partial
+    return partial
+
+
+_partials: dict[type, type] = {}
+ModelSchedOverride = _partial(ModelSchedConfig, _partials)
+RuntimeOverride = _partial(RuntimeConfig, _partials)
+SchedulerOverride = _partial(SchedulerConfig, _partials)
+EndpointsOverride = _partial(EndpointsConfig, _partials)
+LoggingOverride = _partial(LoggingConfig, _partials)
+
+#: Sections a worker may override, and so also those env variables may target.
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "runtime": RuntimeConfig,
+    "scheduler": SchedulerConfig,
+    "endpoints": EndpointsConfig,
+    "logging": LoggingConfig,
+}
+
+
+class WorkerEntry(_Strict):
+    """One worker process on the node (an item of `workers`)."""
+
+    name: Annotated[str, Meta(min_length=1), _doc("Unique worker name.")]
+    host: Annotated[str | None, _doc("Shorthand for endpoints.host.")] = None
+    port: Annotated[Port | None, _doc("Shorthand for endpoints.port.")] = None
+    gpu: Annotated[
+        Annotated[int, Meta(ge=0)] | None, _doc("Device ordinal; null assigns one by index.")
+    ] = None
+    runtime: RuntimeOverride | None = None  # type: ignore[valid-type]
+    scheduler: SchedulerOverride | None = None  # type: ignore[valid-type]
+    endpoints: EndpointsOverride | None = None  # type: ignore[valid-type]
+    logging: LoggingOverride | None = None  # type: ignore[valid-type]
+
+
+class NodeConfig(_Strict):
+    """A node file: every worker process of one machine."""
+
+    model_repo: Annotated[str, _doc("Model repository directory; relative to the node file.")] = (
+        "bundles"
+    )
+    base_port: Annotated[Port, _doc("gRPC port of worker 0; worker i gets base_port + i.")] = 8001
+    metrics_base_port: Annotated[
+        Port | None, _doc("Admin HTTP port of worker 0; null disables derived admin ports.")
+    ] = None
+    gpus: Annotated[
+        Literal["auto"] | Annotated[int, Meta(ge=0)] | list[int | str],
+        _doc(
+            "Devices the node uses: auto (all visible), a count (ordinals 0..n-1), or a list "
+            'of ordinals (`3` or `"cuda:3"`) handed out to workers by index.'
+        ),
+    ] = "auto"
+    global_: GlobalConfig = msgspec.field(default_factory=GlobalConfig, name="global")
+    workers: Annotated[
+        list[WorkerEntry], _doc("Worker processes; empty means one worker named worker0.")
+    ] = []
+    models: Annotated[
+        dict[str, list[str]],
+        _doc("Pin map: model name -> workers that keep its weights resident on the device."),
+    ] = {}
+
+
+class WorkerConfig(_Strict):
+    """Everything one worker runs with, fully resolved.
+
+    Guarantees: `model_repo` and `cache_dir` are absolute; `endpoints.port`
+    is a concrete port; `endpoints.metrics_port` is a concrete port or
+    ``None`` meaning "no admin HTTP server"; the pin map has been folded
+    into `scheduler.models`; environment overrides have been applied and
+    are listed, as ``NAME=value``, in `overrides`.
+    """
+
+    name: str
+    index: int
+    model_repo: str
+    cache_dir: str
+    model_control_mode: ControlMode
+    model_poll_seconds: float
+    runtime: RuntimeConfig
+    scheduler: SchedulerConfig
+    endpoints: EndpointsConfig
+    logging: LoggingConfig
+    gpu: int | None = None
+    overrides: tuple[str, ...] = ()
+
+
+def node_json_schema() -> dict[str, Any]:
+    """JSON Schema of the node file, constraints and descriptions included."""
+    return msgspec.json.schema(NodeConfig)

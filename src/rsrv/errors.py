@@ -1,0 +1,47 @@
+"""Errors that carry their wire status.
+
+Every layer raises these; the protocol layer maps ``code`` to a gRPC status once
+(``rsrv.protocol.status``), so no handler decides a status ad hoc.
+"""
+
+from __future__ import annotations
+
+
+class RsrvError(Exception):
+    """Base error. ``code`` names the gRPC status the client receives."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(RsrvError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(RsrvError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(RsrvError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceeded(RsrvError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class FailedPrecondition(RsrvError):
+    code = "FAILED_PRECONDITION"
+
+
+class Unavailable(RsrvError):
+    code = "UNAVAILABLE"
+
+
+class Internal(RsrvError):
+    code = "INTERNAL"
+
+
+class BundleError(RsrvError):
+    """A bundle is invalid. The message names the bundle file and field at fault."""
+
+    code = "UNAVAILABLE"
