@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,12 @@ def tree(root: Path) -> dict[str, bytes]:
     }
 
 
-def test_generated_code_is_fresh(tmp_path):
-    out = tmp_path / "generated"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(out)],
-                   check=True)
-    fresh, committed = tree(out), tree(GENERATED)
+def test_generated_code_is_fresh():
+    with tempfile.TemporaryDirectory() as tmp:
+        gen = [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", tmp]
+        subprocess.run(gen, check=True)
+        fresh = tree(Path(tmp))
+    committed = tree(GENERATED)
     assert sorted(fresh) == sorted(committed), "file set differs: run `just proto`"
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated files {stale}: run `just proto`"
@@ -40,65 +42,148 @@ def test_generated_code_is_fresh(tmp_path):
 
 CASES = {
     "ModelInferRequest": lambda svc, cfg: svc.ModelInferRequest(
-        model_name="resnet", model_version="3", id="req-1",
-        parameters={"priority": {"uint64_param": 2**40}, "timeout": {"int64_param": -5},
-                    "binary_data_output": {"bool_param": True},
-                    "tag": {"string_param": "x"}, "scale": {"double_param": 0.25}},
+        model_name="resnet",
+        model_version="3",
+        id="req-1",
+        parameters={
+            "priority": {"uint64_param": 2**40},
+            "timeout": {"int64_param": -5},
+            "binary_data_output": {"bool_param": True},
+            "tag": {"string_param": "x"},
+            "scale": {"double_param": 0.25},
+        },
         inputs=[
-            {"name": "INPUT0", "datatype": "FP32", "shape": [2, 3],
-             "parameters": {"binary_data_size": {"int64_param": 24}}},
-            {"name": "INPUT1", "datatype": "INT64", "shape": [1],
-             "contents": {"int64_contents": [-7], "bytes_contents": [b"\x00\xff"]}},
+            {
+                "name": "INPUT0",
+                "datatype": "FP32",
+                "shape": [2, 3],
+                "parameters": {"binary_data_size": {"int64_param": 24}},
+            },
+            {
+                "name": "INPUT1",
+                "datatype": "INT64",
+                "shape": [1],
+                "contents": {"int64_contents": [-7], "bytes_contents": [b"\x00\xff"]},
+            },
         ],
         outputs=[{"name": "OUTPUT0", "parameters": {"classification": {"int64_param": 3}}}],
         raw_input_contents=[bytes(range(24)), b""],
     ),
     "ModelInferResponse": lambda svc, cfg: svc.ModelInferResponse(
-        model_name="resnet", model_version="3", id="req-1",
+        model_name="resnet",
+        model_version="3",
+        id="req-1",
         parameters={"sequence_end": {"bool_param": False}},
-        outputs=[{"name": "OUTPUT0", "datatype": "BYTES", "shape": [1, 2],
-                  "contents": {"fp32_contents": [1.5], "fp64_contents": [2.5],
-                               "uint_contents": [7], "bool_contents": [True]}}],
+        outputs=[
+            {
+                "name": "OUTPUT0",
+                "datatype": "BYTES",
+                "shape": [1, 2],
+                "contents": {
+                    "fp32_contents": [1.5],
+                    "fp64_contents": [2.5],
+                    "uint_contents": [7],
+                    "bool_contents": [True],
+                },
+            }
+        ],
         raw_output_contents=[b"\x01\x02\x03\x04"],
     ),
-    "ModelConfigResponse": lambda svc, cfg: svc.ModelConfigResponse(config=cfg.ModelConfig(
-        name="resnet", platform="stablehlo", backend="rsrv", runtime="pjrt", max_batch_size=8,
-        version_policy={"specific": {"versions": [1, 3]}},
-        input=[{"name": "INPUT0", "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
-                "dims": [3, -1], "reshape": {"shape": [3]}, "optional": True}],
-        output=[{"name": "OUTPUT0", "data_type": "TYPE_BF16", "dims": [10],
-                 "label_filename": "labels.txt"}],
-        dynamic_batching={"preferred_batch_size": [4, 8], "max_queue_delay_microseconds": 100,
-                          "priority_queue_policy": {2: {"timeout_action": "DELAY"}}},
-        instance_group=[{"name": "g", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}],
-        optimization={"cuda": {"graphs": True, "graph_spec": [
-            {"batch_size": 4, "input": {"INPUT0": {"dim": [3, 224]}}}]}},
-        parameters={"weights": {"string_value": "w.safetensors"}},
-        model_warmup=[{"name": "w", "batch_size": 1,
-                       "inputs": {"INPUT0": {"data_type": "TYPE_FP32", "dims": [3],
-                                             "zero_data": True}}}],
-        metric_tags={"team": "ml"},
-    )),
-    "ModelConfigResponse(ensemble)": lambda svc, cfg: svc.ModelConfigResponse(
-        config=cfg.ModelConfig(name="pipeline", platform="ensemble", ensemble_scheduling={
-            "step": [{"model_name": "a", "model_version": -1,
-                      "input_map": {"x": "IN"}, "output_map": {"y": "OUT"}}]}),
+    "ModelConfigResponse": lambda svc, cfg: svc.ModelConfigResponse(
+        config=cfg.ModelConfig(
+            name="resnet",
+            platform="stablehlo",
+            backend="rsrv",
+            runtime="pjrt",
+            max_batch_size=8,
+            version_policy={"specific": {"versions": [1, 3]}},
+            input=[
+                {
+                    "name": "INPUT0",
+                    "data_type": "TYPE_FP32",
+                    "format": "FORMAT_NCHW",
+                    "dims": [3, -1],
+                    "reshape": {"shape": [3]},
+                    "optional": True,
+                }
+            ],
+            output=[
+                {
+                    "name": "OUTPUT0",
+                    "data_type": "TYPE_BF16",
+                    "dims": [10],
+                    "label_filename": "labels.txt",
+                }
+            ],
+            dynamic_batching={
+                "preferred_batch_size": [4, 8],
+                "max_queue_delay_microseconds": 100,
+                "priority_queue_policy": {2: {"timeout_action": "DELAY"}},
+            },
+            instance_group=[{"name": "g", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}],
+            optimization={
+                "cuda": {
+                    "graphs": True,
+                    "graph_spec": [{"batch_size": 4, "input": {"INPUT0": {"dim": [3, 224]}}}],
+                }
+            },
+            parameters={"weights": {"string_value": "w.safetensors"}},
+            model_warmup=[
+                {
+                    "name": "w",
+                    "batch_size": 1,
+                    "inputs": {
+                        "INPUT0": {"data_type": "TYPE_FP32", "dims": [3], "zero_data": True}
+                    },
+                }
+            ],
+            metric_tags={"team": "ml"},
+        )
     ),
-    "RepositoryIndexResponse": lambda svc, cfg: svc.RepositoryIndexResponse(models=[
-        {"name": "a", "version": "1", "state": "READY"},
-        {"name": "b", "state": "UNAVAILABLE", "reason": "unloaded"},
-    ]),
-    "ModelStatisticsResponse": lambda svc, cfg: svc.ModelStatisticsResponse(model_stats=[{
-        "name": "a", "version": "1", "last_inference": 1_700_000_000_000,
-        "inference_count": 10, "execution_count": 4,
-        "inference_stats": {"success": {"count": 10, "ns": 12345},
-                            "queue": {"count": 10, "ns": 99}, "fail": {"count": 1, "ns": 7}},
-        "batch_stats": [{"batch_size": 4, "compute_infer": {"count": 2, "ns": 500}}],
-        "memory_usage": [{"type": "GPU", "id": 0, "byte_size": 1 << 30}],
-        "response_stats": {"r": {"compute_output": {"count": 1, "ns": 2}}},
-    }]),
+    "ModelConfigResponse(ensemble)": lambda svc, cfg: svc.ModelConfigResponse(
+        config=cfg.ModelConfig(
+            name="pipeline",
+            platform="ensemble",
+            ensemble_scheduling={
+                "step": [
+                    {
+                        "model_name": "a",
+                        "model_version": -1,
+                        "input_map": {"x": "IN"},
+                        "output_map": {"y": "OUT"},
+                    }
+                ]
+            },
+        ),
+    ),
+    "RepositoryIndexResponse": lambda svc, cfg: svc.RepositoryIndexResponse(
+        models=[
+            {"name": "a", "version": "1", "state": "READY"},
+            {"name": "b", "state": "UNAVAILABLE", "reason": "unloaded"},
+        ]
+    ),
+    "ModelStatisticsResponse": lambda svc, cfg: svc.ModelStatisticsResponse(
+        model_stats=[
+            {
+                "name": "a",
+                "version": "1",
+                "last_inference": 1_700_000_000_000,
+                "inference_count": 10,
+                "execution_count": 4,
+                "inference_stats": {
+                    "success": {"count": 10, "ns": 12345},
+                    "queue": {"count": 10, "ns": 99},
+                    "fail": {"count": 1, "ns": 7},
+                },
+                "batch_stats": [{"batch_size": 4, "compute_infer": {"count": 2, "ns": 500}}],
+                "memory_usage": [{"type": "GPU", "id": 0, "byte_size": 1 << 30}],
+                "response_stats": {"r": {"compute_output": {"count": 1, "ns": 2}}},
+            }
+        ]
+    ),
     "SystemSharedMemoryRegisterRequest": lambda svc, cfg: svc.SystemSharedMemoryRegisterRequest(
-        name="region0", key="/shm0", offset=64, byte_size=4096),
+        name="region0", key="/shm0", offset=64, byte_size=4096
+    ),
 }
 
 
@@ -107,7 +192,7 @@ def assert_same(a, b, path):
     fields_a, fields_b = a.ListFields(), b.ListFields()
     names = [[(f.number, f.name) for f, _ in fields] for fields in (fields_a, fields_b)]
     assert names[0] == names[1], path
-    for (field, va), (_, vb) in zip(fields_a, fields_b):
+    for (field, va), (_, vb) in zip(fields_a, fields_b, strict=True):
         where = f"{path}.{field.name}"
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             assert sorted(va) == sorted(vb), where
@@ -116,7 +201,7 @@ def assert_same(a, b, path):
                 assert_value(value_field, va[key], vb[key], f"{where}[{key!r}]")
         elif field.is_repeated:
             assert len(va) == len(vb), where
-            for i, (x, y) in enumerate(zip(va, vb)):
+            for i, (x, y) in enumerate(zip(va, vb, strict=True)):
                 assert_value(field, x, y, f"{where}[{i}]")
         else:
             assert_value(field, va, vb, where)
@@ -154,7 +239,9 @@ def test_service_methods_match_triton():
         assert mine.input_type.full_name == method.input_type.full_name, method.name
         assert mine.output_type.full_name == method.output_type.full_name, method.name
         assert (mine.client_streaming, mine.server_streaming) == (
-            method.client_streaming, method.server_streaming), method.name
+            method.client_streaming,
+            method.server_streaming,
+        ), method.name
         # The purerpc servicer serves it with our classes for those message types.
         signature = stub_methods[method.name].signature
         assert signature.request_type.DESCRIPTOR.full_name == method.input_type.full_name
@@ -167,6 +254,7 @@ def test_descriptors_identical_to_triton(ours, theirs):
 
     Fails after a tritonclient upgrade that changes Triton's protocol: sync proto/inference.
     """
+
     def load(module):
         proto = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
         proto.name = Path(proto.name).name

@@ -86,9 +86,15 @@ def _parse_one(text: str, tp: Any) -> Any:
             return False
         raise ValueError("expected a boolean (1/0, true/false, yes/no, on/off)")
     if tp is int:
-        return int(word)
+        try:
+            return int(word)
+        except ValueError:
+            raise ValueError("expected an integer") from None
     if tp is float:
-        value = float(word)
+        try:
+            value = float(word)
+        except ValueError:
+            raise ValueError("expected a number") from None
         if not math.isfinite(value):
             raise ValueError("expected a finite number")
         return value

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import importlib.resources
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.json
 import msgspec.toml
 import msgspec.yaml
 
@@ -57,18 +59,79 @@ _T = TypeVar("_T")
 # --- decoding ---
 
 
-def _describe(exc: msgspec.ValidationError) -> str:
-    """msgspec's message, reworded as `$.path: problem`.
+def _key_segment(key: str) -> str:
+    """A mapping key as a path segment: `.name`, or `["odd key"]`."""
+    return f".{key}" if re.fullmatch(r"[A-Za-z_][\w-]*", key) else f"[{json.dumps(key)}]"
+
+
+_SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]|\[(\.\.\.)\]")
+
+
+def _split(message: str) -> tuple[str, str]:
+    """msgspec's message as (problem, `$.path`)."""
+    match = re.fullmatch(r"(?s)(.*) - at `(\$[^`]*)`", message)
+    return (match.group(1), match.group(2)) if match else (message, "$")
+
+
+def _name_keys(raw: Any, type_: type, message: str) -> str | None:
+    """The error's path with msgspec's `[...]` placeholders replaced by the keys.
+
+    msgspec does not say which mapping key an error is under. It reports
+    the first error in document order, so the culprit is the first key k
+    for which the mapping cut after k reproduces the same error. Returns
+    None when the path cannot be followed.
+    """
+    _, path = _split(message)
+    tokens: list[Any] = []
+    for match in _SEGMENT.finditer(path):
+        name, index, _ = match.groups()
+        tokens.append(name if name else int(index) if index else ...)
+    for pos, token in enumerate(tokens):
+        if token is not ...:
+            continue
+        if pos == 0:
+            return None
+        node = raw
+        for step in tokens[:pos]:
+            node = node[step]
+        if not isinstance(node, dict):
+            return None
+        keys = list(node)
+        for cut in range(1, len(keys) + 1):
+            trial = copy.deepcopy(raw)
+            parent = trial
+            for step in tokens[: pos - 1]:
+                parent = parent[step]
+            parent[tokens[pos - 1]] = {k: node[k] for k in keys[:cut]}
+            try:
+                msgspec.convert(trial, type=type_, strict=True)
+            except msgspec.ValidationError as exc:
+                if str(exc) == message:
+                    tokens[pos] = keys[cut - 1]
+                    break
+        else:
+            return None
+    rendered = "$"
+    for token in tokens:
+        rendered += f"[{token}]" if isinstance(token, int) else _key_segment(token)
+    return rendered
+
+
+def _describe(exc: msgspec.ValidationError, raw: Any, type_: type) -> str:
+    """msgspec's message, reworded as `$.path: problem` with every key named.
 
     msgspec reports an unknown field at its parent's path; appending the
     field's name gives the operator the exact key to delete.
     """
-    message = str(exc)
-    match = re.fullmatch(r"(?s)(.*) - at `(\$[^`]*)`", message)
-    problem, path = (match.group(1), match.group(2)) if match else (message, "$")
+    problem, path = _split(str(exc))
+    if "[...]" in path:
+        try:
+            path = _name_keys(raw, type_, str(exc)) or path
+        except (KeyError, IndexError, TypeError):
+            pass  # keep msgspec's own path
     unknown = re.fullmatch(r"Object contains unknown field `(.*)`", problem)
     if unknown:
-        return f"{path}.{unknown.group(1)}: unknown field"
+        return f"{path}{_key_segment(unknown.group(1))}: unknown field"
     return f"{path}: {problem}"
 
 
@@ -76,7 +139,7 @@ def _convert(raw: Any, type_: type[_T], where: str) -> _T:
     try:
         return msgspec.convert(raw, type=type_, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {_describe(exc)}") from None
+        raise ConfigError(f"{where}: {_describe(exc, raw, type_)}") from None
 
 
 def _decode(data: bytes, fmt: str, where: str) -> Any:
@@ -169,7 +232,7 @@ def _check_node(node: NodeConfig, where: str) -> None:
         for target in targets:
             if target not in seen:
                 raise ConfigError(
-                    f"{where}: $.models.{model}: pinned on unknown worker {target!r}; "
+                    f"{where}: $.models{_key_segment(model)}: pinned on unknown worker {target!r}; "
                     f"workers: {', '.join(names)}"
                 )
     for i, entry in enumerate(node.workers):
@@ -361,5 +424,6 @@ def load_worker(
 
 
 def effective_config_dict(worker: WorkerConfig) -> dict[str, Any]:
-    """`worker` as plain JSON-compatible data, for the startup log."""
-    return msgspec.to_builtins(worker)
+    """`worker` as plain JSON data (dicts, lists, str, numbers, None), for the startup log."""
+    # Through JSON rather than to_builtins: tuples come back as lists.
+    return msgspec.json.decode(msgspec.json.encode(worker))
