@@ -92,7 +92,8 @@ def load_bundle(path: Path) -> Bundle:
             raise BundleError(f"{manifest_path}: {field}: only valid when model.py transforms "
                               f"I/O, and {path.name} has no model.py")
     if sig.kind == "meta" and not has_py:
-        raise BundleError(f"{path}: a meta bundle needs a model.py declaring @rsrv.meta")
+        raise BundleError(f"{manifest_path}: kind: a meta bundle needs a model.py declaring "
+                          f"@rsrv.meta, and {path.name} has no model.py")
     hooks = _load_hooks(model_py, sig, path.name) if has_py else Hooks()
 
     if sig.kind == "meta":
@@ -181,7 +182,8 @@ def _expect(t: Tensor, size: int) -> tuple[int, ...]:
 def _match(file: Path, what: str, arg: ArgType, dtype, shape: tuple[int, ...]) -> None:
     if arg.dtype is not dtype:
         raise BundleError(f"{file}: {what} has dtype {arg.dtype.value}, expected {dtype.value}")
-    ok = len(arg.shape) == len(shape) and all(e in (-1, a) for a, e in zip(arg.shape, shape))
+    ok = len(arg.shape) == len(shape) and all(
+        e in (-1, a) for a, e in zip(arg.shape, shape, strict=True))
     if not ok:
         raise BundleError(f"{file}: {what} has shape {list(arg.shape)}, expected "
                           f"{['?' if e == -1 else e for e in shape]}")
@@ -193,7 +195,9 @@ def _load_hooks(model_py: Path, sig: Signature, name: str) -> Hooks:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look modules up here
     try:
-        spec.loader.exec_module(module)
+        # Compile the source ourselves: the loader would write __pycache__ into the bundle.
+        code = compile(model_py.read_bytes(), str(model_py), "exec", dont_inherit=True)
+        exec(code, module.__dict__)
     except BaseException as e:  # noqa: BLE001 - any failure in user code is a bundle error
         sys.modules.pop(module_name, None)
         raise BundleError(f"{model_py}: failed to import: {type(e).__name__}: {e}") from None

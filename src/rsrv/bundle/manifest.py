@@ -10,6 +10,7 @@ Shapes are row-major (numpy / KServe wire order); the letter ``n`` marks the bat
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,7 @@ def decode_manifest(path: Path) -> Manifest:
     except msgspec.ValidationError as e:
         raise BundleError(f"{path}: {_msgspec_path(str(e))}") from None
     except (msgspec.DecodeError, OSError) as e:
-        raise BundleError(f"{path}: cannot parse: {e}") from None
+        raise BundleError(f"{path}: cannot parse: {_one_line(str(e))}") from None
 
 
 def resolve_manifest(manifest: Manifest, path: Path) -> Signature:
@@ -229,9 +230,18 @@ def _resolve_tensor(spec: TensorSpec, where: str, client: bool, fail) -> Tensor:
         shape.append(size)
     for key in spec.dims:
         if key not in letters:
-            raise fail(f"{where}.dims.{key}", f"letter {key!r} does not appear in shape {letters!r}")
+            raise fail(f"{where}.dims.{key}",
+                       f"letter {key!r} does not appear in shape {letters!r}")
     axis = letters.find(BATCH_LETTER)
     return Tensor(spec.name, dtype, letters, tuple(shape), None if axis < 0 else axis)
+
+
+_YAML_MARK = re.compile(r'\s*in "<[^>]*>", line (\d+), column (\d+)')
+
+
+def _one_line(message: str) -> str:
+    """PyYAML's multi-line 'in "<byte string>", line L, column C' marks -> one line."""
+    return " ".join(_YAML_MARK.sub(r" (at line \1, column \2)", message).split())
 
 
 def _msgspec_path(message: str) -> str:

@@ -109,7 +109,8 @@ def export_jax(
         out_avals = exported.out_avals
 
     exec_inputs = [_input_spec(i) for i in inputs]
-    exec_outputs = [_output_spec(o, a, sizes[-1], batched) for o, a in zip(outputs, out_avals)]
+    exec_outputs = [_output_spec(o, a, sizes[-1], batched)
+                    for o, a in zip(outputs, out_avals, strict=True)]
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         description=description,
@@ -139,7 +140,7 @@ def _letters(given: str | None, rank: int, batch_axis: int | None) -> str:
 def _input_spec(i: Input) -> TensorSpec:
     axis = i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None
     letters = _letters(i.letters, len(i.shape), axis)
-    dims = {ch: int(d) for ch, d in zip(letters, i.shape) if ch != BATCH_LETTER}
+    dims = {ch: int(d) for ch, d in zip(letters, i.shape, strict=True) if ch != BATCH_LETTER}
     return TensorSpec(name=i.name, dtype=DType.from_numpy(np.dtype(i.dtype)).value,
                       shape=letters, dims=dims)
 
@@ -150,7 +151,7 @@ def _output_spec(o: Output, aval, n: int, batched: bool) -> TensorSpec:
         raise ExportError(f"output {o.name!r} has shape {list(aval.shape)}: axis {axis} is not "
                           f"the batch axis (expected extent {n})")
     letters = _letters(o.letters, len(aval.shape), axis)
-    dims = {ch: int(d) for ch, d in zip(letters, aval.shape) if ch != BATCH_LETTER}
+    dims = {ch: int(d) for ch, d in zip(letters, aval.shape, strict=True) if ch != BATCH_LETTER}
     return TensorSpec(name=o.name, dtype=DType.from_numpy(np.dtype(aval.dtype)).value,
                       shape=letters, dims=dims)
 
@@ -181,7 +182,8 @@ def _write(out_dir: Path, manifest: Manifest, modules: dict[int, bytes],
         (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
         for n, data in modules.items():
             (staging / ("model.mlir" if n == 0 else f"model.b{n}.mlir")).write_bytes(data)
-        tensors = {name: np.ascontiguousarray(w) for name, w in zip(weight_names, weights)}
+        tensors = {name: np.asarray(w, order="C")  # keeps 0-d weights 0-d
+                   for name, w in zip(weight_names, weights, strict=True)}
         save_file(tensors, str(staging / "weights.safetensors"),
                   metadata={ORDER_KEY: json.dumps(weight_names)})
         if model_py is not None:

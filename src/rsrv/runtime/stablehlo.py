@@ -54,7 +54,8 @@ def read_signature(source: bytes | str, entry: str = "main") -> ModuleSignature:
         except Exception as e:  # the MLIR bindings raise a bare Exception subclass
             raise ValueError(f"not a StableHLO module: {_first_line(e)}") from None
         for op in module.body.operations:
-            if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == entry:
+            attrs = op.attributes
+            if "sym_name" in attrs and ir.StringAttr(attrs["sym_name"]).value == entry:
                 ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
                 return ModuleSignature(
                     tuple(_arg_type(t, ir) for t in ftype.inputs),
