@@ -1,0 +1,240 @@
+"""``inference.GRPCInferenceService``: the KServe V2 / Triton RPCs of a worker.
+
+Handlers translate between protobuf and the worker: decode -> :class:`~rsrv.worker.Worker`
+-> encode. They raise :mod:`rsrv.errors` exceptions; the transport maps them to statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+import rsrv
+from rsrv.bundle.manifest import Tensor
+from rsrv.errors import FailedPrecondition, InvalidArgument, RsrvError
+from rsrv.protocol import codec
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.inference import model_config_pb2 as mc
+from rsrv.protocol.generated.inference.grpc_service_grpc import GRPCInferenceServiceServicer
+from rsrv.protocol.server import call_deadline
+from rsrv.protocol.status import grpc_status
+
+if TYPE_CHECKING:
+    from rsrv.worker.app import Worker
+
+log = logging.getLogger(__name__)
+SERVER_NAME = "rsrv"
+
+
+class InferenceService(GRPCInferenceServiceServicer):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    # -- health and metadata ----------------------------------------------------------
+
+    async def ServerLive(self, message, request):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, message, request):
+        return pb.ServerReadyResponse(ready=self.worker.ready)
+
+    async def ModelReady(self, message, request):
+        return pb.ModelReadyResponse(ready=self.worker.models.ready(message.name))
+
+    async def ServerMetadata(self, message, request):
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=rsrv.__version__,
+                                         extensions=self.worker.extensions)
+
+    async def ModelMetadata(self, message, request):
+        served = self.worker.models.get(message.name)
+        sig = served.bundle.signature
+        return pb.ModelMetadataResponse(
+            name=served.name, versions=["1"], platform=self.worker.platform,
+            inputs=[codec.tensor_metadata(t) for t in sig.client_inputs],
+            outputs=[codec.tensor_metadata(t) for t in sig.client_outputs])
+
+    async def ModelConfig(self, message, request):
+        served = self.worker.models.get(message.name)
+        return pb.ModelConfigResponse(config=model_config(
+            served.bundle, self.worker.platform, self.worker.max_batch_size(served.name)))
+
+    # -- inference ------------------------------------------------------------------------
+
+    async def ModelInfer(self, message, request):
+        return await self._infer(message)
+
+    async def ModelStreamInfer(self, messages, request):
+        """Requests on one stream run concurrently; each answer (or its error_message)
+        is sent as it completes, and a failed request never ends the stream."""
+        async with self._stream_responses(messages) as responses:
+            async for response in responses:
+                yield response
+
+    @trio.as_safe_channel
+    async def _stream_responses(self, messages):
+        send, receive = trio.open_memory_channel(0)
+
+        async def one(message):
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=await self._infer(message))
+            except Exception as e:
+                code, text = grpc_status(e)
+                response = pb.ModelStreamInferResponse(
+                    error_message=text,
+                    infer_response=pb.ModelInferResponse(model_name=message.model_name,
+                                                         id=message.id))
+            await send.send(response)
+
+        async def pump(nursery):
+            async with send:
+                async with trio.open_nursery() as requests:
+                    async for message in messages:
+                        requests.start_soon(one, message)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, nursery)
+            async with receive:
+                async for response in receive:
+                    yield response
+
+    async def _infer(self, message) -> pb.ModelInferResponse:
+        if not message.model_name:
+            raise InvalidArgument("model_name is empty")
+        worker = self.worker
+        start = time.perf_counter()
+        served = worker.models.get(message.model_name)
+        stats = worker.pipeline.stats(served.name)
+        try:
+            sig = served.bundle.signature
+            inputs = codec.decode_request(message, sig.client_inputs, worker.shm)
+            order = codec.requested_outputs(message, [t.name for t in sig.client_outputs],
+                                            worker.shm)
+            deadline = min(call_deadline.get(), codec.request_deadline(message, trio.current_time())
+                           or float("inf"))
+            outputs = await worker.pipeline.infer(
+                served.name, inputs, deadline=None if deadline == float("inf") else deadline)
+            response = codec.encode_response(message, served.name, "1", outputs, order,
+                                             worker.shm)
+        except RsrvError as e:
+            stats.record(False, time.perf_counter() - start, e.code)
+            raise
+        except Exception:
+            stats.record(False, time.perf_counter() - start, "INTERNAL")
+            raise
+        stats.record(True, time.perf_counter() - start, rows=_rows(sig.client_inputs, inputs))
+        return response
+
+    async def ModelStatistics(self, message, request):
+        names = [message.name] if message.name else sorted(
+            n for n in self.worker.models.entries if self.worker.models.ready(n))
+        out = []
+        for name in names:
+            self.worker.models.get(name)  # NotFound for an unknown model
+            out.append(self.worker.model_statistics(name))
+        return pb.ModelStatisticsResponse(model_stats=out)
+
+    # -- repository -----------------------------------------------------------------------
+
+    async def RepositoryIndex(self, message, request):
+        models = []
+        for entry in sorted(self.worker.models.entries.values(), key=lambda e: e.name):
+            if message.ready and entry.state != "READY":
+                continue
+            models.append(pb.RepositoryIndexResponse.ModelIndex(
+                name=entry.name, version="1" if entry.model else "", state=entry.state,
+                reason=entry.reason))
+        return pb.RepositoryIndexResponse(models=models)
+
+    async def RepositoryModelLoad(self, message, request):
+        await self.worker.load_model(message.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, message, request):
+        await self.worker.unload_model(message.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory ------------------------------------------------------------------
+
+    async def SystemSharedMemoryStatus(self, message, request):
+        regions = {
+            r.name: pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
+            for r in self.worker.shm.status(message.name or None)
+        }
+        return pb.SystemSharedMemoryStatusResponse(regions=regions)
+
+    async def SystemSharedMemoryRegister(self, message, request):
+        await trio.to_thread.run_sync(self.worker.shm.register, message.name, message.key,
+                                      message.offset, message.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, message, request):
+        self.worker.shm.unregister(message.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, message, request):
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, message, request):
+        raise FailedPrecondition(
+            f"CUDA shared memory is not supported by this {self.worker.platform} worker; "
+            "use system shared memory (SystemSharedMemoryRegister)")
+
+    async def CudaSharedMemoryUnregister(self, message, request):
+        return pb.CudaSharedMemoryUnregisterResponse()  # nothing can be registered
+
+    # -- trace and log settings ---------------------------------------------------------
+
+    async def TraceSetting(self, message, request):
+        if message.settings:
+            raise InvalidArgument("tracing is not supported; TraceSetting only reports "
+                                  "the (disabled) trace settings")
+        return pb.TraceSettingResponse(settings={
+            "trace_level": pb.TraceSettingResponse.SettingValue(value=["OFF"])})
+
+    async def LogSettings(self, message, request):
+        logs = self.worker.log_settings
+        for key, value in message.settings.items():
+            logs.update(key, value)
+        return pb.LogSettingsResponse(settings=logs.to_proto())
+
+
+def _rows(specs: tuple[Tensor, ...], inputs) -> int:
+    for spec in specs:
+        if spec.batch_axis is not None and spec.name in inputs:
+            return int(inputs[spec.name].shape[spec.batch_axis])
+    return 1
+
+
+def model_config(bundle, platform: str, max_batch_size: int) -> mc.ModelConfig:
+    """A Triton ModelConfig derived from the manifest.
+
+    Triton's config has an implicit *leading* batch axis: when every client tensor has
+    its batch letter first, ``max_batch_size`` is the effective maximum and dims omit that
+    axis; otherwise ``max_batch_size`` is 0 and dims show the batch axis as -1.
+    """
+    sig = bundle.signature
+    tensors = sig.client_inputs + sig.client_outputs
+    leading = bool(bundle.batch_sizes) and all(t.batch_axis == 0 for t in tensors)
+
+    def dims(t: Tensor) -> list[int]:
+        return list(t.shape[1:]) if leading else list(t.shape)
+
+    def dtype(t: Tensor) -> int:
+        name = "TYPE_STRING" if t.dtype.kserve == "BYTES" else f"TYPE_{t.dtype.kserve}"
+        return mc.DataType.Value(name)
+
+    config = mc.ModelConfig(
+        name=bundle.name, platform=f"rsrv_stablehlo_{platform}", backend="rsrv",
+        max_batch_size=max_batch_size if leading else 0,
+        input=[mc.ModelInput(name=t.name, data_type=dtype(t), dims=dims(t))
+               for t in sig.client_inputs],
+        output=[mc.ModelOutput(name=t.name, data_type=dtype(t), dims=dims(t))
+                for t in sig.client_outputs],
+    )
+    if bundle.batch_sizes:
+        config.dynamic_batching.preferred_batch_size.extend(bundle.batch_sizes)
+    return config

@@ -1,0 +1,241 @@
+"""The worker process: ``rsrv serve``.
+
+One root trio nursery holds every long-lived task: the gRPC server, the dispatch loop
+and model loads. Cancelling the nursery is shutdown; no task or thread outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from rsrv.bundle.repository import discover
+from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
+from rsrv.errors import BundleError, FailedPrecondition, NotFound
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.shm import SharedMemoryRegistry
+from rsrv.runtime import Compiler, backend
+from rsrv.scheduler import Scheduler
+from rsrv.worker.executor import DeviceExecutor
+from rsrv.worker.logs import LogSettings
+from rsrv.worker.models import Entry, ModelSet, ModelState, build_model
+from rsrv.worker.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Everything one ``rsrv serve`` process serves. Start it with :meth:`run`."""
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.models = ModelSet()
+        self.executor = DeviceExecutor(self.models.get)
+        self.scheduler = Scheduler(config.scheduler, self.executor)
+        self.pipeline = Pipeline(self.models, self.scheduler)
+        self.shm = SharedMemoryRegistry(enabled=config.endpoints.system_shared_memory)
+        self.log_settings = LogSettings(config.logging.level, config.logging.format)
+        self.port: int | None = None
+        self.compiler: Compiler | None = None
+        self._loading: dict[str, trio.Lock] = {}
+
+    # -- facts the protocol reports ---------------------------------------------------
+
+    @property
+    def platform(self) -> str:
+        return backend.platform()
+
+    @property
+    def ready(self) -> bool:
+        """Live and every model that is not broken has finished loading."""
+        entries = self.models.entries.values()
+        return all(e.state is not ModelState.LOADING for e in entries)
+
+    @property
+    def extensions(self) -> list[str]:
+        ext = ["model_repository", "model_configuration", "statistics", "logging", "parameters"]
+        if self.config.endpoints.system_shared_memory:
+            ext.append("system_shared_memory")
+        return ext
+
+    def max_batch_size(self, name: str) -> int:
+        served = self.models.get(name)
+        sizes = served.bundle.batch_sizes
+        cap = self._policy(name).max_batch_size
+        return min(sizes[-1], cap) if sizes and cap else (sizes[-1] if sizes else 0)
+
+    def model_statistics(self, name: str) -> pb.ModelStatistics:
+        stats = self.pipeline.stats(name)
+        sched = self.scheduler.stats(name)
+
+        def dur(d):
+            return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+        return pb.ModelStatistics(
+            name=name, version="1", last_inference=stats.last_inference_ms,
+            inference_count=stats.inference_count, execution_count=sched.dispatches,
+            inference_stats=pb.InferStatistics(
+                success=dur(stats.success), fail=dur(stats.fail), queue=dur(stats.queue),
+                compute_input=dur(stats.compute_input), compute_infer=dur(stats.compute_infer),
+                compute_output=dur(stats.compute_output)),
+            batch_stats=[pb.InferBatchStatistics(batch_size=size, compute_infer=pb.StatisticDuration(count=count))
+                         for size, count in sorted(sched.batch_sizes.items())],
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. ``task_status.started(port)`` once every model at startup
+        has been tried (ready or reported unavailable) and the gRPC port accepts calls."""
+        from rsrv.protocol.inference import InferenceService
+        from rsrv.protocol.server import Admission, GrpcServer, guard_service
+
+        cfg = self.config
+        self.compiler = Compiler(Path(cfg.cache_dir))
+        limit = cfg.endpoints.max_message_bytes
+        service = guard_service(InferenceService(self).service,
+                                Admission(cfg.endpoints.max_concurrent_requests), limit)
+        server = GrpcServer([service], cfg.endpoints.host, cfg.endpoints.port, limit)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.scheduler.run)
+                self.port = await nursery.start(server.serve)
+                log.info("gRPC listening on %s:%d", cfg.endpoints.host, self.port)
+                if cfg.model_control_mode != "explicit":
+                    await self._load_startup_set()
+                task_status.started(self.port)
+        finally:
+            self.shm.close()
+
+    async def _load_startup_set(self) -> None:
+        try:
+            paths = discover(Path(self.config.model_repo))
+        except BundleError as e:
+            log.error("%s", e)
+            return
+        for path in paths:
+            self.models.entries[path.name] = Entry(path.name, path)
+        async with trio.open_nursery() as nursery:
+            for path in paths:
+                nursery.start_soon(self._load, path)
+
+    async def load_model(self, name: str) -> None:
+        """RepositoryModelLoad: (re)load ``name`` from the repository (explicit mode)."""
+        self._require_explicit("RepositoryModelLoad")
+        path = Path(self.config.model_repo) / name
+        if not path.is_dir():
+            raise NotFound(f"model {name!r} is not in the repository {self.config.model_repo}")
+        entry = self.models.entries.setdefault(name, Entry(name, path))
+        if entry.model is None:
+            entry.state = ModelState.LOADING
+        await self._load(path)
+        if entry.model is None or entry.reason:
+            raise FailedPrecondition(f"failed to load {name!r}: {entry.reason}")
+
+    async def unload_model(self, name: str) -> None:
+        """RepositoryModelUnload (explicit mode): queued requests fail with NOT_FOUND."""
+        self._require_explicit("RepositoryModelUnload")
+        if name not in self.models.entries:
+            raise NotFound(f"unknown model {name!r}")
+        del self.models.entries[name]
+        self.scheduler.remove_model(name)
+        log.info("model %s unloaded", name)
+
+    def _require_explicit(self, rpc: str) -> None:
+        mode = self.config.model_control_mode
+        if mode != "explicit":
+            raise FailedPrecondition(f"{rpc} is only effective when model_control_mode is "
+                                     f"'explicit'; this worker runs in '{mode}' mode")
+
+    async def _load(self, path: Path) -> None:
+        """Build a new version beside the old one; switch atomically only on success."""
+        name = path.name
+        lock = self._loading.setdefault(name, trio.Lock())
+        async with lock:
+            entry = self.models.entries.setdefault(name, Entry(name, path))
+            try:
+                served = await build_model(path, self.compiler, self.models.next_version())
+                costs = await self.executor.warm_up(served) if served.compiled else {}
+            except BundleError as e:
+                entry.reason = str(e)
+                if entry.model is None:
+                    entry.state = ModelState.UNAVAILABLE
+                log.error("model %s unavailable: %s", name, e)
+                return
+            policy = self._policy(name)
+            entry.model, entry.state, entry.reason = served, ModelState.READY, ""
+            if served.compiled:
+                self.scheduler.add_model(served.spec(policy.weight, policy.max_batch_size,
+                                                     policy.latency_budget_seconds))
+                self.scheduler.warm_costs(name, costs)
+
+    def _policy(self, name: str):
+        from rsrv.config import ModelSchedConfig
+
+        return self.config.scheduler.models.get(name) or ModelSchedConfig()
+
+
+def serve_main(node_file: str | None, worker_name: str | None) -> int:
+    """Entry point of ``rsrv serve``: configure, then run the worker under trio."""
+    try:
+        config = load_worker(node_file, worker_name)
+        if node_file is None:
+            config = _default_repo(config)
+    except ConfigError as e:
+        print(f"rsrv: {e}", file=sys.stderr)
+        return 2
+    _configure_logging(config)
+    log.info("effective configuration: %s", json.dumps(effective_config_dict(config)))
+    rt = config.runtime
+    backend.configure(rt.backend, mem_fraction=rt.mem_fraction, preallocate=rt.preallocate,
+                      allow_cpu_fallback=rt.allow_cpu_fallback)
+    worker = Worker(config)
+    trio.run(_serve_until_signal, worker)
+    return 0
+
+
+def _default_repo(config: WorkerConfig) -> WorkerConfig:
+    """The embedded default serves ./bundles; outside a checkout, the checkout's bundles/."""
+    import msgspec
+
+    checkout = Path(__file__).resolve().parents[3] / "bundles"
+    if not Path(config.model_repo).is_dir() and checkout.is_dir() and \
+            "INFERENCE_SERVER_MODEL_REPO" not in " ".join(config.overrides):
+        return msgspec.structs.replace(config, model_repo=str(checkout))
+    return config
+
+
+async def _serve_until_signal(worker: Worker) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run)
+            async for signum in signals:
+                log.info("received %s: shutting down", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                return
+
+
+def _configure_logging(config: WorkerConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.logging.format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(config.logging.level.upper())
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)

@@ -1,0 +1,114 @@
+"""The set of models a worker serves, and how one is loaded.
+
+Loading (validate, compile, copy weights, warm up) runs in worker threads, never on
+the dispatch loop, so every other model keeps serving while one loads. A model's
+entry only switches to its new version once that version is fully ready.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import trio
+
+from rsrv.bundle import Bundle, load_bundle
+from rsrv.errors import BundleError, NotFound, Unavailable
+from rsrv.runtime import CompiledModel, Compiler, compile_bundle, weights_to_device
+from rsrv.scheduler import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(enum.StrEnum):
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+
+
+@dataclass(eq=False, slots=True)
+class ServedModel:
+    """One loaded version of a model: compiled executables plus device weights."""
+
+    bundle: Bundle
+    compiled: CompiledModel | None  # None for a meta model
+    weights: list[jax.Array]
+    version: int
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        return self.bundle.name
+
+    def spec(self, weight: float = 1.0, max_batch_size: int | None = None,
+             latency_budget: float | None = None) -> ModelSpec:
+        sig = self.bundle.signature
+        return ModelSpec(
+            name=self.name,
+            batch_sizes=self.bundle.batch_sizes,
+            input_axes=tuple(t.batch_axis for t in sig.executable_inputs),
+            output_axes=tuple(t.batch_axis for t in sig.executable_outputs),
+            weight=weight,
+            max_batch_size=max_batch_size,
+            latency_budget=latency_budget,
+        )
+
+
+@dataclass(slots=True)
+class Entry:
+    """A model name as the repository index reports it."""
+
+    name: str
+    path: Path
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+    model: ServedModel | None = None
+
+
+class ModelSet:
+    """Name -> :class:`Entry`; the single place that says what is served."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Entry] = {}
+        self._versions = 0
+
+    def get(self, name: str) -> ServedModel:
+        """The ready model called ``name``; NotFound / Unavailable otherwise."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise NotFound(f"unknown model {name!r}")
+        if entry.model is None:
+            why = f": {entry.reason}" if entry.reason else ""
+            raise Unavailable(f"model {name!r} is {entry.state.lower()}{why}")
+        return entry.model
+
+    def ready(self, name: str) -> bool:
+        entry = self.entries.get(name)
+        return entry is not None and entry.state is ModelState.READY
+
+    def next_version(self) -> int:
+        self._versions += 1
+        return self._versions
+
+
+async def build_model(path: Path, compiler: Compiler, version: int) -> ServedModel:
+    """Validate, compile and place one bundle's weights (in worker threads).
+
+    Raises BundleError for an invalid bundle and for a module that fails to compile.
+    """
+    bundle = await trio.to_thread.run_sync(load_bundle, path)
+    if bundle.kind == "meta":
+        return ServedModel(bundle, None, [], version)
+    try:
+        compiled = await trio.to_thread.run_sync(compile_bundle, bundle, compiler)
+    except Exception as e:
+        raise BundleError(f"{path}: compilation failed: {e}") from None
+    weights = await trio.to_thread.run_sync(weights_to_device, bundle)
+    log.info("model %s loaded: %d module(s) in %.2f s (%d from cache), %d weight bytes",
+             bundle.name, len(compiled.executables), compiled.compile_seconds,
+             compiled.cache_hits, bundle.weight_bytes)
+    return ServedModel(bundle, compiled, weights, version)

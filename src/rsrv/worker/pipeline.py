@@ -1,0 +1,94 @@
+"""The inference path of one request, after decoding and before encoding:
+
+client inputs -> preprocess (thread) -> scheduler queue -> device -> postprocess (thread)
+-> client outputs. Hooks never run on the dispatch loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import trio
+
+from rsrv.bundle.manifest import Tensor
+from rsrv.errors import Internal, RsrvError
+from rsrv.scheduler import Scheduler
+from rsrv.worker.models import ModelSet, ServedModel
+from rsrv.worker.statistics import ModelStatistics
+
+
+class Pipeline:
+    def __init__(self, models: ModelSet, scheduler: Scheduler):
+        self.models = models
+        self.scheduler = scheduler
+        self.statistics: dict[str, ModelStatistics] = {}
+
+    def stats(self, name: str) -> ModelStatistics:
+        return self.statistics.setdefault(name, ModelStatistics())
+
+    async def infer(self, name: str, inputs: Mapping[str, np.ndarray], *,
+                    deadline: float | None = None) -> dict[str, np.ndarray]:
+        """Run one request on model ``name``; ``inputs`` are validated client inputs."""
+        served = self.models.get(name)
+        stats = self.stats(name)
+        hooks = served.bundle.hooks
+        start = trio.current_time()
+        exec_inputs = dict(inputs)
+        if hooks.preprocess:
+            made = await trio.to_thread.run_sync(_run_hook, hooks.preprocess, inputs, name)
+            exec_inputs.update(made)
+            _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
+        stats.compute_input.add(trio.current_time() - start)
+
+        order = served.bundle.signature.executable_inputs
+        result = await self.scheduler.submit(
+            name, [exec_inputs[t.name] for t in order], deadline=deadline)
+        stats.queue.add(result.queue_seconds)
+        stats.compute_infer.add(result.compute_seconds)
+
+        outputs = {t.name: a for t, a in
+                   zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)}
+        if hooks.postprocess:
+            start = trio.current_time()
+            made = await trio.to_thread.run_sync(_run_hook, hooks.postprocess, outputs, name)
+            _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
+            outputs.update(made)
+            stats.compute_output.add(trio.current_time() - start)
+        return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
+
+
+def _run_hook(hook, tensors, model: str) -> dict[str, np.ndarray]:
+    try:
+        return hook.apply(tensors)
+    except RsrvError:
+        raise
+    except Exception as e:  # user code: report it as the model's error, not ours
+        raise Internal(f"model {model!r}: {hook.kind} hook {hook.fn.__name__!r} failed: "
+                       f"{type(e).__name__}: {e}") from None
+
+
+def _check_made(served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[str, np.ndarray],
+                hook: str) -> None:
+    """A hook's outputs must match the manifest exactly (dtype, rank, fixed extents)."""
+    for spec in specs:
+        array = made.get(spec.name)
+        if array is None:
+            continue
+        where = f"model {served.name!r}: {hook} produced {spec.name!r}"
+        if array.dtype != spec.dtype.numpy:
+            raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
+        if array.ndim != spec.rank or any(
+                d >= 0 and d != a for d, a in zip(spec.shape, array.shape)):
+            raise Internal(f"{where} with shape {list(array.shape)}, expected "
+                           f"{['n' if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]}")
+
+
+def rows_of(specs: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray]) -> int:
+    """Rows of a request: the batch extent of its first batched input (1 if none)."""
+    for spec in specs:
+        if spec.batch_axis is not None and spec.name in inputs:
+            return int(inputs[spec.name].shape[spec.batch_axis])
+    return 1
+
+

@@ -1,0 +1,41 @@
+"""Per-model request statistics in Triton's InferStatistics shape."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass(slots=True)
+class ModelStatistics:
+    """Cumulative since load. Durations are per request; ``compute_infer`` is the batch's
+    execution time attributed to each request in it (as Triton reports it)."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0  # rows inferred successfully (each batch row counts)
+    last_inference_ms: int = 0
+    failures_by_status: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, ok: bool, seconds: float, status: str = "OK", rows: int = 0) -> None:
+        (self.success if ok else self.fail).add(seconds)
+        if ok:
+            self.inference_count += rows
+        else:
+            self.failures_by_status[status] += 1
+        self.last_inference_ms = int(time.time() * 1000)
