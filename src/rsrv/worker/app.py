@@ -25,6 +25,7 @@ from rsrv.worker.executor import DeviceExecutor
 from rsrv.worker.logs import LogSettings
 from rsrv.worker.models import Entry, ModelSet, ModelState, build_model
 from rsrv.worker.pipeline import Pipeline
+from rsrv.worker.weights import WeightManager, weight_budget
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.models = ModelSet()
-        self.executor = DeviceExecutor(self.models.get)
+        device = backend.device()
+        self.weights = WeightManager(weight_budget(config.runtime, device), device)
+        self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)
         self.pipeline = Pipeline(self.models, self.scheduler)
         self.shm = SharedMemoryRegistry(enabled=config.endpoints.system_shared_memory)
@@ -103,6 +106,7 @@ class Worker:
         server = GrpcServer([service], cfg.endpoints.host, cfg.endpoints.port, limit)
         try:
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.weights.run)
                 await nursery.start(self.scheduler.run)
                 self.port = await nursery.start(server.serve)
                 log.info("gRPC listening on %s:%d", cfg.endpoints.host, self.port)
@@ -158,16 +162,24 @@ class Worker:
         lock = self._loading.setdefault(name, trio.Lock())
         async with lock:
             entry = self.models.entries.setdefault(name, Entry(name, path))
+            policy = self._policy(name)
+            served = None
             try:
                 served = await build_model(path, self.compiler, self.models.next_version())
-                costs = await self.executor.warm_up(served) if served.compiled else {}
-            except BundleError as e:
+                costs = {}
+                if served.compiled:
+                    served.residency = self.weights.residency_for(policy.residency)
+                    self.executor.versions[served.key] = served
+                    await self.weights.add(served.key, served.bundle.weights, served.residency)
+                    costs = await self.executor.warm_up(served)
+            except Exception as e:  # a bad bundle must never take the worker down
+                if served is not None:
+                    self.executor.retire(served.key)
                 entry.reason = str(e)
                 if entry.model is None:
                     entry.state = ModelState.UNAVAILABLE
                 log.error("model %s unavailable: %s", name, e)
                 return
-            policy = self._policy(name)
             entry.model, entry.state, entry.reason = served, ModelState.READY, ""
             if served.compiled:
                 self.scheduler.add_model(served.spec(policy.weight, policy.max_batch_size,

@@ -3,43 +3,57 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import trio
 
+from rsrv.errors import NotFound
 from rsrv.runtime.model import zero_inputs
 from rsrv.worker.models import ServedModel
+from rsrv.worker.weights import WeightManager
 
 
 class DeviceExecutor:
-    """The scheduler's :class:`~rsrv.scheduler.Executor` over compiled models.
+    """The scheduler's :class:`~rsrv.scheduler.Executor` over compiled model versions.
 
-    A lock makes warm-up runs and dispatches take turns, so the device never runs two
-    executions at once; the PJRT call itself runs in a trio worker thread.
+    ``versions`` maps executable keys (``name@version``) to loaded versions. Weights are
+    leased from the :class:`WeightManager` for the duration of an execution. A lock makes
+    warm-up runs and dispatches take turns, so the device never runs two executions at
+    once; the PJRT call itself runs in a trio worker thread.
     """
 
-    def __init__(self, lookup: Callable[[str], ServedModel]):
-        self._lookup = lookup
+    def __init__(self, weights: WeightManager):
+        self.weights = weights
+        self.versions: dict[str, ServedModel] = {}
         self._device = trio.Lock()
         self._limiter = trio.CapacityLimiter(1)
 
     async def execute(self, model: str, batch_size: int,
                       inputs: list[np.ndarray]) -> list[np.ndarray]:
-        served = self._lookup(model)
-        async with self._device:
-            return await trio.to_thread.run_sync(
-                served.compiled.run, batch_size, inputs, served.weights, limiter=self._limiter)
+        served = self.versions.get(model)
+        if served is None:
+            raise NotFound(f"model version {model!r} is not loaded")
+        return await self._run(served, batch_size, inputs)
+
+    async def prefetch(self, model: str) -> None:
+        await self.weights.prefetch(model)
+
+    def retire(self, model: str) -> None:
+        """A replaced or removed version has drained: free its weights now."""
+        self.versions.pop(model, None)
+        self.weights.remove(model)
 
     async def warm_up(self, served: ServedModel) -> dict[int, float]:
         """Run every compiled size once on zeros; return the measured seconds per size."""
         costs = {}
-        compiled = served.compiled
-        for size in sorted(compiled.executables):
-            inputs = zero_inputs(compiled, size)
-            async with self._device:
-                start = time.perf_counter()
-                await trio.to_thread.run_sync(compiled.run, size, inputs, served.weights,
-                                              limiter=self._limiter)
-                costs[size] = max(time.perf_counter() - start, 1e-6)
+        for size in sorted(served.compiled.executables):
+            start = time.perf_counter()
+            await self._run(served, size, zero_inputs(served.compiled, size))
+            costs[size] = max(time.perf_counter() - start, 1e-6)
         return costs
+
+    async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
+        async with self.weights.lease(served.key) as weights:
+            async with self._device:
+                return await trio.to_thread.run_sync(
+                    served.compiled.run, size, inputs, weights, limiter=self._limiter)

@@ -13,12 +13,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jax
 import trio
 
 from rsrv.bundle import Bundle, load_bundle
 from rsrv.errors import BundleError, NotFound, Unavailable
-from rsrv.runtime import CompiledModel, Compiler, compile_bundle, weights_to_device
+from rsrv.runtime import CompiledModel, Compiler, compile_bundle
 from rsrv.scheduler import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -32,17 +31,23 @@ class ModelState(enum.StrEnum):
 
 @dataclass(eq=False, slots=True)
 class ServedModel:
-    """One loaded version of a model: compiled executables plus device weights."""
+    """One loaded version of a model. Its device weights belong to the WeightManager,
+    under :attr:`key`, so they can be evicted and reloaded independently."""
 
     bundle: Bundle
     compiled: CompiledModel | None  # None for a meta model
-    weights: list[jax.Array]
     version: int
+    residency: str = "system"
     loaded_at: float = field(default_factory=time.time)
 
     @property
     def name(self) -> str:
         return self.bundle.name
+
+    @property
+    def key(self) -> str:
+        """The executable key: this version's identity in the scheduler and weight cache."""
+        return f"{self.name}@{self.version}"
 
     def spec(self, weight: float = 1.0, max_batch_size: int | None = None,
              latency_budget: float | None = None) -> ModelSpec:
@@ -55,6 +60,7 @@ class ServedModel:
             weight=weight,
             max_batch_size=max_batch_size,
             latency_budget=latency_budget,
+            executable=self.key,
         )
 
 
@@ -96,19 +102,18 @@ class ModelSet:
 
 
 async def build_model(path: Path, compiler: Compiler, version: int) -> ServedModel:
-    """Validate, compile and place one bundle's weights (in worker threads).
+    """Validate and compile one bundle (in worker threads); weights are placed later.
 
     Raises BundleError for an invalid bundle and for a module that fails to compile.
     """
     bundle = await trio.to_thread.run_sync(load_bundle, path)
     if bundle.kind == "meta":
-        return ServedModel(bundle, None, [], version)
+        return ServedModel(bundle, None, version)
     try:
         compiled = await trio.to_thread.run_sync(compile_bundle, bundle, compiler)
     except Exception as e:
         raise BundleError(f"{path}: compilation failed: {e}") from None
-    weights = await trio.to_thread.run_sync(weights_to_device, bundle)
     log.info("model %s loaded: %d module(s) in %.2f s (%d from cache), %d weight bytes",
              bundle.name, len(compiled.executables), compiled.compile_seconds,
              compiled.cache_hits, bundle.weight_bytes)
-    return ServedModel(bundle, compiled, weights, version)
+    return ServedModel(bundle, compiled, version)

@@ -1,0 +1,187 @@
+"""The weight-transfer worker: the one trio task that moves weights onto the device.
+
+Every host-to-device copy happens here, one at a time, in a worker thread. The dispatch
+loop asks for a model's weights with :meth:`WeightManager.lease` (waiting only when they
+are not resident); the scheduler calls :meth:`WeightManager.prefetch` for the model it
+expects to run next, so that copy overlaps the current execution.
+
+Residency floors (``scheduler.models.<name>.residency``):
+
+* ``system``: staged in host RAM at load (the default while the cache is on); a device
+  load is one host-to-device copy of the staged buffer.
+* ``unpinned``: nothing kept in RAM; a device load reads the weights file.
+* ``device``: copied at load and kept on the device, outside the budget.
+
+With the cache off (no budget) every model is copied at load and never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import jax
+import trio
+
+from rsrv.runtime.staging import HostWeights, pin, stage, to_device
+from rsrv.runtime.weight_cache import Resident, WeightCache
+from rsrv.runtime.weights import WeightsFile
+
+log = logging.getLogger(__name__)
+
+RESIDENCIES = ("unpinned", "system", "device")
+
+
+@dataclass(eq=False, slots=True)
+class Placement:
+    file: WeightsFile | None
+    residency: str
+    host: HostWeights | None = None  # the staged floor of a "system" model
+
+
+class WeightManager:
+    """Owns device weights for every model version, keyed by executable key."""
+
+    def __init__(self, budget: int | None, device: jax.Device):
+        self.cache = WeightCache(budget)
+        self.device = device
+        self.placements: dict[str, Placement] = {}
+        self._limiter = trio.CapacityLimiter(1)  # one transfer at a time
+        self._send, self._receive = trio.open_memory_channel(math.inf)
+        self._done: dict[str, trio.Event] = {}  # transfers requested, not finished
+        self._waiting: defaultdict[str, int] = defaultdict(int)  # lease waiters per key
+        self._errors: dict[str, BaseException] = {}
+
+    # -- registration (model load / unload, off the dispatch loop) --------------------
+
+    def residency_for(self, requested: str | None) -> str:
+        if requested is not None:
+            return requested
+        return "system" if self.cache.enabled else "device"
+
+    async def add(self, key: str, file: WeightsFile | None, residency: str) -> None:
+        """Register a model version: stage its host floor, or place it now if pinned."""
+        placement = Placement(file, residency)
+        if file is not None and residency == "system":
+            placement.host = await trio.to_thread.run_sync(self._stage_pinned, file)
+        self.placements[key] = placement
+        if residency == "device" or not self.cache.enabled:
+            await self._ensure(key)
+
+    def remove(self, key: str) -> None:
+        """Forget a retired version: free its device weights and host floor now."""
+        self.cache.drop(key)
+        self.placements.pop(key, None)
+
+    def nbytes(self, key: str) -> int:
+        placement = self.placements.get(key)
+        return placement.file.nbytes if placement and placement.file else 0
+
+    # -- the dispatch path --------------------------------------------------------------
+
+    @asynccontextmanager
+    async def lease(self, key: str):
+        """Yield the device weights of ``key``; they cannot be evicted until exit."""
+        self._waiting[key] += 1
+        try:
+            resident = await self._ensure(key)
+            resident.leases += 1
+        finally:
+            self._waiting[key] -= 1
+        try:
+            yield resident.arrays
+        finally:
+            resident.leases -= 1
+
+    async def prefetch(self, key: str) -> None:
+        """Start moving ``key``'s weights to the device (returns once they are there)."""
+        if key in self.placements:
+            await self._ensure(key)
+
+    async def _ensure(self, key: str) -> Resident:
+        while True:
+            resident = self.cache.get(key)
+            if resident is not None:
+                return resident
+            if key not in self.placements:
+                from rsrv.errors import NotFound
+
+                raise NotFound(f"model version {key!r} is not loaded")
+            done = self._done.get(key)
+            if done is None:
+                done = self._done[key] = trio.Event()
+                self._send.send_nowait(key)
+            await done.wait()
+            error = self._errors.pop(key, None)
+            if error is not None:
+                raise error
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The transfer task: serve transfer requests in arrival order, forever."""
+        task_status.started()
+        async for key in self._receive:
+            try:
+                await self._transfer(key)
+            except Exception as e:
+                log.error("weight transfer of %s failed: %s", key, e)
+                self._errors[key] = e
+            finally:
+                self._done.pop(key).set()
+
+    async def _transfer(self, key: str) -> None:
+        placement = self.placements.get(key)
+        if placement is None or self.cache.is_resident(key):
+            return
+        pinned = placement.residency == "device"
+        nbytes = placement.file.nbytes if placement.file else 0
+        if not pinned:  # keys with waiting leases are about to run: never evict them
+            self.cache.make_room(nbytes, frozenset(k for k, n in self._waiting.items() if n))
+        start = time.perf_counter()
+        arrays = await trio.to_thread.run_sync(self._copy, placement, limiter=self._limiter)
+        seconds = time.perf_counter() - start
+        self.cache.admit(key, arrays, nbytes, seconds, pinned=pinned)
+        log.debug("weights of %s on device: %d bytes in %.4f s", key, nbytes, seconds)
+
+    def _copy(self, placement: Placement) -> list[jax.Array]:
+        if placement.file is None:
+            return []
+        host = placement.host or stage(placement.file)  # unpinned: read the file now
+        return to_device(host, self.device)
+
+    def _stage_pinned(self, file: WeightsFile) -> HostWeights:
+        return pin(stage(file), self.device)
+
+    # -- control (CompactMemory, SetModelResidency) ---------------------------------------
+
+    def compact(self) -> int:
+        """Free every evictable device weight at once; returns how many models."""
+        return self.cache.clear()
+
+    def host_resident(self, key: str) -> bool:
+        placement = self.placements.get(key)
+        return placement is not None and placement.host is not None
+
+
+def weight_budget(runtime, device: jax.Device, max_scratch: int = 0) -> int | None:
+    """The device byte budget for evictable weights, or None when the cache is off.
+
+    ``weight_cache_bytes`` wins when set. Otherwise the device's allocator limit is
+    used: ``fraction x limit``, but never more than ``(1 - wiggle) x limit`` minus the
+    largest scratch a model needs. A backend that reports no limit (CPU) has no cache
+    unless ``weight_cache_bytes`` is set.
+    """
+    if runtime.weight_cache_fraction == 0:
+        return None
+    if runtime.weight_cache_bytes is not None:
+        return runtime.weight_cache_bytes
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    pool = min(runtime.weight_cache_fraction * limit,
+               (1 - runtime.weight_cache_wiggle_fraction) * limit - max_scratch)
+    return max(0, int(pool))
