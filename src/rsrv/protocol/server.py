@@ -37,7 +37,7 @@ from purerpc.grpclib.status import Status, StatusCode
 from purerpc.rpc import Cardinality
 from purerpc.server import BoundRPCMethod, ConnectionHandler
 
-from rsrv.errors import DeadlineExceeded, ResourceExhausted
+from rsrv.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from rsrv.protocol.status import to_rpc_error
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,15 @@ class Admission:
         self.limit = limit
         self.inflight = 0
         self.shed = 0
+        self.closed = False
+
+    def close(self) -> None:
+        """Refuse every new call from now on (graceful shutdown)."""
+        self.closed = True
 
     def __enter__(self):
+        if self.closed:
+            raise Unavailable("server is shutting down")
         if self.limit and self.inflight >= self.limit:
             self.shed += 1
             raise ResourceExhausted(f"server is at its in-flight limit of {self.limit} "

@@ -113,6 +113,13 @@ class WeightCache:
         self.counters.evictions += 1
         return True
 
+    def pin(self, name: str) -> bool:
+        """Move a resident model out of the LRU: it is never evicted until unpinned."""
+        resident = self.lru.pop(name, None)
+        if resident is not None:
+            self.pinned[name] = resident
+        return resident is not None
+
     def unpin(self, name: str) -> Resident | None:
         """Move a pinned model into the LRU (it becomes evictable); returns it."""
         resident = self.pinned.pop(name, None)

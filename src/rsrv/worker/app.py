@@ -18,6 +18,7 @@ from rsrv.bundle.repository import discover
 from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
 from rsrv.errors import BundleError, FailedPrecondition, NotFound
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.server import Admission
 from rsrv.protocol.shm import SharedMemoryRegistry
 from rsrv.runtime import Compiler, backend
 from rsrv.scheduler import Scheduler
@@ -43,9 +44,11 @@ class Worker:
         self.pipeline = Pipeline(self.models, self.scheduler)
         self.shm = SharedMemoryRegistry(enabled=config.endpoints.system_shared_memory)
         self.log_settings = LogSettings(config.logging.level, config.logging.format)
+        self.admission = Admission(config.endpoints.max_concurrent_requests)
         self.port: int | None = None
         self.compiler: Compiler | None = None
         self._loading: dict[str, trio.Lock] = {}
+        self._nursery: trio.Nursery | None = None
 
     # -- facts the protocol reports ---------------------------------------------------
 
@@ -94,27 +97,59 @@ class Worker:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. ``task_status.started(port)`` once every model at startup
-        has been tried (ready or reported unavailable) and the gRPC port accepts calls."""
+        has been tried (ready or reported unavailable) and the gRPC port accepts calls.
+
+        Tasks: weight transfers, the dispatch loop, the gRPC server, and when configured
+        the admin HTTP server and the repository watcher.
+        """
+        from rsrv.protocol.control import ControlService
         from rsrv.protocol.inference import InferenceService
-        from rsrv.protocol.server import Admission, GrpcServer, guard_service
+        from rsrv.protocol.server import GrpcServer, guard_service
+        from rsrv.worker.admin import serve_admin
+        from rsrv.worker.watcher import RepositoryWatcher
 
         cfg = self.config
         self.compiler = Compiler(Path(cfg.cache_dir))
         limit = cfg.endpoints.max_message_bytes
-        service = guard_service(InferenceService(self).service,
-                                Admission(cfg.endpoints.max_concurrent_requests), limit)
-        server = GrpcServer([service], cfg.endpoints.host, cfg.endpoints.port, limit)
+        services = [guard_service(s.service, self.admission, limit)
+                    for s in (InferenceService(self), ControlService(self))]
+        server = GrpcServer(services, cfg.endpoints.host, cfg.endpoints.port, limit)
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 await nursery.start(self.weights.run)
                 await nursery.start(self.scheduler.run)
                 self.port = await nursery.start(server.serve)
                 log.info("gRPC listening on %s:%d", cfg.endpoints.host, self.port)
+                if cfg.endpoints.metrics_port is not None:
+                    await nursery.start(serve_admin, self, cfg.endpoints.host,
+                                        cfg.endpoints.metrics_port)
+                    log.info("admin HTTP on %s:%d", cfg.endpoints.host, cfg.endpoints.metrics_port)
                 if cfg.model_control_mode != "explicit":
                     await self._load_startup_set()
+                if cfg.model_control_mode == "dynamic":
+                    watcher = RepositoryWatcher(Path(cfg.model_repo), cfg.model_poll_seconds,
+                                                self._load, self._unload)
+                    watcher.seed()
+                    await nursery.start(watcher.run)
                 task_status.started(self.port)
         finally:
             self.shm.close()
+
+    async def shutdown(self) -> None:
+        """Graceful stop: refuse new calls, answer everything accepted (within
+        ``endpoints.shutdown_grace_seconds``), release shared memory, then cancel."""
+        grace = self.config.endpoints.shutdown_grace_seconds
+        self.admission.close()
+        with trio.move_on_after(grace) as scope:
+            await self.scheduler.drain()
+            while self.admission.inflight:
+                await trio.sleep(0.01)
+        if scope.cancelled_caught:
+            log.warning("shutdown grace period of %.1f s expired with %d call(s) in flight",
+                        grace, self.admission.inflight)
+        self.shm.close()
+        self._nursery.cancel_scope.cancel()
 
     async def _load_startup_set(self) -> None:
         try:
@@ -146,9 +181,23 @@ class Worker:
         self._require_explicit("RepositoryModelUnload")
         if name not in self.models.entries:
             raise NotFound(f"unknown model {name!r}")
-        del self.models.entries[name]
-        self.scheduler.remove_model(name)
+        await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
+        entry = self.models.entries.pop(name, None)
+        if entry is not None and entry.model is not None and entry.model.compiled:
+            self.scheduler.remove_model(name)  # the executor retires its weights once drained
         log.info("model %s unloaded", name)
+
+    async def set_residency(self, served, residency: str) -> None:
+        """SetModelResidency: change the floor of the current version of a model."""
+        await self.weights.set_residency(served.key, residency)
+        served.residency = residency
+
+    async def compact_memory(self, reload: list[str]) -> int:
+        """CompactMemory: free every evictable device weight, then reload ``reload``."""
+        keys = [self.models.get(name).key for name in reload]
+        return await self.weights.compact_and_reload(keys)
 
     def _require_explicit(self, rpc: str) -> None:
         mode = self.config.model_control_mode
@@ -178,7 +227,10 @@ class Worker:
                 entry.reason = str(e)
                 if entry.model is None:
                     entry.state = ModelState.UNAVAILABLE
-                log.error("model %s unavailable: %s", name, e)
+                    log.error("model %s unavailable: %s", name, e)
+                else:
+                    log.error("reload of model %s failed; version %d keeps serving: %s",
+                              name, entry.model.version, e)
                 return
             entry.model, entry.state, entry.reason = served, ModelState.READY, ""
             if served.compiled:
@@ -225,9 +277,10 @@ def _default_repo(config: WorkerConfig) -> WorkerConfig:
 async def _serve_until_signal(worker: Worker) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(worker.run)
+            await nursery.start(worker.run)
             async for signum in signals:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
+                log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
+                await worker.shutdown()
                 nursery.cancel_scope.cancel()
                 return
 

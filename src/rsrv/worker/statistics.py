@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from bisect import bisect_left
 from dataclasses import dataclass, field
+
+#: Upper bounds (seconds) of the request latency histogram: 1 ms doubling to ~8 s.
+LATENCY_BUCKETS = tuple(0.001 * 2**k for k in range(14))
 
 
 @dataclass(slots=True)
@@ -31,9 +35,13 @@ class ModelStatistics:
     inference_count: int = 0  # rows inferred successfully (each batch row counts)
     last_inference_ms: int = 0
     failures_by_status: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
 
     def record(self, ok: bool, seconds: float, status: str = "OK", rows: int = 0) -> None:
         (self.success if ok else self.fail).add(seconds)
+        self.latency_counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
         if ok:
             self.inference_count += rows
         else:

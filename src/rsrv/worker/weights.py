@@ -161,6 +161,32 @@ class WeightManager:
         """Free every evictable device weight at once; returns how many models."""
         return self.cache.clear()
 
+    async def compact_and_reload(self, keys: list[str]) -> int:
+        """CompactMemory: free every evictable weight, then load ``keys`` again."""
+        self.compact()
+        for key in keys:
+            await self._ensure(key)
+        return len(keys)
+
+    async def set_residency(self, key: str, residency: str) -> None:
+        """Change a version's floor now (SetModelResidency).
+
+        ``device`` places the weights and pins them (the host copy is dropped);
+        ``system`` stages a host copy and makes the device copy evictable;
+        ``unpinned`` drops the host copy and makes the device copy evictable.
+        """
+        placement = self.placements[key]
+        if residency == "system" and placement.host is None and placement.file is not None:
+            placement.host = await trio.to_thread.run_sync(self._stage_pinned, placement.file)
+        elif residency != "system":
+            placement.host = None
+        previous, placement.residency = placement.residency, residency
+        if residency == "device":
+            if not self.cache.pin(key) and key not in self.cache.pinned:
+                await self._ensure(key)
+        elif previous == "device" and self.cache.enabled:
+            self.cache.unpin(key)
+
     def host_resident(self, key: str) -> bool:
         placement = self.placements.get(key)
         return placement is not None and placement.host is not None

@@ -1,0 +1,5 @@
+"""Clients for rsrv workers. Inference uses the unmodified ``tritonclient``."""
+
+from rsrv.client.control import ControlClient
+
+__all__ = ["ControlClient"]
