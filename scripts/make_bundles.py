@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 
 from rsrv.bundle.manifest import TensorSpec
@@ -93,6 +94,94 @@ def grade(logits: np.ndarray) -> np.ndarray:
 '''
 
 
+# -- region_pipeline: a meta model chaining two models with data-dependent Python -------
+
+PATCH, GRID = 16, 4  # a 64x64 image is a 4x4 grid of 16x16 regions
+
+
+def patches_of(image):
+    """(n, 64, 64) -> (n, 16, 16, 16): the 16 regions of each image, row by row."""
+    n = image.shape[0]
+    return image.reshape(n, GRID, PATCH, GRID, PATCH).transpose(0, 1, 3, 2, 4).reshape(
+        n, GRID * GRID, PATCH, PATCH)
+
+
+def scorer_forward(p, image):
+    regions = patches_of(image).reshape(image.shape[0], GRID * GRID, PATCH * PATCH)
+    return regions @ p["w"] + p["b"]
+
+
+def scorer_params() -> dict:
+    rng = np.random.default_rng(3)
+    # A region scores above 0 when it is brighter than ~0.5 on average.
+    w = (4.0 / PATCH**2 + rng.standard_normal(PATCH * PATCH) * 1e-3).astype(np.float32)
+    return {"w": w, "b": np.float32(-2.0)}
+
+
+def patch_classifier_forward(p, crop):
+    h = jax.nn.relu(crop.reshape(crop.shape[0], -1) @ p["hidden"]["w"] + p["hidden"]["b"])
+    return h @ p["out"]["w"] + p["out"]["b"]
+
+
+def patch_classifier_params() -> dict:
+    rng = np.random.default_rng(4)
+    return {"hidden": _dense(rng, PATCH * PATCH, 32), "out": _dense(rng, 32, 5)}
+
+
+PIPELINE_MANIFEST = {
+    "format_version": "2.0",
+    "kind": "meta",
+    "description": "Scores the 16 regions of a 64x64 image, keeps the top 4 scoring above 0 "
+                   "and classifies each (returns nothing when no region qualifies)",
+    "client_inputs": [{"name": "image", "dtype": "f32", "shape": "hw",
+                       "dims": {"h": 64, "w": 64}}],
+    "client_outputs": [
+        {"name": "regions", "dtype": "i64", "shape": "k", "dims": {"k": -1}},
+        {"name": "scores", "dtype": "f32", "shape": "k", "dims": {"k": -1}},
+        {"name": "labels", "dtype": "i64", "shape": "k", "dims": {"k": -1}},
+    ],
+    "meta": {"calls": ["region_scorer", "patch_classifier"]},
+    "provenance": PROVENANCE,
+}
+
+PIPELINE_MODEL_PY = '''\
+"""Two stages with data-dependent Python in between.
+
+region_scorer scores the 16 regions of the image; the glue keeps the TOP_K best regions
+scoring above THRESHOLD (and stops early when there are none); patch_classifier labels
+the crops of the kept regions.
+"""
+
+import numpy as np
+
+import rsrv
+
+PATCH, GRID, TOP_K, THRESHOLD = 16, 4, 4, 0.0
+
+
+@rsrv.meta(inputs=["image"], outputs=["regions", "scores", "labels"])
+def pipeline(call, image):
+    scores = call("region_scorer", {"image": image[None]})["scores"][0]
+    keep = np.flatnonzero(scores > THRESHOLD)
+    if keep.size == 0:  # early exit: nothing worth classifying
+        return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64)
+    keep = keep[np.argsort(-scores[keep], kind="stable")][:TOP_K]
+    rows, cols = np.divmod(keep, GRID)
+    crops = np.stack([image[r * PATCH:(r + 1) * PATCH, c * PATCH:(c + 1) * PATCH]
+                      for r, c in zip(rows, cols)])
+    logits = call("patch_classifier", {"crop": crops})["logits"]
+    return keep.astype(np.int64), scores[keep], logits.argmax(axis=1).astype(np.int64)
+'''
+
+
+def write_meta_bundle(out_dir: Path, manifest: dict, model_py: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.iterdir():
+        stale.unlink()
+    (out_dir / "manifest.yaml").write_bytes(msgspec.yaml.encode(manifest))
+    (out_dir / "model.py").write_text(model_py)
+
+
 def main(out: Path) -> None:
     export_jax(
         classifier_forward, classifier_params(),
@@ -112,6 +201,23 @@ def main(out: Path) -> None:
         model_py=GRADER_MODEL_PY,
         provenance=PROVENANCE,
     )
+    export_jax(
+        scorer_forward, scorer_params(),
+        inputs=[Input("image", np.float32, ("n", 64, 64), letters="nhw")],
+        outputs=[Output("scores", letters="nr")],
+        batch_sizes=[1, 4], out_dir=out / "region_scorer",
+        description="Stage 1 of region_pipeline: one score per 16x16 region of a 64x64 image",
+        provenance=PROVENANCE,
+    )
+    export_jax(
+        patch_classifier_forward, patch_classifier_params(),
+        inputs=[Input("crop", np.float32, ("n", PATCH, PATCH), letters="nhw")],
+        outputs=[Output("logits", letters="nk")],
+        batch_sizes=[1, 4], out_dir=out / "patch_classifier",
+        description="Stage 2 of region_pipeline: 16x16 crop -> 5 class logits",
+        provenance=PROVENANCE,
+    )
+    write_meta_bundle(out / "region_pipeline", PIPELINE_MANIFEST, PIPELINE_MODEL_PY)
 
 
 if __name__ == "__main__":

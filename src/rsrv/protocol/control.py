@@ -45,8 +45,8 @@ class ControlService(ControlServiceServicer):
         if served is None:
             return status
         status.kind = served.bundle.kind
-        if served.compiled is None:
-            return status
+        if served.bundle.kind == "meta":
+            return self._meta_status(status, served)
         sched = w.scheduler.stats(name)
         status.residency = _RESIDENCY[served.residency]
         status.device_resident = w.weights.cache.is_resident(served.key)
@@ -63,6 +63,24 @@ class ControlService(ControlServiceServicer):
             if t.batch_axis is not None:
                 status.batch_input_name, status.batch_axis = t.name, t.batch_axis
                 break
+        return status
+
+    def _meta_status(self, status: pb.ModelStatus, served) -> pb.ModelStatus:
+        """A meta reports its sub-models' footprint, its least-resident floor, and the
+        device time of its own sub-calls."""
+        w = self.worker
+        subs = [w.models.entries[c].model for c in served.bundle.signature.calls
+                if c in w.models.entries and w.models.entries[c].model is not None]
+        meta = w.pipeline.meta.stats.get(served.name)
+        if meta is not None:
+            status.requests_served = status.rows_served = status.dispatches = meta.requests
+            status.compute_seconds = meta.compute_seconds
+        status.weight_bytes = sum(s.bundle.weight_bytes for s in subs)
+        if subs:
+            order = list(_RESIDENCY)
+            status.residency = _RESIDENCY[min((s.residency for s in subs), key=order.index)]
+            status.device_resident = all(w.weights.cache.is_resident(s.key) for s in subs)
+            status.host_resident = all(w.weights.host_resident(s.key) for s in subs)
         return status
 
     async def SetModelResidency(self, message, request):

@@ -42,7 +42,7 @@ class InferenceService(GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.worker.ready)
 
     async def ModelReady(self, message, request):
-        return pb.ModelReadyResponse(ready=self.worker.models.ready(message.name))
+        return pb.ModelReadyResponse(ready=self.worker.model_ready(message.name))
 
     async def ServerMetadata(self, message, request):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=rsrv.__version__,
@@ -140,12 +140,20 @@ class InferenceService(GRPCInferenceServiceServicer):
 
     async def RepositoryIndex(self, message, request):
         models = []
+        hidden = self.worker.hidden_models()  # sub-models of metas serve only their metas
         for entry in sorted(self.worker.models.entries.values(), key=lambda e: e.name):
-            if message.ready and entry.state != "READY":
+            if entry.name in hidden:
+                continue
+            state, reason = entry.state, entry.reason
+            if state == "READY" and not self.worker.model_ready(entry.name):
+                calls = entry.model.bundle.signature.calls
+                waiting = [c for c in calls if not self.worker.models.ready(c)]
+                state, reason = "UNAVAILABLE", f"waiting for model(s) {', '.join(waiting)}"
+            if message.ready and state != "READY":
                 continue
             models.append(pb.RepositoryIndexResponse.ModelIndex(
-                name=entry.name, version="1" if entry.model else "", state=entry.state,
-                reason=entry.reason))
+                name=entry.name, version="1" if entry.model else "", state=state,
+                reason=reason))
         return pb.RepositoryIndexResponse(models=models)
 
     async def RepositoryModelLoad(self, message, request):

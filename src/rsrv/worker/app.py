@@ -41,7 +41,7 @@ class Worker:
         self.weights = WeightManager(weight_budget(config.runtime, device), device)
         self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)
-        self.pipeline = Pipeline(self.models, self.scheduler)
+        self.pipeline = Pipeline(self.models, self.scheduler, config.scheduler.meta_concurrency)
         self.shm = SharedMemoryRegistry(enabled=config.endpoints.system_shared_memory)
         self.log_settings = LogSettings(config.logging.level, config.logging.format)
         self.admission = Admission(config.endpoints.max_concurrent_requests)
@@ -68,6 +68,18 @@ class Worker:
         if self.config.endpoints.system_shared_memory:
             ext.append("system_shared_memory")
         return ext
+
+    def model_ready(self, name: str) -> bool:
+        """READY, and for a meta model, every model it calls is ready too."""
+        if not self.models.ready(name):
+            return False
+        served = self.models.entries[name].model
+        return all(self.models.ready(c) for c in served.bundle.signature.calls)
+
+    def hidden_models(self) -> set[str]:
+        """Models that a loaded meta model calls: served, but not listed in the index."""
+        return {c for e in self.models.entries.values() if e.model
+                for c in e.model.bundle.signature.calls}
 
     def max_batch_size(self, name: str) -> int:
         served = self.models.get(name)
@@ -190,9 +202,13 @@ class Worker:
         log.info("model %s unloaded", name)
 
     async def set_residency(self, served, residency: str) -> None:
-        """SetModelResidency: change the floor of the current version of a model."""
-        await self.weights.set_residency(served.key, residency)
-        served.residency = residency
+        """SetModelResidency: change the floor of the current version of a model; for a
+        meta model, of every model it calls."""
+        targets = [self.models.get(c) for c in served.bundle.signature.calls] \
+            if served.bundle.kind == "meta" else [served]
+        for target in targets:
+            await self.weights.set_residency(target.key, residency)
+            target.residency = residency
 
     async def compact_memory(self, reload: list[str]) -> int:
         """CompactMemory: free every evictable device weight, then reload ``reload``."""
@@ -215,6 +231,7 @@ class Worker:
             served = None
             try:
                 served = await build_model(path, self.compiler, self.models.next_version())
+                self._check_calls(served)
                 costs = {}
                 if served.compiled:
                     served.residency = self.weights.residency_for(policy.residency)
@@ -237,6 +254,28 @@ class Worker:
                 self.scheduler.add_model(served.spec(policy.weight, policy.max_batch_size,
                                                      policy.latency_budget_seconds))
                 self.scheduler.warm_costs(name, costs)
+
+    def _check_calls(self, served) -> None:
+        """A meta may not call a meta, and no meta may come to call the one loading."""
+        from rsrv.errors import BundleError
+
+        name = served.name
+        for callee in served.bundle.signature.calls:
+            entry = self.models.entries.get(callee)
+            if entry is not None and entry.model is not None and entry.model.bundle.kind == "meta":
+                raise BundleError(f"{served.bundle.manifest_path}: meta.calls: {callee!r} is a "
+                                  "meta model; meta models may not call other meta models")
+        if served.bundle.kind == "meta":
+            callers = [e.name for e in self.models.entries.values() if e.model
+                       and e.name != name and name in e.model.bundle.signature.calls]
+            if callers:
+                raise BundleError(f"{served.bundle.manifest_path}: kind: meta model {name!r} is "
+                                  f"called by meta model(s) {', '.join(callers)}")
+        if not self.models.entries.get(name) or not self.models.entries[name].model:
+            missing = [c for c in served.bundle.signature.calls if c not in self.models.entries]
+            if missing:
+                log.warning("meta model %s calls %s, not (yet) in the repository",
+                            name, ", ".join(missing))
 
     def _policy(self, name: str):
         from rsrv.config import ModelSchedConfig

@@ -71,7 +71,11 @@ class WorkerCollector:
                 buckets.append(("+Inf", stats.success.count + stats.fail.count))
                 latency.add_metric([name], buckets, stats.latency_sum)
             served = entry.model
-            if served is None or served.compiled is None:
+            if served is None:
+                continue
+            meta = w.pipeline.meta.stats.get(name)
+            if served.bundle.kind == "meta":  # compute = the device time of its sub-calls
+                compute.add_metric([name], meta.compute_seconds if meta else 0.0)
                 continue
             sched = w.scheduler.stats(name)
             depth.add_metric([name], sched.queue_depth)

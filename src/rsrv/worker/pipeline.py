@@ -12,17 +12,19 @@ import numpy as np
 import trio
 
 from rsrv.bundle.manifest import Tensor
-from rsrv.errors import Internal, RsrvError
+from rsrv.errors import FailedPrecondition, Internal, InvalidArgument, RsrvError
 from rsrv.scheduler import Scheduler
+from rsrv.worker.meta import MetaRunner
 from rsrv.worker.models import ModelSet, ServedModel
 from rsrv.worker.statistics import ModelStatistics
 
 
 class Pipeline:
-    def __init__(self, models: ModelSet, scheduler: Scheduler):
+    def __init__(self, models: ModelSet, scheduler: Scheduler, meta_concurrency: int = 4):
         self.models = models
         self.scheduler = scheduler
         self.statistics: dict[str, ModelStatistics] = {}
+        self.meta = MetaRunner(self, meta_concurrency)
 
     def stats(self, name: str) -> ModelStatistics:
         return self.statistics.setdefault(name, ModelStatistics())
@@ -31,6 +33,25 @@ class Pipeline:
                     deadline: float | None = None) -> dict[str, np.ndarray]:
         """Run one request on model ``name``; ``inputs`` are validated client inputs."""
         served = self.models.get(name)
+        if served.bundle.kind == "meta":
+            outputs = await self.meta.run(served, inputs, deadline)
+            _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
+            return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
+        return (await self._run_model(served, inputs, deadline, front=False))[0]
+
+    async def infer_sub(self, name: str, inputs: Mapping[str, np.ndarray],
+                        deadline: float | None) -> tuple[dict[str, np.ndarray], float]:
+        """A meta model's call: checked like a client request, queued ahead of fresh
+        work; returns the outputs and the device seconds of its batch."""
+        served = self.models.get(name)
+        if served.bundle.kind == "meta":
+            raise FailedPrecondition(f"meta models may not call other meta models ({name!r})")
+        check_inputs(served.bundle.signature.client_inputs, inputs, f"call to {name!r}")
+        return await self._run_model(served, inputs, deadline, front=True)
+
+    async def _run_model(self, served: ServedModel, inputs: Mapping[str, np.ndarray],
+                         deadline: float | None, *, front: bool):
+        name = served.name
         stats = self.stats(name)
         hooks = served.bundle.hooks
         start = trio.current_time()
@@ -43,7 +64,7 @@ class Pipeline:
 
         order = served.bundle.signature.executable_inputs
         result = await self.scheduler.submit(
-            name, [exec_inputs[t.name] for t in order], deadline=deadline)
+            name, [exec_inputs[t.name] for t in order], deadline=deadline, front=front)
         stats.queue.add(result.queue_seconds)
         stats.compute_infer.add(result.compute_seconds)
 
@@ -55,7 +76,28 @@ class Pipeline:
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
             outputs.update(made)
             stats.compute_output.add(trio.current_time() - start)
-        return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
+        client = {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
+        return client, result.compute_seconds
+
+
+def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], where: str):
+    """Tensors handed over in-process (a meta's call) must match the specs exactly."""
+    names = {t.name for t in specs}
+    extra = sorted(set(tensors) - names)
+    missing = sorted(names - set(tensors))
+    if extra or missing:
+        raise InvalidArgument(f"{where}: inputs {sorted(tensors)} do not match the model's "
+                              f"inputs {sorted(names)}")
+    for spec in specs:
+        array = tensors[spec.name]
+        if not isinstance(array, np.ndarray) or array.dtype != spec.dtype.numpy:
+            got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+            raise InvalidArgument(f"{where}: input {spec.name!r} has dtype {got}, expected "
+                                  f"{spec.dtype.value}")
+        if array.ndim != spec.rank or any(d >= 0 and d != a
+                                          for d, a in zip(spec.shape, array.shape)):
+            raise InvalidArgument(f"{where}: input {spec.name!r} has shape {list(array.shape)}, "
+                                  f"expected {list(spec.shape)} (-1: any extent)")
 
 
 def _run_hook(hook, tensors, model: str) -> dict[str, np.ndarray]:

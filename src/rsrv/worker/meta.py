@@ -1,0 +1,89 @@
+"""Meta models: Python orchestration between model calls.
+
+A meta bundle's ``@rsrv.meta`` hook runs in a worker thread with the request's inputs
+and a ``call(model, {name: array}) -> {name: array}`` function. Each call re-enters the
+scheduler as an ordinary request of that model (it may coalesce with other traffic),
+ordered ahead of fresh work, carrying the meta request's deadline. While the Python glue
+runs, the device serves other models. A meta's compute is the sum of its sub-calls'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from rsrv.errors import DeadlineExceeded, FailedPrecondition, Internal, RsrvError
+
+if TYPE_CHECKING:
+    from rsrv.worker.models import ServedModel
+    from rsrv.worker.pipeline import Pipeline
+
+
+@dataclass(slots=True)
+class MetaStats:
+    requests: int = 0
+    calls: int = 0
+    compute_seconds: float = 0.0  # device time of the sub-calls
+
+
+class MetaRunner:
+    """Runs meta requests, at most ``concurrency`` at a time."""
+
+    def __init__(self, pipeline: Pipeline, concurrency: int):
+        self.pipeline = pipeline
+        self.limiter = trio.CapacityLimiter(concurrency)
+        self.stats: dict[str, MetaStats] = {}
+
+    async def run(self, served: ServedModel, inputs: Mapping[str, np.ndarray],
+                  deadline: float | None) -> dict[str, np.ndarray]:
+        hook = served.bundle.hooks.meta
+        declared = served.bundle.signature.calls
+        stats = self.stats.setdefault(served.name, MetaStats())
+        token = trio.lowlevel.current_trio_token()
+        compute = []  # sub-call device seconds, appended from the hook's thread via trio
+
+        async def sub_call(model: str, tensors: Mapping[str, np.ndarray]):
+            if deadline is not None and trio.current_time() >= deadline:
+                raise DeadlineExceeded(f"meta model {served.name!r}: deadline passed before "
+                                       f"its call to {model!r}")
+            outputs, seconds = await self.pipeline.infer_sub(model, tensors, deadline)
+            compute.append(seconds)
+            return outputs
+
+        def call(model: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            if model not in declared:
+                raise FailedPrecondition(
+                    f"meta model {served.name!r} called undeclared model {model!r}; "
+                    f"add it to meta.calls (declared: {', '.join(declared) or 'none'})")
+            if not isinstance(tensors, Mapping):
+                raise TypeError("call(model, tensors) takes a dict of numpy arrays by name")
+            return trio.from_thread.run(sub_call, model, dict(tensors), trio_token=token)
+
+        with trio.move_on_at(deadline if deadline is not None else math.inf) as waiting:
+            await self.limiter.acquire()
+        if waiting.cancelled_caught:
+            raise DeadlineExceeded(f"meta model {served.name!r}: deadline passed while waiting "
+                                   "for a meta slot (scheduler.meta_concurrency)")
+        try:
+            outputs = await trio.to_thread.run_sync(_run, hook, inputs, call, served.name)
+        finally:
+            self.limiter.release()
+            stats.requests += 1
+            stats.calls += len(compute)
+            stats.compute_seconds += sum(compute)
+        return outputs
+
+
+def _run(hook, inputs, call, name: str) -> dict[str, np.ndarray]:
+    try:
+        return hook.apply(inputs, call)
+    except RsrvError:
+        raise
+    except Exception as e:  # user code
+        raise Internal(f"meta model {name!r}: hook {hook.fn.__name__!r} failed: "
+                       f"{type(e).__name__}: {e}") from None
