@@ -133,7 +133,8 @@ class SchedulerConfig(_Strict):
     meta_concurrency: Annotated[
         int,
         Meta(ge=1),
-        _doc("Sub-requests a meta model (one composed of others) may have in flight."),
+        _doc("Meta-model requests the worker runs at once (more wait, bounded by their "
+             "deadlines)."),
     ] = 4
     models: Annotated[
         dict[str, ModelSchedConfig], _doc("Per-model policy, keyed by model name.")

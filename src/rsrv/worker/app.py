@@ -48,6 +48,8 @@ class Worker:
         self.port: int | None = None
         self.compiler: Compiler | None = None
         self._loading: dict[str, trio.Lock] = {}
+        self._residency: dict[str, str] = {}  # floors set by SetModelResidency, by name
+        self.watcher = None  # the RepositoryWatcher, in dynamic mode
         self._nursery: trio.Nursery | None = None
 
     # -- facts the protocol reports ---------------------------------------------------
@@ -77,9 +79,10 @@ class Worker:
         return all(self.models.ready(c) for c in served.bundle.signature.calls)
 
     def hidden_models(self) -> set[str]:
-        """Models that a loaded meta model calls: served, but not listed in the index."""
+        """Ready models that a loaded meta model calls: served, but not listed in the
+        index (a sub-model that failed to load stays listed, with its reason)."""
         return {c for e in self.models.entries.values() if e.model
-                for c in e.model.bundle.signature.calls}
+                for c in e.model.bundle.signature.calls if self.models.ready(c)}
 
     def max_batch_size(self, name: str) -> int:
         served = self.models.get(name)
@@ -89,20 +92,26 @@ class Worker:
 
     def model_statistics(self, name: str) -> pb.ModelStatistics:
         stats = self.pipeline.stats(name)
-        sched = self.scheduler.stats(name)
+        if self.models.get(name).bundle.kind == "meta":  # not scheduled itself
+            meta = self.pipeline.meta.stats.get(name)
+            executions, batches = (meta.requests if meta else 0), {}
+        else:
+            sched = self.scheduler.stats(name)
+            executions, batches = sched.dispatches, sched.batch_sizes
 
         def dur(d):
             return pb.StatisticDuration(count=d.count, ns=d.ns)
 
         return pb.ModelStatistics(
             name=name, version="1", last_inference=stats.last_inference_ms,
-            inference_count=stats.inference_count, execution_count=sched.dispatches,
+            inference_count=stats.inference_count, execution_count=executions,
             inference_stats=pb.InferStatistics(
                 success=dur(stats.success), fail=dur(stats.fail), queue=dur(stats.queue),
                 compute_input=dur(stats.compute_input), compute_infer=dur(stats.compute_infer),
                 compute_output=dur(stats.compute_output)),
-            batch_stats=[pb.InferBatchStatistics(batch_size=size, compute_infer=pb.StatisticDuration(count=count))
-                         for size, count in sorted(sched.batch_sizes.items())],
+            batch_stats=[pb.InferBatchStatistics(batch_size=size,
+                                                 compute_infer=pb.StatisticDuration(count=count))
+                         for size, count in sorted(batches.items())],
         )
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -140,10 +149,11 @@ class Worker:
                 if cfg.model_control_mode != "explicit":
                     await self._load_startup_set()
                 if cfg.model_control_mode == "dynamic":
-                    watcher = RepositoryWatcher(Path(cfg.model_repo), cfg.model_poll_seconds,
-                                                self._load, self._unload)
-                    watcher.seed()
-                    await nursery.start(watcher.run)
+                    self.watcher = RepositoryWatcher(Path(cfg.model_repo),
+                                                     cfg.model_poll_seconds,
+                                                     self._load, self._unload)
+                    self.watcher.seed()
+                    await nursery.start(self.watcher.run)
                 task_status.started(self.port)
         finally:
             self.shm.close()
@@ -154,13 +164,20 @@ class Worker:
         grace = self.config.endpoints.shutdown_grace_seconds
         self.admission.close()
         with trio.move_on_after(grace) as scope:
-            await self.scheduler.drain()
+            # Accepted calls may still be decoding or in a preprocess hook: the scheduler
+            # keeps admitting and dispatching until every one has been answered.
             while self.admission.inflight:
                 await trio.sleep(0.01)
+            await self.scheduler.drain()
+            # The last answers were handed to the transport, which writes them after the
+            # handler returned: give it a moment before the connections are cancelled.
+            await trio.sleep(0.1)
         if scope.cancelled_caught:
             log.warning("shutdown grace period of %.1f s expired with %d call(s) in flight",
                         grace, self.admission.inflight)
+        regions = len(self.shm.status())
         self.shm.close()
+        log.info("shutdown: released %d shared memory region(s); stopping", regions)
         self._nursery.cancel_scope.cancel()
 
     async def _load_startup_set(self) -> None:
@@ -196,9 +213,13 @@ class Worker:
         await self._unload(name)
 
     async def _unload(self, name: str) -> None:
-        entry = self.models.entries.pop(name, None)
-        if entry is not None and entry.model is not None and entry.model.compiled:
-            self.scheduler.remove_model(name)  # the executor retires its weights once drained
+        # Under the model's load lock: a load in progress finishes first, so it cannot
+        # register its version with the scheduler after the name is gone.
+        async with self._loading.setdefault(name, trio.Lock()):
+            entry = self.models.entries.pop(name, None)
+            self._residency.pop(name, None)
+            if entry is not None and entry.model is not None and entry.model.compiled:
+                self.scheduler.remove_model(name)  # the executor retires its weights once drained
         log.info("model %s unloaded", name)
 
     async def set_residency(self, served, residency: str) -> None:
@@ -209,11 +230,19 @@ class Worker:
         for target in targets:
             await self.weights.set_residency(target.key, residency)
             target.residency = residency
+            self._residency[target.name] = residency  # kept across reloads until unload
+        served.residency = residency  # a meta reports the floor it set on its models
 
     async def compact_memory(self, reload: list[str]) -> int:
-        """CompactMemory: free every evictable device weight, then reload ``reload``."""
-        keys = [self.models.get(name).key for name in reload]
-        return await self.weights.compact_and_reload(keys)
+        """CompactMemory: free every evictable device weight, then reload ``reload`` (a
+        meta model's weights are those of the models it calls); returns how many."""
+        keys: dict[str, None] = {}
+        for name in reload:
+            served = self.models.get(name)
+            targets = [self.models.get(c) for c in served.bundle.signature.calls] \
+                if served.bundle.kind == "meta" else [served]
+            keys.update((t.key, None) for t in targets)
+        return await self.weights.compact_and_reload(list(keys))
 
     def _require_explicit(self, rpc: str) -> None:
         mode = self.config.model_control_mode
@@ -234,7 +263,8 @@ class Worker:
                 self._check_calls(served)
                 costs = {}
                 if served.compiled:
-                    served.residency = self.weights.residency_for(policy.residency)
+                    served.residency = self.weights.residency_for(
+                        self._residency.get(name, policy.residency))
                     self.executor.versions[served.key] = served
                     await self.weights.add(served.key, served.bundle.weights, served.residency)
                     costs = await self.executor.warm_up(served)
@@ -249,7 +279,13 @@ class Worker:
                     log.error("reload of model %s failed; version %d keeps serving: %s",
                               name, entry.model.version, e)
                 return
+            previous = entry.model
             entry.model, entry.state, entry.reason = served, ModelState.READY, ""
+            log.info("model %s version %d ready%s: %d weight bytes, residency %s",
+                     name, served.version,
+                     f" (replacing version {previous.version})" if previous else "",
+                     served.bundle.weight_bytes,
+                     served.residency if served.compiled else "none (meta)")
             if served.compiled:
                 self.scheduler.add_model(served.spec(policy.weight, policy.max_batch_size,
                                                      policy.latency_budget_seconds))

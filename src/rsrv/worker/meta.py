@@ -5,11 +5,13 @@ and a ``call(model, {name: array}) -> {name: array}`` function. Each call re-ent
 scheduler as an ordinary request of that model (it may coalesce with other traffic),
 ordered ahead of fresh work, carrying the meta request's deadline. While the Python glue
 runs, the device serves other models. A meta's compute is the sum of its sub-calls'.
+Specification: specs/meta.md.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,9 +28,9 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class MetaStats:
-    requests: int = 0
-    calls: int = 0
-    compute_seconds: float = 0.0  # device time of the sub-calls
+    requests: int = 0  # answered with outputs (counted by Pipeline.infer, once checked)
+    calls: int = 0  # sub-calls answered with outputs (of every request, failed ones too)
+    compute_seconds: float = 0.0  # device time of those sub-calls
 
 
 class MetaRunner:
@@ -37,14 +39,19 @@ class MetaRunner:
     def __init__(self, pipeline: Pipeline, concurrency: int):
         self.pipeline = pipeline
         self.limiter = trio.CapacityLimiter(concurrency)
+        # The hooks' own threads: a parked meta must never hold one of trio's default
+        # threads, which its sub-calls' pre/postprocess hooks (and weight staging) need.
+        self._threads = trio.CapacityLimiter(concurrency)
         self.stats: dict[str, MetaStats] = {}
 
     async def run(self, served: ServedModel, inputs: Mapping[str, np.ndarray],
-                  deadline: float | None) -> dict[str, np.ndarray]:
+                  deadline: float | None) -> tuple[dict[str, np.ndarray], float]:
+        """Run one meta request; returns its outputs and its sub-calls' device seconds."""
         hook = served.bundle.hooks.meta
         declared = served.bundle.signature.calls
         stats = self.stats.setdefault(served.name, MetaStats())
         token = trio.lowlevel.current_trio_token()
+        hook_thread: list[int] = []  # ident of the thread running the hook
         compute = []  # sub-call device seconds, appended from the hook's thread via trio
 
         async def sub_call(model: str, tensors: Mapping[str, np.ndarray]):
@@ -62,21 +69,31 @@ class MetaRunner:
                     f"add it to meta.calls (declared: {', '.join(declared) or 'none'})")
             if not isinstance(tensors, Mapping):
                 raise TypeError("call(model, tensors) takes a dict of numpy arrays by name")
+            if hook_thread and threading.get_ident() == hook_thread[0]:
+                # In the request's task: cancelling the request cancels the call.
+                return trio.from_thread.run(sub_call, model, dict(tensors))
+            # From a thread of the glue's own: trio runs it, not bound to the request.
             return trio.from_thread.run(sub_call, model, dict(tensors), trio_token=token)
 
+        def run_hook() -> dict[str, np.ndarray]:
+            hook_thread.append(threading.get_ident())
+            return _run(hook, inputs, call, served.name)
+
+        if deadline is not None and trio.current_time() >= deadline:
+            raise DeadlineExceeded(f"meta model {served.name!r}: the request's deadline has "
+                                   "already passed")
         with trio.move_on_at(deadline if deadline is not None else math.inf) as waiting:
             await self.limiter.acquire()
         if waiting.cancelled_caught:
             raise DeadlineExceeded(f"meta model {served.name!r}: deadline passed while waiting "
                                    "for a meta slot (scheduler.meta_concurrency)")
         try:
-            outputs = await trio.to_thread.run_sync(_run, hook, inputs, call, served.name)
+            outputs = await trio.to_thread.run_sync(run_hook, limiter=self._threads)
         finally:
             self.limiter.release()
-            stats.requests += 1
             stats.calls += len(compute)
             stats.compute_seconds += sum(compute)
-        return outputs
+        return outputs, sum(compute)
 
 
 def _run(hook, inputs, call, name: str) -> dict[str, np.ndarray]:

@@ -12,7 +12,14 @@ import numpy as np
 import trio
 
 from rsrv.bundle.manifest import Tensor
-from rsrv.errors import FailedPrecondition, Internal, InvalidArgument, RsrvError
+from rsrv.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    RsrvError,
+    Unavailable,
+)
 from rsrv.scheduler import Scheduler
 from rsrv.worker.meta import MetaRunner
 from rsrv.worker.models import ModelSet, ServedModel
@@ -34,8 +41,14 @@ class Pipeline:
         """Run one request on model ``name``; ``inputs`` are validated client inputs."""
         served = self.models.get(name)
         if served.bundle.kind == "meta":
-            outputs = await self.meta.run(served, inputs, deadline)
+            waiting = [c for c in served.bundle.signature.calls if not self.models.ready(c)]
+            if waiting:
+                raise Unavailable(f"meta model {name!r} is not ready: waiting for model(s) "
+                                  f"{', '.join(waiting)}")
+            outputs, seconds = await self.meta.run(served, inputs, deadline)
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
+            self.stats(name).compute_infer.add(seconds)  # the device time of its sub-calls
+            self.meta.stats[name].requests += 1
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return (await self._run_model(served, inputs, deadline, front=False))[0]
 
@@ -43,11 +56,15 @@ class Pipeline:
                         deadline: float | None) -> tuple[dict[str, np.ndarray], float]:
         """A meta model's call: checked like a client request, queued ahead of fresh
         work; returns the outputs and the device seconds of its batch."""
-        served = self.models.get(name)
-        if served.bundle.kind == "meta":
-            raise FailedPrecondition(f"meta models may not call other meta models ({name!r})")
-        check_inputs(served.bundle.signature.client_inputs, inputs, f"call to {name!r}")
-        return await self._run_model(served, inputs, deadline, front=True)
+        try:
+            served = self.models.get(name)
+            if served.bundle.kind == "meta":
+                raise FailedPrecondition(f"meta models may not call other meta models "
+                                         f"({name!r})")
+            check_inputs(served.bundle.signature.client_inputs, inputs, f"call to {name!r}")
+            return await self._run_model(served, inputs, deadline, front=True)
+        except NotFound as e:  # unloaded since the meta request started
+            raise Unavailable(f"call to {name!r}: {e}") from None
 
     async def _run_model(self, served: ServedModel, inputs: Mapping[str, np.ndarray],
                          deadline: float | None, *, front: bool):
@@ -95,7 +112,7 @@ def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], w
             raise InvalidArgument(f"{where}: input {spec.name!r} has dtype {got}, expected "
                                   f"{spec.dtype.value}")
         if array.ndim != spec.rank or any(d >= 0 and d != a
-                                          for d, a in zip(spec.shape, array.shape)):
+                                          for d, a in zip(spec.shape, array.shape, strict=True)):
             raise InvalidArgument(f"{where}: input {spec.name!r} has shape {list(array.shape)}, "
                                   f"expected {list(spec.shape)} (-1: any extent)")
 
@@ -121,9 +138,9 @@ def _check_made(served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[st
         if array.dtype != spec.dtype.numpy:
             raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
         if array.ndim != spec.rank or any(
-                d >= 0 and d != a for d, a in zip(spec.shape, array.shape)):
-            raise Internal(f"{where} with shape {list(array.shape)}, expected "
-                           f"{['n' if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]}")
+                d >= 0 and d != a for d, a in zip(spec.shape, array.shape, strict=True)):
+            expected = ['n' if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
+            raise Internal(f"{where} with shape {list(array.shape)}, expected {expected}")
 
 
 def rows_of(specs: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray]) -> int:
