@@ -100,7 +100,10 @@ class ControlService(ControlServiceServicer):
 
     async def SetModelPolicy(self, message, request):
         w = self.worker
-        w.models.get(message.name)
+        if w.models.get(message.name).bundle.kind == "meta":
+            raise FailedPrecondition(
+                f"{message.name!r} is a meta model: it has no scheduling policy of its own "
+                "(its calls are scheduled as requests of the models it calls; set theirs)")
         if message.HasField("weight"):
             if not message.weight > 0:
                 raise InvalidArgument(f"weight must be positive, got {message.weight}")

@@ -16,7 +16,7 @@ import trio
 
 from rsrv.bundle.repository import discover
 from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
-from rsrv.errors import BundleError, FailedPrecondition, NotFound
+from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.server import Admission
 from rsrv.protocol.shm import SharedMemoryRegistry
@@ -146,13 +146,16 @@ class Worker:
                     await nursery.start(serve_admin, self, cfg.endpoints.host,
                                         cfg.endpoints.metrics_port)
                     log.info("admin HTTP on %s:%d", cfg.endpoints.host, cfg.endpoints.metrics_port)
-                if cfg.model_control_mode != "explicit":
-                    await self._load_startup_set()
                 if cfg.model_control_mode == "dynamic":
                     self.watcher = RepositoryWatcher(Path(cfg.model_repo),
                                                      cfg.model_poll_seconds,
                                                      self._load, self._unload)
-                    self.watcher.seed()
+                    # Fingerprint before the startup load: a bundle that changes while
+                    # it loads is reloaded by the watcher, not taken as applied.
+                    await trio.to_thread.run_sync(self.watcher.seed)
+                if cfg.model_control_mode != "explicit":
+                    await self._load_startup_set()
+                if self.watcher is not None:
                     await nursery.start(self.watcher.run)
                 task_status.started(self.port)
         finally:
@@ -195,9 +198,13 @@ class Worker:
     async def load_model(self, name: str) -> None:
         """RepositoryModelLoad: (re)load ``name`` from the repository (explicit mode)."""
         self._require_explicit("RepositoryModelLoad")
+        if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+            raise InvalidArgument(f"failed to load {name!r}: a model name is the name of a "
+                                  "directory directly under the repository")
         path = Path(self.config.model_repo) / name
         if not path.is_dir():
-            raise NotFound(f"model {name!r} is not in the repository {self.config.model_repo}")
+            raise NotFound(f"failed to load {name!r}: no such model in the repository "
+                           f"{self.config.model_repo}")
         entry = self.models.entries.setdefault(name, Entry(name, path))
         if entry.model is None:
             entry.state = ModelState.LOADING
@@ -218,6 +225,9 @@ class Worker:
         async with self._loading.setdefault(name, trio.Lock()):
             entry = self.models.entries.pop(name, None)
             self._residency.pop(name, None)
+            # Counters start again at the next load, like the scheduler's (and Triton's).
+            self.pipeline.statistics.pop(name, None)
+            self.pipeline.meta.stats.pop(name, None)
             if entry is not None and entry.model is not None and entry.model.compiled:
                 self.scheduler.remove_model(name)  # the executor retires its weights once drained
         log.info("model %s unloaded", name)
@@ -363,7 +373,7 @@ async def _serve_until_signal(worker: Worker) -> None:
 def _configure_logging(config: WorkerConfig) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if config.logging.format == "json":
-        handler.setFormatter(_JsonFormatter())
+        handler.setFormatter(_JsonFormatter(config.name))
     else:
         handler.setFormatter(logging.Formatter(
             f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s"))
@@ -373,9 +383,15 @@ def _configure_logging(config: WorkerConfig) -> None:
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, worker, logger, message[, exception]."""
+
+    def __init__(self, worker: str):
+        super().__init__()
+        self.worker = worker
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": self.formatTime(record), "level": record.levelname,
-                 "logger": record.name, "message": record.getMessage()}
+                 "worker": self.worker, "logger": record.name, "message": record.getMessage()}
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)

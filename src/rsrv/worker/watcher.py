@@ -61,7 +61,8 @@ class RepositoryWatcher:
         self.pending: dict[str, Fingerprint | None] = {}
 
     def seed(self) -> None:
-        """Take the current repository as already applied (call after the startup load)."""
+        """Take the current repository as applied. Call it before the startup load, so
+        that a bundle changing while it loads is seen as changed on the next polls."""
         self.seen = scan(self.repo)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

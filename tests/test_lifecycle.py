@@ -1,0 +1,458 @@
+"""Model lifecycle against a running worker: the repository watcher of dynamic mode
+(add / change / remove, two-poll debounce), reloads that never drop service (a broken
+update keeps the old version, queued requests finish on their version), and static mode.
+
+Every check goes through tritonclient over real gRPC, as a client would see it.
+The helpers at the top are shared with the other lifecycle test modules.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as tc
+from serving import running, url, worker_config
+from tritonclient.utils import InferenceServerException
+
+from rsrv.client.control import ControlClient
+from rsrv.export import Input, Output, export_jax
+
+# -- shared helpers -------------------------------------------------------------------------
+
+#: A pass-through preprocess hook that sleeps, so requests spend time in flight before
+#: they queue; the module itself may take a while to import (a slow load).
+SLOW_MODEL_PY = '''
+import time
+
+import rsrv
+
+time.sleep({import_seconds})
+
+
+@rsrv.preprocess(inputs=["x"], outputs=["x"])
+def slow(x):
+    time.sleep({seconds})
+    return x
+'''
+
+
+def linear_params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((3, 2)).astype(np.float32),
+            "b": rng.standard_normal(2).astype(np.float32)}
+
+
+def expected(seed: int, x: np.ndarray) -> np.ndarray:
+    """What the bundle exported with ``seed`` answers for ``x`` (rows, 3)."""
+    p = linear_params(seed)
+    return x.astype(np.float64) @ p["w"] + p["b"]
+
+
+_exported: dict[tuple, Path] = {}
+
+
+def export_linear(out_dir: Path, seed: int, *, work: int = 0, hook_seconds: float = 0.0,
+                  import_seconds: float = 0.0, batch_sizes=(1, 2, 4)) -> Path:
+    """y = x @ w + b with x f32[n,3] -> y f32[n,2]; weights drawn from ``seed``.
+
+    ``work`` > 0 adds that many iterations of a 192x192 matmul per row whose result is
+    multiplied by zero: the answer is unchanged but each execution takes a while, so
+    requests pile up in the scheduler queue. ``hook_seconds`` adds a model.py preprocess
+    hook sleeping that long per request, ``import_seconds`` a model.py that sleeps that
+    long when the bundle loads.
+
+    Each variant is exported once per session; ``out_dir`` receives a fresh copy (new
+    mtimes), replacing any previous bundle there as a whole, as ``export_jax`` does.
+    """
+    variant = (seed, work, hook_seconds, import_seconds, tuple(batch_sizes))
+    if variant not in _exported:
+        root = Path(tempfile.mkdtemp(prefix="rsrv-test-bundles-"))
+        atexit.register(shutil.rmtree, root, True)
+        _exported[variant] = _export_linear(root / "m", *variant)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    shutil.rmtree(staging)
+    shutil.copytree(_exported[variant], staging, copy_function=shutil.copy)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+    return out_dir
+
+
+def _export_linear(out_dir: Path, seed: int, work: int, hook_seconds: float,
+                   import_seconds: float, batch_sizes: tuple[int, ...]) -> Path:
+    import jax
+    import jax.numpy as jnp
+
+    params = linear_params(seed)
+    if work:
+        params["m"] = (np.random.default_rng(1000 + seed).standard_normal((192, 192)) * 0.01
+                       ).astype(np.float32)
+
+    def fn(p, x):
+        y = x @ p["w"] + p["b"]
+        if work:
+            h = jax.lax.fori_loop(0, work, lambda i, h: jnp.tanh(h @ p["m"]),
+                                  jnp.tile(x, (1, 64)))
+            y = y + 0.0 * h.sum(axis=1, keepdims=True)  # per row: rows stay independent
+        return y
+
+    model_py = None
+    if hook_seconds or import_seconds:
+        model_py = SLOW_MODEL_PY.format(seconds=hook_seconds, import_seconds=import_seconds)
+    return export_jax(fn, params, inputs=[Input("x", np.float32, ("n", 3), letters="nf")],
+                      outputs=[Output("y", letters="nk")], batch_sizes=list(batch_sizes),
+                      out_dir=out_dir, model_py=model_py)
+
+
+def x_input(x: np.ndarray) -> tc.InferInput:
+    inp = tc.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x.astype(np.float32))
+    return inp
+
+
+def infer(client: tc.InferenceServerClient, model: str, x: np.ndarray) -> np.ndarray:
+    return client.infer(model, [x_input(x)]).as_numpy("y")
+
+
+def index(client: tc.InferenceServerClient) -> dict[str, tuple[str, str]]:
+    """RepositoryIndex as {name: (state, reason)}."""
+    return {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns something truthy; return that."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
+        time.sleep(interval)
+
+
+def status_of(call: Callable[[], object]) -> str:
+    """The gRPC status a call failed with, e.g. 'StatusCode.NOT_FOUND'."""
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return info.value.status()
+
+
+def control(worker, call: Callable[[ControlClient], Awaitable[object]]):
+    """Run ``await call(client)`` with a fresh :class:`ControlClient` on ``worker``."""
+    async def main():
+        async with ControlClient("127.0.0.1", worker.port) as client:
+            return await call(client)
+
+    return trio.run(main)
+
+
+def model_status(worker, name: str):
+    """ModelControlStatus of one model, through our own control client."""
+    models = {m.name: m for m in control(worker, lambda c: c.status()).models}
+    return models[name]
+
+
+def matches(y: np.ndarray, seed: int, x: np.ndarray) -> bool:
+    return y.shape == (len(x), 2) and np.allclose(y, expected(seed, x), rtol=1e-5, atol=1e-5)
+
+
+X = np.array([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]], np.float32)
+POLL = 0.1
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    path = tmp_path / "repo"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def cache_dir(tmp_path_factory) -> Path:
+    """One compile cache for the session: reloads of identical modules are cache hits."""
+    return tmp_path_factory.getbasetemp() / "rsrv-cache"
+
+
+# -- dynamic mode: the repository watcher ----------------------------------------------------
+
+
+def test_dynamic_mode_follows_the_repository(repo, cache_dir):
+    """Add -> LOADING/READY and answering; new weights -> new outputs; removed ->
+    NOT_FOUND and gone from the index. The other model answers throughout."""
+    export_linear(repo / "a", seed=0)
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL)
+    assert config.model_control_mode == "dynamic"  # the default
+    with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
+        assert index(client) == {"a": ("READY", "")}
+
+        export_linear(repo / "b", seed=1)
+        added = time.monotonic()
+        states = wait_for(lambda: index(client).get("b"), timeout=5)
+        assert states[0] in ("LOADING", "READY")
+        # acted on only once seen unchanged by two polls
+        assert time.monotonic() - added >= POLL
+        wait_for(lambda: index(client)["b"] == ("READY", ""))
+        assert client.is_model_ready("b")
+        assert matches(infer(client, "b", X), 1, X)
+
+        export_linear(repo / "b", seed=2)  # same modules, other weights
+        wait_for(lambda: matches(infer(client, "b", X), 2, X), timeout=5)
+        assert index(client) == {"a": ("READY", ""), "b": ("READY", "")}
+
+        shutil.rmtree(repo / "b")
+        wait_for(lambda: "b" not in index(client), timeout=5)
+        assert status_of(lambda: infer(client, "b", X)) == "StatusCode.NOT_FOUND"
+        assert not client.is_model_ready("b")
+        assert matches(infer(client, "a", X), 0, X)
+        assert index(client) == {"a": ("READY", "")}
+
+
+def test_a_change_during_the_startup_load_is_picked_up(repo, cache_dir, monkeypatch):
+    """The bundle changes on disk once the startup load has read it (weights on the
+    device, warming up): the watcher, which fingerprinted the repository before that
+    load, reloads it."""
+    from rsrv.worker.executor import DeviceExecutor
+
+    export_linear(repo / "a", seed=0)
+    export_linear(repo.parent / "unused", seed=1)  # exported now, copied in below
+    warm_up, changed = DeviceExecutor.warm_up, []
+
+    async def warm_up_then_change(self, served):
+        costs = await warm_up(self, served)
+        if not changed:
+            changed.append(served.name)
+            export_linear(repo / "a", seed=1)
+        return costs
+
+    monkeypatch.setattr(DeviceExecutor, "warm_up", warm_up_then_change)
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL)
+    with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
+        assert changed == ["a"]
+        assert matches(infer(client, "a", X), 0, X)  # what the startup load read
+        wait_for(lambda: matches(infer(client, "a", X), 1, X), timeout=5)
+
+
+def test_a_bundle_being_written_is_not_loaded_until_stable(repo, cache_dir, tmp_path):
+    """The manifest lands first; the rest follows within one poll interval: the watcher
+    never tries the incomplete bundle (no UNAVAILABLE entry), it loads the whole one."""
+    source = export_linear(tmp_path / "staging" / "c", seed=3)
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=0.4)
+    with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
+        (repo / "c").mkdir()
+        shutil.copy2(source / "manifest.yaml", repo / "c")
+        seen = set()
+        end = time.monotonic() + 0.15  # well within one poll: at most one poll saw it
+        while time.monotonic() < end:
+            seen.add(index(client).get("c"))
+        for f in sorted(source.iterdir()):
+            if f.name != "manifest.yaml":
+                shutil.copy2(f, repo / "c")
+        while (state := index(client).get("c")) != ("READY", ""):
+            seen.add(state)
+            time.sleep(0.01)
+        assert seen <= {None, ("LOADING", "")}, seen
+        assert matches(infer(client, "c", X), 3, X)
+
+
+async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):
+    """The debounce rule itself, poll by poll, over real files."""
+    from rsrv.worker.watcher import RepositoryWatcher
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    source = export_linear(tmp_path / "src" / "m", seed=0)
+    calls = []
+
+    async def load(path):
+        calls.append(("load", path.name))
+
+    async def unload(name):
+        calls.append(("unload", name))
+
+    watcher = RepositoryWatcher(repo, 1.0, load, unload)
+    watcher.seed()
+    await watcher.poll()
+    assert calls == []
+
+    (repo / "m").mkdir()
+    (repo / "m" / "notes.txt").write_text("no manifest: not a bundle yet")
+    await watcher.poll()
+    await watcher.poll()
+    assert calls == []
+
+    shutil.copy2(source / "manifest.yaml", repo / "m")
+    await watcher.poll()  # first sighting
+    assert calls == []
+    for f in source.iterdir():  # still being written when the next poll comes
+        shutil.copy2(f, repo / "m")
+    await watcher.poll()
+    assert calls == []
+    await watcher.poll()  # unchanged since the last poll: act
+    assert calls == [("load", "m")]
+    await watcher.poll()
+    assert calls == [("load", "m")]
+
+    (repo / "m" / "weights.safetensors").write_bytes(b"half")
+    await watcher.poll()
+    (repo / "m" / "weights.safetensors").write_bytes(b"half a file")
+    await watcher.poll()
+    assert calls == [("load", "m")]
+    await watcher.poll()
+    assert calls == [("load", "m"), ("load", "m")]
+
+    shutil.rmtree(repo / "m")
+    await watcher.poll()
+    assert calls[-1] == ("load", "m")
+    await watcher.poll()
+    assert calls[-1] == ("unload", "m")
+
+    (repo / "m").mkdir()  # vanished for a single poll only: nothing happens
+    shutil.copy2(source / "manifest.yaml", repo / "m")
+    await watcher.poll()
+    shutil.rmtree(repo / "m")
+    await watcher.poll()
+    await watcher.poll()
+    assert calls[-1] == ("unload", "m") and len(calls) == 3
+
+
+def test_a_broken_update_keeps_the_old_version_answering(repo, cache_dir):
+    export_linear(repo / "a", seed=0)
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL)
+    with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
+        assert matches(infer(client, "a", X), 0, X)
+
+        (repo / "a" / "model.b1.mlir").write_bytes(b"\x00garbage, not a StableHLO module")
+        state, reason = wait_for(lambda: index(client)["a"][1] and index(client)["a"])
+        assert state == "READY"
+        assert "model.b1.mlir" in reason
+        assert client.is_model_ready("a")
+        assert matches(infer(client, "a", X), 0, X)
+
+        (repo / "a" / "manifest.yaml").write_text("format_version: [this is not a manifest\n")
+        wait_for(lambda: "manifest" in index(client)["a"][1])
+        assert index(client)["a"][0] == "READY"
+        assert matches(infer(client, "a", X), 0, X)
+        assert matches(infer(client, "a", X[:1]), 0, X[:1])
+
+        export_linear(repo / "a", seed=4)  # fixed: the new version takes over
+        wait_for(lambda: matches(infer(client, "a", X), 4, X), timeout=5)
+        assert index(client)["a"] == ("READY", "")
+
+
+def test_requests_queued_before_a_reload_finish_on_their_version(repo, cache_dir):
+    """Explicit reload while ~100 requests are queued on a slow model: every request
+    sent before the reload answers with the old weights, every one after with the new,
+    and some old ones were still queued when the new version took over."""
+    export_linear(repo / "slow", seed=0, work=3000)
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit",
+                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=0)
+    with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
+        client.load_model("slow")
+        assert matches(infer(client, "slow", X), 0, X)
+        export_linear(repo / "slow", seed=1, work=3000)  # on disk; not yet loaded
+
+        answers: dict[int, tuple[float, object]] = {}
+        done = threading.Event()
+        n_before, n_after = 96, 16
+        xs = [np.random.default_rng(i).standard_normal((1 + i % 2, 3)).astype(np.float32)
+              for i in range(n_before + n_after)]
+
+        def send(i):
+            def callback(result, error):
+                answers[i] = (time.monotonic(), error if error else result.as_numpy("y"))
+                if len(answers) == len(xs):
+                    done.set()
+            client.async_infer("slow", [x_input(xs[i])], callback)
+
+        for i in range(n_before):
+            send(i)
+        wait_for(lambda: model_status(worker, "slow").queue_depth >= 32, timeout=5)
+        client.load_model("slow")  # returns once the new version serves
+        swapped = time.monotonic()
+        for i in range(n_before, len(xs)):
+            send(i)
+        assert done.wait(30)
+
+    failures = [a for _, a in answers.values() if isinstance(a, Exception)]
+    assert not failures, failures[:3]
+    for i, (_, y) in answers.items():
+        assert matches(y, 0 if i < n_before else 1, xs[i]), i
+    late = [t for i, (t, _) in answers.items() if i < n_before and t > swapped]
+    assert late, "no old request was still queued at the swap"
+
+
+def test_continuous_traffic_across_dynamic_reloads(repo, cache_dir):
+    """Requests keep flowing while the watcher reloads twice: none fails, and each
+    answer is entirely one version's."""
+    for seed in (2, 1, 0):  # export every version now; copy them in under traffic
+        export_linear(repo / "m", seed=seed, work=300)
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL,
+                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=0)
+    results: list[tuple[np.ndarray, object]] = []
+    stop = threading.Event()
+    with running(config) as worker:
+        def client_loop(k):
+            with tc.InferenceServerClient(url(worker)) as client:
+                rng = np.random.default_rng(k)
+                while not stop.is_set():
+                    x = rng.standard_normal((1 + k % 3, 3)).astype(np.float32)
+                    try:
+                        results.append((x, infer(client, "m", x)))
+                    except InferenceServerException as e:
+                        results.append((x, e))
+
+        threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            with tc.InferenceServerClient(url(worker)) as client:
+                for seed in (1, 2):
+                    time.sleep(0.1)
+                    export_linear(repo / "m", seed=seed, work=300)
+                    wait_for(lambda s=seed: matches(infer(client, "m", X), s, X), timeout=5)
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+
+    assert not [r for _, r in results if isinstance(r, Exception)]
+    seen = set()
+    for x, y in results:
+        versions = [s for s in (0, 1, 2) if matches(y, s, x)]
+        assert len(versions) == 1, (x, y)
+        seen.add(versions[0])
+    assert seen == {0, 1, 2}
+
+
+# -- static mode -----------------------------------------------------------------------------
+
+
+def test_static_mode_ignores_the_repository(repo, cache_dir):
+    export_linear(repo / "a", seed=0)
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="static",
+                           MODEL_POLL_SECONDS=0.05)
+    with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
+        assert index(client) == {"a": ("READY", "")}
+        export_linear(repo / "a", seed=1)
+        export_linear(repo / "b", seed=2)
+        time.sleep(0.4)  # eight poll intervals
+        assert index(client) == {"a": ("READY", "")}
+        assert matches(infer(client, "a", X), 0, X)
+        assert status_of(lambda: infer(client, "b", X)) == "StatusCode.NOT_FOUND"
+        # the startup set is fixed: no explicit load either
+        assert status_of(lambda: client.load_model("b")) == "StatusCode.FAILED_PRECONDITION"
+        assert status_of(lambda: client.unload_model("a")) == "StatusCode.FAILED_PRECONDITION"
+        assert matches(infer(client, "a", X), 0, X)

@@ -1,0 +1,283 @@
+"""Graceful shutdown and operator output of the real ``rsrv serve`` process.
+
+SIGTERM while 100 requests are in flight: every request gets its answer or an explicit
+error, shared memory is released, the process exits 0. SIGINT likewise. With
+``logging.format = "json"`` every stderr line is a JSON object, including the effective
+configuration and each model's load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as tc
+import tritonclient.utils.shared_memory as shm
+from serving import url, worker_config
+from test_lifecycle import X, expected, export_linear, infer, matches, wait_for, x_input
+from test_metrics import Scrape, free_port
+
+from rsrv.runtime import backend
+from rsrv.worker import Worker
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /proc, /dev/shm")
+
+GRACE = 20.0
+
+
+@pytest.fixture
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "rsrv-cache"
+
+
+class Served:
+    """A ``rsrv serve NODE_FILE`` subprocess; stderr is collected line by line."""
+
+    def __init__(self, tmp_path: Path, cache_dir: Path, **logging: str):
+        self.port, self.metrics_port = free_port(), free_port()
+        node = tmp_path / "node.toml"
+        node.write_text(f'''
+model_repo = "repo"
+base_port = {self.port}
+metrics_base_port = {self.metrics_port}
+
+[global]
+cache_dir = "{cache_dir}"
+model_control_mode = "static"
+
+[global.endpoints]
+max_concurrent_requests = 0
+shutdown_grace_seconds = {GRACE}
+
+[global.logging]
+{"".join(f'{k} = "{v}"' + chr(10) for k, v in logging.items())}
+''')
+        env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
+        script = Path(sys.executable).parent / "rsrv"
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
+        self.process = subprocess.Popen([*command, "serve", str(node)], cwd=tmp_path, env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True)
+        self.stderr: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = f"127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.stderr.append(line.rstrip("\n"))
+
+    def wait_ready(self, client: tc.InferenceServerClient, timeout: float = 60) -> None:
+        def ready():
+            assert self.process.poll() is None, "\n".join(self.stderr)
+            try:
+                return client.is_server_ready()
+            except Exception:
+                return False
+        wait_for(ready, timeout=timeout, interval=0.1)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self._reader.join(5)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def serve(tmp_path, cache_dir):
+    started: list[Served] = []
+
+    def start(**logging: str) -> Served:
+        served = Served(tmp_path, cache_dir, **logging)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.kill()
+
+
+def test_sigterm_with_100_requests_in_flight(tmp_path, serve):
+    """Requests sit in a 100 ms preprocess hook and then queue for a slow executable when
+    SIGTERM arrives: the accepted ones are all answered correctly, later ones are refused
+    UNAVAILABLE "shutting down", the shared-memory region is unmapped, exit status 0."""
+    export_linear(tmp_path / "repo" / "slow", seed=0, work=3000, hook_seconds=0.1)
+    server = serve(format="json")
+    key = f"/rsrv_test_shutdown_{os.getpid()}"
+    region = shm.create_shared_memory_region("x_in", key, X.nbytes)
+    try:
+        with tc.InferenceServerClient(server.url) as client:
+            server.wait_ready(client)
+            pid = server.process.pid
+            shm.set_shared_memory_region(region, [X])
+            client.register_system_shared_memory("x_in", key, X.nbytes)
+            inp = tc.InferInput("x", list(X.shape), "FP32")
+            inp.set_shared_memory("x_in", X.nbytes)
+            assert matches(client.infer("slow", [inp]).as_numpy("y"), 0, X)
+            assert f"/dev/shm{key}" in Path(f"/proc/{pid}/maps").read_text()
+
+            answers: dict[int, Any] = {}
+            lock = threading.Lock()
+            xs = [np.random.default_rng(i).standard_normal((1 + i % 3, 3)).astype(np.float32)
+                  for i in range(110)]
+
+            def send(i: int, inputs=None) -> None:
+                def callback(result, error):
+                    with lock:
+                        answers[i] = error if error else result.as_numpy("y")
+                client.async_infer("slow", inputs or [x_input(xs[i])], callback)
+
+            for i in range(100):
+                send(i)
+
+            def accepted() -> int:  # answered, then in flight: a request is never counted twice
+                with lock:
+                    answered = len(answers)
+                return answered + int(Scrape(server.metrics_port).value("rsrv_inflight_requests"))
+
+            wait_for(lambda: accepted() >= 100, timeout=10)
+            with lock:
+                answered_before = len(answers)
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+            for i in range(100, 110):  # arrive while it drains
+                send(i)
+            status = server.wait_exit(GRACE + 10)
+            wait_for(lambda: len(answers) == 110, timeout=10)
+    finally:
+        shm.destroy_shared_memory_region(region)
+
+    assert status == 0, "\n".join(server.stderr[-20:])
+    ok = [i for i, a in answers.items() if isinstance(a, np.ndarray)]
+    errors = {i: a for i, a in answers.items() if not isinstance(a, np.ndarray)}
+    for i in ok:
+        assert matches(answers[i], 0, xs[i]), i
+    for i, e in errors.items():
+        assert e.status() == "StatusCode.UNAVAILABLE", (i, str(e))
+        assert "shutting down" in e.message(), (i, str(e))
+    # all 100 were accepted before the signal, most still in flight: each was answered
+    assert answered_before < 50
+    assert sorted(ok) == list(range(100))
+    assert sorted(errors) == list(range(100, 110))
+
+    logs = [json.loads(line) for line in server.stderr]
+    messages = [entry["message"] for entry in logs]
+    assert any("received SIGTERM" in m for m in messages)
+    assert any("released 1 shared memory region" in m for m in messages)
+    assert not [e for e in logs if e["level"] in ("WARNING", "ERROR", "CRITICAL")
+                and "purerpc" in e["logger"]]
+
+
+def test_json_logs_and_sigint(tmp_path, serve):
+    export_linear(tmp_path / "repo" / "a", seed=0)
+    export_linear(tmp_path / "repo" / "b", seed=1)
+    server = serve(format="json", level="info")
+    with tc.InferenceServerClient(server.url) as client:
+        server.wait_ready(client)
+        assert matches(infer(client, "b", X), 1, X)
+        server.process.send_signal(signal.SIGINT)
+        assert server.wait_exit(GRACE + 10) == 0
+
+    assert server.stderr
+    logs = [json.loads(line) for line in server.stderr]  # every line is one JSON object
+    for entry in logs:
+        assert {"time", "level", "worker", "logger", "message"} <= set(entry)
+        assert entry["worker"] == "worker0"
+    messages = [entry["message"] for entry in logs]
+
+    config = [m for m in messages if m.startswith("effective configuration: ")]
+    assert len(config) == 1
+    effective = json.loads(config[0].removeprefix("effective configuration: "))
+    assert effective["model_repo"] == str(tmp_path / "repo")
+    assert effective["endpoints"]["port"] == server.port
+    assert effective["endpoints"]["metrics_port"] == server.metrics_port
+    assert effective["logging"]["format"] == "json"
+    assert effective["model_control_mode"] == "static"
+
+    for name in ("a", "b"):
+        loaded = [m for m in messages if m.startswith(f"model {name} loaded: ")]
+        assert len(loaded) == 1 and " s (" in loaded[0] and "32 weight bytes" in loaded[0]
+        ready = [m for m in messages if m.startswith(f"model {name} version ")]
+        assert len(ready) == 1 and "residency device" in ready[0]
+    assert any(m.startswith(f"gRPC listening on 127.0.0.1:{server.port}") for m in messages)
+    assert any("received SIGINT" in m for m in messages)
+
+
+def test_shutdown_answers_accepted_requests_and_unmaps_shared_memory(tmp_path, cache_dir):
+    """In-process: Worker.shutdown() with requests in their preprocess hook and queued;
+    each is answered, the region is unmapped, and Worker.run returns."""
+    export_linear(tmp_path / "repo" / "slow", seed=2, work=3000, hook_seconds=0.1)
+    config = worker_config(tmp_path / "repo", cache_dir, MODEL_CONTROL_MODE="static",
+                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=0)
+    backend.configure("cpu")
+    worker = Worker(config)
+    started, state = threading.Event(), {}
+
+    def main():
+        async def run():
+            state["token"] = trio.lowlevel.current_trio_token()
+            await worker.run(task_status=_Started(started))
+
+        try:
+            trio.run(run)
+        except BaseException as e:
+            state["error"] = e
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    assert started.wait(60) and "error" not in state, state
+    key = f"/rsrv_test_inproc_{os.getpid()}"
+    region = shm.create_shared_memory_region("x_in", key, X.nbytes)
+    try:
+        with tc.InferenceServerClient(url(worker)) as client:
+            shm.set_shared_memory_region(region, [X])
+            client.register_system_shared_memory("x_in", key, X.nbytes)
+            assert f"/dev/shm{key}" in Path("/proc/self/maps").read_text()
+            answers: list[Any] = []
+
+            def callback(result, error):
+                answers.append(error if error else result.as_numpy("y"))
+
+            for _ in range(40):
+                client.async_infer("slow", [x_input(X)], callback)
+            wait_for(lambda: len(answers) + worker.admission.inflight >= 40, timeout=5)
+            assert worker.admission.inflight  # still in flight when shutdown begins
+            trio.from_thread.run(worker.shutdown, trio_token=state["token"])
+            thread.join(10)
+            assert not thread.is_alive() and "error" not in state, state
+            wait_for(lambda: len(answers) == 40, timeout=5)
+    finally:
+        shm.destroy_shared_memory_region(region)
+    assert all(isinstance(a, np.ndarray) and np.allclose(a, expected(2, X), rtol=1e-5)
+               for a in answers), [a for a in answers if not isinstance(a, np.ndarray)][:3]
+    assert f"/dev/shm{key}" not in Path("/proc/self/maps").read_text()
+
+
+class _Started:
+    """A task_status for Worker.run outside a nursery: sets an event once serving."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def started(self, value=None) -> None:
+        self.event.set()
