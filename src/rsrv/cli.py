@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("dirs", nargs="+", type=Path,
                        help="bundle directories, or repositories holding bundles")
 
+    export = sub.add_parser("export", help="export a JAX / Flax / Equinox / PyTorch model "
+                            "to a bundle (specs/export.md)")
+    from rsrv.export.api import add_arguments
+
+    add_arguments(export)
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         from rsrv.worker.app import serve_main
@@ -31,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from rsrv.bundle.check import check_main
 
         return check_main(args.dirs)
+    if args.command == "export":
+        from rsrv.export.api import export_main
+
+        return export_main(args)
     return 2
 
 

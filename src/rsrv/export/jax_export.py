@@ -1,38 +1,52 @@
-"""Export a JAX function and its parameter pytree to a bundle.
+"""Export a JAX function and its parameter pytree to a bundle (see specs/export.md).
 
 The function is traced once per batch size as ``main(inputs..., weights...)``: every
 parameter leaf becomes an explicit weight argument (never a baked-in constant), named by
 its tree path, and written to ``weights.safetensors`` with that order under
 ``argument_order``. Modules are written as StableHLO portable artifacts with debug
-locations stripped, so the same inputs always produce byte-identical files.
+locations stripped, and traced under an explicit ``jax_enable_x64`` setting, so the same
+inputs always produce byte-identical files whatever the process-wide setting is.
+
+Two gates guard what is written. The arity gate refuses, before anything is written, a
+traced program whose entry takes more or fewer arguments than inputs + weights. The
+parity gate runs the staged bundle with rsrv's own runtime and compares it with the source
+framework; only a bundle that passes replaces ``out_dir``.
+
+The framework adapters (Flax, Equinox, PyTorch) build a :class:`Program` and call
+:func:`export_program`; :func:`export_jax` is the adapter for a plain function.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import msgspec
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 
 from rsrv.bundle.manifest import BATCH_LETTER, FORMAT_VERSION, Batching, Manifest, TensorSpec
 from rsrv.dtypes import DType
+from rsrv.export.errors import ExportError
+from rsrv.export.parity import Parity
+from rsrv.export.parity import check as parity_check
+from rsrv.export.provenance import collect_provenance
 from rsrv.runtime.stablehlo import read_signature
 from rsrv.runtime.weights import ORDER_KEY
 
+__all__ = ["ExportError", "Input", "Output", "Program", "export_jax", "export_program"]
+
+log = logging.getLogger("rsrv.export")
 _AUTO_LETTERS = "abcdefghijklmopqrstuvwxyz"  # every lowercase letter but the batch letter n
-
-
-class ExportError(ValueError):
-    """The model cannot be exported as a servable bundle; nothing was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +68,29 @@ class Output:
     letters: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What an adapter hands :func:`export_program`.
+
+    ``call(weights, state, *inputs)`` is traced; ``weights`` is the list of arrays named by
+    ``weight_names``, in argument order. ``state`` is non-weight state the call may read
+    (RNG keys and counters): leaves the program does not use are dropped; leaves it uses
+    are lifted into extra entry arguments, which the arity gate then refuses, naming them
+    with ``state_hint``. ``reference(*inputs)`` runs the source framework on numpy inputs
+    (the parity gate's expectation). ``framework`` and ``packages`` go into provenance.
+    """
+
+    call: Callable[..., Any]
+    weight_names: Sequence[str]
+    weights: Sequence[Any]
+    reference: Callable[..., Any]
+    framework: str = "jax"
+    packages: tuple[str, ...] = ()
+    state_names: Sequence[str] = ()
+    state: Sequence[Any] = ()
+    state_hint: str = ""
+
+
 def export_jax(
     fn: Callable[..., Any],
     params: Any,
@@ -66,47 +103,72 @@ def export_jax(
     client_inputs: Sequence[TensorSpec] | None = None,
     client_outputs: Sequence[TensorSpec] | None = None,
     model_py: str | None = None,
-    provenance: dict[str, Any] | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    x64: bool | None = None,
+    parity: bool | Parity = True,
 ) -> Path:
     """Trace ``fn(params, *inputs)`` at each batch size and write the bundle to ``out_dir``.
 
-    ``out_dir`` is replaced as a whole only after everything succeeded.
-    Raises :class:`ExportError` (writing nothing) when the traced program's argument
-    count is not inputs + weights, e.g. when state was lifted into extra arguments.
+    ``fn`` returns one array, a tuple/list of arrays, or a mapping from output names to
+    arrays. Each leaf of ``params`` becomes a weight named by its tree path
+    (``layers.0.w``). ``provenance`` replaces the automatic record when given (pass
+    ``collect_provenance(...)`` plus your own keys to extend it). ``x64`` traces with
+    ``jax_enable_x64`` on or off; None: on exactly when an input or weight is 64-bit.
+    ``parity`` (default on) checks the written bundle against ``fn`` before it replaces
+    ``out_dir``. Raises :class:`ExportError`, writing nothing, when a gate refuses.
     """
-    out_dir = Path(out_dir)
-    outputs = [o if isinstance(o, Output) else Output(o) for o in outputs]
     paths_leaves, treedef = tree_flatten_with_path(params)
-    weight_names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
-    weights = [np.asarray(leaf) for _, leaf in paths_leaves]
+    names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
+
+    def call(ws, _state, *xs):
+        return fn(tree_unflatten(treedef, ws), *xs)
+
+    source = jax.jit(fn)  # the source's own path: jax.jit with params as arguments
+
+    def reference(*xs):
+        return source(jax.tree.map(jnp.asarray, params), *map(jnp.asarray, xs))
+
+    program = Program(call, names, [leaf for _, leaf in paths_leaves], reference)
+    return export_program(
+        program, inputs=inputs, outputs=outputs, batch_sizes=batch_sizes, out_dir=out_dir,
+        description=description, client_inputs=client_inputs, client_outputs=client_outputs,
+        model_py=model_py, provenance=provenance, x64=x64, parity=parity)
+
+
+def export_program(
+    program: Program,
+    *,
+    inputs: Sequence[Input],
+    outputs: Sequence[Output | str],
+    batch_sizes: Sequence[int],
+    out_dir: str | Path,
+    description: str = "",
+    client_inputs: Sequence[TensorSpec] | None = None,
+    client_outputs: Sequence[TensorSpec] | None = None,
+    model_py: str | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    x64: bool | None = None,
+    parity: bool | Parity = True,
+) -> Path:
+    """Trace, gate and write ``program`` (the shared back end of every adapter)."""
+    out_dir = Path(out_dir)
+    inputs = list(inputs)
+    outputs = [o if isinstance(o, Output) else Output(o) for o in outputs]
+    names = list(program.weight_names)
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ExportError(f"weight names are not unique: {', '.join(dup)}")
+    weights = [_weight_array(name, w) for name, w in zip(names, program.weights, strict=True)]
+    x64 = _x64_setting(x64, inputs, names, weights)
     batched = any(BATCH_LETTER in i.shape for i in inputs)
     sizes = sorted(set(batch_sizes)) if batched else [0]
+    if batched and (not sizes or sizes[0] < 1):
+        raise ExportError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    record = dict(provenance) if provenance is not None else collect_provenance(
+        program.framework, program.packages, jax_enable_x64=x64)
 
-    def entry(*args):
-        xs, ws = args[: len(inputs)], args[len(inputs):]
-        result = fn(tree_unflatten(treedef, ws), *xs)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-
-    modules: dict[int, bytes] = {}
-    out_avals = None
-    for n in sizes:
-        avals = [jax.ShapeDtypeStruct(_concrete(i.shape, n), np.dtype(i.dtype)) for i in inputs]
-        avals += [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-        exported = jax.export.export(jax.jit(entry, keep_unused=True))(*avals)
-        module = _portable_bytes(exported.mlir_module())
-        got = len(read_signature(module).inputs)
-        if got != len(avals):
-            raise ExportError(
-                f"UNSERVABLE: the compiled entry takes {got} arguments but rsrv calls it with "
-                f"{len(avals)} ({len(inputs)} inputs + {len(weights)} weights). The likely cause "
-                "is state lifted into extra arguments (an RNG key, a mutable collection, an "
-                "effect token); make it a parameter or an input, or close over nothing stateful."
-            )
-        if len(exported.out_avals) != len(outputs):
-            raise ExportError(f"the function returns {len(exported.out_avals)} outputs, "
-                              f"{len(outputs)} were named")
-        modules[n] = module
-        out_avals = exported.out_avals
+    with jax.enable_x64(x64):
+        modules, out_avals = _trace(program, inputs, outputs, weights, sizes)
 
     exec_inputs = [_input_spec(i) for i in inputs]
     exec_outputs = [_output_spec(o, a, sizes[-1], batched)
@@ -119,9 +181,131 @@ def export_jax(
         client_inputs=list(client_inputs) if client_inputs is not None else None,
         client_outputs=list(client_outputs) if client_outputs is not None else None,
         batching=Batching(compiled_batch_sizes=sizes if batched else []),
-        provenance=provenance or {},
+        provenance=record,
     )
-    return _write(out_dir, manifest, modules, weight_names, weights, model_py)
+
+    verify = None
+    if parity:
+        settings = parity if isinstance(parity, Parity) else Parity()
+
+        def reference(*xs):
+            with jax.enable_x64(x64):
+                result = _as_outputs(program.reference(*xs), outputs)
+            return [np.asarray(r) for r in result]
+
+        def verify(staging: Path) -> None:
+            report = parity_check(staging, inputs=inputs, outputs=outputs, sizes=sizes,
+                                  reference=reference, settings=settings)
+            log.info("%s: %s", out_dir.name, report.summary())
+
+    return _write(out_dir, manifest, modules, names, weights, model_py, verify)
+
+
+def _trace(program: Program, inputs: list[Input], outputs: list[Output],
+           weights: list[np.ndarray], sizes: list[int]):
+    n_in, n_w = len(inputs), len(weights)
+    state = list(program.state)
+
+    def avals_for(n):
+        xs = [jax.ShapeDtypeStruct(_concrete(i.shape, n), np.dtype(i.dtype)) for i in inputs]
+        return xs, [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+
+    lifted = _used_state(program, state, *avals_for(sizes[0])) if state else []
+
+    def entry(*args):
+        xs, ws, used = args[:n_in], args[n_in:n_in + n_w], args[n_in + n_w:]
+        st = list(state)
+        for k, value in zip(lifted, used, strict=True):
+            st[k] = value
+        return _as_outputs(program.call(list(ws), st, *xs), outputs)
+
+    modules: dict[int, bytes] = {}
+    out_avals = None
+    for n in sizes:
+        xs, ws = avals_for(n)
+        extra = [jax.ShapeDtypeStruct(np.shape(state[k]), state[k].dtype) for k in lifted]
+        exported = jax.export.export(jax.jit(entry, keep_unused=True))(*xs, *ws, *extra)
+        text = _strip_locations(exported.mlir_module())
+        got = len(read_signature(text).inputs)
+        if got != n_in + n_w:
+            message = (
+                f"UNSERVABLE: the compiled entry takes {got} arguments but rsrv calls it with "
+                f"{n_in + n_w} ({n_in} inputs + {n_w} weights). The likely cause "
+                "is state lifted into extra arguments (an RNG key, a mutable collection, an "
+                "effect token); make it a parameter or an input, or close over nothing stateful."
+            )
+            if lifted:
+                message += (f" Lifted here: {', '.join(program.state_names[k] for k in lifted)}"
+                            f"{': ' + program.state_hint if program.state_hint else ''}.")
+            raise ExportError(message)
+        if len(exported.out_avals) != len(outputs):
+            raise ExportError(f"the function returns {len(exported.out_avals)} outputs, "
+                              f"{len(outputs)} were named")
+        modules[n] = _portable_bytes(text)
+        out_avals = exported.out_avals
+    return modules, out_avals
+
+
+def _used_state(program: Program, state: list, xs, ws) -> list[int]:
+    """Indices of the ``state`` leaves the traced call reads (dead code eliminated)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def probe(xs, ws, st):
+        return program.call(list(ws), list(st), *xs)
+
+    st = [jax.ShapeDtypeStruct(np.shape(s), s.dtype) for s in state]
+    closed = jax.make_jaxpr(probe)(xs, ws, st)
+    n_out = len(closed.jaxpr.outvars)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * n_out)
+    offset = len(xs) + len(ws)
+    return [k for k in range(len(state)) if used[offset + k]]
+
+
+def _as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
+    if isinstance(result, Mapping):
+        missing = [o.name for o in outputs if o.name not in result]
+        if missing:
+            raise ExportError(f"the function returns a mapping without output(s) "
+                              f"{', '.join(map(repr, missing))} (it has {', '.join(result)})")
+        return tuple(result[o.name] for o in outputs)
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _weight_array(name: str, leaf: Any) -> np.ndarray:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise ExportError(f"weight {name!r} is a PRNG key ({dtype}): RNG state is not a weight "
+                          "and a bundle cannot store it; drop it from the parameters, or make "
+                          "the randomness an input")
+    try:
+        array = np.asarray(leaf)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"weight {name!r} is not an array: {type(leaf).__name__} ({e})") from None
+    try:
+        DType.from_numpy(array.dtype)
+    except ValueError:
+        raise ExportError(f"weight {name!r} has dtype {array.dtype}, which a bundle cannot hold "
+                          f"(a {type(leaf).__name__} leaf?)") from None
+    return array
+
+
+def _is_64bit(dtype: Any) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.kind in "fiu" and dtype.itemsize == 8
+
+
+def _x64_setting(x64: bool | None, inputs: Sequence[Input], names: Sequence[str],
+                 weights: Sequence[np.ndarray]) -> bool:
+    wide = [f"input {i.name!r} ({np.dtype(i.dtype)})" for i in inputs if _is_64bit(i.dtype)]
+    wide += [f"weight {n!r} ({w.dtype})" for n, w in zip(names, weights, strict=True)
+             if _is_64bit(w.dtype)]
+    if x64 is None:
+        return bool(wide)
+    if not x64 and wide:
+        raise ExportError(f"x64=False, but {', '.join(wide)} "
+                          f"{'is' if len(wide) == 1 else 'are'} 64-bit: tracing without "
+                          "jax_enable_x64 would narrow them; pass x64=True or cast them")
+    return bool(x64)
 
 
 def _concrete(shape: tuple[int | str, ...], n: int) -> tuple[int, ...]:
@@ -156,23 +340,37 @@ def _output_spec(o: Output, aval, n: int, batched: bool) -> TensorSpec:
                       shape=letters, dims=dims)
 
 
-def _portable_bytes(module_text: str) -> bytes:
-    """Serialize as a StableHLO portable artifact without source locations (reproducible)."""
+def _strip_locations(module_text: str) -> str:
+    """The module without source locations (file paths and line numbers vary by run)."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax.extend.mlir import ir
-    from jax.extend.mlir.dialects import stablehlo
 
     with jax_mlir.make_ir_context():
         module = ir.Module.parse(module_text)
         text = io.StringIO()
         module.operation.print(file=text, enable_debug_info=False)
+    return text.getvalue()
+
+
+def _portable_bytes(module_text: str) -> bytes:
+    """Serialize as a StableHLO portable artifact (versioned, reproducible bytecode)."""
+    from jax.extend.mlir.dialects import stablehlo
+
     target = stablehlo.get_version_from_compatibility_requirement(
         stablehlo.StablehloCompatibilityRequirement.WEEK_12)
-    return stablehlo.serialize_portable_artifact_str(text.getvalue(), target)
+    try:
+        return stablehlo.serialize_portable_artifact_str(module_text, target)
+    except ValueError as e:
+        raise ExportError(f"the traced module cannot be written as a StableHLO portable "
+                          f"artifact: {e}") from None
 
 
 def _write(out_dir: Path, manifest: Manifest, modules: dict[int, bytes],
-           weight_names: list[str], weights: list[np.ndarray], model_py: str | None) -> Path:
+           weight_names: list[str], weights: list[np.ndarray], model_py: str | None,
+           verify: Callable[[Path], None] | None = None) -> Path:
+    """Write into a hidden staging directory next to ``out_dir``, run ``verify`` on it,
+    then swap it in; on any failure the staging directory is removed and ``out_dir`` is
+    left as it was."""
     from safetensors.numpy import save_file
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +389,8 @@ def _write(out_dir: Path, manifest: Manifest, modules: dict[int, bytes],
         staging.chmod(0o755)  # mkdtemp creates 0700; a bundle is meant to be shared
         for file in staging.iterdir():
             file.chmod(0o644)
+        if verify is not None:
+            verify(staging)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

@@ -1,0 +1,153 @@
+"""PyTorch adapter: ``torch.export`` -> torchax -> JAX -> bundle (see specs/export.md).
+
+The module (in eval mode) is exported with ``torch.export.export`` once per compiled
+batch size, on example tensors of that size; torchax turns each exported program into a
+JAX function of ``(weights, inputs)``. The weights are the program's parameters, buffers
+and lifted constants, named by their state-dict keys (``fc.weight``, ``bn.running_mean``),
+in the program's own argument order. A program that mutates buffers (BatchNorm in
+training mode) is refused.
+
+torchax is an optional dependency (``pip install 'rsrv[torch]'``), and its releases track
+particular torch releases: :func:`torch_unavailable_reason` says why the path cannot run
+here, and every entry point raises :class:`ExportError` with that reason.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rsrv.bundle.manifest import BATCH_LETTER
+from rsrv.export.errors import ExportError
+from rsrv.export.jax_export import Input, Program, export_program
+
+_status: tuple[Any, str | None] | None = None  # (torchax.export module or None, reason)
+
+
+def torch_unavailable_reason() -> str | None:
+    """None when torch and torchax import and work together; otherwise why not."""
+    return _load()[1]
+
+
+def _load() -> tuple[Any, str | None]:
+    global _status
+    if _status is None:
+        _status = _import_torchax()
+    return _status
+
+
+def _import_torchax() -> tuple[Any, str | None]:
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"torch is not installed ({e}); pip install 'rsrv[torch]'"
+    try:
+        version = metadata.version("torchax")
+    except metadata.PackageNotFoundError:
+        return None, "torchax is not installed; pip install 'rsrv[torch]'"
+    try:
+        import torchax
+        import torchax.export as torchax_export
+
+        torchax.default_env()  # registers the aten -> jax lowerings the interpreter uses
+    except Exception as e:  # noqa: BLE001 - any import failure is an incompatibility
+        return None, (
+            f"torchax {version} does not work with torch {torch.__version__}: "
+            f"{type(e).__name__}: {e}; install a torchax release built for torch "
+            f"{torch.__version__.split('+')[0]}, or a torch release that torchax {version} "
+            "supports")
+    return torchax_export, None
+
+
+def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program:
+    """The :class:`Program` of ``module(*inputs)``, exported at each batch size."""
+    import torch
+
+    torchax_export, reason = _load()
+    if reason is not None:
+        raise ExportError(reason)
+    if not isinstance(module, torch.nn.Module):
+        raise ExportError(f"export_torch needs a torch.nn.Module, got {type(module).__name__}")
+    was_training = module.training
+    module.eval()
+    try:
+        functions, names, weights = {}, None, None
+        for n in sizes:
+            example = tuple(torch.from_numpy(np.zeros(_shape(i, n), np.dtype(i.dtype)))
+                            for i in inputs)
+            try:
+                program = torch.export.export(module, example)
+            except Exception as e:  # noqa: BLE001 - torch.export's many failure types
+                raise ExportError(f"torch.export failed at batch size {n}: "
+                                  f"{type(e).__name__}: {e}") from None
+            mutated = dict(program.graph_signature.buffers_to_mutate)
+            if mutated:
+                raise ExportError(
+                    f"the program mutates buffer(s) {', '.join(sorted(mutated.values()))} "
+                    "(BatchNorm in training mode?); a served module must not change state")
+            keys, states, fn = torchax_export.exported_program_to_jax(program, export_raw=True)
+            keys = list(keys) + list(getattr(program.graph_signature,
+                                             "lifted_tensor_constants", []))
+            if len(keys) != len(states):
+                raise ExportError(f"cannot name the program's {len(states)} weights "
+                                  f"({len(keys)} state-dict keys)")
+            if names is None:
+                names, weights = keys, [_numpy(s) for s in states]
+            elif keys != names:
+                raise ExportError(f"the program's weights at batch size {n} differ from those "
+                                  f"at batch size {sizes[0]}")
+            functions[n] = fn
+    finally:
+        module.train(was_training)
+    axis = next((k for k, i in enumerate(inputs) if BATCH_LETTER in i.shape), None)
+
+    def call(ws, _state, *xs):
+        n = xs[axis].shape[inputs[axis].shape.index(BATCH_LETTER)] if axis is not None else 0
+        return tuple(functions[n](list(ws), xs))
+
+    def reference(*xs):
+        with torch.no_grad():
+            was = module.training
+            module.eval()
+            try:
+                result = module(*(torch.from_numpy(np.ascontiguousarray(x)) for x in xs))
+            finally:
+                module.train(was)
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        if isinstance(result, dict):
+            return {k: v.detach().cpu().numpy() for k, v in result.items()}
+        return [r.detach().cpu().numpy() for r in result]
+
+    return Program(call, names, weights, reference, framework="torch",
+                   packages=("torch", "torchax"))
+
+
+def export_torch(module: Any, *, inputs, outputs, batch_sizes, out_dir: str | Path,
+                 **options: Any) -> Path:
+    """Export a ``torch.nn.Module`` called as ``module(*inputs)`` (run in eval mode).
+
+    The example tensors ``torch.export`` traces with are built from ``inputs`` at each
+    compiled batch size. ``options`` are :func:`export_jax`'s keywords (description, ...,
+    x64, parity). Raises :class:`ExportError` when torchax cannot run with this torch.
+    """
+    inputs = list(inputs)
+    batched = any(BATCH_LETTER in i.shape for i in inputs)
+    sizes = sorted(set(batch_sizes)) if batched else [0]
+    program = torch_program(module, inputs, sizes)
+    return export_program(program, inputs=inputs, outputs=outputs, batch_sizes=batch_sizes,
+                          out_dir=out_dir, **options)
+
+
+def _shape(spec: Input, n: int) -> tuple[int, ...]:
+    return tuple(n if d == BATCH_LETTER else int(d) for d in spec.shape)
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
