@@ -48,7 +48,7 @@ def running(config) -> Iterator[Worker]:
     state: dict[str, Any] = {}
 
     async def main():
-        state["token"] = trio.lowlevel.current_trio_token()
+        state["token"] = _tokens[id(worker)] = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             state["scope"] = nursery.cancel_scope
             await nursery.start(worker.run)
@@ -72,9 +72,19 @@ def running(config) -> Iterator[Worker]:
     finally:
         trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
         thread.join(30)
+        _tokens.pop(id(worker), None)
         if "error" in state:
             raise state["error"]
 
 
 def url(worker: Worker) -> str:
     return f"127.0.0.1:{worker.port}"
+
+
+_tokens: dict[int, trio.lowlevel.TrioToken] = {}  # id(worker) -> its loop, while running
+
+
+def in_loop(worker: Worker, fn, *args):
+    """``fn(*args)`` run synchronously on the worker's trio loop (e.g. to read
+    ``worker.scheduler.stats(name)``, which needs the loop's clock); returns its result."""
+    return trio.from_thread.run_sync(fn, *args, trio_token=_tokens[id(worker)])

@@ -14,12 +14,18 @@ import trio
 
 import rsrv
 from rsrv.bundle.manifest import Tensor
-from rsrv.errors import FailedPrecondition, InvalidArgument, RsrvError
+from rsrv.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    RsrvError,
+)
 from rsrv.protocol import codec
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2 as mc
 from rsrv.protocol.generated.inference.grpc_service_grpc import GRPCInferenceServiceServicer
-from rsrv.protocol.server import call_deadline
+from rsrv.protocol.server import call_deadline, deadline_of
 from rsrv.protocol.status import grpc_status
 
 if TYPE_CHECKING:
@@ -27,11 +33,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "rsrv"
+#: The trace settings TraceSetting reports (Triton's defaults, tracing off).
+TRACE_DEFAULTS = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
+                  "log_frequency": ["0"], "trace_mode": ["triton"]}
 
 
 class InferenceService(GRPCInferenceServiceServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
+        self._trace = dict(TRACE_DEFAULTS)
 
     # -- health and metadata ----------------------------------------------------------
 
@@ -68,18 +78,26 @@ class InferenceService(GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, messages, request):
         """Requests on one stream run concurrently; each answer (or its error_message)
-        is sent as it completes, and a failed request never ends the stream."""
-        async with self._stream_responses(messages) as responses:
+        is sent as it completes, and a failed request never ends the stream. The stream's
+        grpc-timeout bounds the whole stream (DEADLINE_EXCEEDED when it expires) and
+        every request on it."""
+        async with self._stream_responses(messages, deadline_of(request)) as responses:
             async for response in responses:
                 yield response
 
     @trio.as_safe_channel
-    async def _stream_responses(self, messages):
+    async def _stream_responses(self, messages, deadline: float):
+        call_deadline.set(deadline)  # this task's context: inherited by the request tasks
         send, receive = trio.open_memory_channel(0)
+
+        limit = self.worker.config.endpoints.max_message_bytes
 
         async def one(message):
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self._infer(message))
+                if response.ByteSize() > limit:
+                    raise ResourceExhausted(f"response of {response.ByteSize()} bytes exceeds "
+                                            f"the maximum {limit} (endpoints.max_message_bytes)")
             except Exception as e:
                 code, text = grpc_status(e)
                 response = pb.ModelStreamInferResponse(
@@ -94,11 +112,14 @@ class InferenceService(GRPCInferenceServiceServicer):
                     async for message in messages:
                         requests.start_soon(one, message)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, nursery)
-            async with receive:
-                async for response in receive:
-                    yield response
+        with trio.move_on_at(deadline) as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, nursery)
+                async with receive:
+                    async for response in receive:
+                        yield response
+        if scope.cancelled_caught:
+            raise DeadlineExceeded("deadline (grpc-timeout) expired before the stream ended")
 
     async def _infer(self, message) -> pb.ModelInferResponse:
         if not message.model_name:
@@ -114,6 +135,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                                             worker.shm)
             deadline = min(call_deadline.get(), codec.request_deadline(message, trio.current_time())
                            or float("inf"))
+            codec.request_priority(message)  # validated; the scheduler has no priorities
             outputs = await worker.pipeline.infer(
                 served.name, inputs, deadline=None if deadline == float("inf") else deadline)
             response = codec.encode_response(message, served.name, "1", outputs, order,
@@ -123,6 +145,11 @@ class InferenceService(GRPCInferenceServiceServicer):
             raise
         except Exception:
             stats.record(False, time.perf_counter() - start, "INTERNAL")
+            raise
+        except BaseException:  # cancelled: grpc-timeout expired, or the call was abandoned
+            expired = trio.current_time() >= call_deadline.get()
+            stats.record(False, time.perf_counter() - start,
+                         "DEADLINE_EXCEEDED" if expired else "CANCELLED")
             raise
         stats.record(True, time.perf_counter() - start, rows=_rows(sig.client_inputs, inputs))
         return response
@@ -157,6 +184,11 @@ class InferenceService(GRPCInferenceServiceServicer):
         return pb.RepositoryIndexResponse(models=models)
 
     async def RepositoryModelLoad(self, message, request):
+        if message.parameters:  # Triton's override config and files
+            raise InvalidArgument(
+                f"RepositoryModelLoad parameters are not supported "
+                f"({', '.join(sorted(message.parameters))}): rsrv loads {message.model_name!r} "
+                "exactly as its bundle is in the repository")
         await self.worker.load_model(message.model_name)
         return pb.RepositoryModelLoadResponse()
 
@@ -197,11 +229,28 @@ class InferenceService(GRPCInferenceServiceServicer):
     # -- trace and log settings ---------------------------------------------------------
 
     async def TraceSetting(self, message, request):
-        if message.settings:
-            raise InvalidArgument("tracing is not supported; TraceSetting only reports "
-                                  "the (disabled) trace settings")
+        """Tracing is not implemented: settings are validated, kept and reported, and
+        trace_level can only be OFF. One set for the server; a model_name must exist."""
+        if message.model_name:
+            self.worker.models.get(message.model_name)  # NotFound for an unknown model
+        updated = dict(self._trace)
+        for key, setting in message.settings.items():
+            if key not in TRACE_DEFAULTS:
+                raise InvalidArgument(f"unknown trace setting {key!r} (known: "
+                                      f"{', '.join(TRACE_DEFAULTS)})")
+            value = list(setting.value) or TRACE_DEFAULTS[key]  # no value: back to default
+            if key == "trace_level" and value != ["OFF"]:
+                raise InvalidArgument(f"tracing is not supported: trace_level can only be "
+                                      f"OFF, got {value}")
+            if key in ("trace_rate", "trace_count", "log_frequency") and not (
+                    len(value) == 1 and value[0].lstrip("-").isdigit()):
+                raise InvalidArgument(f"trace setting {key!r} takes one integer, got {value}")
+            if key == "trace_mode" and value not in (["triton"], ["opentelemetry"]):
+                raise InvalidArgument(f"trace_mode must be triton or opentelemetry, got {value}")
+            updated[key] = value
+        self._trace = updated
         return pb.TraceSettingResponse(settings={
-            "trace_level": pb.TraceSettingResponse.SettingValue(value=["OFF"])})
+            k: pb.TraceSettingResponse.SettingValue(value=v) for k, v in updated.items()})
 
     async def LogSettings(self, message, request):
         logs = self.worker.log_settings

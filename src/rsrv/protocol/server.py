@@ -1,17 +1,23 @@
 """The gRPC transport: purerpc, hardened for serving.
 
-purerpc 0.8 is a clean HTTP/2 gRPC implementation with four gaps that matter to a
-server, each closed here by a small subclass rather than a fork:
+purerpc 0.8 is a clean HTTP/2 gRPC implementation with gaps that matter to a server,
+each closed here by a small subclass rather than a fork:
 
 * its ``Server`` binds every interface (and sets SO_REUSEPORT, so two servers can silently
   share a port): :class:`GrpcServer` binds the configured host only;
 * an oversized message raises inside the connection loop and drops the whole HTTP/2
   connection (purerpc issue #18): :class:`_ReadBuffer` discards that message's bytes and
   hands the stream a marker, so only that call fails with RESOURCE_EXHAUSTED;
+* a gzip-compressed message is inflated as zlib, and any decompression error (or an
+  unknown ``grpc-encoding``) drops the connection too: gzip and deflate are inflated
+  here, up to the message limit, and a failure fails only that call;
+* a request that is not a valid protobuf becomes CANCELLED with a Python repr: it is
+  INVALID_ARGUMENT here;
 * the HTTP/2 window is ``2 x max_message_length``, which overflows 2**31-1 for large
   limits: :class:`_Connection` caps it;
 * a handler exception becomes CANCELLED with a Python repr, and grpc-timeout is parsed but
-  not enforced: :func:`_guard` maps every exception to its status and enforces the deadline.
+  not enforced: :func:`_guard` maps every exception to its status and enforces the deadline
+  (a streaming handler enforces its own: ModelStreamInfer).
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ import functools
 import logging
 import math
 import struct
+import zlib
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 
 import anyio
 import purerpc
 import trio
+from google.protobuf.message import DecodeError
+from h2.settings import SettingCodes, Settings
 from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
 from purerpc.grpc_socket import SocketWrapper
 from purerpc.grpclib.buffers import MessageReadBuffer
@@ -49,18 +59,35 @@ call_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
     "call_deadline", default=math.inf)
 
 
-class _Oversize(bytes):
-    """Stands in for a discarded message that exceeded the limit."""
+class _Failed(bytes):
+    """Stands in for a message that cannot be delivered (too large, undecodable): the
+    stream fails with ``status``, the connection and its other calls carry on."""
 
-    size: int
+    status: Status
+
+
+def _failed(code: StatusCode, message: str) -> _Failed:
+    marker = _Failed()
+    marker.status = Status(code, message)
+    return marker
+
+
+def _too_large(size: int | str, limit: int) -> _Failed:
+    return _failed(StatusCode.RESOURCE_EXHAUSTED,
+                   f"received message of {size} bytes, larger than the maximum {limit} "
+                   "(endpoints.max_message_bytes)")
 
 
 class _ReadBuffer(MessageReadBuffer):
-    """Like purerpc's, but an oversized message is discarded instead of raising.
+    """Like purerpc's, but a message that cannot be delivered fails only its stream.
 
-    Discarded bytes are reported in ``discarded_flow`` so the connection acknowledges
-    them at once (a message larger than the HTTP/2 window must not stall the peer); the
-    stream then receives an :class:`_Oversize` marker in the message's place.
+    An oversized message is discarded instead of raising: discarded bytes are reported in
+    ``discarded_flow`` so the connection acknowledges them at once (a message larger than
+    the HTTP/2 window must not stall the peer). The stream then receives a
+    :class:`_Failed` marker in the message's place; so does a compressed message that
+    cannot be decompressed (purerpc inflates gzip as zlib and raises inside the
+    connection loop, dropping the connection), uses an unsupported encoding, or inflates
+    past the limit.
     """
 
     def __init__(self, message_encoding, max_message_length):
@@ -77,9 +104,7 @@ class _ReadBuffer(MessageReadBuffer):
                 self._skip -= take
             if self._skip:
                 return None, 0
-            marker = _Oversize()
-            marker.size = self._oversize
-            return marker, 0
+            return _too_large(self._oversize, self._max_message_length), 0
         if self._message_length is None:
             if len(self._buffer) < 5:
                 return None, 0
@@ -95,18 +120,41 @@ class _ReadBuffer(MessageReadBuffer):
         data, flow = self._buffer.popleft_flowcontrol(self._message_length)
         flow += self._flow_controlled_length
         if self._compressed_flag:
-            data = self.decompress(data)
+            data = self._inflate(data)
         self._compressed_flag = self._message_length = self._flow_controlled_length = None
         return data, flow
+
+    def _inflate(self, data: bytes) -> bytes:
+        encoding = self._message_encoding
+        if encoding not in ("gzip", "deflate"):
+            return _failed(StatusCode.UNIMPLEMENTED,
+                           f"message compressed with {encoding!r}; rsrv accepts gzip and "
+                           "deflate (or no compression)")
+        limit = self._max_message_length
+        inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib or gzip header
+        try:
+            out = inflater.decompress(data, limit + 1)
+        except zlib.error as e:
+            return _failed(StatusCode.INTERNAL, f"cannot decompress the {encoding} message: {e}")
+        if len(out) > limit:
+            return _too_large(f"more than {limit} (decompressed)", limit)
+        return out
 
 
 class _Connection(GRPCConnection):
     def _set_h2_connection_local_settings(self):
-        super()._set_h2_connection_local_settings()
-        from h2.settings import SettingCodes
-
-        window = min(2 * self.config.max_message_length, MAX_WINDOW)
-        self.h2_connection.local_settings[SettingCodes.INITIAL_WINDOW_SIZE] = window
+        # purerpc's own settings would ask for a 2 x max_message_length window, which h2
+        # refuses above 2**31-1: build them whole, with the window capped.
+        self.h2_connection.local_settings = Settings(
+            client=self.config.client_side,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: self.MAX_CONCURRENT_STREAMS,
+                SettingCodes.INITIAL_WINDOW_SIZE: min(2 * self.config.max_message_length,
+                                                      MAX_WINDOW),
+                SettingCodes.MAX_FRAME_SIZE: self.MAX_INBOUND_FRAME_SIZE,
+                SettingCodes.MAX_HEADER_LIST_SIZE: self.MAX_HEADER_LIST_SIZE,
+            })
+        self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
 
     def _request_received(self, event):
         events = super()._request_received(event)
@@ -127,15 +175,17 @@ class _Stream(GRPCProtoStream):
     async def receive_event(self):
         event = await super(GRPCProtoStream, self)._receive()
         if isinstance(event, MessageReceived):
-            if isinstance(event.data, _Oversize):
-                limit = self._grpc_connection.config.max_message_length
-                raise RpcFailedError(Status(
-                    StatusCode.RESOURCE_EXHAUSTED,
-                    f"received message of {event.data.size} bytes, larger than the maximum "
-                    f"{limit} (endpoints.max_message_bytes)"))
+            if isinstance(event.data, _Failed):
+                raise RpcFailedError(event.data.status)
             if hasattr(self, "_incoming_message_type"):
                 message = self._incoming_message_type()
-                message.ParseFromString(event.data)
+                try:
+                    message.ParseFromString(event.data)
+                except DecodeError as e:  # purerpc would answer CANCELLED + a traceback
+                    raise RpcFailedError(Status(
+                        StatusCode.INVALID_ARGUMENT,
+                        f"cannot parse the request as {message.DESCRIPTOR.full_name}: {e}"
+                    )) from None
                 event.data = message
         return event
 
@@ -143,10 +193,14 @@ class _Stream(GRPCProtoStream):
 class _Socket(GRPCProtoSocket):
     StreamClass = _Stream
 
-    def __init__(self, config: GRPCConfiguration, sock):
-        super().__init__(config, sock)
+    def __init__(self, config: GRPCConfiguration, sock, receive_buffer_size=1024 * 1024):
+        # GRPCSocket.__init__ (purerpc 0.8) with our connection class: the base would
+        # first build a plain GRPCConnection, whose settings fail for large limits.
+        AsyncExitStack.__init__(self)
         self._grpc_connection = _Connection(config=config)
         self._socket = SocketWrapper(self._grpc_connection, sock)
+        self._receive_buffer_size = receive_buffer_size
+        self._streams = {}
 
 
 class _Handler(ConnectionHandler):
@@ -205,13 +259,14 @@ def guard_service(service: purerpc.Service, admission: Admission | None,
     return wrapped
 
 
-def _deadline_of(request: RequestReceived) -> float:
+def deadline_of(request: RequestReceived) -> float:
+    """The call's absolute trio deadline from its grpc-timeout header (inf if none)."""
     timeout = getattr(request, "timeout", None)
     return trio.current_time() + timeout.total_seconds() if timeout is not None else math.inf
 
 
 async def _guard(fn: Callable, admission: Admission | None, max_bytes: int, message, request):
-    deadline = _deadline_of(request)
+    deadline = deadline_of(request)
     token = call_deadline.set(deadline)
     try:
         with admission if admission is not None else _nullcontext():
@@ -223,10 +278,8 @@ async def _guard(fn: Callable, admission: Admission | None, max_bytes: int, mess
             raise ResourceExhausted(f"response of {response.ByteSize()} bytes exceeds the maximum "
                                     f"{max_bytes} (endpoints.max_message_bytes)")
         return response
-    except RpcFailedError:
-        raise
     except Exception as e:
-        raise to_rpc_error(e) from None
+        raise to_rpc_error(_single(e)) from None
     finally:
         call_deadline.reset(token)
 
@@ -239,10 +292,16 @@ async def _guard_stream(fn: Callable, admission: Admission | None, max_bytes: in
         with admission if admission is not None else _nullcontext():
             async for response in fn(message, request):
                 yield response
-    except RpcFailedError:
-        raise
     except Exception as e:
-        raise to_rpc_error(e) from None
+        raise to_rpc_error(_single(e)) from None
+
+
+def _single(exc: BaseException) -> BaseException:
+    """The error inside nested one-member exception groups: a failure that crossed
+    nurseries (a stream's request pump, a meta model's calls) keeps its own status."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 class _nullcontext:
