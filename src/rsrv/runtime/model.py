@@ -36,7 +36,8 @@ class CompiledModel:
     def name(self) -> str:
         return self.bundle.name
 
-    def run(self, size: int, inputs: Sequence[np.ndarray], weights: Sequence[jax.Array]) -> list[np.ndarray]:
+    def run(self, size: int, inputs: Sequence[np.ndarray],
+            weights: Sequence[jax.Array]) -> list[np.ndarray]:
         """Execute the module for batch ``size``; blocks until results are on the host.
 
         ``inputs`` must already have the compiled shapes and dtypes (the scheduler pads

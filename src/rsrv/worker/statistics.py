@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from bisect import bisect_left
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 #: Upper bounds (seconds) of the request latency histogram: 1 ms doubling to ~8 s.
