@@ -66,6 +66,13 @@ class WeightCache:
     def is_resident(self, name: str) -> bool:
         return name in self.pinned or name in self.lru
 
+    def fits(self, nbytes: int, protected: frozenset[str] = frozenset()) -> bool:
+        """Whether :meth:`make_room` can bring ``nbytes`` more within the budget."""
+        if self.budget is None:
+            return True
+        held = sum(r.nbytes for n, r in self.lru.items() if r.leases or n in protected)
+        return held + nbytes <= self.budget
+
     def make_room(self, nbytes: int, protected: frozenset[str] = frozenset()) -> list[str]:
         """Evict least recently used, unleased models until ``nbytes`` more fit.
 
@@ -88,6 +95,10 @@ class WeightCache:
             log.warning("model weights (%d bytes) exceed the whole weight cache budget (%d "
                         "bytes); loading anyway after evicting every evictable model",
                         nbytes, self.budget)
+        elif self.resident_bytes + nbytes > self.budget:
+            log.warning("loading %d bytes of weights exceeds the weight cache budget (%d "
+                        "bytes): %d bytes are held by models in use", nbytes, self.budget,
+                        self.resident_bytes)
         return evicted
 
     def admit(self, name: str, arrays: list[jax.Array], nbytes: int, seconds: float,

@@ -16,10 +16,12 @@ from rsrv.worker.weights import WeightManager
 class DeviceExecutor:
     """The scheduler's :class:`~rsrv.scheduler.Executor` over compiled model versions.
 
-    ``versions`` maps executable keys (``name@version``) to loaded versions. Weights are
-    leased from the :class:`WeightManager` for the duration of an execution. A lock makes
+    ``versions`` maps executable keys (``name@version``) to loaded versions. A lock makes
     warm-up runs and dispatches take turns, so the device never runs two executions at
-    once; the PJRT call itself runs in a trio worker thread.
+    once; the PJRT call itself runs in a trio worker thread. Weights are leased from the
+    :class:`WeightManager` for the duration of an execution, and only once the lock is
+    held: a run waiting for the device holds no weights, so at most one model is leased
+    at a time and the budget always has room for the model about to run.
     """
 
     def __init__(self, weights: WeightManager):
@@ -53,7 +55,7 @@ class DeviceExecutor:
         return costs
 
     async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
-        async with self.weights.lease(served.key) as weights:
-            async with self._device:
+        async with self._device:
+            async with self.weights.lease(served.key) as weights:
                 return await trio.to_thread.run_sync(
                     served.compiled.run, size, inputs, weights, limiter=self._limiter)

@@ -22,12 +22,13 @@ import math
 import time
 from collections import defaultdict
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import trio
 
-from rsrv.runtime.staging import HostWeights, pin, stage, to_device
+from rsrv.errors import NotFound
+from rsrv.runtime.staging import HostWeights, free, pin, stage, to_device
 from rsrv.runtime.weight_cache import Resident, WeightCache
 from rsrv.runtime.weights import WeightsFile
 
@@ -43,6 +44,14 @@ class Placement:
     host: HostWeights | None = None  # the staged floor of a "system" model
 
 
+@dataclass(eq=False, slots=True)
+class _Transfer:
+    """One requested host-to-device copy; everyone waiting for it shares its outcome."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
 class WeightManager:
     """Owns device weights for every model version, keyed by executable key."""
 
@@ -52,9 +61,10 @@ class WeightManager:
         self.placements: dict[str, Placement] = {}
         self._limiter = trio.CapacityLimiter(1)  # one transfer at a time
         self._send, self._receive = trio.open_memory_channel(math.inf)
-        self._done: dict[str, trio.Event] = {}  # transfers requested, not finished
-        self._waiting: defaultdict[str, int] = defaultdict(int)  # lease waiters per key
-        self._errors: dict[str, BaseException] = {}
+        self._transfers: dict[str, _Transfer] = {}  # requested, not finished
+        # demands (leases, loads) waiting per key: those keys are about to be used, so
+        # they are never evicted, and a transfer of one is never skipped
+        self._waiting: defaultdict[str, int] = defaultdict(int)
 
     # -- registration (model load / unload, off the dispatch loop) --------------------
 
@@ -86,51 +96,68 @@ class WeightManager:
     @asynccontextmanager
     async def lease(self, key: str):
         """Yield the device weights of ``key``; they cannot be evicted until exit."""
-        self._waiting[key] += 1
-        try:
-            resident = await self._ensure(key)
-            resident.leases += 1
-        finally:
-            self._waiting[key] -= 1
+        resident = await self._ensure(key)
+        resident.leases += 1  # no checkpoint since _ensure found it resident
         try:
             yield resident.arrays
         finally:
             resident.leases -= 1
 
     async def prefetch(self, key: str) -> None:
-        """Start moving ``key``'s weights to the device (returns once they are there)."""
-        if key in self.placements:
-            await self._ensure(key)
+        """Move ``key``'s weights to the device ahead of its lease, if they fit.
+
+        Best effort: a prefetch never pushes resident bytes over the budget, so it is
+        skipped when the room is held by leased or demanded models (the lease loads the
+        weights later). Returns once the transfer is done or skipped.
+        """
+        if key not in self.placements or self.cache.get(key) is not None:
+            return  # (get marks it most recently used: it is about to run)
+        transfer = self._request(key)
+        await transfer.done.wait()
+        if transfer.error is not None:
+            raise transfer.error
 
     async def _ensure(self, key: str) -> Resident:
-        while True:
-            resident = self.cache.get(key)
-            if resident is not None:
-                return resident
-            if key not in self.placements:
-                from rsrv.errors import NotFound
+        """``key``'s device weights, transferred first if needed. A demand: while it
+        waits, ``key`` is protected from eviction and its transfer is never skipped."""
+        self._waiting[key] += 1
+        try:
+            while True:
+                resident = self.cache.get(key)
+                if resident is not None:
+                    return resident
+                if key not in self.placements:
+                    raise NotFound(f"model version {key!r} is not loaded")
+                transfer = self._request(key)
+                await transfer.done.wait()
+                if transfer.error is not None:
+                    raise transfer.error
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
 
-                raise NotFound(f"model version {key!r} is not loaded")
-            done = self._done.get(key)
-            if done is None:
-                done = self._done[key] = trio.Event()
-                self._send.send_nowait(key)
-            await done.wait()
-            error = self._errors.pop(key, None)
-            if error is not None:
-                raise error
+    def _request(self, key: str) -> _Transfer:
+        """The pending transfer of ``key``, queued for the transfer task if new."""
+        transfer = self._transfers.get(key)
+        if transfer is None:
+            transfer = self._transfers[key] = _Transfer()
+            self._send.send_nowait(key)
+        return transfer
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The transfer task: serve transfer requests in arrival order, forever."""
         task_status.started()
         async for key in self._receive:
+            transfer = self._transfers[key]
             try:
                 await self._transfer(key)
             except Exception as e:
                 log.error("weight transfer of %s failed: %s", key, e)
-                self._errors[key] = e
+                transfer.error = e
             finally:
-                self._done.pop(key).set()
+                del self._transfers[key]
+                transfer.done.set()
 
     async def _transfer(self, key: str) -> None:
         placement = self.placements.get(key)
@@ -138,11 +165,19 @@ class WeightManager:
             return
         pinned = placement.residency == "device"
         nbytes = placement.file.nbytes if placement.file else 0
-        if not pinned:  # keys with waiting leases are about to run: never evict them
-            self.cache.make_room(nbytes, frozenset(k for k, n in self._waiting.items() if n))
+        if not pinned and self.cache.enabled:
+            protected = frozenset(self._waiting)  # about to be used: never evict them
+            if key not in protected and not self.cache.fits(nbytes, protected):
+                log.debug("prefetch of %s skipped: %d bytes do not fit beside the models "
+                          "in use", key, nbytes)
+                return
+            self.cache.make_room(nbytes, protected)
         start = time.perf_counter()
         arrays = await trio.to_thread.run_sync(self._copy, placement, limiter=self._limiter)
         seconds = time.perf_counter() - start
+        if self.placements.get(key) is not placement:  # removed while it was copied
+            free(arrays)
+            return
         self.cache.admit(key, arrays, nbytes, seconds, pinned=pinned)
         log.debug("weights of %s on device: %d bytes in %.4f s", key, nbytes, seconds)
 
@@ -195,15 +230,16 @@ class WeightManager:
 def weight_budget(runtime, device: jax.Device, max_scratch: int = 0) -> int | None:
     """The device byte budget for evictable weights, or None when the cache is off.
 
-    ``weight_cache_bytes`` wins when set. Otherwise the device's allocator limit is
+    ``weight_cache_bytes`` wins when set (specs/config.md). Otherwise
+    ``weight_cache_fraction: 0`` turns the cache off, and the device's allocator limit is
     used: ``fraction x limit``, but never more than ``(1 - wiggle) x limit`` minus the
     largest scratch a model needs. A backend that reports no limit (CPU) has no cache
     unless ``weight_cache_bytes`` is set.
     """
-    if runtime.weight_cache_fraction == 0:
-        return None
     if runtime.weight_cache_bytes is not None:
         return runtime.weight_cache_bytes
+    if runtime.weight_cache_fraction == 0:
+        return None
     stats = device.memory_stats() or {}
     limit = stats.get("bytes_limit")
     if not limit:

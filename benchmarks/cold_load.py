@@ -1,0 +1,480 @@
+"""Cold-load time of a model's weights against the memcpy bound, and prefetch.
+
+    python benchmarks/cold_load.py [--quick] [--out results/cold_load.json]
+
+For each weight size (1, 4, 16, 64, 256, 512 MiB; ``--quick``: up to 64 MiB) a weights
+file of that size is written (a few float32 tensors and a 12-byte one, so tensors sit at
+the unaligned offsets safetensors gives them), then measured side by side:
+
+  memcpy     ``np.copyto`` of the same number of bytes into a preallocated buffer: the
+             bound a host-to-device copy is compared with.
+  system     a cold device load from the staged ``system`` host floor:
+             ``staging.to_device`` of ``pin(stage(file))``, what the transfer task runs.
+  system/WM  the same through the real ``WeightManager.lease`` (trio task, worker thread,
+             cache bookkeeping), the weights evicted before each lease.
+  unpinned   a cold load of an ``unpinned`` model: ``staging.stage`` (read the file into
+             one aligned buffer) + ``to_device``; the file is in the page cache.
+  unp/disk   the same with the file dropped from the page cache first
+             (``posix_fadvise(DONTNEED)`` after ``fsync``): a read from the disk.
+  naive      ``jax.device_put`` of the per-tensor arrays ``safetensors.numpy.load_file``
+             returns (unaligned), what a simple implementation does; the file read
+             itself is not included.
+
+Times are the best of several runs (the machine may be shared: the best run is the one
+least disturbed); ratios are time / memcpy time. On the CPU backend
+an aligned host array is adopted by PJRT without a copy, so ``system`` can beat the
+memcpy bound: no byte moves (the ``zero_copy`` column says whether that happened).
+
+Then prefetch: a real Scheduler + DeviceExecutor + WeightManager serve requests that
+alternate between models whose weights do not all fit the budget, ``unpinned`` (a load
+reads the file, so there is something to overlap on CPU), each execution taking about as
+long as a load. Total time with the executor's prefetch against a subclass without it:
+
+  * 2 models alternating, budget = 1 model: a prefetch would need both resident, so it
+    is skipped (the budget is never exceeded) and both variants take the same time;
+  * 3 models in turn, budget = 2 models: the next model loads while the current runs.
+
+Each variant runs several times, interleaved with the others; the best total is shown,
+and the median "lease wait": how long executions waited for their weights in all (the
+transfer time prefetch did not hide), and "hidden", the share of the load time no
+execution waited for — figures measured within one run, so less disturbed by other load.
+
+Writes the figures to results/cold_load.json. Memory: about 5x the largest size at peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import trio
+from safetensors.numpy import load_file, save_file
+from trio.testing import wait_all_tasks_blocked
+
+from rsrv.config.schema import SchedulerConfig
+from rsrv.runtime.staging import free, pin, stage, to_device
+from rsrv.runtime.weights import ORDER_KEY, read_weights_header
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+SIZES = (1, 4, 16, 64, 256, 512)
+QUICK_SIZES = (1, 4, 16, 64)
+
+
+def best(fn, reps: int, before=None) -> float:
+    """The best wall time of ``fn()`` over ``reps`` runs (``before()`` is not timed)."""
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+        if isinstance(result, list):
+            free(result)
+        del result
+    return min(times)
+
+
+def reps_for(nbytes: int) -> int:
+    return 9 if nbytes <= 16 * MIB else 5 if nbytes <= 64 * MIB else 3
+
+
+# -- the weights file ---------------------------------------------------------------------
+
+
+def write_weights(path: Path, nbytes: int, seed: int = 0) -> None:
+    """``nbytes`` of float32 weights in four tensors, plus a 12-byte tensor first in
+    argument order; values seeded."""
+    rng = np.random.default_rng(seed)
+    parts = [nbytes // 2, nbytes // 4, nbytes // 8, nbytes // 8 - 12, 12]
+    tensors = {f"t{i}": rng.random(n // 4, dtype=np.float32) for i, n in enumerate(parts)}
+    order = ["t4", "t0", "t1", "t2", "t3"]
+    save_file(tensors, str(path), metadata={ORDER_KEY: json.dumps(order)})
+
+
+def drop_from_page_cache(path: Path) -> bool:
+    """Ask the kernel to forget the file's cached pages (no privileges needed)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+# -- per size -----------------------------------------------------------------------------
+
+
+def measure_size(mib: int, workdir: Path, device) -> dict:
+    nbytes = mib * MIB
+    path = workdir / f"w{mib}.safetensors"
+    write_weights(path, nbytes)
+    wf = read_weights_header(path)
+    assert wf.nbytes == nbytes
+    reps = reps_for(nbytes)
+    row: dict = {"mib": mib, "bytes": nbytes, "reps": reps}
+    row["memcpy_s"] = memcpy(nbytes, reps)
+    gc.collect()
+    row.update(system(wf, device, reps))
+    gc.collect()
+    row["system_wm_s"] = trio.run(lease_cold, wf, device, reps)
+    gc.collect()
+    row["unpinned_s"] = best(lambda: to_device(stage(wf), device), reps)
+    if drop_from_page_cache(path):
+        row["unpinned_disk_s"] = best(
+            lambda: to_device(stage(wf), device),
+            2 if nbytes <= 64 * MIB else 1,
+            before=lambda: drop_from_page_cache(path),
+        )
+    gc.collect()
+    row.update(naive(wf, device, reps))
+    path.unlink()
+    gc.collect()
+    return row
+
+
+def memcpy(nbytes: int, reps: int) -> float:
+    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the destination pages in
+    return best(lambda: np.copyto(dst, src), reps)
+
+
+def system(wf, device, reps: int) -> dict:
+    """The staged host floor of a ``system`` model (made once, at model load) to device."""
+    start = time.perf_counter()
+    host = pin(stage(wf), device)
+    staged = time.perf_counter() - start
+    probe = to_device(host, device)
+    zero_copy = all(
+        d.unsafe_buffer_pointer() == h.ctypes.data for h, d in zip(host.arrays, probe, strict=True)
+    )
+    free(probe)
+    return {
+        "stage_s": staged,
+        "zero_copy": zero_copy,
+        "system_s": best(lambda: to_device(host, device), reps),
+    }
+
+
+def naive(wf, device, reps: int) -> dict:
+    """``jax.device_put`` of the per-tensor arrays safetensors hands out."""
+    start = time.perf_counter()
+    tensors = load_file(str(wf.path))
+    arrays = [tensors[w.name] for w in wf.weights]
+    read = time.perf_counter() - start
+
+    def put():
+        on_device = jax.device_put(arrays, device)
+        jax.block_until_ready(on_device)
+        return on_device
+
+    return {
+        "naive_read_s": read,
+        "naive_s": best(put, reps),
+        "naive_aligned_bytes": sum(a.nbytes for a in arrays if a.ctypes.data % 64 == 0),
+    }
+
+
+async def lease_cold(wf, device, reps: int) -> float:
+    """Best cold ``WeightManager.lease`` of a ``system`` model, evicted before each."""
+    from rsrv.worker.weights import WeightManager
+
+    manager = WeightManager(wf.nbytes, device)
+    times = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(manager.run)
+        await manager.add("m", wf, "system")
+        for _ in range(reps):
+            manager.cache.evict("m")
+            start = time.perf_counter()
+            async with manager.lease("m"):
+                times.append(time.perf_counter() - start)
+        manager.remove("m")
+        nursery.cancel_scope.cancel()
+    return min(times)
+
+
+# -- prefetch -----------------------------------------------------------------------------
+
+
+def export_models(workdir: Path, count: int, k: int, rows: int) -> list[Path]:
+    """``count`` unbatched models y = tanh(x @ w), x f32[rows,k], w f32[k,k] (distinct)."""
+    from rsrv.export import Input, export_jax
+
+    paths = []
+    for i in range(count):
+        w = (np.random.default_rng(10 + i).standard_normal((k, k)) / np.sqrt(k)).astype(np.float32)
+        paths.append(
+            export_jax(
+                lambda p, x: jnp.tanh(x @ p["w"]),
+                {"w": w},
+                inputs=[Input("x", np.float32, (rows, k))],
+                outputs=["y"],
+                batch_sizes=[],
+                out_dir=workdir / "models" / f"p{i}",
+            )
+        )
+    return paths
+
+
+async def serve_sequence(served, budget: int, prefetch: bool, requests: int, x: np.ndarray) -> dict:
+    """Run ``requests`` requests cycling through ``served`` on a fresh WeightManager,
+    DeviceExecutor (with or without prefetch) and Scheduler; all weights cold."""
+    from rsrv.scheduler import Scheduler
+    from rsrv.worker.executor import DeviceExecutor
+    from rsrv.worker.weights import WeightManager
+
+    class NoPrefetch(DeviceExecutor):
+        prefetch = None  # the scheduler looks the hook up and skips it when None
+
+    weights = WeightManager(budget, jax.devices("cpu")[0])
+    executor = (DeviceExecutor if prefetch else NoPrefetch)(weights)
+    scheduler = Scheduler(
+        SchedulerConfig(discipline="fifo", dispatch_timeout_seconds=600), executor
+    )
+    calls, waits = [], []
+    lease = weights.lease
+
+    @asynccontextmanager
+    async def timed_lease(key):  # how long the dispatch path waits for weights
+        start = time.perf_counter()
+        async with lease(key) as arrays:
+            waits.append(time.perf_counter() - start)
+            yield arrays
+
+    weights.lease = timed_lease
+    if prefetch:
+        inner = weights.prefetch
+
+        async def counted(key):
+            calls.append(key)
+            await inner(key)
+
+        weights.prefetch = counted
+    async with trio.open_nursery() as nursery:
+        await nursery.start(weights.run)
+        for s in served:
+            executor.versions[s.key] = s
+            await weights.add(s.key, s.bundle.weights, "unpinned")
+            scheduler.add_model(s.spec())
+        weights.compact()
+        loads0, seconds0 = weights.cache.counters.loads, weights.cache.counters.load_seconds
+        done = trio.Event()
+        left = [requests]
+
+        async def one(name):
+            await scheduler.submit(name, [x])
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+        for i in range(requests):  # queue them all, in order, before the loop starts
+            nursery.start_soon(one, served[i % len(served)].name)
+            await wait_all_tasks_blocked()
+        start = time.perf_counter()
+        nursery.start_soon(scheduler.run)
+        await done.wait()
+        total = time.perf_counter() - start
+        counters = weights.cache.counters
+        result = {
+            "total_s": total,
+            "loads": counters.loads - loads0,
+            "load_seconds": counters.load_seconds - seconds0,
+            "prefetch_calls": len(calls),
+            "lease_wait_s": sum(waits),
+        }
+        nursery.cancel_scope.cancel()
+    return result
+
+
+async def prefetch_bench(workdir: Path, k: int, rows: int, requests: int, runs: int) -> dict:
+    from rsrv.runtime import Compiler
+    from rsrv.worker.models import build_model
+
+    paths = export_models(workdir, 3, k, rows)
+    compiler = Compiler(workdir / "cache")
+    served = [await build_model(p, compiler, i + 1) for i, p in enumerate(paths)]
+    nbytes = served[0].bundle.weights.nbytes
+    x = np.random.default_rng(0).standard_normal((rows, k), np.float32)
+    device = jax.devices("cpu")[0]
+
+    # the two costs that can overlap: one execution (weights resident), one cold load
+    for s in served:  # and every executable has run once before anything is timed
+        weights = to_device(stage(s.bundle.weights), device)
+        s.compiled.run(0, [x], weights)
+        if s is served[0]:
+            exec_s = best(lambda: s.compiled.run(0, [x], weights) and None, 5)  # noqa: B023
+        free(weights)
+    load_s = best(lambda: to_device(stage(served[0].bundle.weights), device), 5)
+
+    out = {
+        "weight_mib": nbytes / MIB,
+        "rows": rows,
+        "requests": requests,
+        "runs": runs,
+        "execute_s": exec_s,
+        "unpinned_load_s": load_s,
+        "cases": [],
+    }
+    cases = [
+        {"models": 2, "budget_models": 1, "runs": {"without": [], "with": []}},
+        {"models": 3, "budget_models": 2, "runs": {"without": [], "with": []}},
+    ]
+    for run in range(runs):  # interleaved, in alternating order, so that drifting noise
+        for case in cases:  # on a shared machine hits both variants alike
+            for variant in ("without", "with")[:: 1 if run % 2 else -1]:
+                case["runs"][variant].append(
+                    await serve_sequence(
+                        served[: case["models"]],
+                        case["budget_models"] * nbytes,
+                        variant == "with",
+                        requests,
+                        x,
+                    )
+                )
+    for case in cases:
+        for variant, results in case.pop("runs").items():
+            totals = sorted(r["total_s"] for r in results)
+            waits = sorted(r["lease_wait_s"] for r in results)
+            hidden = sorted(1 - r["lease_wait_s"] / r["load_seconds"] for r in results)
+            case[variant] = {
+                **results[0],
+                "total_s": totals[0],
+                "totals_s": totals,
+                "lease_wait_s": waits[len(waits) // 2],
+                "lease_waits_s": waits,
+                "hidden": hidden[len(hidden) // 2],
+            }
+        case["speedup"] = case["without"]["total_s"] / case["with"]["total_s"]
+        out["cases"].append(case)
+    return out
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:7.1f}" if seconds > 0 else "    inf"
+
+
+def print_sizes(rows: list[dict]) -> None:
+    cols = [
+        ("memcpy", "memcpy_s"),
+        ("system", "system_s"),
+        ("system/WM", "system_wm_s"),
+        ("unpinned", "unpinned_s"),
+        ("unp/disk", "unpinned_disk_s"),
+        ("naive", "naive_s"),
+    ]
+    print("\nCold device load, milliseconds (x memcpy bound)  [GB/s]")
+    head = f"{'MiB':>5} " + "".join(f"{name:>22}" for name, _ in cols) + "  zero_copy"
+    print(head)
+    for r in rows:
+        cells = []
+        for _, key in cols:
+            t = r.get(key)
+            if t is None:
+                cells.append(f"{'-':>22}")
+                continue
+            ratio = t / r["memcpy_s"]
+            cells.append(f"{t * 1e3:9.3f} ({ratio:6.2f}x){gbps(r['bytes'], t):>5}")
+        print(f"{r['mib']:>5} " + "".join(f"{c:>22}" for c in cells) + f"  {r['zero_copy']}")
+    print(
+        "naive: per-tensor safetensors arrays, "
+        + ", ".join(
+            f"{r['mib']} MiB {r['naive_aligned_bytes'] / r['bytes']:.0%} aligned" for r in rows
+        )
+    )
+
+
+def print_prefetch(p: dict) -> None:
+    print(
+        f"\nPrefetch: {p['requests']} requests, unpinned models of {p['weight_mib']:.0f} MiB; "
+        f"one execution {p['execute_s'] * 1e3:.1f} ms, one cold load "
+        f"{p['unpinned_load_s'] * 1e3:.1f} ms; best of {p['runs']} runs"
+    )
+    print(
+        f"{'case':<24}{'total without':>14}{'with':>8}{'speedup':>9}"
+        f"{'lease wait without':>20}{'with':>8}{'hidden':>8}{'loads':>7}{'prefetches':>12}"
+    )
+    for c in p["cases"]:
+        name = f"{c['models']} models, budget {c['budget_models']}"
+        wo, w = c["without"], c["with"]
+        print(
+            f"{name:<24}{wo['total_s']:>13.3f}s{w['total_s']:>7.3f}s{c['speedup']:>8.2f}x"
+            f"{wo['lease_wait_s']:>19.3f}s{w['lease_wait_s']:>7.3f}s{w['hidden']:>8.0%}"
+            f"{wo['loads']:>4}/{w['loads']:<3}{w['prefetch_calls']:>10}"
+        )
+    print(
+        "total: best run. lease wait: time executions waited for their weights (median "
+        "run). hidden: share of the load time\nthat no execution waited for, with "
+        "prefetch (median run; 0% without prefetch by construction)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB (< 60 s)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "cold_load.json")
+    args = parser.parse_args(argv)
+    from rsrv.runtime import backend
+
+    backend.configure("cpu")
+    device = backend.device()
+    sizes = QUICK_SIZES if args.quick else SIZES
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="rsrv-cold-load-"))
+    try:
+        rows = []
+        for mib in sizes:
+            rows.append(measure_size(mib, workdir, device))
+            print(f"  {mib} MiB measured ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        # 64 MiB models: one execution (memory bound: it reads every weight) takes
+        # about as long as one cold load, the case where overlap can save the most
+        prefetch = trio.run(
+            prefetch_bench, workdir, 4096, 16, 12 if args.quick else 24, 3 if args.quick else 7
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_sizes(rows)
+    print_prefetch(prefetch)
+    elapsed = time.perf_counter() - started
+    print(f"\n{elapsed:.0f} s in all")
+    report = {
+        "quick": args.quick,
+        "seconds": elapsed,
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "cpus": os.cpu_count(),
+            "device": str(device),
+        },
+        "sizes": rows,
+        "prefetch": prefetch,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
