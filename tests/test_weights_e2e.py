@@ -85,8 +85,9 @@ class Store:
         return repo
 
 
-def write_weights(path: Path, layout: str, seed: int) -> None:
-    """Seeded weights of ``layout``, written atomically (a reader sees old or new)."""
+def write_weights(path: Path, layout: str, seed: int, *, in_place: bool = False) -> None:
+    """Seeded weights of ``layout``, written atomically (a reader sees old or new), or
+    ``in_place`` over the same inode (what a loaded version that holds the file sees)."""
     rng = np.random.default_rng(seed)
     shapes = LAYOUTS[layout][1]
     tensors = {
@@ -94,7 +95,12 @@ def write_weights(path: Path, layout: str, seed: int) -> None:
     }
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={ORDER_KEY: json.dumps(sorted(shapes))})
-    os.replace(tmp, path)
+    if in_place:
+        with open(path, "r+b") as f:
+            f.write(tmp.read_bytes())
+        tmp.unlink()
+    else:
+        os.replace(tmp, path)
 
 
 @pytest.fixture(scope="module")
@@ -352,9 +358,9 @@ def test_unpinned_rereads_the_file_and_system_keeps_its_host_copy(
 ):
     staged = Counter()
 
-    def spy_stage(wf):
+    def spy_stage(wf, fd=None):
         staged[wf.path.parent.name] += 1
-        return stage(wf)
+        return stage(wf, fd)
 
     monkeypatch.setattr("rsrv.worker.weights.stage", spy_stage)
     repo = store.copy(["m00", "m01", "m02"], tmp_path / "repo")
@@ -368,8 +374,11 @@ def test_unpinned_rereads_the_file_and_system_keeps_its_host_copy(
         assert same(infer(client, "m01", x), reference("m01", x))
         assert same(infer(client, "m02", x), reference("m02", x))
         assert probe.call(w, lambda: list(cache.lru)) == [w.models.get("m02").key]
-        # Same layout, different values: m00 now holds m05's weights, m01 m06's.
-        write_weights(repo / "m00" / "weights.safetensors", "a", list(MODELS).index("m05"))
+        # Same layout, different values: m00 now holds m05's weights, m01 m06's. m00's
+        # file is overwritten in place: a loaded unpinned version holds its file open, so
+        # an atomic replacement (a new bundle version) would not reach it, by design.
+        write_weights(repo / "m00" / "weights.safetensors", "a", list(MODELS).index("m05"),
+                      in_place=True)
         write_weights(repo / "m01" / "weights.safetensors", "a", list(MODELS).index("m06"))
         assert (repo / "m00" / "weights.safetensors").read_bytes() == (
             store.bundles / "m05" / "weights.safetensors"
@@ -380,6 +389,22 @@ def test_unpinned_rereads_the_file_and_system_keeps_its_host_copy(
         assert same(infer(client, "m00", x), reference("m05", x))
     assert staged["m01"] == staged["m02"] == 1  # system: staged once, at load
     assert staged["m00"] == probe.loads(w, un) >= 3  # unpinned: every device load
+
+
+def test_unpinned_version_keeps_its_own_weights_when_the_bundle_is_replaced(
+    store, reference, tmp_path
+):
+    """A new bundle version written atomically (rename) does not leak into the loaded
+    version: its requests keep getting the weights it was loaded with."""
+    repo = store.copy(["m00", "m01"], tmp_path / "repo")
+    config = node_file(tmp_path, store, repo, W, {"m00": "unpinned"})
+    x = inputs("m00", 2, np.random.default_rng(6))
+    with running(config) as w, tc.InferenceServerClient(url(w)) as client:
+        assert same(infer(client, "m00", x), reference("m00", x))
+        write_weights(repo / "m00" / "weights.safetensors", "a", list(MODELS).index("m05"))
+        for _ in range(3):  # m01 evicts m00; each reload reads the file m00 holds open
+            assert same(infer(client, "m01", x), reference("m01", x))
+            assert same(infer(client, "m00", x), reference("m00", x))
 
 
 # -- a model larger than the whole budget -----------------------------------------------

@@ -76,12 +76,14 @@ class RuntimeConfig(_Strict):
     weight_cache_fraction: Annotated[
         float,
         Meta(ge=0, le=1),
-        _doc("Share of free device memory for the on-demand weight cache; 0 disables it."),
+        _doc("Share of the device allocator's limit for evictable weights; 0 disables "
+             "the on-demand weight cache (every model stays resident)."),
     ] = 1.0
     weight_cache_wiggle_fraction: Annotated[
         float,
         Meta(ge=0, lt=1),
-        _doc("Slack around the weight cache budget, as a fraction of it, before eviction."),
+        _doc("Share of the device allocator's limit kept free of weights (with the largest "
+             "measured scratch) for activations."),
     ] = 0.1
     weight_cache_bytes: Annotated[
         Annotated[int, Meta(ge=0)] | None,
@@ -128,7 +130,8 @@ class SchedulerConfig(_Strict):
     compaction_interval: Annotated[
         int,
         Meta(ge=0),
-        _doc("Interval between automatic weight-memory compactions; 0: only on request."),
+        _doc("Compact weight memory (free every evictable model at once) after every N "
+             "weight loads; 0: only on request (CompactMemory)."),
     ] = 0
     meta_concurrency: Annotated[
         int,

@@ -12,6 +12,7 @@ offset. That layout is what makes the device copy cheap:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -31,8 +32,12 @@ class HostWeights:
     nbytes: int
 
 
-def stage(wf: WeightsFile) -> HostWeights:
-    """Read the weights file into one aligned buffer (sequential reads, one open)."""
+def stage(wf: WeightsFile, fd: int | None = None) -> HostWeights:
+    """Read the weights file into one aligned buffer (sequential reads, one open).
+
+    ``fd``, when given, is an open descriptor of the file to read instead of its path:
+    it keeps reading the file as it was when opened even if the path is replaced.
+    """
     offsets, total = [], 0
     for w in wf.weights:
         offsets.append(total)
@@ -41,14 +46,20 @@ def stage(wf: WeightsFile) -> HostWeights:
     base = (-raw.ctypes.data) % ALIGN
     buf = raw[base : base + total]
     arrays = []
-    with open(wf.path, "rb", buffering=0) as f:
+    own = fd is None
+    if own:
+        fd = os.open(wf.path, os.O_RDONLY)
+    try:
         for w, off in zip(wf.weights, offsets, strict=True):
             size = w.end - w.start
-            f.seek(wf.data_offset + w.start)
-            if f.readinto(memoryview(buf[off : off + size])) != size:
+            if os.preadv(fd, [memoryview(buf[off : off + size])], wf.data_offset + w.start) \
+                    != size:
                 raise ValueError(f"{wf.path}: file is shorter than its header says")
             count = size // w.dtype.itemsize if w.dtype.itemsize else 0
             arrays.append(np.frombuffer(buf, w.dtype.numpy, count, off).reshape(w.shape))
+    finally:
+        if own:
+            os.close(fd)
     return HostWeights(arrays, wf.nbytes)
 
 

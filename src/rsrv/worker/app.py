@@ -38,7 +38,8 @@ class Worker:
         self.config = config
         self.models = ModelSet()
         device = backend.device()
-        self.weights = WeightManager(weight_budget(config.runtime, device), device)
+        self.weights = WeightManager(weight_budget(config.runtime, device), device,
+                                     config.scheduler.compaction_interval)
         self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)
         self.pipeline = Pipeline(self.models, self.scheduler, config.scheduler.meta_concurrency)
@@ -155,11 +156,22 @@ class Worker:
                     await trio.to_thread.run_sync(self.watcher.seed)
                 if cfg.model_control_mode != "explicit":
                     await self._load_startup_set()
+                    self._size_weight_cache()
                 if self.watcher is not None:
                     await nursery.start(self.watcher.run)
                 task_status.started(self.port)
         finally:
             self.shm.close()
+
+    def _size_weight_cache(self) -> None:
+        """With the budget derived from device memory, leave room for the largest scratch
+        measured while warming every model up (explicit byte budgets are kept as given)."""
+        runtime = self.config.runtime
+        if runtime.weight_cache_bytes is None and self.weights.max_scratch:
+            budget = weight_budget(runtime, self.weights.device, self.weights.max_scratch)
+            log.info("weight cache budget %s bytes (largest scratch %d bytes)",
+                     budget, self.weights.max_scratch)
+            self.weights.cache.budget = budget
 
     async def shutdown(self) -> None:
         """Graceful stop: refuse new calls, answer everything accepted (within

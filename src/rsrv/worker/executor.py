@@ -48,14 +48,23 @@ class DeviceExecutor:
     async def warm_up(self, served: ServedModel) -> dict[int, float]:
         """Run every compiled size once on zeros; return the measured seconds per size."""
         costs = {}
+        device = self.weights.device
         for size in sorted(served.compiled.executables):
+            before = device.memory_stats() or {}
             start = time.perf_counter()
             await self._run(served, size, zero_inputs(served.compiled, size))
             costs[size] = max(time.perf_counter() - start, 1e-6)
+            after = device.memory_stats() or {}
+            if "peak_bytes_in_use" in after:  # accelerators; CPU reports no statistics
+                # The peak is monotonic, so this over- rather than under-estimates.
+                self.weights.note_scratch(after["peak_bytes_in_use"]
+                                          - before.get("bytes_in_use", 0))
         return costs
 
     async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
         async with self._device:
             async with self.weights.lease(served.key) as weights:
-                return await trio.to_thread.run_sync(
+                outputs = await trio.to_thread.run_sync(
                     served.compiled.run, size, inputs, weights, limiter=self._limiter)
+            self.weights.after_execution()
+            return outputs

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from contextlib import asynccontextmanager
@@ -42,6 +43,18 @@ class Placement:
     file: WeightsFile | None
     residency: str
     host: HostWeights | None = None  # the staged floor of a "system" model
+    fd: int | None = None  # an "unpinned" model's weights file, open since load
+
+    def open(self) -> None:
+        """Hold the file open, so this version keeps reading its own weights even after
+        the bundle is replaced on disk (a rename; in-place overwrites are not safe)."""
+        if self.fd is None and self.file is not None:
+            self.fd = os.open(self.file.path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 @dataclass(eq=False, slots=True)
@@ -55,9 +68,13 @@ class _Transfer:
 class WeightManager:
     """Owns device weights for every model version, keyed by executable key."""
 
-    def __init__(self, budget: int | None, device: jax.Device):
+    def __init__(self, budget: int | None, device: jax.Device, compaction_interval: int = 0):
         self.cache = WeightCache(budget)
         self.device = device
+        self.compaction_interval = compaction_interval
+        self.compactions = 0
+        self._loads_at_compaction = 0
+        self.max_scratch = 0  # bytes, largest measured at warm-up (0 where unreported)
         self.placements: dict[str, Placement] = {}
         self._limiter = trio.CapacityLimiter(1)  # one transfer at a time
         self._send, self._receive = trio.open_memory_channel(math.inf)
@@ -78,6 +95,8 @@ class WeightManager:
         placement = Placement(file, residency)
         if file is not None and residency == "system":
             placement.host = await trio.to_thread.run_sync(self._stage_pinned, file)
+        elif residency == "unpinned":
+            placement.open()
         self.placements[key] = placement
         if residency == "device" or not self.cache.enabled:
             await self._ensure(key)
@@ -85,7 +104,9 @@ class WeightManager:
     def remove(self, key: str) -> None:
         """Forget a retired version: free its device weights and host floor now."""
         self.cache.drop(key)
-        self.placements.pop(key, None)
+        placement = self.placements.pop(key, None)
+        if placement is not None:
+            placement.close()
 
     def nbytes(self, key: str) -> int:
         placement = self.placements.get(key)
@@ -184,7 +205,7 @@ class WeightManager:
     def _copy(self, placement: Placement) -> list[jax.Array]:
         if placement.file is None:
             return []
-        host = placement.host or stage(placement.file)  # unpinned: read the file now
+        host = placement.host or stage(placement.file, placement.fd)  # unpinned: read now
         return to_device(host, self.device)
 
     def _stage_pinned(self, file: WeightsFile) -> HostWeights:
@@ -194,7 +215,23 @@ class WeightManager:
 
     def compact(self) -> int:
         """Free every evictable device weight at once; returns how many models."""
+        self.compactions += 1
+        self._loads_at_compaction = self.cache.counters.loads
         return self.cache.clear()
+
+    def after_execution(self) -> None:
+        """Auto-compaction: every ``compaction_interval`` loads (0 = never), free all
+        evictable weights at once so the device allocator can defragment."""
+        loads = self.cache.counters.loads
+        if self.compaction_interval and loads - self._loads_at_compaction >= \
+                self.compaction_interval:
+            freed = self.compact()
+            log.info("auto-compaction after %d loads freed %d model(s)",
+                     self.compaction_interval, freed)
+
+    def note_scratch(self, nbytes: int) -> None:
+        """Record device memory a model needed beyond its weights (measured at warm-up)."""
+        self.max_scratch = max(self.max_scratch, nbytes)
 
     async def compact_and_reload(self, keys: list[str]) -> int:
         """CompactMemory: free every evictable weight, then load ``keys`` again."""
@@ -215,6 +252,10 @@ class WeightManager:
             placement.host = await trio.to_thread.run_sync(self._stage_pinned, placement.file)
         elif residency != "system":
             placement.host = None
+        if residency == "unpinned":
+            placement.open()
+        else:
+            placement.close()
         previous, placement.residency = placement.residency, residency
         if residency == "device":
             if not self.cache.pin(key) and key not in self.cache.pinned:
