@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from rsrv.worker.app import serve_main
+        from rsrv.worker.main import serve_main
 
         return serve_main(args.node_file, args.worker)
     if args.command == "bundle":

@@ -160,7 +160,7 @@ class InferenceService(GRPCInferenceServiceServicer):
         out = []
         for name in names:
             self.worker.models.get(name)  # NotFound for an unknown model
-            out.append(self.worker.model_statistics(name))
+            out.append(model_statistics(self.worker, name))
         return pb.ModelStatisticsResponse(model_stats=out)
 
     # -- repository -----------------------------------------------------------------------
@@ -264,6 +264,28 @@ def _rows(specs: tuple[Tensor, ...], inputs) -> int:
         if spec.batch_axis is not None and spec.name in inputs:
             return int(inputs[spec.name].shape[spec.batch_axis])
     return 1
+
+
+def model_statistics(worker: Worker, name: str) -> pb.ModelStatistics:
+    """Triton's ModelStatistics of one model, from the pipeline's and scheduler's counters."""
+    stats = worker.pipeline.stats(name)
+    executions, batches = worker.execution_counts(name)
+
+    def duration(d) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+    return pb.ModelStatistics(
+        name=name, version="1", last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count, execution_count=executions,
+        inference_stats=pb.InferStatistics(
+            success=duration(stats.success), fail=duration(stats.fail),
+            queue=duration(stats.queue), compute_input=duration(stats.compute_input),
+            compute_infer=duration(stats.compute_infer),
+            compute_output=duration(stats.compute_output)),
+        batch_stats=[pb.InferBatchStatistics(batch_size=size,
+                                             compute_infer=pb.StatisticDuration(count=count))
+                     for size, count in sorted(batches.items())],
+    )
 
 
 def model_config(bundle, platform: str, max_batch_size: int) -> mc.ModelConfig:

@@ -1,23 +1,20 @@
-"""The worker process: ``rsrv serve``.
+"""The worker: everything one ``rsrv serve`` process serves (see rsrv.worker.main).
 
-One root trio nursery holds every long-lived task: the gRPC server, the dispatch loop
-and model loads. Cancelling the nursery is shutdown; no task or thread outlives it.
+One root trio nursery holds every long-lived task: the weight-transfer worker, the
+dispatch loop, the gRPC server, the admin HTTP server and the repository watcher; model
+loads run in it too. Cancelling the nursery is shutdown; no task or thread outlives it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import signal
-import sys
 from pathlib import Path
 
 import trio
 
 from rsrv.bundle.repository import discover
-from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
+from rsrv.config import ModelSchedConfig, WorkerConfig
 from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
-from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.server import Admission
 from rsrv.protocol.shm import SharedMemoryRegistry
 from rsrv.runtime import Compiler, backend
@@ -91,29 +88,14 @@ class Worker:
         cap = self._policy(name).max_batch_size
         return min(sizes[-1], cap) if sizes and cap else (sizes[-1] if sizes else 0)
 
-    def model_statistics(self, name: str) -> pb.ModelStatistics:
-        stats = self.pipeline.stats(name)
-        if self.models.get(name).bundle.kind == "meta":  # not scheduled itself
+    def execution_counts(self, name: str) -> tuple[int, dict[int, int]]:
+        """Executions of ``name`` and their count per compiled batch size (a meta model
+        is not scheduled itself: one execution per request, no batch sizes)."""
+        if self.models.get(name).bundle.kind == "meta":
             meta = self.pipeline.meta.stats.get(name)
-            executions, batches = (meta.requests if meta else 0), {}
-        else:
-            sched = self.scheduler.stats(name)
-            executions, batches = sched.dispatches, sched.batch_sizes
-
-        def dur(d):
-            return pb.StatisticDuration(count=d.count, ns=d.ns)
-
-        return pb.ModelStatistics(
-            name=name, version="1", last_inference=stats.last_inference_ms,
-            inference_count=stats.inference_count, execution_count=executions,
-            inference_stats=pb.InferStatistics(
-                success=dur(stats.success), fail=dur(stats.fail), queue=dur(stats.queue),
-                compute_input=dur(stats.compute_input), compute_infer=dur(stats.compute_infer),
-                compute_output=dur(stats.compute_output)),
-            batch_stats=[pb.InferBatchStatistics(batch_size=size,
-                                                 compute_infer=pb.StatisticDuration(count=count))
-                         for size, count in sorted(batches.items())],
-        )
+            return (meta.requests if meta else 0), {}
+        sched = self.scheduler.stats(name)
+        return sched.dispatches, sched.batch_sizes
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -247,9 +229,7 @@ class Worker:
     async def set_residency(self, served, residency: str) -> None:
         """SetModelResidency: change the floor of the current version of a model; for a
         meta model, of every model it calls."""
-        targets = [self.models.get(c) for c in served.bundle.signature.calls] \
-            if served.bundle.kind == "meta" else [served]
-        for target in targets:
+        for target in self._weight_owners(served):
             await self.weights.set_residency(target.key, residency)
             target.residency = residency
             self._residency[target.name] = residency  # kept across reloads until unload
@@ -258,13 +238,16 @@ class Worker:
     async def compact_memory(self, reload: list[str]) -> int:
         """CompactMemory: free every evictable device weight, then reload ``reload`` (a
         meta model's weights are those of the models it calls); returns how many."""
-        keys: dict[str, None] = {}
+        keys: dict[str, None] = {}  # ordered, without duplicates
         for name in reload:
-            served = self.models.get(name)
-            targets = [self.models.get(c) for c in served.bundle.signature.calls] \
-                if served.bundle.kind == "meta" else [served]
-            keys.update((t.key, None) for t in targets)
+            keys.update((t.key, None) for t in self._weight_owners(self.models.get(name)))
         return await self.weights.compact_and_reload(list(keys))
+
+    def _weight_owners(self, served) -> list:
+        """The versions whose weights ``served`` stands for: itself, or a meta's models."""
+        if served.bundle.kind == "meta":
+            return [self.models.get(c) for c in served.bundle.signature.calls]
+        return [served]
 
     def _require_explicit(self, rpc: str) -> None:
         mode = self.config.model_control_mode
@@ -315,8 +298,6 @@ class Worker:
 
     def _check_calls(self, served) -> None:
         """A meta may not call a meta, and no meta may come to call the one loading."""
-        from rsrv.errors import BundleError
-
         name = served.name
         for callee in served.bundle.signature.calls:
             entry = self.models.entries.get(callee)
@@ -335,75 +316,5 @@ class Worker:
                 log.warning("meta model %s calls %s, not (yet) in the repository",
                             name, ", ".join(missing))
 
-    def _policy(self, name: str):
-        from rsrv.config import ModelSchedConfig
-
+    def _policy(self, name: str) -> ModelSchedConfig:
         return self.config.scheduler.models.get(name) or ModelSchedConfig()
-
-
-def serve_main(node_file: str | None, worker_name: str | None) -> int:
-    """Entry point of ``rsrv serve``: configure, then run the worker under trio."""
-    try:
-        config = load_worker(node_file, worker_name)
-        if node_file is None:
-            config = _default_repo(config)
-    except ConfigError as e:
-        print(f"rsrv: {e}", file=sys.stderr)
-        return 2
-    _configure_logging(config)
-    log.info("effective configuration: %s", json.dumps(effective_config_dict(config)))
-    rt = config.runtime
-    backend.configure(rt.backend, mem_fraction=rt.mem_fraction, preallocate=rt.preallocate,
-                      allow_cpu_fallback=rt.allow_cpu_fallback)
-    worker = Worker(config)
-    trio.run(_serve_until_signal, worker)
-    return 0
-
-
-def _default_repo(config: WorkerConfig) -> WorkerConfig:
-    """The embedded default serves ./bundles; outside a checkout, the checkout's bundles/."""
-    import msgspec
-
-    checkout = Path(__file__).resolve().parents[3] / "bundles"
-    if not Path(config.model_repo).is_dir() and checkout.is_dir() and \
-            "INFERENCE_SERVER_MODEL_REPO" not in " ".join(config.overrides):
-        return msgspec.structs.replace(config, model_repo=str(checkout))
-    return config
-
-
-async def _serve_until_signal(worker: Worker) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            async for signum in signals:
-                log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
-                await worker.shutdown()
-                nursery.cancel_scope.cancel()
-                return
-
-
-def _configure_logging(config: WorkerConfig) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if config.logging.format == "json":
-        handler.setFormatter(_JsonFormatter(config.name))
-    else:
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(config.logging.level.upper())
-
-
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, worker, logger, message[, exception]."""
-
-    def __init__(self, worker: str):
-        super().__init__()
-        self.worker = worker
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record), "level": record.levelname,
-                 "worker": self.worker, "logger": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
