@@ -31,3 +31,7 @@ lint:
 fmt:
     ruff check --fix src tests scripts
     ruff format src tests scripts
+
+# Figures (needs the bench extra) under results/: `just bench` full (< 15 min), `just bench quick` (< 3 min).
+bench *args:
+    python benchmarks/run.py {{args}}
