@@ -25,12 +25,12 @@ check:
     rsrv bundle check bundles
 
 lint:
-    ruff check src tests scripts
-    ruff format --check src tests scripts
+    ruff check src tests scripts benchmarks
+    ruff format --check src tests scripts benchmarks
 
 fmt:
-    ruff check --fix src tests scripts
-    ruff format src tests scripts
+    ruff check --fix src tests scripts benchmarks
+    ruff format src tests scripts benchmarks
 
 # Figures (needs the bench extra) under results/: `just bench` full (< 15 min), `just bench quick` (< 3 min).
 bench *args:

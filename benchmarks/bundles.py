@@ -31,19 +31,30 @@ def _mlp_forward(p, x):
 
 def _mlp_params(seed: int, widths: list[int]) -> dict:
     rng = np.random.default_rng(seed)
-    return {"layers": [
-        {"w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
-         "b": (rng.standard_normal(b) * 0.01).astype(np.float32)}
-        for a, b in zip(widths[:-1], widths[1:], strict=False)]}
+    return {
+        "layers": [
+            {
+                "w": (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32),
+                "b": (rng.standard_normal(b) * 0.01).astype(np.float32),
+            }
+            for a, b in zip(widths[:-1], widths[1:], strict=False)
+        ]
+    }
 
 
 def _export(out: Path, seed: int, widths: list[int], batch_sizes: list[int], description: str):
     from rsrv.export import Input, Output, export_jax
 
-    export_jax(_mlp_forward, _mlp_params(seed, widths),
-               inputs=[Input("x", np.float32, ("n", widths[0]))], outputs=[Output("y")],
-               batch_sizes=batch_sizes, out_dir=out, description=description,
-               provenance={"source": "benchmarks/bundles.py"})
+    export_jax(
+        _mlp_forward,
+        _mlp_params(seed, widths),
+        inputs=[Input("x", np.float32, ("n", widths[0]))],
+        outputs=[Output("y")],
+        batch_sizes=batch_sizes,
+        out_dir=out,
+        description=description,
+        provenance={"source": "benchmarks/bundles.py"},
+    )
 
 
 def _cached(name: str, recipe: dict, build) -> Path:
@@ -63,37 +74,65 @@ def _cached(name: str, recipe: dict, build) -> Path:
     return repo
 
 
-def dense(name: str, width: int, depth: int, batch_sizes: list[int],
-          copies: list[str] | None = None, seed: int = 10) -> Path:
+def dense(
+    name: str,
+    width: int,
+    depth: int,
+    batch_sizes: list[int],
+    copies: list[str] | None = None,
+    seed: int = 10,
+) -> Path:
     """A repository holding the dense model (one bundle per name in ``copies``, distinct
     weights each), compiled at ``batch_sizes``."""
     copies = copies or ["dense"]
 
     def build(repo: Path):
         for i, model in enumerate(copies):
-            _export(repo / model, seed + i, [width] * (depth + 1), batch_sizes,
-                    f"benchmark: {depth} dense layers of {width}")
+            _export(
+                repo / model,
+                seed + i,
+                [width] * (depth + 1),
+                batch_sizes,
+                f"benchmark: {depth} dense layers of {width}",
+            )
 
-    return _cached(name, {"kind": "dense", "width": width, "depth": depth,
-                          "batch_sizes": batch_sizes, "copies": copies, "seed": seed}, build)
+    return _cached(
+        name,
+        {
+            "kind": "dense",
+            "width": width,
+            "depth": depth,
+            "batch_sizes": batch_sizes,
+            "copies": copies,
+            "seed": seed,
+        },
+        build,
+    )
 
 
 def zoo(count: int, width: int, depth: int, batch_sizes: list[int]) -> Path:
     def build(repo: Path):
         for i in range(count):
-            _export(repo / f"zoo{i:02d}", 100 + i, [width] * (depth + 1), batch_sizes,
-                    f"benchmark zoo model {i}")
+            _export(
+                repo / f"zoo{i:02d}",
+                100 + i,
+                [width] * (depth + 1),
+                batch_sizes,
+                f"benchmark zoo model {i}",
+            )
 
-    return _cached(f"zoo{count}", {"kind": "zoo", "count": count, "width": width,
-                                   "depth": depth, "batch_sizes": batch_sizes}, build)
+    return _cached(
+        f"zoo{count}",
+        {"kind": "zoo", "count": count, "width": width, "depth": depth, "batch_sizes": batch_sizes},
+        build,
+    )
 
 
 def tiny(count: int) -> Path:
     def build(repo: Path):
         for i in range(count):
             w = 16 + i
-            _export(repo / f"tiny{i:03d}", 1000 + i, [w, w, 8], [1, 4],
-                    f"benchmark tiny model {i}")
+            _export(repo / f"tiny{i:03d}", 1000 + i, [w, w, 8], [1, 4], f"benchmark tiny model {i}")
 
     return _cached(f"tiny{count}", {"kind": "tiny", "count": count}, build)
 

@@ -40,20 +40,32 @@ def free_port() -> int:
 
 # -- server processes ------------------------------------------------------------------
 
+
 class ServerProcess:
     """A server in a child process, stopped by its pid (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, name: str, argv: Sequence[str], port: int, *,
-                 env: dict[str, str] | None = None, log: Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        port: int,
+        *,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ):
         self.name, self.port = name, port
         self.log = log or RESULTS / "logs" / f"{name}.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log, "wb")
         self.started_at = time.perf_counter()
-        self.proc = subprocess.Popen(list(argv), stdout=self._log_file,
-                                     stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **(env or {})},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
 
     @property
     def url(self) -> str:
@@ -95,8 +107,9 @@ class ServerProcess:
         self.stop()
 
 
-def wait_ready(server: ServerProcess, timeout: float, models: Sequence[str] = (),
-               poll: float = 0.05) -> float:
+def wait_ready(
+    server: ServerProcess, timeout: float, models: Sequence[str] = (), poll: float = 0.05
+) -> float:
     """Seconds from process start until ServerReady and every model in ``models`` is
     ready (tritonclient, over gRPC). Raises RuntimeError if it dies or times out."""
     import tritonclient.grpc as grpcclient
@@ -106,8 +119,9 @@ def wait_ready(server: ServerProcess, timeout: float, models: Sequence[str] = ()
     pending = list(models)
     while time.perf_counter() < deadline:
         if not server.alive():
-            raise RuntimeError(f"{server.name} exited with code {server.proc.returncode}:\n"
-                               f"{server.log_tail()}")
+            raise RuntimeError(
+                f"{server.name} exited with code {server.proc.returncode}:\n{server.log_tail()}"
+            )
         try:
             if client is None:
                 client = grpcclient.InferenceServerClient(server.url)
@@ -120,12 +134,21 @@ def wait_ready(server: ServerProcess, timeout: float, models: Sequence[str] = ()
         except Exception:  # not listening yet
             pass
         time.sleep(poll)
-    raise RuntimeError(f"{server.name} was not ready within {timeout:.0f} s "
-                       f"(models not ready: {pending[:5]}):\n{server.log_tail()}")
+    raise RuntimeError(
+        f"{server.name} was not ready within {timeout:.0f} s "
+        f"(models not ready: {pending[:5]}):\n{server.log_tail()}"
+    )
 
 
-def node_toml(repo: Path, port: int, cache_dir: Path, *, weight_cache_bytes: int | None = None,
-              models: dict[str, dict] | None = None, scheduler: dict | None = None) -> str:
+def node_toml(
+    repo: Path,
+    port: int,
+    cache_dir: Path,
+    *,
+    weight_cache_bytes: int | None = None,
+    models: dict[str, dict] | None = None,
+    scheduler: dict | None = None,
+) -> str:
     """A one-worker node file for ``rsrv serve``: static model set, no in-flight cap."""
 
     def value(v):
@@ -135,9 +158,16 @@ def node_toml(repo: Path, port: int, cache_dir: Path, *, weight_cache_bytes: int
             return repr(v)
         return json.dumps(str(v))
 
-    lines = [f"model_repo = {value(repo)}", "", "[global]",
-             f"cache_dir = {value(cache_dir)}", 'model_control_mode = "static"', "",
-             "[global.runtime]", 'backend = "cpu"']
+    lines = [
+        f"model_repo = {value(repo)}",
+        "",
+        "[global]",
+        f"cache_dir = {value(cache_dir)}",
+        'model_control_mode = "static"',
+        "",
+        "[global.runtime]",
+        'backend = "cpu"',
+    ]
     if weight_cache_bytes is not None:
         lines.append(f"weight_cache_bytes = {weight_cache_bytes}")
     lines += ["", "[global.scheduler]", "max_queue_depth = 8192"]
@@ -145,9 +175,18 @@ def node_toml(repo: Path, port: int, cache_dir: Path, *, weight_cache_bytes: int
     for name, policy in (models or {}).items():
         lines += ["", f"[global.scheduler.models.{name}]"]
         lines += [f"{k} = {value(v)}" for k, v in policy.items()]
-    lines += ["", "[global.endpoints]", f'host = "{HOST}"', f"port = {port}",
-              "max_concurrent_requests = 0", "shutdown_grace_seconds = 2.0", "",
-              "[global.logging]", 'level = "warning"', ""]
+    lines += [
+        "",
+        "[global.endpoints]",
+        f'host = "{HOST}"',
+        f"port = {port}",
+        "max_concurrent_requests = 0",
+        "shutdown_grace_seconds = 2.0",
+        "",
+        "[global.logging]",
+        'level = "warning"',
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -157,8 +196,9 @@ def start_rsrv(name: str, repo: Path, cache_dir: Path, **node) -> ServerProcess:
     path = RESULTS / "nodes" / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(node_toml(repo, port, cache_dir, **node))
-    return ServerProcess(f"rsrv-{name}", [sys.executable, "-m", "rsrv.cli", "serve", str(path)],
-                         port)
+    return ServerProcess(
+        f"rsrv-{name}", [sys.executable, "-m", "rsrv.cli", "serve", str(path)], port
+    )
 
 
 def control_status(port: int):
@@ -176,6 +216,7 @@ def control_status(port: int):
 
 # -- load ------------------------------------------------------------------------------
 
+
 @dataclass
 class LoadResult:
     concurrency: int
@@ -192,12 +233,16 @@ class LoadResult:
         return self.completed / self.seconds if self.seconds else 0.0
 
     def summary(self) -> dict:
-        return {"concurrency": self.concurrency, "req_s": round(self.rps, 1),
-                "p50_ms": ms(percentile(self.latencies, 50)),
-                "p99_ms": ms(percentile(self.latencies, 99)),
-                "completed": self.completed, "errors": self.errors,
-                "seconds": round(self.seconds, 2),
-                "rounds_req_s": [round(r, 1) for r in self.rounds]}
+        return {
+            "concurrency": self.concurrency,
+            "req_s": round(self.rps, 1),
+            "p50_ms": ms(percentile(self.latencies, 50)),
+            "p99_ms": ms(percentile(self.latencies, 99)),
+            "completed": self.completed,
+            "errors": self.errors,
+            "seconds": round(self.seconds, 2),
+            "rounds_req_s": [round(r, 1) for r in self.rounds],
+        }
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -208,12 +253,20 @@ def ms(seconds: float) -> float | None:
     return None if math.isnan(seconds) else round(seconds * 1e3, 3)
 
 
-def closed_loop(url: str, inputs: dict[str, dict[str, np.ndarray]], concurrency: int,
-                duration: float, *, warmup: float = 0.5,
-                choose: Callable[[random.Random, int], str] | None = None, seed: int = 0,
-                at_start: Callable[[], None] | None = None,
-                at_end: Callable[[], None] | None = None,
-                max_requests: int = 2_000_000, timeout: float = 60.0) -> LoadResult:
+def closed_loop(
+    url: str,
+    inputs: dict[str, dict[str, np.ndarray]],
+    concurrency: int,
+    duration: float,
+    *,
+    warmup: float = 0.5,
+    choose: Callable[[random.Random, int], str] | None = None,
+    seed: int = 0,
+    at_start: Callable[[], None] | None = None,
+    at_end: Callable[[], None] | None = None,
+    max_requests: int = 2_000_000,
+    timeout: float = 60.0,
+) -> LoadResult:
     """``concurrency`` threads, each with its own ``tritonclient.grpc`` client (its own
     connection), send back-to-back requests for ``warmup + duration`` seconds.
 
@@ -239,13 +292,13 @@ def closed_loop(url: str, inputs: dict[str, dict[str, np.ndarray]], concurrency:
     def worker(index: int) -> None:
         rng = random.Random(seed * 7919 + index)
         client = grpcclient.InferenceServerClient(
-            url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+            url, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+        )
         prepared = {}
         for model, tensors in inputs.items():
             prepared[model] = []
             for name, array in tensors.items():
-                t = grpcclient.InferInput(name, list(array.shape),
-                                          _triton_dtype(array.dtype))
+                t = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array.dtype))
                 t.set_data_from_numpy(array)
                 prepared[model].append(t)
         mine: list[float] = []
@@ -279,8 +332,7 @@ def closed_loop(url: str, inputs: dict[str, dict[str, np.ndarray]], concurrency:
                 for k, v in counts.items():
                     per_model[k] = per_model.get(k, 0) + v
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True)
-               for i in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
     for t in threads:
         t.start()
     barrier.wait(60)  # every client is connected and its inputs are built
@@ -295,8 +347,9 @@ def closed_loop(url: str, inputs: dict[str, dict[str, np.ndarray]], concurrency:
         at_end()
     for t in threads:
         t.join(timeout + 10)
-    return LoadResult(concurrency, duration, len(latencies), errors[0], latencies, per_model,
-                      errors[1])
+    return LoadResult(
+        concurrency, duration, len(latencies), errors[0], latencies, per_model, errors[1]
+    )
 
 
 def _sleep_until(t: float) -> None:
@@ -306,8 +359,13 @@ def _sleep_until(t: float) -> None:
 
 
 def _triton_dtype(dtype) -> str:
-    return {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32",
-            "uint8": "UINT8"}[np.dtype(dtype).name]
+    return {
+        "float32": "FP32",
+        "float16": "FP16",
+        "int64": "INT64",
+        "int32": "INT32",
+        "uint8": "UINT8",
+    }[np.dtype(dtype).name]
 
 
 def merge(results: Sequence[LoadResult]) -> LoadResult:
@@ -316,19 +374,28 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
     for r in results:
         for k, v in r.per_model.items():
             per_model[k] = per_model.get(k, 0) + v
-    return LoadResult(results[0].concurrency, sum(r.seconds for r in results),
-                      sum(r.completed for r in results), sum(r.errors for r in results),
-                      [x for r in results for x in r.latencies], per_model,
-                      next((r.first_error for r in results if r.first_error), ""))
+    return LoadResult(
+        results[0].concurrency,
+        sum(r.seconds for r in results),
+        sum(r.completed for r in results),
+        sum(r.errors for r in results),
+        [x for r in results for x in r.latencies],
+        per_model,
+        next((r.first_error for r in results if r.first_error), ""),
+    )
 
 
 # -- output ----------------------------------------------------------------------------
 
+
 def table(rows: Sequence[Sequence], header: Sequence[str]) -> str:
     """A GitHub-flavoured markdown table (also readable as plain text)."""
     cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(str(h))
-              for i, h in enumerate(header)]
+    widths = [
+        max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(str(h))
+        for i, h in enumerate(header)
+    ]
+
     def line(values):
         return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
 

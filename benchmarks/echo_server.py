@@ -41,21 +41,28 @@ class Echo(GRPCInferenceServiceServicer):
         if body is None:
             body = self._canned[n] = bytes(4 * CLASSES * n)
         return pb.ModelInferResponse(
-            model_name=message.model_name, model_version="1", id=message.id,
-            outputs=[pb.ModelInferResponse.InferOutputTensor(
-                name=OUTPUT, datatype="FP32", shape=[n, CLASSES])],
-            raw_output_contents=[body])
+            model_name=message.model_name,
+            model_version="1",
+            id=message.id,
+            outputs=[
+                pb.ModelInferResponse.InferOutputTensor(
+                    name=OUTPUT, datatype="FP32", shape=[n, CLASSES]
+                )
+            ],
+            raw_output_contents=[body],
+        )
 
 
 class LoopbackServer(purerpc.Server):
     async def serve_async(self, *, task_status=anyio.TASK_STATUS_IGNORED):
         # purerpc.Server.serve_async, except for the bind address (it binds every interface)
         async with AsyncExitStack() as stack:
-            listener = await anyio.create_tcp_listener(local_host="127.0.0.1",
-                                                       local_port=self.port)
+            listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=self.port)
             self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-            services = {name: await stack.enter_async_context(service)
-                        for name, service in self.services.items()}
+            services = {
+                name: await stack.enter_async_context(service)
+                for name, service in self.services.items()
+            }
             task_status.started(self.port)
             await listener.serve(ConnectionHandler(services, self))
 

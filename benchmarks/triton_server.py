@@ -22,23 +22,32 @@ import threading
 
 import numpy as np
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
-           "I32": np.int32, "U8": np.uint8}
+_DTYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I64": np.int64,
+    "I32": np.int32,
+    "U8": np.uint8,
+}
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         data = f.read()
     (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_len])
-    body = memoryview(data)[8 + header_len:]
+    header = json.loads(data[8 : 8 + header_len])
+    body = memoryview(data)[8 + header_len :]
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         start, end = info["data_offsets"]
-        out[name] = np.frombuffer(body[start:end], dtype=_DTYPES[info["dtype"]]).reshape(
-            info["shape"]).copy()
+        out[name] = (
+            np.frombuffer(body[start:end], dtype=_DTYPES[info["dtype"]])
+            .reshape(info["shape"])
+            .copy()
+        )
     return out
 
 
@@ -56,10 +65,16 @@ def main() -> None:
         h = np.maximum(x @ hw + hb, 0.0)
         return {"logits": (h @ ow + ob).astype(np.float32)}
 
-    config = TritonConfig(grpc_address="127.0.0.1", grpc_port=grpc_port,
-                          http_address="127.0.0.1", http_port=http_port,
-                          metrics_port=metrics_port, allow_gpu_metrics=False,
-                          exit_on_error=True, log_verbose=0)
+    config = TritonConfig(
+        grpc_address="127.0.0.1",
+        grpc_port=grpc_port,
+        http_address="127.0.0.1",
+        http_port=http_port,
+        metrics_port=metrics_port,
+        allow_gpu_metrics=False,
+        exit_on_error=True,
+        log_verbose=0,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -69,8 +84,9 @@ def main() -> None:
             infer_func=infer,
             inputs=[Tensor(name="x", dtype=np.float32, shape=(256,))],
             outputs=[Tensor(name="logits", dtype=np.float32, shape=(10,))],
-            config=ModelConfig(max_batch_size=8,
-                               batcher=DynamicBatcher(max_queue_delay_microseconds=0)),
+            config=ModelConfig(
+                max_batch_size=8, batcher=DynamicBatcher(max_queue_delay_microseconds=0)
+            ),
             strict=True,
         )
         triton.run()

@@ -58,8 +58,11 @@ def _dump(schema: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if a file in --out is missing or stale")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a file in --out is missing or stale",
+    )
     args = parser.parse_args(argv)
     stale = []
     for name, text in render().items():

@@ -23,11 +23,14 @@ PROVENANCE = {"source": "scripts/make_bundles.py", "jax_version": jax.__version_
 
 def _dense(rng: np.random.Generator, n_in: int, n_out: int) -> dict[str, np.ndarray]:
     scale = np.sqrt(2.0 / n_in)
-    return {"w": (rng.standard_normal((n_in, n_out)) * scale).astype(np.float32),
-            "b": (rng.standard_normal(n_out) * 0.1).astype(np.float32)}
+    return {
+        "w": (rng.standard_normal((n_in, n_out)) * scale).astype(np.float32),
+        "b": (rng.standard_normal(n_out) * 0.1).astype(np.float32),
+    }
 
 
 # -- classifier: a plain MLP, 256 features -> 10 logits, compiled at batch 1, 4 and 8 ------
+
 
 def classifier_forward(p, x):
     h = jax.nn.relu(x @ p["hidden"]["w"] + p["hidden"]["b"])
@@ -46,8 +49,9 @@ GRADES = 6  # CORAL emits GRADES logits, one per threshold "grade > k"
 
 def grader_forward(p, image):
     x = image.astype(jnp.float32) / 255.0
-    x = jax.lax.conv_general_dilated(x, p["conv"]["w"], (2, 2), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = jax.lax.conv_general_dilated(
+        x, p["conv"]["w"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
     x = jax.nn.relu(x + p["conv"]["b"])
     x = x.mean(axis=(1, 2))
     h = jax.nn.relu(x @ p["hidden"]["w"] + p["hidden"]["b"])
@@ -60,11 +64,15 @@ def grader_forward(p, image):
 
 def grader_params() -> dict:
     rng = np.random.default_rng(2)
-    conv = {"w": (rng.standard_normal((3, 3, 3, 8)) * 0.5).astype(np.float32),
-            "b": np.zeros(8, np.float32)}
-    coral = {"w": (rng.standard_normal((16, 1)) * 0.1).astype(np.float32),
-             "gain": np.full((1, 1), 12.0, np.float32),
-             "bias": np.linspace(-1.0, -11.0, GRADES, dtype=np.float32)}
+    conv = {
+        "w": (rng.standard_normal((3, 3, 3, 8)) * 0.5).astype(np.float32),
+        "b": np.zeros(8, np.float32),
+    }
+    coral = {
+        "w": (rng.standard_normal((16, 1)) * 0.1).astype(np.float32),
+        "gain": np.full((1, 1), 12.0, np.float32),
+        "bias": np.linspace(-1.0, -11.0, GRADES, dtype=np.float32),
+    }
     return {"conv": conv, "hidden": _dense(rng, 8, 16), "coral": coral}
 
 
@@ -102,8 +110,11 @@ PATCH, GRID = 16, 4  # a 64x64 image is a 4x4 grid of 16x16 regions
 def patches_of(image):
     """(n, 64, 64) -> (n, 16, 16, 16): the 16 regions of each image, row by row."""
     n = image.shape[0]
-    return image.reshape(n, GRID, PATCH, GRID, PATCH).transpose(0, 1, 3, 2, 4).reshape(
-        n, GRID * GRID, PATCH, PATCH)
+    return (
+        image.reshape(n, GRID, PATCH, GRID, PATCH)
+        .transpose(0, 1, 3, 2, 4)
+        .reshape(n, GRID * GRID, PATCH, PATCH)
+    )
 
 
 def scorer_forward(p, image):
@@ -132,9 +143,8 @@ PIPELINE_MANIFEST = {
     "format_version": "2.0",
     "kind": "meta",
     "description": "Scores the 16 regions of a 64x64 image, keeps the top 4 scoring above 0 "
-                   "and classifies each (returns nothing when no region qualifies)",
-    "client_inputs": [{"name": "image", "dtype": "f32", "shape": "hw",
-                       "dims": {"h": 64, "w": 64}}],
+    "and classifies each (returns nothing when no region qualifies)",
+    "client_inputs": [{"name": "image", "dtype": "f32", "shape": "hw", "dims": {"h": 64, "w": 64}}],
     "client_outputs": [
         {"name": "regions", "dtype": "i64", "shape": "k", "dims": {"k": -1}},
         {"name": "scores", "dtype": "f32", "shape": "k", "dims": {"k": -1}},
@@ -184,36 +194,44 @@ def write_meta_bundle(out_dir: Path, manifest: dict, model_py: str) -> None:
 
 def main(out: Path) -> None:
     export_jax(
-        classifier_forward, classifier_params(),
+        classifier_forward,
+        classifier_params(),
         inputs=[Input("x", np.float32, ("n", 256), letters="nf")],
         outputs=[Output("logits", letters="nk")],
-        batch_sizes=[1, 4, 8], out_dir=out / "classifier",
+        batch_sizes=[1, 4, 8],
+        out_dir=out / "classifier",
         description="MLP classifier: 256 features -> 10 class logits",
         provenance=PROVENANCE,
     )
     export_jax(
-        grader_forward, grader_params(),
+        grader_forward,
+        grader_params(),
         inputs=[Input("image", np.uint8, ("n", 32, 32, 3), letters="nhwc")],
         outputs=[Output("logits", letters="nk")],
-        batch_sizes=[1, 4, 8], out_dir=out / "severity_grader",
+        batch_sizes=[1, 4, 8],
+        out_dir=out / "severity_grader",
         description="Ordinal severity grader: u8 RGB image -> grade 0..6 (CORAL)",
         client_outputs=[TensorSpec(name="grade", dtype="i64", shape="n")],
         model_py=GRADER_MODEL_PY,
         provenance=PROVENANCE,
     )
     export_jax(
-        scorer_forward, scorer_params(),
+        scorer_forward,
+        scorer_params(),
         inputs=[Input("image", np.float32, ("n", 64, 64), letters="nhw")],
         outputs=[Output("scores", letters="nr")],
-        batch_sizes=[1, 4], out_dir=out / "region_scorer",
+        batch_sizes=[1, 4],
+        out_dir=out / "region_scorer",
         description="Stage 1 of region_pipeline: one score per 16x16 region of a 64x64 image",
         provenance=PROVENANCE,
     )
     export_jax(
-        patch_classifier_forward, patch_classifier_params(),
+        patch_classifier_forward,
+        patch_classifier_params(),
         inputs=[Input("crop", np.float32, ("n", PATCH, PATCH), letters="nhw")],
         outputs=[Output("logits", letters="nk")],
-        batch_sizes=[1, 4], out_dir=out / "patch_classifier",
+        batch_sizes=[1, 4],
+        out_dir=out / "patch_classifier",
         description="Stage 2 of region_pipeline: 16x16 crop -> 5 class logits",
         provenance=PROVENANCE,
     )

@@ -29,10 +29,13 @@ def tiny_template(tmp_path_factory) -> Path:
     from rsrv.export import Input, Output, export_jax
 
     rng = np.random.default_rng(0)
-    params = {"w": rng.standard_normal((3, 2)).astype(np.float32),
-              "b": rng.standard_normal(2).astype(np.float32)}
+    params = {
+        "w": rng.standard_normal((3, 2)).astype(np.float32),
+        "b": rng.standard_normal(2).astype(np.float32),
+    }
     return export_jax(
-        lambda p, x: x @ p["w"] + p["b"], params,
+        lambda p, x: x @ p["w"] + p["b"],
+        params,
         inputs=[Input("x", np.float32, ("n", 3), letters="nf")],
         outputs=[Output("y", letters="nk")],
         batch_sizes=[1, 2],

@@ -22,12 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 BUNDLES = ROOT / "bundles"
 
 
-def worker_config(repo: Path = BUNDLES, cache_dir: Path | None = None,
-                  env: Mapping[str, str] | None = None, **settings: Any):
+def worker_config(
+    repo: Path = BUNDLES,
+    cache_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    **settings: Any,
+):
     """A WorkerConfig on a free port; ``settings`` are INFERENCE_SERVER_* style overrides,
     e.g. ``SCHEDULER_MAX_QUEUE_DEPTH=2``."""
-    variables = {"INFERENCE_SERVER_MODEL_REPO": str(repo),
-                 "INFERENCE_SERVER_ENDPOINTS_PORT": "1"}  # replaced by port 0 below
+    variables = {
+        "INFERENCE_SERVER_MODEL_REPO": str(repo),
+        "INFERENCE_SERVER_ENDPOINTS_PORT": "1",
+    }  # replaced by port 0 below
     if cache_dir is not None:
         variables["INFERENCE_SERVER_CACHE_DIR"] = str(cache_dir)
     variables.update({f"INFERENCE_SERVER_{k}": str(v) for k, v in settings.items()})
@@ -36,7 +42,8 @@ def worker_config(repo: Path = BUNDLES, cache_dir: Path | None = None,
     import msgspec
 
     return msgspec.structs.replace(
-        config, endpoints=msgspec.structs.replace(config.endpoints, port=0))
+        config, endpoints=msgspec.structs.replace(config.endpoints, port=0)
+    )
 
 
 @contextmanager

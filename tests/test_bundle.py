@@ -28,8 +28,10 @@ from rsrv.export import Input, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
 from rsrv.runtime.stablehlo import read_module
 
-TOKENS = ("('f16', 'f32', 'f64', 'bf16', 'i8', 'i16', 'i32', 'i64', 'u8', 'u16', 'u32', "
-          "'u64', 'bool', 'bytes')")
+TOKENS = (
+    "('f16', 'f32', 'f64', 'bf16', 'i8', 'i16', 'i32', 'i64', 'u8', 'u16', 'u32', "
+    "'u64', 'bool', 'bytes')"
+)
 
 TINY_TOML = """\
 format_version = "2.0"
@@ -83,6 +85,7 @@ def label(y):
 
 # -- helpers ---------------------------------------------------------------------------------
 
+
 def edit(bundle: Path, change) -> None:
     """Apply ``change(doc)`` to the bundle's manifest.yaml, a plain dict."""
     path = bundle / "manifest.yaml"
@@ -102,8 +105,9 @@ def write_weights(bundle: Path, tensors: dict[str, np.ndarray], order: list[str]
     save_file(tensors, str(bundle / "weights.safetensors"), metadata=metadata)
 
 
-def write_meta(repo: Path, manifest: dict, model_py: str | None = META_MODEL_PY,
-               name: str = "ensemble") -> Path:
+def write_meta(
+    repo: Path, manifest: dict, model_py: str | None = META_MODEL_PY, name: str = "ensemble"
+) -> Path:
     bundle = repo / name
     bundle.mkdir(parents=True)
     (bundle / "manifest.yaml").write_bytes(msgspec.yaml.encode(manifest))
@@ -117,6 +121,7 @@ def tiny_weights(bundle: Path) -> dict[str, np.ndarray]:
 
 
 # -- the valid bundle ------------------------------------------------------------------------
+
 
 def test_tiny_bundle_loads(tiny_bundle):
     b = load_bundle(tiny_bundle)
@@ -132,6 +137,7 @@ def test_tiny_bundle_loads(tiny_bundle):
 
 
 # -- manifest syntax and structure -----------------------------------------------------------
+
 
 def test_bad_yaml_syntax(tiny_bundle):
     (tiny_bundle / "manifest.yaml").write_text("format_version: '2.0'\nexecutable_inputs: [\n")
@@ -166,8 +172,7 @@ def test_unknown_nested_field(tiny_bundle):
 def test_wrong_field_type(tiny_bundle):
     edit(tiny_bundle, lambda d: d["batching"].update(compiled_batch_sizes=[1, "two"]))
     assert error(tiny_bundle) == (
-        f"{tiny_bundle}/manifest.yaml: batching.compiled_batch_sizes[1]: "
-        "Expected `int`, got `str`"
+        f"{tiny_bundle}/manifest.yaml: batching.compiled_batch_sizes[1]: Expected `int`, got `str`"
     )
 
 
@@ -186,6 +191,7 @@ def test_yaml_next_to_toml(tiny_bundle):
 
 
 # -- tensor specs ----------------------------------------------------------------------------
+
 
 def test_bad_dtype(tiny_bundle):
     edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(dtype="float32"))
@@ -214,8 +220,7 @@ def test_duplicate_letters(tiny_bundle):
 def test_non_letter_in_shape(tiny_bundle):
     edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(shape="n3"))
     assert error(tiny_bundle) == (
-        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].shape: 'n3': '3' is not an ASCII "
-        "letter"
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].shape: 'n3': '3' is not an ASCII letter"
     )
 
 
@@ -255,8 +260,7 @@ def test_non_positive_dim(tiny_bundle, size):
 def test_wrong_format_version(tiny_bundle):
     edit(tiny_bundle, lambda d: d.update(format_version="1.0"))
     assert error(tiny_bundle) == (
-        f"{tiny_bundle}/manifest.yaml: format_version: unsupported version '1.0' "
-        '(expected "2.0")'
+        f"{tiny_bundle}/manifest.yaml: format_version: unsupported version '1.0' (expected \"2.0\")"
     )
 
 
@@ -293,6 +297,7 @@ def test_non_positive_batch_size(tiny_bundle):
 
 # -- module files ----------------------------------------------------------------------------
 
+
 def test_missing_module_for_declared_batch_size(tiny_bundle):
     edit(tiny_bundle, lambda d: d["batching"].update(compiled_batch_sizes=[1, 2, 4]))
     assert error(tiny_bundle) == (
@@ -325,10 +330,12 @@ def test_module_that_is_not_stablehlo(tiny_bundle):
 def test_module_argument_count(tiny_bundle, tmp_path):
     """A module traced with one more input than the manifest declares."""
     other = export_jax(
-        lambda p, x, t: x @ p["w"] + p["b"] + t, {"w": np.ones((3, 2), np.float32),
-                                                  "b": np.ones(2, np.float32)},
+        lambda p, x, t: x @ p["w"] + p["b"] + t,
+        {"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)},
         inputs=[Input("x", np.float32, ("n", 3)), Input("t", np.float32, ("n", 2))],
-        outputs=["y"], batch_sizes=[1, 2], out_dir=tmp_path / "other",
+        outputs=["y"],
+        batch_sizes=[1, 2],
+        out_dir=tmp_path / "other",
     )
     for name in ("model.b1.mlir", "model.b2.mlir"):
         shutil.copy(other / name, tiny_bundle / name)
@@ -396,6 +403,7 @@ def test_variable_extent_matches_any_size(tiny_bundle):
 
 # -- weights ---------------------------------------------------------------------------------
 
+
 def test_missing_weights(tiny_bundle):
     (tiny_bundle / "weights.safetensors").unlink()
     assert error(tiny_bundle) == (
@@ -420,8 +428,11 @@ def test_safetensors_without_argument_order(tiny_bundle):
 
 
 def test_argument_order_not_a_list(tiny_bundle):
-    save_file(tiny_weights(tiny_bundle), str(tiny_bundle / "weights.safetensors"),
-              metadata={"argument_order": "b,w"})
+    save_file(
+        tiny_weights(tiny_bundle),
+        str(tiny_bundle / "weights.safetensors"),
+        metadata={"argument_order": "b,w"},
+    )
     assert error(tiny_bundle) == (
         f"{tiny_bundle}/weights.safetensors: metadata 'argument_order' must be a JSON list of "
         "tensor names"
@@ -438,23 +449,22 @@ def test_weights_not_safetensors(tiny_bundle):
 
 # -- model.py --------------------------------------------------------------------------------
 
+
 def test_model_py_failing_to_import(tiny_bundle):
     (tiny_bundle / "model.py").write_text("import rsrv\n\nraise RuntimeError('boom')\n")
-    assert error(tiny_bundle) == (
-        f"{tiny_bundle}/model.py: failed to import: RuntimeError: boom"
-    )
+    assert error(tiny_bundle) == (f"{tiny_bundle}/model.py: failed to import: RuntimeError: boom")
 
 
 def test_model_py_syntax_error(tiny_bundle):
     (tiny_bundle / "model.py").write_text("def broken(:\n")
-    assert error(tiny_bundle).startswith(
-        f"{tiny_bundle}/model.py: failed to import: SyntaxError: "
-    )
+    assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.py: failed to import: SyntaxError: ")
 
 
 def test_hook_naming_unknown_tensor(tiny_bundle):
-    edit(tiny_bundle, lambda d: d.update(
-        client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]))
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
     (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "logits"))
     assert error(tiny_bundle) == (
         f"{tiny_bundle}/model.py: @rsrv.postprocess 'label' inputs names 'logits', which is not "
@@ -463,8 +473,10 @@ def test_hook_naming_unknown_tensor(tiny_bundle):
 
 
 def test_hook_binding_known_tensor_loads(tiny_bundle):
-    edit(tiny_bundle, lambda d: d.update(
-        client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]))
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
     (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "y"))
     b = load_bundle(tiny_bundle)
     hook = b.hooks.postprocess
@@ -475,8 +487,10 @@ def test_hook_binding_known_tensor_loads(tiny_bundle):
 
 
 def test_client_output_not_produced(tiny_bundle):
-    edit(tiny_bundle, lambda d: d.update(
-        client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]))
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
     (tiny_bundle / "model.py").write_text("import rsrv\n")
     assert error(tiny_bundle) == (
         f"{tiny_bundle}/model.py: client output 'label' is neither produced by "
@@ -494,8 +508,10 @@ def test_client_inputs_without_model_py(tiny_bundle):
 
 def test_loading_model_py_writes_nothing_into_the_bundle(tiny_bundle, monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
-    edit(tiny_bundle, lambda d: d.update(
-        client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]))
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
     (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "y"))
     before = sorted(p.name for p in tiny_bundle.iterdir())
     load_bundle(tiny_bundle)
@@ -503,6 +519,7 @@ def test_loading_model_py_writes_nothing_into_the_bundle(tiny_bundle, monkeypatc
 
 
 # -- meta bundles ----------------------------------------------------------------------------
+
 
 def test_meta_bundle_loads(tmp_path):
     b = load_bundle(write_meta(tmp_path, META_MANIFEST))
@@ -523,8 +540,7 @@ def test_meta_missing_client_io(tmp_path, missing):
     manifest = {k: v for k, v in META_MANIFEST.items() if k != missing}
     bundle = write_meta(tmp_path, manifest)
     assert error(bundle) == (
-        f"{bundle}/manifest.yaml: kind: a meta bundle must declare client_inputs and "
-        "client_outputs"
+        f"{bundle}/manifest.yaml: kind: a meta bundle must declare client_inputs and client_outputs"
     )
 
 
@@ -556,8 +572,13 @@ def test_meta_with_executable_tensors(tmp_path):
 
 
 def test_meta_hook_not_producing_client_output(tmp_path):
-    manifest = {**META_MANIFEST, "client_outputs": [
-        *META_MANIFEST["client_outputs"], {"name": "z", "dtype": "f32", "shape": "n"}]}
+    manifest = {
+        **META_MANIFEST,
+        "client_outputs": [
+            *META_MANIFEST["client_outputs"],
+            {"name": "z", "dtype": "f32", "shape": "n"},
+        ],
+    }
     bundle = write_meta(tmp_path, manifest)
     assert error(bundle) == f"{bundle}/model.py: @rsrv.meta does not produce client output(s) z"
 
@@ -565,12 +586,12 @@ def test_meta_hook_not_producing_client_output(tmp_path):
 def test_meta_calls_on_a_model(tiny_bundle):
     edit(tiny_bundle, lambda d: d.update(meta={"calls": ["other"]}))
     assert error(tiny_bundle) == (
-        f"{tiny_bundle}/manifest.yaml: meta: only a meta bundle (kind: meta) may declare "
-        "meta.calls"
+        f"{tiny_bundle}/manifest.yaml: meta: only a meta bundle (kind: meta) may declare meta.calls"
     )
 
 
 # -- equivalences ----------------------------------------------------------------------------
+
 
 def test_yaml_and_toml_manifests_load_the_same(tiny_bundle):
     from_yaml = load_bundle(tiny_bundle)
@@ -581,15 +602,18 @@ def test_yaml_and_toml_manifests_load_the_same(tiny_bundle):
     assert from_toml.signature == from_yaml.signature
     # TINY_TOML carries no provenance; everything else must be identical
     without = {"provenance": {}}
-    assert msgspec.structs.replace(from_toml.manifest, **without) == \
-        msgspec.structs.replace(from_yaml.manifest, **without)
+    assert msgspec.structs.replace(from_toml.manifest, **without) == msgspec.structs.replace(
+        from_yaml.manifest, **without
+    )
 
 
 def spec_examples(repo_root: Path) -> dict[tuple[str, str], str]:
     """The code blocks of specs/bundle.md whose first line is ``# <something>-example``."""
     text = (repo_root / "specs" / "bundle.md").read_text()
-    return {(lang, marker): body for lang, marker, body in
-            re.findall(r"```(\w+)\n# ([\w-]+-example)\n(.*?)```", text, re.S)}
+    return {
+        (lang, marker): body
+        for lang, marker, body in re.findall(r"```(\w+)\n# ([\w-]+-example)\n(.*?)```", text, re.S)
+    }
 
 
 def test_spec_yaml_and_toml_examples_agree(repo_root, tmp_path):
@@ -621,8 +645,12 @@ def test_spec_examples_load_as_bundles(repo_root, examples_dir, tmp_path):
     grade = b.hooks.postprocess.apply({"logits": np.array([[1, -1, 1, 1, 1, 1]], np.float32)})
     assert grade["grade"].tolist() == [1]
 
-    meta = write_meta(tmp_path, msgspec.yaml.decode(blocks["yaml", "meta-example"].encode()),
-                      blocks["python", "meta-model-example"], name="grade_and_label")
+    meta = write_meta(
+        tmp_path,
+        msgspec.yaml.decode(blocks["yaml", "meta-example"].encode()),
+        blocks["python", "meta-model-example"],
+        name="grade_and_label",
+    )
     m = load_bundle(meta)
     assert m.signature.calls == ("severity_grader", "classifier")
 
@@ -638,12 +666,14 @@ def test_spec_examples_load_as_bundles(repo_root, examples_dir, tmp_path):
 
 def _export_text(x_shape: tuple[int, ...]) -> str:
     """The tiny model as jax.export's StableHLO text: main(x, b, w) in argument_order."""
+
     def entry(x, b, w):
         return (x @ w + b,)
 
     f32 = np.float32
     exported = jax.export.export(jax.jit(entry))(
-        jax.ShapeDtypeStruct(x_shape, f32), jax.ShapeDtypeStruct((2,), f32),
+        jax.ShapeDtypeStruct(x_shape, f32),
+        jax.ShapeDtypeStruct((2,), f32),
         jax.ShapeDtypeStruct((3, 2), f32),
     )
     return exported.mlir_module()
@@ -668,11 +698,13 @@ def test_text_and_bytecode_modules_load_and_run_the_same(tiny_bundle, tmp_path):
         results[bundle] = {n: model.run(n, [xs[n]], dev_weights)[0] for n in (1, 2)}
     for n in (1, 2):
         np.testing.assert_array_equal(results[tiny_bundle][n], results[text_bundle][n])
-        np.testing.assert_allclose(results[tiny_bundle][n], xs[n] @ weights["w"] + weights["b"],
-                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            results[tiny_bundle][n], xs[n] @ weights["w"] + weights["b"], rtol=1e-6, atol=1e-6
+        )
 
 
 # -- repositories and `rsrv bundle check` ----------------------------------------------------
+
 
 def test_broken_bundle_does_not_stop_the_others(tiny_bundle):
     repo = tiny_bundle.parent
@@ -706,8 +738,9 @@ def test_check_examples(examples_dir):
         "5 ok, 0 failed",
     ]:
         assert line in text.splitlines(), line
-    assert len(re.findall(r"^  batch sizes: 1, 4, 8  \(compiled in \d+\.\d\d s\)$", text,
-                          re.M)) == 2
+    assert (
+        len(re.findall(r"^  batch sizes: 1, 4, 8  \(compiled in \d+\.\d\d s\)$", text, re.M)) == 2
+    )
 
 
 def test_check_broken(tiny_bundle):
@@ -717,8 +750,10 @@ def test_check_broken(tiny_bundle):
     out = io.StringIO()
     assert check_main([repo], out=out) == 1
     text = out.getvalue()
-    assert (f"FAIL broken\n  {broken}/manifest.yaml: executable_inputs[0].dims: letter 'w' of "
-            "shape 'nhw' has no size\n") in text
+    assert (
+        f"FAIL broken\n  {broken}/manifest.yaml: executable_inputs[0].dims: letter 'w' of "
+        "shape 'nhw' has no size\n"
+    ) in text
     assert "OK   tiny (model)" in text
     assert text.endswith("1 ok, 1 failed\n")
     # A bundle directory given directly is checked as one bundle.
@@ -735,14 +770,23 @@ def _rsrv_command() -> list[str]:
 
 
 def test_check_console_script(repo_root, tiny_bundle):
-    ok = subprocess.run([*_rsrv_command(), "bundle", "check", "bundles"], cwd=repo_root,
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [*_rsrv_command(), "bundle", "check", "bundles"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "OK   classifier (model)" in ok.stdout and "OK   severity_grader (model)" in ok.stdout
     assert ok.stdout.endswith("5 ok, 0 failed\n")
 
     (tiny_bundle / "weights.safetensors").unlink()
-    bad = subprocess.run([*_rsrv_command(), "bundle", "check", str(tiny_bundle)],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [*_rsrv_command(), "bundle", "check", str(tiny_bundle)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0
     assert f"{tiny_bundle}/weights.safetensors: missing" in bad.stdout

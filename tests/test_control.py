@@ -53,10 +53,14 @@ def cache_dir(tmp_path_factory):
 
 def export_columns(out_dir, seed: int):
     """Like the linear bundle, but the batch runs along axis 1 of x f32[3,n]."""
-    return export_jax(lambda p, x: x.T @ p["w"] + p["b"], linear_params(seed),
-                      inputs=[Input("x", np.float32, (3, "n"), letters="fn")],
-                      outputs=[Output("y", letters="nk")], batch_sizes=[1, 2, 4],
-                      out_dir=out_dir)
+    return export_jax(
+        lambda p, x: x.T @ p["w"] + p["b"],
+        linear_params(seed),
+        inputs=[Input("x", np.float32, (3, "n"), letters="fn")],
+        outputs=[Output("y", letters="nk")],
+        batch_sizes=[1, 2, 4],
+        out_dir=out_dir,
+    )
 
 
 @asynccontextmanager
@@ -82,8 +86,7 @@ async def statuses(client: ControlClient) -> dict[str, pb.ModelStatus]:
 def test_explicit_mode_loads_and_unloads_only_on_request(repo, cache_dir):
     (repo / "broken").mkdir()
     (repo / "broken" / "manifest.yaml").write_text("kind: model\n")
-    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit",
-                           MODEL_POLL_SECONDS=0.05)
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit", MODEL_POLL_SECONDS=0.05)
     with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
         assert index(client) == {}  # nothing loads at startup
         assert client.is_server_ready()
@@ -145,8 +148,12 @@ async def test_model_control_status_reports_every_field(repo, cache_dir):
     (repo / "broken").mkdir()
     (repo / "broken" / "manifest.yaml").write_text("kind: model\n")
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
-    config = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(
-        config.scheduler, models={"cols": ModelSchedConfig(weight=2.5, max_batch_size=2)}))
+    config = msgspec.structs.replace(
+        config,
+        scheduler=msgspec.structs.replace(
+            config.scheduler, models={"cols": ModelSchedConfig(weight=2.5, max_batch_size=2)}
+        ),
+    )
     async with serving(config) as (worker, client):
         for rows in (1, 1, 1, 2, 2):  # one at a time: one dispatch each
             infer(client, "a", X[:rows])
@@ -203,8 +210,9 @@ def _columns_input(x: np.ndarray) -> tc.InferInput:
 async def test_set_model_residency_in_explicit_mode(repo, cache_dir):
     """A budget for one model's weights: b and c evict each other, a pinned on the
     device never leaves it; system keeps a host copy, unpinned does not."""
-    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit",
-                           RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8
+    )
     async with serving(config) as (worker, client):
         for name in ("a", "b", "c"):
             client.load_model(name)
@@ -305,8 +313,9 @@ async def test_set_model_policy_changes_the_weight_live(repo, cache_dir):
 
 
 async def test_compact_memory_frees_evictable_weights_and_reloads_the_listed(repo, cache_dir):
-    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit",
-                           RUNTIME_WEIGHT_CACHE_BYTES=10 * WEIGHT_BYTES)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=10 * WEIGHT_BYTES
+    )
     async with serving(config) as (worker, client):
         for name in ("a", "b", "c"):
             client.load_model(name)
@@ -348,8 +357,9 @@ async def test_control_rpcs_on_a_meta_model(tmp_path, cache_dir):
     repo = tmp_path / "repo"
     for name in ("region_pipeline", "region_scorer", "patch_classifier"):
         shutil.copytree(BUNDLES / name, repo / name)
-    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit",
-                           RUNTIME_WEIGHT_CACHE_BYTES=1 << 20)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=1 << 20
+    )
     async with serving(config) as (worker, client):
         for name in ("region_scorer", "patch_classifier", "region_pipeline"):
             client.load_model(name)

@@ -104,6 +104,7 @@ REFERENCES = {
 
 # -- fixtures --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def examples(examples_dir) -> dict[str, Bundle]:
     found = scan(examples_dir)
@@ -115,11 +116,13 @@ def examples(examples_dir) -> dict[str, Bundle]:
 @pytest.fixture(scope="module")
 def compiled(examples):
     compiler = Compiler()
-    return {name: (compile_bundle(b, compiler), weights_to_device(b))
-            for name, b in examples.items()}
+    return {
+        name: (compile_bundle(b, compiler), weights_to_device(b)) for name, b in examples.items()
+    }
 
 
 # -- execution against the references --------------------------------------------------------
+
 
 def test_every_example_has_a_reference(examples):
     models = [name for name, b in examples.items() if b.kind == "model"]
@@ -140,8 +143,13 @@ def test_example_matches_numpy_reference_at_every_batch_size(examples, compiled,
         (got,) = model.run(n, [x], weights)
         assert got.dtype == out_spec.dtype.numpy
         assert got.shape == (n, *out_spec.shape[1:])
-        np.testing.assert_allclose(got, reference(host_weights, x), rtol=1e-4, atol=1e-4,
-                                   err_msg=f"{name} at batch size {n}")
+        np.testing.assert_allclose(
+            got,
+            reference(host_weights, x),
+            rtol=1e-4,
+            atol=1e-4,
+            err_msg=f"{name} at batch size {n}",
+        )
 
 
 def test_grader_pipeline_grades(examples, compiled):
@@ -153,10 +161,12 @@ def test_grader_pipeline_grades(examples, compiled):
     assert (hook.inputs, hook.outputs) == (("logits",), ("grade",))
     rng = np.random.default_rng(3)
     # black, mid-grey, white, then random images; brightness dominates the CORAL score
-    images = np.concatenate([
-        np.stack([np.full((32, 32, 3), v, np.uint8) for v in (0, 128, 255)]),
-        grader_inputs(rng, 5),
-    ])
+    images = np.concatenate(
+        [
+            np.stack([np.full((32, 32, 3), v, np.uint8) for v in (0, 128, 255)]),
+            grader_inputs(rng, 5),
+        ]
+    )
     (logits,) = model.run(8, [images], weights)
     reference = grader_reference(host_weights, images)
     assert np.abs(reference).min() > 1e-2  # no logit close enough to 0 to flip a grade
@@ -166,15 +176,18 @@ def test_grader_pipeline_grades(examples, compiled):
     assert list(grades[:3]) == [0, 3, 6]
 
 
-@pytest.mark.parametrize(("row", "grade"), [
-    ([1.0, -1.0, 1.0], 1),  # the early break: later positives do not count
-    ([-1.0, 1.0, 1.0], 0),
-    ([0.0, 1.0, 1.0], 0),   # zero is not positive
-    ([2.0, 1.0, 0.5], 3),
-    ([5.0, 3.0, 1.0, -1.0, 2.0, 4.0], 3),
-    ([1.0] * 6, 6),
-    ([-1.0] * 6, 0),
-])
+@pytest.mark.parametrize(
+    ("row", "grade"),
+    [
+        ([1.0, -1.0, 1.0], 1),  # the early break: later positives do not count
+        ([-1.0, 1.0, 1.0], 0),
+        ([0.0, 1.0, 1.0], 0),  # zero is not positive
+        ([2.0, 1.0, 0.5], 3),
+        ([5.0, 3.0, 1.0, -1.0, 2.0, 4.0], 3),
+        ([1.0] * 6, 6),
+        ([-1.0] * 6, 0),
+    ],
+)
 def test_grader_postprocess_early_break(examples, row, grade):
     hook = examples["severity_grader"].hooks.postprocess
     logits = np.array([row], np.float32)
@@ -191,6 +204,7 @@ def test_grader_postprocess_matches_reference_on_random_logits(examples):
 
 # -- reproducibility -------------------------------------------------------------------------
 
+
 def _files(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
@@ -201,8 +215,12 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_make_bundles_reproduces_examples_byte_for_byte(repo_root, examples_dir, tmp_path):
     out = tmp_path / "bundles"
-    subprocess.run([sys.executable, str(repo_root / "scripts" / "make_bundles.py"), str(out)],
-                   cwd=tmp_path, check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(repo_root / "scripts" / "make_bundles.py"), str(out)],
+        cwd=tmp_path,
+        check=True,
+        timeout=300,
+    )
     built, committed = _files(out), _files(examples_dir)
     assert sorted(built) == sorted(committed)
     for name, data in committed.items():

@@ -72,6 +72,7 @@ def listing(path: Path) -> list[str]:
 
 # -- the three models ----------------------------------------------------------------------
 
+
 class NnxMLP(nnx.Module):
     """16 features -> 5 logits, with BatchNorm (running stats: weights) and Dropout (RNG
     state: unused in eval mode, so dropped)."""
@@ -134,14 +135,33 @@ def repo(models, tmp_path_factory) -> Path:
     ``repo/../cache``, which the serving test's worker then uses."""
     repo = tmp_path_factory.mktemp("export") / "repo"
     gate = Parity(cache_dir=repo.parent / "cache")
-    export_flax_nnx(models["nnx_mlp"], inputs=X16, outputs=[Output("logits", letters="nk")],
-                    batch_sizes=SIZES, out_dir=repo / "nnx_mlp", parity=gate)
-    export_equinox(models["eqx_mlp"], inputs=X16, outputs=["logits"], batch_sizes=SIZES,
-                   out_dir=repo / "eqx_mlp", parity=gate)
+    export_flax_nnx(
+        models["nnx_mlp"],
+        inputs=X16,
+        outputs=[Output("logits", letters="nk")],
+        batch_sizes=SIZES,
+        out_dir=repo / "nnx_mlp",
+        parity=gate,
+    )
+    export_equinox(
+        models["eqx_mlp"],
+        inputs=X16,
+        outputs=["logits"],
+        batch_sizes=SIZES,
+        out_dir=repo / "eqx_mlp",
+        parity=gate,
+    )
     model, variables = models["linen_cnn"]
-    export_flax_linen(model, variables, apply_kwargs={"train": False}, inputs=IMAGE,
-                      outputs=[Output("logits", letters="nk")], batch_sizes=SIZES,
-                      out_dir=repo / "linen_cnn", parity=gate)
+    export_flax_linen(
+        model,
+        variables,
+        apply_kwargs={"train": False},
+        inputs=IMAGE,
+        outputs=[Output("logits", letters="nk")],
+        batch_sizes=SIZES,
+        out_dir=repo / "linen_cnn",
+        parity=gate,
+    )
     return repo
 
 
@@ -162,39 +182,67 @@ def source_outputs(models, name: str, x: np.ndarray) -> np.ndarray:
 def test_exported_bundles_layout_and_weight_names(repo):
     assert listing(repo) == ["eqx_mlp", "linen_cnn", "nnx_mlp"]  # no staging left behind
     for name in listing(repo):
-        assert listing(repo / name) == ["manifest.yaml", "model.b1.mlir", "model.b4.mlir",
-                                        "model.b8.mlir", "weights.safetensors"]
+        assert listing(repo / name) == [
+            "manifest.yaml",
+            "model.b1.mlir",
+            "model.b4.mlir",
+            "model.b8.mlir",
+            "weights.safetensors",
+        ]
         assert load_bundle(repo / name).batch_sizes == (1, 4, 8)
     # NNX: params and batch stats by path; the Dropout's RNG state is not a weight
     assert argument_order(repo / "nnx_mlp") == [
-        "hidden.bias", "hidden.kernel", "norm.bias", "norm.mean", "norm.scale", "norm.var",
-        "out.bias", "out.kernel"]
+        "hidden.bias",
+        "hidden.kernel",
+        "norm.bias",
+        "norm.mean",
+        "norm.scale",
+        "norm.var",
+        "out.bias",
+        "out.kernel",
+    ]
     # Equinox: the array leaves of eqx.partition, by path, in pytree order
     assert argument_order(repo / "eqx_mlp") == [
-        "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias",
-        "layers.2.weight", "layers.2.bias"]
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.1.weight",
+        "layers.1.bias",
+        "layers.2.weight",
+        "layers.2.bias",
+    ]
     # Linen: every collection of the variables, the collection first
     assert argument_order(repo / "linen_cnn") == [
-        "batch_stats.BatchNorm_0.mean", "batch_stats.BatchNorm_0.var",
-        "params.BatchNorm_0.bias", "params.BatchNorm_0.scale", "params.Conv_0.bias",
-        "params.Conv_0.kernel", "params.Dense_0.bias", "params.Dense_0.kernel"]
+        "batch_stats.BatchNorm_0.mean",
+        "batch_stats.BatchNorm_0.var",
+        "params.BatchNorm_0.bias",
+        "params.BatchNorm_0.scale",
+        "params.Conv_0.bias",
+        "params.Conv_0.kernel",
+        "params.Dense_0.bias",
+        "params.Dense_0.kernel",
+    ]
     doc = manifest(repo / "linen_cnn")
-    assert doc["executable_inputs"] == [{"name": "image", "dtype": "u8", "shape": "nhwc",
-                                         "dims": {"h": 8, "w": 8, "c": 3}}]
-    assert doc["executable_outputs"] == [{"name": "logits", "dtype": "f32", "shape": "nk",
-                                          "dims": {"k": 3}}]
+    assert doc["executable_inputs"] == [
+        {"name": "image", "dtype": "u8", "shape": "nhwc", "dims": {"h": 8, "w": 8, "c": 3}}
+    ]
+    assert doc["executable_outputs"] == [
+        {"name": "logits", "dtype": "f32", "shape": "nk", "dims": {"k": 3}}
+    ]
     assert doc["provenance"]["framework"] == "flax.linen"
     assert manifest(repo / "nnx_mlp")["provenance"]["framework"] == "flax.nnx"
-    assert manifest(repo / "eqx_mlp")["provenance"]["versions"]["equinox"] == \
-        metadata.version("equinox")
+    assert manifest(repo / "eqx_mlp")["provenance"]["versions"]["equinox"] == metadata.version(
+        "equinox"
+    )
 
 
 def test_served_by_a_worker_through_tritonclient(repo, models):
     rng = np.random.default_rng(7)
     cache = repo.parent / "cache"
     assert len(list((cache / "executables").iterdir())) == 9  # 3 models x 3 batch sizes
-    with running(worker_config(repo, cache, MODEL_CONTROL_MODE="static")) as w, \
-            tc.InferenceServerClient(url(w)) as client:
+    with (
+        running(worker_config(repo, cache, MODEL_CONTROL_MODE="static")) as w,
+        tc.InferenceServerClient(url(w)) as client,
+    ):
         for name in ("nnx_mlp", "eqx_mlp", "linen_cnn"):
             for rows in (1, 3, 8):  # 3 is padded up to the compiled size 4
                 if name == "linen_cnn":
@@ -205,11 +253,17 @@ def test_served_by_a_worker_through_tritonclient(repo, models):
                     tensor = tc.InferInput("x", list(x.shape), "FP32")
                 tensor.set_data_from_numpy(x)
                 got = client.infer(name, [tensor]).as_numpy("logits")
-                np.testing.assert_allclose(got, source_outputs(models, name, x), rtol=1e-4,
-                                           atol=1e-5, err_msg=f"{name} rows={rows}")
+                np.testing.assert_allclose(
+                    got,
+                    source_outputs(models, name, x),
+                    rtol=1e-4,
+                    atol=1e-5,
+                    err_msg=f"{name} rows={rows}",
+                )
 
 
 # -- the arity gate ------------------------------------------------------------------------
+
 
 class NoisyMLP(nnx.Module):
     """A stochastic layer: adds Gaussian noise drawn from its own RNG stream on every call,
@@ -228,12 +282,18 @@ def test_arity_gate_refuses_lifted_rng_state_and_writes_nothing(tmp_path):
     with f32():
         model = NoisyMLP(nnx.Rngs(0, noise=1))
     with pytest.raises(ExportError) as info:
-        export_flax_nnx(model, inputs=[Input("x", np.float32, ("n", 4))], outputs=["y"],
-                        batch_sizes=[1, 2], out_dir=tmp_path / "noisy")
+        export_flax_nnx(
+            model,
+            inputs=[Input("x", np.float32, ("n", 4))],
+            outputs=["y"],
+            batch_sizes=[1, 2],
+            out_dir=tmp_path / "noisy",
+        )
     message = str(info.value)
     assert message.startswith(
         "UNSERVABLE: the compiled entry takes 5 arguments but rsrv calls it with 3 "
-        "(1 inputs + 2 weights). The likely cause is state lifted into extra arguments")
+        "(1 inputs + 2 weights). The likely cause is state lifted into extra arguments"
+    )
     assert "Lifted here: rngs.noise.count (nnx.RngCount), rngs.noise.key (nnx.RngKey)" in message
     assert "draws random numbers" in message
     assert listing(tmp_path) == []  # no bundle, no staging directory
@@ -243,21 +303,33 @@ def test_dropout_in_training_mode_is_lifted_state_too(tmp_path):
     with f32():
         model = nnx_mlp()
     with pytest.raises(ExportError, match=r"Lifted here: drop\.rngs\.count"):
-        export_flax_nnx(model, eval=False, inputs=X16, outputs=["y"], batch_sizes=[1],
-                        out_dir=tmp_path / "train")
+        export_flax_nnx(
+            model,
+            eval=False,
+            inputs=X16,
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "train",
+        )
     assert listing(tmp_path) == []
     assert model.drop.deterministic is False  # eval=True would have worked on a copy
 
 
 def test_prng_key_parameters_are_refused(tmp_path):
     with pytest.raises(ExportError, match=r"^weight 'key' is a PRNG key \(key<fry>\)"):
-        export_jax(lambda p, x: x, {"key": jax.random.key(0)},
-                   inputs=[Input("x", np.float32, ("n", 2))], outputs=["y"], batch_sizes=[1],
-                   out_dir=tmp_path / "k")
+        export_jax(
+            lambda p, x: x,
+            {"key": jax.random.key(0)},
+            inputs=[Input("x", np.float32, ("n", 2))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "k",
+        )
     assert listing(tmp_path) == []
 
 
 # -- the parity gate -----------------------------------------------------------------------
+
 
 def test_parity_gate_removes_a_bundle_that_differs(models, tmp_path, monkeypatch, caplog):
     """The weights written to disk are perturbed: the served module differs from the source."""
@@ -271,27 +343,49 @@ def test_parity_gate_removes_a_bundle_that_differs(models, tmp_path, monkeypatch
         return real_save(tensors, path, metadata=metadata)
 
     out = tmp_path / "nnx_mlp"
-    export_flax_nnx(models["nnx_mlp"], inputs=X16, outputs=["logits"], batch_sizes=[1, 2],
-                    out_dir=out, provenance=FIXED)
+    export_flax_nnx(
+        models["nnx_mlp"],
+        inputs=X16,
+        outputs=["logits"],
+        batch_sizes=[1, 2],
+        out_dir=out,
+        provenance=FIXED,
+    )
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     monkeypatch.setattr(safetensors.numpy, "save_file", tampered)
     with pytest.raises(ExportError) as info:
-        export_flax_nnx(models["nnx_mlp"], inputs=X16, outputs=["logits"],
-                        batch_sizes=[1, 2, 4], out_dir=out, provenance=FIXED)
+        export_flax_nnx(
+            models["nnx_mlp"],
+            inputs=X16,
+            outputs=["logits"],
+            batch_sizes=[1, 2, 4],
+            out_dir=out,
+            provenance=FIXED,
+        )
     message = str(info.value)
-    assert message.startswith("PARITY: output 'logits' at batch size 4 differs from the "
-                              "source framework: 20 of 20 elements are not equal within "
-                              "rtol 0.0001, atol 1e-05; max abs err 0.01")
+    assert message.startswith(
+        "PARITY: output 'logits' at batch size 4 differs from the "
+        "source framework: 20 of 20 elements are not equal within "
+        "rtol 0.0001, atol 1e-05; max abs err 0.01"
+    )
     assert message.endswith("Nothing was written.")
     assert listing(tmp_path) == ["nnx_mlp"]  # the staged bundle is gone ...
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # ... the old one kept
 
     monkeypatch.setattr(safetensors.numpy, "save_file", real_save)
     caplog.set_level("INFO", logger="rsrv.export")
-    export_flax_nnx(models["nnx_mlp"], inputs=X16, outputs=["logits"], batch_sizes=[1, 2, 4],
-                    out_dir=tmp_path / "fresh", provenance=FIXED)
-    assert any(r.getMessage().startswith("fresh: parity ok at batch sizes 1, 2, 4: max abs "
-                                         "err ") for r in caplog.records)
+    export_flax_nnx(
+        models["nnx_mlp"],
+        inputs=X16,
+        outputs=["logits"],
+        batch_sizes=[1, 2, 4],
+        out_dir=tmp_path / "fresh",
+        provenance=FIXED,
+    )
+    assert any(
+        r.getMessage().startswith("fresh: parity ok at batch sizes 1, 2, 4: max abs err ")
+        for r in caplog.records
+    )
 
 
 def test_parity_gate_on_a_fresh_directory_writes_nothing(tmp_path):
@@ -304,21 +398,37 @@ def test_parity_gate_on_a_fresh_directory_writes_nothing(tmp_path):
     from rsrv.export import Program, export_program
 
     w = np.eye(3, dtype=np.float32)
-    program = Program(lambda ws, _s, x: shifty({"w": ws[0]}, x), ["w"], [w],
-                      reference=lambda x: wrong_reference({"w": w}, x))
+    program = Program(
+        lambda ws, _s, x: shifty({"w": ws[0]}, x),
+        ["w"],
+        [w],
+        reference=lambda x: wrong_reference({"w": w}, x),
+    )
     with pytest.raises(ExportError, match="^PARITY: output 'y' at batch size 2 differs"):
-        export_program(program, inputs=[Input("x", np.float32, ("n", 3))], outputs=["y"],
-                       batch_sizes=[1, 2], out_dir=tmp_path / "m")
+        export_program(
+            program,
+            inputs=[Input("x", np.float32, ("n", 3))],
+            outputs=["y"],
+            batch_sizes=[1, 2],
+            out_dir=tmp_path / "m",
+        )
     assert listing(tmp_path) == []
     # parity=False skips the gate
-    export_program(program, inputs=[Input("x", np.float32, ("n", 3))], outputs=["y"],
-                   batch_sizes=[1, 2], out_dir=tmp_path / "m", parity=False)
+    export_program(
+        program,
+        inputs=[Input("x", np.float32, ("n", 3))],
+        outputs=["y"],
+        batch_sizes=[1, 2],
+        out_dir=tmp_path / "m",
+        parity=False,
+    )
     assert listing(tmp_path) == ["m"]
 
 
 def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path):
     """BatchNorm on batch statistics (training mode): the source agrees with the bundle at
     every size, but a row's answer depends on the other rows, which batching breaks."""
+
     class Norm(nnx.Module):
         def __init__(self, rngs):
             self.linear = nnx.Linear(4, 4, rngs=rngs)
@@ -330,10 +440,18 @@ def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path):
     with f32():
         model = Norm(nnx.Rngs(0))
     with pytest.raises(ExportError) as info:
-        export_flax_nnx(model, eval=False, inputs=[Input("x", np.float32, ("n", 4))],
-                        outputs=["y"], batch_sizes=[1, 4], out_dir=tmp_path / "bn")
-    assert str(info.value).startswith("PARITY: output 'y' at batch size 1 differs from the "
-                                      "source framework (the same rows in a batch of 4)")
+        export_flax_nnx(
+            model,
+            eval=False,
+            inputs=[Input("x", np.float32, ("n", 4))],
+            outputs=["y"],
+            batch_sizes=[1, 4],
+            out_dir=tmp_path / "bn",
+        )
+    assert str(info.value).startswith(
+        "PARITY: output 'y' at batch size 1 differs from the "
+        "source framework (the same rows in a batch of 4)"
+    )
     assert "Rows are not computed independently" in str(info.value)
     assert listing(tmp_path) == []
 
@@ -343,18 +461,28 @@ def test_parity_integer_outputs_are_exact_and_settings_apply(tmp_path):
         lambda p, x, ids: (x * p["s"], p["table"][ids]),
         {"s": np.float32(3.0), "table": np.arange(10, dtype=np.int32)},
         inputs=[Input("x", np.float32, ("n", 2)), Input("ids", np.int32, ("n",))],
-        outputs=["y", "t"], batch_sizes=[3], out_dir=tmp_path / "m",
-        parity=Parity(rtol=0.0, atol=0.0, seed=5, int_range=(0, 10)))
+        outputs=["y", "t"],
+        batch_sizes=[3],
+        out_dir=tmp_path / "m",
+        parity=Parity(rtol=0.0, atol=0.0, seed=5, int_range=(0, 10)),
+    )
     assert manifest(out)["executable_outputs"][1]["dtype"] == "i32"
 
 
 # -- provenance ----------------------------------------------------------------------------
 
+
 def tiny(out_dir: Path, **kwargs) -> Path:
     kwargs.setdefault("parity", False)
-    return export_jax(lambda p, x: x * p["k"], {"k": np.float32(2.0)},
-                      inputs=[Input("x", np.float32, ("n", 2))], outputs=["y"],
-                      batch_sizes=[1], out_dir=out_dir, **kwargs)
+    return export_jax(
+        lambda p, x: x * p["k"],
+        {"k": np.float32(2.0)},
+        inputs=[Input("x", np.float32, ("n", 2))],
+        outputs=["y"],
+        batch_sizes=[1],
+        out_dir=out_dir,
+        **kwargs,
+    )
 
 
 def test_provenance_records_versions_git_and_source_date_epoch(tmp_path, monkeypatch):
@@ -362,12 +490,16 @@ def test_provenance_records_versions_git_and_source_date_epoch(tmp_path, monkeyp
     monkeypatch.chdir(ROOT)  # inside this repository's work tree
     a, b = tiny(tmp_path / "a"), tiny(tmp_path / "b")
     doc = manifest(a)["provenance"]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert doc == {
         "framework": "jax",
-        "versions": {"jax": jax.__version__, "jaxlib": metadata.version("jaxlib"),
-                     "rsrv": metadata.version("rsrv")},
+        "versions": {
+            "jax": jax.__version__,
+            "jaxlib": metadata.version("jaxlib"),
+            "rsrv": metadata.version("rsrv"),
+        },
         "git": {"commit": head, "dirty": doc["git"]["dirty"]},
         "exported_at": "2023-11-14T22:13:20Z",
         "jax_enable_x64": False,
@@ -398,7 +530,7 @@ def test_bad_source_date_epoch_is_refused(tmp_path, monkeypatch):
 
 # -- 64-bit determinism ----------------------------------------------------------------------
 
-X64_MODULE = '''
+X64_MODULE = """
 import numpy as np
 from rsrv.export import Input, export_jax
 
@@ -416,14 +548,18 @@ def export(out_dir, **kwargs):
 if __name__ == "__main__":
     import sys
     export(sys.argv[1])
-'''
+"""
 
 
 def test_export_bytes_do_not_depend_on_the_process_x64_setting(tmp_path, monkeypatch):
     (tmp_path / "x64mod.py").write_text(X64_MODULE)
     env = {**os.environ, "JAX_ENABLE_X64": "0", "PYTHONPATH": str(tmp_path)}
-    subprocess.run([sys.executable, str(tmp_path / "x64mod.py"), str(tmp_path / "fresh")],
-                   env=env, check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(tmp_path / "x64mod.py"), str(tmp_path / "fresh")],
+        env=env,
+        check=True,
+        timeout=120,
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import x64mod
 
@@ -445,19 +581,35 @@ def test_export_bytes_do_not_depend_on_the_process_x64_setting(tmp_path, monkeyp
 
 
 def test_x64_follows_64_bit_inputs_and_weights(tmp_path):
-    out = export_jax(lambda p, x: x.sum(-1) + p["b"], {"b": np.int64(1)},
-                     inputs=[Input("x", np.int64, ("n", 3))], outputs=["y"], batch_sizes=[2],
-                     out_dir=tmp_path / "i64", provenance=FIXED)
+    out = export_jax(
+        lambda p, x: x.sum(-1) + p["b"],
+        {"b": np.int64(1)},
+        inputs=[Input("x", np.int64, ("n", 3))],
+        outputs=["y"],
+        batch_sizes=[2],
+        out_dir=tmp_path / "i64",
+        provenance=FIXED,
+    )
     assert manifest(out)["executable_outputs"][0]["dtype"] == "i64"
-    with pytest.raises(ExportError, match=r"^x64=False, but input 'x' \(int64\), weight 'b' "
-                                          r"\(int64\) are 64-bit"):
-        export_jax(lambda p, x: x.sum(-1) + p["b"], {"b": np.int64(1)},
-                   inputs=[Input("x", np.int64, ("n", 3))], outputs=["y"], batch_sizes=[2],
-                   out_dir=tmp_path / "no", x64=False)
+    with pytest.raises(
+        ExportError,
+        match=r"^x64=False, but input 'x' \(int64\), weight 'b' "
+        r"\(int64\) are 64-bit",
+    ):
+        export_jax(
+            lambda p, x: x.sum(-1) + p["b"],
+            {"b": np.int64(1)},
+            inputs=[Input("x", np.int64, ("n", 3))],
+            outputs=["y"],
+            batch_sizes=[2],
+            out_dir=tmp_path / "no",
+            x64=False,
+        )
     assert listing(tmp_path) == ["i64"]
 
 
 # -- dispatch ------------------------------------------------------------------------------
+
 
 def test_export_model_dispatches_on_the_model_type(models, tmp_path):
     model, variables = models["linen_cnn"]
@@ -470,21 +622,47 @@ def test_export_model_dispatches_on_the_model_type(models, tmp_path):
     with pytest.raises(ExportError, match="needs its variables"):
         export_model(model, inputs=IMAGE, outputs=["y"], batch_sizes=[1], out_dir=tmp_path / "a")
     with pytest.raises(ExportError, match="carries its own parameters"):
-        export_model(models["eqx_mlp"], {"w": 1}, inputs=X16, outputs=["y"], batch_sizes=[1],
-                     out_dir=tmp_path / "b")
-    out = export_model(models["eqx_mlp"], inputs=X16, outputs=["y"], batch_sizes=[2],
-                       out_dir=tmp_path / "c", provenance=FIXED)
+        export_model(
+            models["eqx_mlp"],
+            {"w": 1},
+            inputs=X16,
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "b",
+        )
+    out = export_model(
+        models["eqx_mlp"],
+        inputs=X16,
+        outputs=["y"],
+        batch_sizes=[2],
+        out_dir=tmp_path / "c",
+        provenance=FIXED,
+    )
     assert manifest(out)["executable_outputs"][0]["dims"] == {"a": 5}
 
 
 def test_linen_refuses_rng_streams_and_mutable_collections(models, tmp_path):
     model, variables = models["linen_cnn"]
     with pytest.raises(ExportError, match=r"^apply_kwargs\['rngs'\]"):
-        export_flax_linen(model, variables, apply_kwargs={"rngs": {}}, inputs=IMAGE,
-                          outputs=["y"], batch_sizes=[1], out_dir=tmp_path / "a")
+        export_flax_linen(
+            model,
+            variables,
+            apply_kwargs={"rngs": {}},
+            inputs=IMAGE,
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "a",
+        )
     with pytest.raises(ExportError, match="must run without RNG streams and without mutable"):
-        export_flax_linen(model, variables, apply_kwargs={"train": True}, inputs=IMAGE,
-                          outputs=["y"], batch_sizes=[1], out_dir=tmp_path / "b")
+        export_flax_linen(
+            model,
+            variables,
+            apply_kwargs={"train": True},
+            inputs=IMAGE,
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "b",
+        )
     assert listing(tmp_path) == []
 
 
@@ -492,8 +670,13 @@ def test_equinox_refuses_stateful_layers(tmp_path):
     with f32():
         model, _state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="batch")
     with pytest.raises(ExportError, match=r"holds eqx\.nn\.StateIndex"):
-        export_equinox(model, inputs=[Input("x", np.float32, ("n", 4))], outputs=["y"],
-                       batch_sizes=[1], out_dir=tmp_path / "bn")
+        export_equinox(
+            model,
+            inputs=[Input("x", np.float32, ("n", 4))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "bn",
+        )
     assert listing(tmp_path) == []
 
 
@@ -565,12 +748,18 @@ def test_torch_incompatibility_is_reported(tmp_path):
         pytest.skip(f"{e.name} is not installed: {reason}")
     import torch
 
-    assert reason.startswith(f"torchax {torchax_version} does not work with torch "
-                             f"{torch.__version__}: ")
+    assert reason.startswith(
+        f"torchax {torchax_version} does not work with torch {torch.__version__}: "
+    )
     assert torch_version.split("+")[0] in reason
     with pytest.raises(ExportError) as info:
-        export_torch(torch.nn.Linear(2, 2), inputs=[Input("x", np.float32, ("n", 2))],
-                     outputs=["y"], batch_sizes=[1], out_dir=tmp_path / "t")
+        export_torch(
+            torch.nn.Linear(2, 2),
+            inputs=[Input("x", np.float32, ("n", 2))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "t",
+        )
     assert str(info.value) == reason
     assert listing(tmp_path) == []
 
@@ -623,17 +812,24 @@ def test_torch_adapter_with_stubbed_named_tensor_overloads(tmp_path):
     if "does not work with torch" not in reason or "dimname" not in reason.lower():
         pytest.skip(reason)
     script = tmp_path / "stubbed.py"
-    script.write_text(STUB_DIMNAME_OVERLOADS + TORCH_CHECK
-                      + "\ncheck(Path(sys.argv[1]))\nprint('torch path ok')\n")
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "torch_cnn")],
-                          capture_output=True, text=True, timeout=300)
+    script.write_text(
+        STUB_DIMNAME_OVERLOADS
+        + TORCH_CHECK
+        + "\ncheck(Path(sys.argv[1]))\nprint('torch path ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "torch_cnn")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "torch path ok" in done.stdout
 
 
 # -- the CLI ---------------------------------------------------------------------------------
 
-FACTORY = '''
+FACTORY = """
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -649,7 +845,7 @@ def make():
 def as_dict():
     spec = make()
     return {"model": spec.model, "inputs": spec.inputs, "outputs": spec.outputs}
-'''
+"""
 
 
 def rsrv_command() -> list[str]:
@@ -661,9 +857,22 @@ def test_cli_exports_through_a_factory(tmp_path):
     (tmp_path / "factories.py").write_text(FACTORY)
     env = {**os.environ, "SOURCE_DATE_EPOCH": "1700000000"}
     done = subprocess.run(
-        [*rsrv_command(), "export", "--module", "factories:make", "--out", str(tmp_path / "repo"),
-         "--batch-sizes", "1,4,8"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        [
+            *rsrv_command(),
+            "export",
+            "--module",
+            "factories:make",
+            "--out",
+            str(tmp_path / "repo"),
+            "--batch-sizes",
+            "1,4,8",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     out = tmp_path / "repo" / "tiny_mlp"
     assert done.stdout.strip() == f"wrote {out}"
@@ -680,8 +889,16 @@ def test_cli_file_factories_names_and_errors(tmp_path, capsys):
     factory = tmp_path / "factories.py"
     factory.write_text(FACTORY)
     repo = tmp_path / "repo"
-    args = ["export", "--module", f"{factory}:as_dict", "--out", str(repo), "--batch-sizes",
-            "2", "--no-parity"]
+    args = [
+        "export",
+        "--module",
+        f"{factory}:as_dict",
+        "--out",
+        str(repo),
+        "--batch-sizes",
+        "2",
+        "--no-parity",
+    ]
     assert cli_main(args) == 0
     assert listing(repo) == ["as_dict"]  # no name in the spec: the factory's name
     assert manifest(repo / "as_dict")["provenance"]["jax_enable_x64"] is False
@@ -696,8 +913,12 @@ def test_cli_file_factories_names_and_errors(tmp_path, capsys):
     assert "has no callable 'missing'" in capsys.readouterr().err
     assert cli_main(["export", "--module", "no_such_module_here:make", "--out", str(repo)]) == 2
     assert "No module named 'no_such_module_here'" in capsys.readouterr().err
-    assert cli_main(["export", "--module", f"{factory}:make", "--out", str(repo),
-                     "--batch-sizes", "1,x"]) == 2
+    assert (
+        cli_main(
+            ["export", "--module", f"{factory}:make", "--out", str(repo), "--batch-sizes", "1,x"]
+        )
+        == 2
+    )
     assert "--batch-sizes '1,x'" in capsys.readouterr().err
     assert cli_main(["export", "--module", f"{factory}:as_dict", "--out", str(repo)]) == 1
     assert "no batch sizes" in capsys.readouterr().err

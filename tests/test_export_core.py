@@ -24,8 +24,12 @@ MAGIC = b"ML\xefR"  # StableHLO portable artifact (MLIR bytecode)
 def params() -> dict:
     rng = np.random.default_rng(0)
     return {
-        "layers": [{"w": rng.standard_normal((4, 3)).astype(np.float32),
-                    "b": rng.standard_normal(3).astype(np.float32)}],
+        "layers": [
+            {
+                "w": rng.standard_normal((4, 3)).astype(np.float32),
+                "b": rng.standard_normal(3).astype(np.float32),
+            }
+        ],
         "scale": np.float32(2.0),
         "emb": {"table": np.arange(6, dtype=np.int32).reshape(2, 3)},
     }
@@ -42,10 +46,14 @@ def forward(p, x, ids):
 
 def export(out_dir, **overrides):
     kwargs = dict(
-        inputs=[Input("x", np.float32, ("n", 4), letters="nf"),
-                Input("ids", np.int32, ("n",), letters="n")],
+        inputs=[
+            Input("x", np.float32, ("n", 4), letters="nf"),
+            Input("ids", np.int32, ("n",), letters="n"),
+        ],
         outputs=[Output("y", letters="nk"), Output("s")],
-        batch_sizes=[2, 1, 2], out_dir=out_dir, description="test model",
+        batch_sizes=[2, 1, 2],
+        out_dir=out_dir,
+        description="test model",
         provenance={"source": "tests"},
     )
     kwargs.update(overrides)
@@ -56,7 +64,11 @@ def test_writes_manifest_modules_and_weights(tmp_path):
     out = export(tmp_path / "m")
     assert out == tmp_path / "m"
     assert sorted(p.name for p in out.iterdir()) == [
-        "manifest.yaml", "model.b1.mlir", "model.b2.mlir", "weights.safetensors"]
+        "manifest.yaml",
+        "model.b1.mlir",
+        "model.b2.mlir",
+        "weights.safetensors",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no staging left behind
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {0o644}
@@ -88,11 +100,14 @@ def test_writes_manifest_modules_and_weights(tmp_path):
         assert isinstance(module, bytes) and module.startswith(MAGIC)
         sig = read_signature(module)
         assert [(a.dtype, a.shape) for a in sig.inputs] == [
-            (DType.F32, (n, 4)), (DType.I32, (n,)),                # inputs, in order
-            (DType.I32, (2, 3)), (DType.F32, (3,)), (DType.F32, (4, 3)), (DType.F32, ()),
+            (DType.F32, (n, 4)),
+            (DType.I32, (n,)),  # inputs, in order
+            (DType.I32, (2, 3)),
+            (DType.F32, (3,)),
+            (DType.F32, (4, 3)),
+            (DType.F32, ()),
         ]
-        assert [(a.dtype, a.shape) for a in sig.outputs] == [(DType.F32, (n, 3)),
-                                                             (DType.I32, (n,))]
+        assert [(a.dtype, a.shape) for a in sig.outputs] == [(DType.F32, (n, 3)), (DType.I32, (n,))]
 
 
 def test_exported_bundle_loads_and_runs_like_jax(tmp_path):
@@ -120,28 +135,44 @@ def test_reexport_replaces_the_bundle_as_a_whole(tmp_path):
     (out / "stale.txt").write_text("old")
     export(tmp_path / "m", batch_sizes=[4])
     assert sorted(p.name for p in out.iterdir()) == [
-        "manifest.yaml", "model.b4.mlir", "weights.safetensors"]
+        "manifest.yaml",
+        "model.b4.mlir",
+        "weights.safetensors",
+    ]
 
 
 def test_unbatched_export_writes_model_mlir(tmp_path):
     out = export_jax(
-        lambda p, x: x * p["k"], {"k": np.float32(3.0)},
-        inputs=[Input("x", np.float32, (5,))], outputs=["y"], batch_sizes=[1, 8],
+        lambda p, x: x * p["k"],
+        {"k": np.float32(3.0)},
+        inputs=[Input("x", np.float32, (5,))],
+        outputs=["y"],
+        batch_sizes=[1, 8],
         out_dir=tmp_path / "u",
     )
     assert sorted(p.name for p in out.iterdir()) == [
-        "manifest.yaml", "model.mlir", "weights.safetensors"]
+        "manifest.yaml",
+        "model.mlir",
+        "weights.safetensors",
+    ]
     doc = msgspec.yaml.decode((out / "manifest.yaml").read_bytes())
     assert doc.get("batching", {}).get("compiled_batch_sizes", []) == []
-    assert doc["executable_inputs"] == [{"name": "x", "dtype": "f32", "shape": "a",
-                                         "dims": {"a": 5}}]
+    assert doc["executable_inputs"] == [
+        {"name": "x", "dtype": "f32", "shape": "a", "dims": {"a": 5}}
+    ]
     bundle = load_bundle(out)
     assert list(bundle.modules) == [UNBATCHED] and bundle.batch_sizes == ()
 
 
 def test_model_without_weights(tmp_path):
-    out = export_jax(lambda p, x: x * 2, {}, inputs=[Input("x", np.float32, ("n", 2))],
-                     outputs=["y"], batch_sizes=[1], out_dir=tmp_path / "w")
+    out = export_jax(
+        lambda p, x: x * 2,
+        {},
+        inputs=[Input("x", np.float32, ("n", 2))],
+        outputs=["y"],
+        batch_sizes=[1],
+        out_dir=tmp_path / "w",
+    )
     with safe_open(str(out / "weights.safetensors"), "np") as f:
         assert f.metadata() == {"argument_order": "[]"} and list(f.keys()) == []
     bundle = load_bundle(out)
@@ -151,11 +182,18 @@ def test_model_without_weights(tmp_path):
 
 
 def test_model_py_and_client_tensors(tmp_path):
-    model_py = ("import rsrv\n\n@rsrv.postprocess(inputs=['y'], outputs=['top'])\n"
-                "def top(y):\n    return y.argmax(-1)\n")
-    out = export(tmp_path / "m", client_outputs=[TensorSpec(name="top", dtype="i64", shape="n"),
-                                                 TensorSpec(name="s", dtype="i32", shape="n")],
-                 model_py=model_py)
+    model_py = (
+        "import rsrv\n\n@rsrv.postprocess(inputs=['y'], outputs=['top'])\n"
+        "def top(y):\n    return y.argmax(-1)\n"
+    )
+    out = export(
+        tmp_path / "m",
+        client_outputs=[
+            TensorSpec(name="top", dtype="i64", shape="n"),
+            TensorSpec(name="s", dtype="i32", shape="n"),
+        ],
+        model_py=model_py,
+    )
     assert (out / "model.py").read_text() == model_py
     bundle = load_bundle(out)
     assert [t.name for t in bundle.signature.client_outputs] == ["top", "s"]
@@ -163,6 +201,7 @@ def test_model_py_and_client_tensors(tmp_path):
 
 
 # -- refusals: ExportError, and nothing written ----------------------------------------------
+
 
 def _assert_nothing_written(tmp_path, keep=()):
     left = sorted(p.name for p in tmp_path.iterdir())
@@ -180,8 +219,9 @@ def test_arity_gate_on_an_extra_argument(tmp_path, monkeypatch):
     two platforms: jax itself then prepends an i32 platform-index argument to main.
     """
     real_export = jax.export.export
-    monkeypatch.setattr(jax.export, "export",
-                        functools.partial(real_export, platforms=("cpu", "cuda")))
+    monkeypatch.setattr(
+        jax.export, "export", functools.partial(real_export, platforms=("cpu", "cuda"))
+    )
     with pytest.raises(ExportError) as info:
         export(tmp_path / "m")
     assert str(info.value) == (
@@ -197,8 +237,9 @@ def test_arity_gate_keeps_an_existing_bundle(tmp_path, monkeypatch):
     out = export(tmp_path / "m")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     real_export = jax.export.export
-    monkeypatch.setattr(jax.export, "export",
-                        functools.partial(real_export, platforms=("cpu", "cuda")))
+    monkeypatch.setattr(
+        jax.export, "export", functools.partial(real_export, platforms=("cpu", "cuda"))
+    )
     with pytest.raises(ExportError):
         export(tmp_path / "m", batch_sizes=[4])
     _assert_nothing_written(tmp_path, keep=["m"])
@@ -208,13 +249,20 @@ def test_arity_gate_keeps_an_existing_bundle(tmp_path, monkeypatch):
 def test_ordered_effect_is_refused_and_writes_nothing(tmp_path):
     """An ordered effect would add a token argument; jax 0.10 cannot serialize the host
     callback behind it, so the export fails before the gate. Either way: nothing written."""
+
     def noisy(p, x):
         jax.debug.print("x = {}", x.sum(), ordered=True)
         return x * p["k"]
 
     with pytest.raises((ExportError, NotImplementedError)):
-        export_jax(noisy, {"k": np.float32(1.0)}, inputs=[Input("x", np.float32, ("n", 2))],
-                   outputs=["y"], batch_sizes=[1], out_dir=tmp_path / "m")
+        export_jax(
+            noisy,
+            {"k": np.float32(1.0)},
+            inputs=[Input("x", np.float32, ("n", 2))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "m",
+        )
     _assert_nothing_written(tmp_path)
 
 
@@ -227,8 +275,9 @@ def test_output_count_mismatch(tmp_path):
 def test_output_without_batch_axis(tmp_path):
     with pytest.raises(ExportError) as info:
         export(tmp_path / "m", outputs=[Output("y", batch_axis=1), "s"])
-    assert str(info.value) == ("output 'y' has shape [2, 3]: axis 1 is not the batch axis "
-                               "(expected extent 2)")
+    assert str(info.value) == (
+        "output 'y' has shape [2, 3]: axis 1 is not the batch axis (expected extent 2)"
+    )
     _assert_nothing_written(tmp_path)
 
 

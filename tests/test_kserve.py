@@ -68,8 +68,10 @@ def triton(worker):
 
 @pytest.fixture(scope="module")
 def weights():
-    return {name: load_file(str(BUNDLES / name / "weights.safetensors"))
-            for name in ("classifier", "severity_grader")}
+    return {
+        name: load_file(str(BUNDLES / name / "weights.safetensors"))
+        for name in ("classifier", "severity_grader")
+    }
 
 
 # -- health and metadata ---------------------------------------------------------------------
@@ -88,8 +90,14 @@ def test_server_metadata(triton):
     meta = triton.get_server_metadata()
     assert meta.name == "rsrv"
     assert meta.version == rsrv.__version__
-    assert set(meta.extensions) == {"model_repository", "model_configuration", "statistics",
-                                    "logging", "parameters", "system_shared_memory"}
+    assert set(meta.extensions) == {
+        "model_repository",
+        "model_configuration",
+        "statistics",
+        "logging",
+        "parameters",
+        "system_shared_memory",
+    }
     as_json = triton.get_server_metadata(as_json=True)
     assert as_json["name"] == "rsrv"
 
@@ -128,15 +136,18 @@ def test_model_config(triton):
     assert config.name == "classifier"
     assert config.max_batch_size == 8
     assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
-        ("x", grpcclient.model_config_pb2.TYPE_FP32, [256])]
+        ("x", grpcclient.model_config_pb2.TYPE_FP32, [256])
+    ]
     assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
-        ("logits", grpcclient.model_config_pb2.TYPE_FP32, [10])]
+        ("logits", grpcclient.model_config_pb2.TYPE_FP32, [10])
+    ]
     assert list(config.dynamic_batching.preferred_batch_size) == [1, 4, 8]
 
     config = triton.get_model_config("severity_grader").config
     assert config.max_batch_size == 8
     assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
-        ("grade", grpcclient.model_config_pb2.TYPE_INT64, [])]
+        ("grade", grpcclient.model_config_pb2.TYPE_INT64, [])
+    ]
 
     # no batch axis: max_batch_size 0, full dims, no dynamic batching
     config = triton.get_model_config("unbatched").config
@@ -161,8 +172,9 @@ def test_infer_classifier_matches_reference(triton, weights, rows):
     result = triton.infer("classifier", [infer_input("x", x)])
     logits = result.as_numpy("logits")
     assert logits.dtype == np.float32 and logits.shape == (rows, 10)
-    np.testing.assert_allclose(logits, classifier_reference(weights["classifier"], x),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        logits, classifier_reference(weights["classifier"], x), rtol=1e-4, atol=1e-4
+    )
     response = result.get_response()
     assert (response.model_name, response.model_version) == ("classifier", "1")
 
@@ -194,8 +206,10 @@ def _simple_inputs(rows=1):
 
 def test_infer_requested_outputs_filter_and_order_and_id(triton):
     a, b, inputs = _simple_inputs(2)
-    outputs = [grpcclient.InferRequestedOutput("OUTPUT1"),
-               grpcclient.InferRequestedOutput("OUTPUT0")]
+    outputs = [
+        grpcclient.InferRequestedOutput("OUTPUT1"),
+        grpcclient.InferRequestedOutput("OUTPUT0"),
+    ]
     result = triton.infer("simple", inputs, outputs=outputs, request_id="req-42")
     response = result.get_response()
     assert response.id == "req-42"
@@ -212,8 +226,9 @@ def test_infer_requested_outputs_filter_and_order_and_id(triton):
 
 def test_infer_accepts_timeout_priority_and_custom_parameters(triton):
     a, b, inputs = _simple_inputs()
-    result = triton.infer("simple", inputs, priority=3, timeout=10_000_000,
-                          parameters={"note": "hello", "n": 7})
+    result = triton.infer(
+        "simple", inputs, priority=3, timeout=10_000_000, parameters={"note": "hello", "n": 7}
+    )
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
 
 
@@ -241,9 +256,12 @@ def test_async_infer(triton, weights):
     for _ in inputs:
         rows, result, error = done.get(timeout=60)
         assert error is None, error
-        np.testing.assert_allclose(result.as_numpy("logits"),
-                                   classifier_reference(weights["classifier"], inputs[rows]),
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            result.as_numpy("logits"),
+            classifier_reference(weights["classifier"], inputs[rows]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
 
 
 def test_stream_infer_bad_request_does_not_end_the_stream(worker, weights):
@@ -257,12 +275,14 @@ def test_stream_infer_bad_request_does_not_end_the_stream(worker, weights):
         for i in range(6):
             if i == 2:  # wrong datatype
                 bad = np.zeros((1, 256), np.float64)
-                triton.async_stream_infer("classifier", [infer_input("x", bad)],
-                                          request_id="bad-dtype")
+                triton.async_stream_infer(
+                    "classifier", [infer_input("x", bad)], request_id="bad-dtype"
+                )
                 continue
             if i == 4:  # unknown model
-                triton.async_stream_infer("no_such_model", [infer_input("x", bad)],
-                                          request_id="bad-model")
+                triton.async_stream_infer(
+                    "no_such_model", [infer_input("x", bad)], request_id="bad-model"
+                )
                 continue
             sent[f"ok-{i}"] = x = classifier_inputs(rng, 1 + i)
             triton.async_stream_infer("classifier", [infer_input("x", x)], request_id=f"ok-{i}")
@@ -276,12 +296,14 @@ def test_stream_infer_bad_request_does_not_end_the_stream(worker, weights):
         triton.stop_stream()
     assert sorted(got) == sorted(sent)
     for request_id, x in sent.items():
-        np.testing.assert_allclose(got[request_id], classifier_reference(weights["classifier"], x),
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            got[request_id], classifier_reference(weights["classifier"], x), rtol=1e-4, atol=1e-4
+        )
     messages = sorted(e.message() for e in errors)
     assert len(messages) == 2
-    assert "input tensor 'x' for model 'classifier': got datatype FP64, expected FP32" \
-        in messages[0]
+    assert (
+        "input tensor 'x' for model 'classifier': got datatype FP64, expected FP32" in messages[0]
+    )
     assert "unknown model 'no_such_model'" in messages[1]
 
 
@@ -313,8 +335,9 @@ def test_statistics(triton):
     assert abs(after.last_inference / 1000 - time.time()) < 60
 
     grader0 = stats_of(triton, "severity_grader").inference_stats.compute_output.count
-    triton.infer("severity_grader", [infer_input("image", grader_inputs(
-        np.random.default_rng(0), 2))])
+    triton.infer(
+        "severity_grader", [infer_input("image", grader_inputs(np.random.default_rng(0), 2))]
+    )
     assert stats_of(triton, "severity_grader").inference_stats.compute_output.count == grader0 + 1
 
 
@@ -359,15 +382,21 @@ def test_coalescing_of_a_queued_backlog(worker):
         x = classifier_inputs(np.random.default_rng(33), 1)
         dispatched = sched_stats(worker, "classifier").dispatches
         with held_device(worker) as gate:
-            triton.async_infer("classifier", [infer_input("x", x)],
-                               lambda result, error: done.put(error))
-            wait_until(lambda: sched_stats(worker, "classifier").dispatches == dispatched + 1,
-                       what="the first request to reach the device")
+            triton.async_infer(
+                "classifier", [infer_input("x", x)], lambda result, error: done.put(error)
+            )
+            wait_until(
+                lambda: sched_stats(worker, "classifier").dispatches == dispatched + 1,
+                what="the first request to reach the device",
+            )
             for _ in range(32):
-                triton.async_infer("classifier", [infer_input("x", x)],
-                                   lambda result, error: done.put(error))
-            wait_until(lambda: sched_stats(worker, "classifier").queue_depth == 32,
-                       what="32 queued requests")
+                triton.async_infer(
+                    "classifier", [infer_input("x", x)], lambda result, error: done.put(error)
+                )
+            wait_until(
+                lambda: sched_stats(worker, "classifier").queue_depth == 32,
+                what="32 queued requests",
+            )
             gate.set()
             errors = [done.get(timeout=60) for _ in range(33)]
         assert errors == [None] * 33
@@ -384,8 +413,11 @@ def test_repository_index(triton):
     assert sorted(index) == sorted(MODELS)
     for name in MODELS:
         if name != "broken":
-            assert (index[name].state, index[name].version, index[name].reason) == \
-                ("READY", "1", "")
+            assert (index[name].state, index[name].version, index[name].reason) == (
+                "READY",
+                "1",
+                "",
+            )
     broken = index["broken"]
     assert broken.state == "UNAVAILABLE"
     assert "manifest.yaml: format_version: unsupported version '9.9'" in broken.reason
@@ -397,13 +429,17 @@ def test_repository_index(triton):
 
 
 def test_load_and_unload_need_explicit_mode(triton):
-    with raises_status("FAILED_PRECONDITION",
-                       "RepositoryModelLoad is only effective when model_control_mode is "
-                       "'explicit'; this worker runs in 'dynamic' mode"):
+    with raises_status(
+        "FAILED_PRECONDITION",
+        "RepositoryModelLoad is only effective when model_control_mode is "
+        "'explicit'; this worker runs in 'dynamic' mode",
+    ):
         triton.load_model("classifier")
-    with raises_status("FAILED_PRECONDITION",
-                       "RepositoryModelUnload is only effective when model_control_mode is "
-                       "'explicit'; this worker runs in 'dynamic' mode"):
+    with raises_status(
+        "FAILED_PRECONDITION",
+        "RepositoryModelUnload is only effective when model_control_mode is "
+        "'explicit'; this worker runs in 'dynamic' mode",
+    ):
         triton.unload_model("classifier")
     assert triton.is_model_ready("classifier")
 
@@ -420,8 +456,7 @@ def test_explicit_mode_load_and_unload(repo):
 
         triton.load_model("classifier")
         assert triton.is_model_ready("classifier")
-        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == \
-            (2, 10)
+        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == (2, 10)
         index = triton.get_model_repository_index().models
         assert [(m.name, m.state) for m in index] == [("classifier", "READY")]
 
@@ -455,8 +490,7 @@ def test_explicit_mode_load_and_unload(repo):
         # load again after an unload: a fresh version serves
         triton.load_model("classifier")
         assert triton.is_model_ready("classifier")
-        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == \
-            (2, 10)
+        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == (2, 10)
 
 
 # -- CUDA shared memory, trace and log settings -------------------------------------------------
@@ -465,8 +499,9 @@ def test_explicit_mode_load_and_unload(repo):
 def test_cuda_shared_memory(triton):
     assert len(triton.get_cuda_shared_memory_status().regions) == 0
     raw_handle = b"aGFuZGxl"  # base64; no CUDA IPC handle can be used here anyway
-    with raises_status("FAILED_PRECONDITION", "CUDA shared memory is not supported",
-                       "use system shared memory"):
+    with raises_status(
+        "FAILED_PRECONDITION", "CUDA shared memory is not supported", "use system shared memory"
+    ):
         triton.register_cuda_shared_memory("gpu_region", raw_handle, 0, 64)
     triton.unregister_cuda_shared_memory("gpu_region")
     triton.unregister_cuda_shared_memory()  # all: what Triton's shm example calls first
@@ -482,17 +517,20 @@ def test_trace_settings(triton):
     assert defaults["trace_level"] == ["OFF"]
     assert defaults["trace_rate"] == ["1000"]
 
-    updated = _trace(triton.update_trace_settings(
-        settings={"trace_rate": "50", "trace_level": ["OFF"]}))
+    updated = _trace(
+        triton.update_trace_settings(settings={"trace_rate": "50", "trace_level": ["OFF"]})
+    )
     assert updated["trace_rate"] == ["50"] and updated["trace_level"] == ["OFF"]
     assert _trace(triton.get_trace_settings())["trace_rate"] == ["50"]
     assert _trace(triton.get_trace_settings(model_name="classifier"))["trace_rate"] == ["50"]
     # a setting without a value goes back to its default
-    assert _trace(triton.update_trace_settings(settings={"trace_rate": None}))["trace_rate"] == \
-        ["1000"]
+    assert _trace(triton.update_trace_settings(settings={"trace_rate": None}))["trace_rate"] == [
+        "1000"
+    ]
 
-    with raises_status("INVALID_ARGUMENT", "tracing is not supported",
-                       "trace_level can only be OFF"):
+    with raises_status(
+        "INVALID_ARGUMENT", "tracing is not supported", "trace_level can only be OFF"
+    ):
         triton.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
     with raises_status("INVALID_ARGUMENT", "unknown trace setting 'trace_colour'"):
         triton.update_trace_settings(settings={"trace_colour": "blue"})
@@ -514,8 +552,14 @@ def test_log_settings(triton):
     rsrv_logger = logging.getLogger("rsrv")
     level = rsrv_logger.level
     defaults = _logs(triton.get_log_settings())
-    assert defaults == {"log_file": "", "log_info": True, "log_warning": True, "log_error": True,
-                        "log_verbose_level": 0, "log_format": "default"}
+    assert defaults == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "default",
+    }
     try:
         updated = _logs(triton.update_log_settings({"log_verbose_level": 1}))
         assert updated["log_verbose_level"] == 1
@@ -527,9 +571,10 @@ def test_log_settings(triton):
 
         # (tritonclient refuses to send these: raw requests)
         for key, value, message in [
-                ("log_colour", "blue", "unknown log setting 'log_colour'"),
-                ("log_info", "yes", "log setting 'log_info' takes a bool value"),
-                ("log_format", "xml", "log_format must be 'default' or 'json'")]:
+            ("log_colour", "blue", "unknown log setting 'log_colour'"),
+            ("log_info", "yes", "log setting 'log_info' takes a bool value"),
+            ("log_format", "xml", "log_format must be 'default' or 'json'"),
+        ]:
             request = service_pb2.LogSettingsRequest()
             request.settings[key].string_param = value
             with pytest.raises(grpc.RpcError) as info:
@@ -582,8 +627,9 @@ def _connects(address: str, port: int) -> bool:
 
 def _explicit_empty(tmp_path, **settings):
     (tmp_path / "empty").mkdir(exist_ok=True)
-    return worker_config(tmp_path / "empty", cache_dir=cache_dir(), MODEL_CONTROL_MODE="explicit",
-                         **settings)
+    return worker_config(
+        tmp_path / "empty", cache_dir=cache_dir(), MODEL_CONTROL_MODE="explicit", **settings
+    )
 
 
 def test_bind_address_is_honoured(tmp_path):
@@ -610,13 +656,12 @@ def test_second_worker_on_the_same_port_fails_to_bind(tmp_path):
     with running(_explicit_empty(tmp_path)) as first:
         config = _explicit_empty(tmp_path)
         config = msgspec.structs.replace(
-            config, endpoints=msgspec.structs.replace(config.endpoints, port=first.port))
+            config, endpoints=msgspec.structs.replace(config.endpoints, port=first.port)
+        )
         with pytest.raises(BaseException) as info:  # noqa: B017 - checked below
             with running(config):
                 pass
         errors = _flatten(info.value)
-        assert any(isinstance(e, OSError) and e.errno == errno.EADDRINUSE for e in errors), \
-            errors
+        assert any(isinstance(e, OSError) and e.errno == errno.EADDRINUSE for e in errors), errors
         with client(first) as triton:  # the first one is unaffected
             assert triton.is_server_live()
-

@@ -44,8 +44,14 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    return make_repo(tmp_path_factory.mktemp("errors") / "repo",
-                     "classifier", "simple", "simple_string", "slow", "broken")
+    return make_repo(
+        tmp_path_factory.mktemp("errors") / "repo",
+        "classifier",
+        "simple",
+        "simple_string",
+        "slow",
+        "broken",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,68 +101,97 @@ def test_unknown_model(triton):
 
 
 def test_unavailable_model(triton):
-    with raises_status("UNAVAILABLE", "model 'broken' is unavailable",
-                       "format_version: unsupported version '9.9'"):
+    with raises_status(
+        "UNAVAILABLE", "model 'broken' is unavailable", "format_version: unsupported version '9.9'"
+    ):
         triton.infer("broken", [infer_input("x", x_rows(1))])
 
 
 def test_empty_model_name(triton):
-    assert raw_error(triton, request_for("", x=("FP32", [1, 256], x_rows(1).tobytes()))) == \
-        ("INVALID_ARGUMENT", "model_name is empty")
+    assert raw_error(triton, request_for("", x=("FP32", [1, 256], x_rows(1).tobytes()))) == (
+        "INVALID_ARGUMENT",
+        "model_name is empty",
+    )
 
 
 # -- inputs through tritonclient -----------------------------------------------------------------
 
 
 def test_missing_input(triton):
-    with raises_status("INVALID_ARGUMENT", "model 'simple' expects input tensor(s) 'INPUT1', "
-                       "missing from the request"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "model 'simple' expects input tensor(s) 'INPUT1', missing from the request",
+    ):
         triton.infer("simple", [infer_input("INPUT0", np.zeros((1, 16), np.int32))])
 
 
 def test_undeclared_input(triton):
-    with raises_status("INVALID_ARGUMENT", "unexpected input tensor 'extra' for model "
-                       "'classifier': the model's inputs are ['x']"):
-        triton.infer("classifier", [infer_input("x", x_rows(1)),
-                                    infer_input("extra", np.zeros(3, np.float32))])
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "unexpected input tensor 'extra' for model 'classifier': the model's inputs are ['x']",
+    ):
+        triton.infer(
+            "classifier",
+            [infer_input("x", x_rows(1)), infer_input("extra", np.zeros(3, np.float32))],
+        )
 
 
 def test_dtype_mismatch(triton):
-    with raises_status("INVALID_ARGUMENT", "input tensor 'x' for model 'classifier': got "
-                       "datatype FP16, expected FP32"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "input tensor 'x' for model 'classifier': got datatype FP16, expected FP32",
+    ):
         triton.infer("classifier", [infer_input("x", x_rows(1).astype(np.float16))])
 
 
 def test_rank_mismatch(triton):
-    with raises_status("INVALID_ARGUMENT", "input tensor 'x' for model 'classifier': rank 1 "
-                       "(shape [256]) does not match the model's rank 2"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "input tensor 'x' for model 'classifier': rank 1 "
+        "(shape [256]) does not match the model's rank 2",
+    ):
         triton.infer("classifier", [infer_input("x", x_rows(1)[0])])
 
 
 def test_fixed_axis_mismatch(triton):
-    with raises_status("INVALID_ARGUMENT", "input tensor 'x' for model 'classifier': axis 1 "
-                       "has extent 255 but the model expects 256"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "input tensor 'x' for model 'classifier': axis 1 has extent 255 but the model expects 256",
+    ):
         triton.infer("classifier", [infer_input("x", x_rows(2)[:, :255].copy())])
 
 
 def test_more_rows_than_the_largest_batch(triton):
-    with raises_status("INVALID_ARGUMENT", "model 'classifier': a request of 9 rows exceeds "
-                       "the largest compiled batch size 8"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "model 'classifier': a request of 9 rows exceeds the largest compiled batch size 8",
+    ):
         triton.infer("classifier", [infer_input("x", x_rows(9))])
 
 
 def test_unknown_requested_output(triton):
-    with raises_status("INVALID_ARGUMENT", "unexpected inference output tensor 'nope' for "
-                       "model 'classifier': the model's outputs are ['logits']"):
-        triton.infer("classifier", [infer_input("x", x_rows(1))],
-                     outputs=[grpcclient.InferRequestedOutput("nope")])
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "unexpected inference output tensor 'nope' for "
+        "model 'classifier': the model's outputs are ['logits']",
+    ):
+        triton.infer(
+            "classifier",
+            [infer_input("x", x_rows(1))],
+            outputs=[grpcclient.InferRequestedOutput("nope")],
+        )
 
 
 def test_repeated_requested_output(triton):
-    with raises_status("INVALID_ARGUMENT", "output tensor 'logits' for model 'classifier' is "
-                       "requested more than once"):
-        triton.infer("classifier", [infer_input("x", x_rows(1))],
-                     outputs=[grpcclient.InferRequestedOutput("logits")] * 2)
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "output tensor 'logits' for model 'classifier' is requested more than once",
+    ):
+        triton.infer(
+            "classifier",
+            [infer_input("x", x_rows(1))],
+            outputs=[grpcclient.InferRequestedOutput("logits")] * 2,
+        )
 
 
 # -- inputs as raw protobuf ------------------------------------------------------------------------
@@ -165,8 +200,9 @@ ONE_ROW = x_rows(1).tobytes()
 
 
 def _both_set():
-    request = request_for("simple", INPUT0=("INT32", [1, 16], bytes(64)),
-                          INPUT1=("INT32", [1, 16], bytes(64)))
+    request = request_for(
+        "simple", INPUT0=("INT32", [1, 16], bytes(64)), INPUT1=("INT32", [1, 16], bytes(64))
+    )
     request.inputs[0].contents.int_contents.extend(range(16))
     return request
 
@@ -190,60 +226,88 @@ RAW_CASES = {
     "raw byte length": (
         request_for(x=("FP32", [1, 256], bytes(1000))),
         "input tensor 'x' for model 'classifier': its raw_input_contents entry holds 1000 bytes "
-        "but shape [1, 256] of FP32 needs 256 x 4 = 1024"),
+        "but shape [1, 256] of FP32 needs 256 x 4 = 1024",
+    ),
     "negative dims": (
         request_for(x=("FP32", [-2, 256], ONE_ROW)),
-        "input tensor 'x' for model 'classifier': negative dimension -2 on axis 0"),
+        "input tensor 'x' for model 'classifier': negative dimension -2 on axis 0",
+    ),
     "zero rows": (
         request_for(x=("FP32", [0, 256], b"")),
-        "input tensor 'x' for model 'classifier': the batch axis (axis 0) has 0 rows"),
+        "input tensor 'x' for model 'classifier': the batch axis (axis 0) has 0 rows",
+    ),
     "element-count overflow": (
         request_for(x=("FP32", [2**40, 256], ONE_ROW)),
         "input tensor 'x' for model 'classifier': shape [1099511627776, 256] has "
         "281474976710656 elements (1125899906842624 bytes), above the limit of 2147483647 "
-        "bytes per tensor"),
+        "bytes per tensor",
+    ),
     "raw and typed contents both set": (
         _both_set(),
         "input tensor 'INPUT0' for model 'simple': typed 'contents' and 'raw_input_contents' "
-        "are both set"),
+        "are both set",
+    ),
     "typed contents in the wrong field": (
         _typed("fp32_contents", 16),
         "input tensor 'INPUT0' for model 'simple': typed contents for datatype INT32 belong in "
-        "contents.int_contents, got fp32_contents"),
+        "contents.int_contents, got fp32_contents",
+    ),
     "typed element count": (
         _typed("int_contents", 15),
         "input tensor 'INPUT0' for model 'simple': contents.int_contents has 15 elements but "
-        "shape [1, 16] needs 16"),
+        "shape [1, 16] needs 16",
+    ),
     "no data": (
         request_for(x=("FP32", [1, 256], None)),
-        "input tensor 'x' for model 'classifier': no data for 256 elements"),
+        "input tensor 'x' for model 'classifier': no data for 256 elements",
+    ),
     "raw entry count": (
         request_for(x=("FP32", [1, 256], ONE_ROW)).__class__(
-            model_name="classifier", inputs=[service_pb2.ModelInferRequest.InferInputTensor(
-                name="x", datatype="FP32", shape=[1, 256])],
-            raw_input_contents=[ONE_ROW, ONE_ROW]),
+            model_name="classifier",
+            inputs=[
+                service_pb2.ModelInferRequest.InferInputTensor(
+                    name="x", datatype="FP32", shape=[1, 256]
+                )
+            ],
+            raw_input_contents=[ONE_ROW, ONE_ROW],
+        ),
         "request for model 'classifier' has 2 raw_input_contents entries but 1 inputs not in "
-        "shared memory"),
+        "shared memory",
+    ),
     "duplicate input": (
         request_for(x=("FP32", [1, 256], ONE_ROW)).__class__(
-            model_name="classifier", inputs=[service_pb2.ModelInferRequest.InferInputTensor(
-                name="x", datatype="FP32", shape=[1, 256])] * 2,
-            raw_input_contents=[ONE_ROW, ONE_ROW]),
-        "input tensor 'x' for model 'classifier' appears more than once in the request"),
+            model_name="classifier",
+            inputs=[
+                service_pb2.ModelInferRequest.InferInputTensor(
+                    name="x", datatype="FP32", shape=[1, 256]
+                )
+            ]
+            * 2,
+            raw_input_contents=[ONE_ROW, ONE_ROW],
+        ),
+        "input tensor 'x' for model 'classifier' appears more than once in the request",
+    ),
     "BYTES length prefix past the end": (
-        request_for("simple_string", INPUT0=("BYTES", [1, 16], b"\xe8\x03\x00\x00" + bytes(64)),
-                    INPUT1=("BYTES", [1, 16], b"\x01\x00\x00\x001" * 16)),
+        request_for(
+            "simple_string",
+            INPUT0=("BYTES", [1, 16], b"\xe8\x03\x00\x00" + bytes(64)),
+            INPUT1=("BYTES", [1, 16], b"\x01\x00\x00\x001" * 16),
+        ),
         "input tensor 'INPUT0' for model 'simple_string': BYTES element 0 claims 1000 bytes at "
-        "offset 4, past the end of the 68-byte buffer"),
+        "offset 4, past the end of the 68-byte buffer",
+    ),
     "timeout of the wrong type": (
         _with_param("timeout", string_param="soon"),
-        "invalid value type for 'timeout' parameter for the request, expected int64_param"),
+        "invalid value type for 'timeout' parameter for the request, expected int64_param",
+    ),
     "negative timeout": (
         _with_param("timeout", int64_param=-5),
-        "invalid value -5 for 'timeout' parameter"),
+        "invalid value -5 for 'timeout' parameter",
+    ),
     "priority of the wrong type": (
         _with_param("priority", string_param="high"),
-        "invalid value type for 'priority' parameter, expected uint64_param or int64_param"),
+        "invalid value type for 'priority' parameter, expected uint64_param or int64_param",
+    ),
 }
 
 
@@ -276,17 +340,25 @@ def test_undecodable_protobuf(worker):
 
 def test_hook_exception_is_internal_with_its_message(triton):
     before = stats_of(triton, "slow").inference_stats.fail.count
-    with raises_status("INTERNAL", "model 'slow': preprocess hook 'hold' failed: ValueError: "
-                       "boom: asked to hold for -1 seconds"):
+    with raises_status(
+        "INTERNAL",
+        "model 'slow': preprocess hook 'hold' failed: ValueError: "
+        "boom: asked to hold for -1 seconds",
+    ):
         triton.infer("slow", slow_input(-1))
     assert stats_of(triton, "slow").inference_stats.fail.count == before + 1
     assert triton.infer("slow", slow_input(0)).as_numpy("y").tolist() == [[0.0] * 4]
 
     words = np.array([[b"seven"] * 16], dtype=object)
-    with raises_status("INTERNAL", "model 'simple_string': preprocess hook 'parse' failed: "
-                       "ValueError: invalid literal for int()"):
-        triton.infer("simple_string", [infer_input("INPUT0", words, "BYTES"),
-                                       infer_input("INPUT1", words, "BYTES")])
+    with raises_status(
+        "INTERNAL",
+        "model 'simple_string': preprocess hook 'parse' failed: "
+        "ValueError: invalid literal for int()",
+    ):
+        triton.infer(
+            "simple_string",
+            [infer_input("INPUT0", words, "BYTES"), infer_input("INPUT1", words, "BYTES")],
+        )
 
 
 def test_unexpected_exception_in_a_handler_is_internal_not_cancelled(worker, triton):
@@ -309,8 +381,9 @@ def test_timeout_parameter_is_enforced_by_the_server(triton):
     """infer(timeout=µs) is a request parameter, not a client deadline: the server alone
     decides. The hook holds the request past it; it then fails before reaching the queue."""
     before = stats_of(triton, "slow").inference_stats.fail.count
-    with raises_status("DEADLINE_EXCEEDED", "model 'slow': the request's deadline has "
-                       "already passed"):
+    with raises_status(
+        "DEADLINE_EXCEEDED", "model 'slow': the request's deadline has already passed"
+    ):
         triton.infer("slow", slow_input(0.5), timeout=100_000)
     assert stats_of(triton, "slow").inference_stats.fail.count == before + 1
 
@@ -319,12 +392,14 @@ def test_timeout_parameter_expires_a_queued_request(worker, triton):
     done: queue.Queue = queue.Queue()
     with held_device(worker):
         dispatched = sched_stats(worker, "classifier").dispatches
-        triton.async_infer("classifier", [infer_input("x", x_rows(1))],
-                           lambda result, error: done.put(error))
+        triton.async_infer(
+            "classifier", [infer_input("x", x_rows(1))], lambda result, error: done.put(error)
+        )
         wait_until(lambda: sched_stats(worker, "classifier").dispatches == dispatched + 1)
         start = time.monotonic()
-        with raises_status("DEADLINE_EXCEEDED", "model 'classifier': deadline exceeded after",
-                           "in the queue"):
+        with raises_status(
+            "DEADLINE_EXCEEDED", "model 'classifier': deadline exceeded after", "in the queue"
+        ):
             triton.infer("classifier", [infer_input("x", x_rows(1))], timeout=200_000)
         assert time.monotonic() - start < 10  # answered while the device is still held
     assert done.get(timeout=60) is None
@@ -341,8 +416,10 @@ async def test_grpc_timeout_is_enforced_by_the_server(worker, triton):
             await channel.unary("ModelInfer", request, pb.ModelInferResponse, timeout=0.3)
         code, message = rpc_status(info.value)
         # the hook returns after the deadline: the scheduler refuses the request
-        assert (code, message) == ("DEADLINE_EXCEEDED",
-                                   "model 'slow': the request's deadline has already passed")
+        assert (code, message) == (
+            "DEADLINE_EXCEEDED",
+            "model 'slow': the request's deadline has already passed",
+        )
         # the connection carries on
         ok = await channel.unary("ServerLive", pb.ServerLiveRequest(), pb.ServerLiveResponse)
         assert ok.live
@@ -360,7 +437,9 @@ async def test_grpc_timeout_withdraws_a_queued_request(worker):
             with pytest.raises(RpcFailedError) as info:
                 await channel.unary("ModelInfer", request, pb.ModelInferResponse, timeout=0.3)
             assert rpc_status(info.value) == (
-                "DEADLINE_EXCEEDED", "deadline (grpc-timeout) expired before the call finished")
+                "DEADLINE_EXCEEDED",
+                "deadline (grpc-timeout) expired before the call finished",
+            )
             assert trio.current_time() - start < 10
         await trio.sleep(0.1)
         stats = await trio.to_thread.run_sync(sched_stats, worker, "classifier")
@@ -374,10 +453,13 @@ async def test_grpc_timeout_ends_a_stream(worker):
     with held_device(worker):
         async with raw_channel(worker) as channel:
             with pytest.raises(RpcFailedError) as info:
-                await channel.stream("ModelStreamInfer", [request], pb.ModelStreamInferResponse,
-                                     timeout=0.3)
+                await channel.stream(
+                    "ModelStreamInfer", [request], pb.ModelStreamInferResponse, timeout=0.3
+                )
     assert rpc_status(info.value) == (
-        "DEADLINE_EXCEEDED", "deadline (grpc-timeout) expired before the stream ended")
+        "DEADLINE_EXCEEDED",
+        "deadline (grpc-timeout) expired before the stream ended",
+    )
 
 
 def test_client_timeout_is_also_counted_by_the_server(triton):
@@ -386,8 +468,10 @@ def test_client_timeout_is_also_counted_by_the_server(triton):
     before = stats_of(triton, "slow").inference_stats.fail.count
     with raises_status("DEADLINE_EXCEEDED"):
         triton.infer("slow", slow_input(1.0), client_timeout=0.3)
-    wait_until(lambda: stats_of(triton, "slow").inference_stats.fail.count == before + 1,
-               what="the server to count the expired call")
+    wait_until(
+        lambda: stats_of(triton, "slow").inference_stats.fail.count == before + 1,
+        what="the server to count the expired call",
+    )
 
 
 # -- limits ------------------------------------------------------------------------------------
@@ -399,10 +483,14 @@ def test_in_flight_cap(repo):
         active = hook_globals(w, "slow")["ACTIVE"]
         done: queue.Queue = queue.Queue()
         triton.async_infer("slow", slow_input(2.5), lambda result, error: done.put(error))
-        wait_until(lambda: active[0] == 1 and w.admission.inflight == 1,
-                   what="the first request to hold its slot")
-        with raises_status("RESOURCE_EXHAUSTED", "server is at its in-flight limit of 1 "
-                           "requests (endpoints.max_concurrent_requests)"):
+        wait_until(
+            lambda: active[0] == 1 and w.admission.inflight == 1,
+            what="the first request to hold its slot",
+        )
+        with raises_status(
+            "RESOURCE_EXHAUSTED",
+            "server is at its in-flight limit of 1 requests (endpoints.max_concurrent_requests)",
+        ):
             triton.infer("classifier", [infer_input("x", x_rows(1))])
         with raises_status("RESOURCE_EXHAUSTED", "in-flight limit"):
             triton.is_server_live()  # every RPC counts
@@ -410,7 +498,8 @@ def test_in_flight_cap(repo):
         assert done.get(timeout=60) is None  # the admitted one completes
         wait_until(lambda: w.admission.inflight == 0)
         assert triton.infer("classifier", [infer_input("x", x_rows(1))]).as_numpy(
-            "logits").shape == (1, 10)
+            "logits"
+        ).shape == (1, 10)
 
 
 def test_queue_full(repo):
@@ -418,21 +507,30 @@ def test_queue_full(repo):
     with running(config) as w, client(w) as triton:
         done: queue.Queue = queue.Queue()
         with held_device(w) as gate:
-            triton.async_infer("classifier", [infer_input("x", x_rows(1))],
-                               lambda result, error: done.put(error))
-            wait_until(lambda: sched_stats(w, "classifier").dispatches == 1,
-                       what="the first request on the device")
-            triton.async_infer("classifier", [infer_input("x", x_rows(2))],
-                               lambda result, error: done.put(error))
-            wait_until(lambda: sched_stats(w, "classifier").queue_depth == 1,
-                       what="the second request queued")
-            with raises_status("RESOURCE_EXHAUSTED", "model 'classifier': queue is full (1 "
-                               "requests queued, max_queue_depth 1)"):
+            triton.async_infer(
+                "classifier", [infer_input("x", x_rows(1))], lambda result, error: done.put(error)
+            )
+            wait_until(
+                lambda: sched_stats(w, "classifier").dispatches == 1,
+                what="the first request on the device",
+            )
+            triton.async_infer(
+                "classifier", [infer_input("x", x_rows(2))], lambda result, error: done.put(error)
+            )
+            wait_until(
+                lambda: sched_stats(w, "classifier").queue_depth == 1,
+                what="the second request queued",
+            )
+            with raises_status(
+                "RESOURCE_EXHAUSTED",
+                "model 'classifier': queue is full (1 requests queued, max_queue_depth 1)",
+            ):
                 triton.infer("classifier", [infer_input("x", x_rows(3))])
             gate.set()
             assert [done.get(timeout=60), done.get(timeout=60)] == [None, None]
         assert triton.infer("classifier", [infer_input("x", x_rows(3))]).as_numpy(
-            "logits").shape == (3, 10)
+            "logits"
+        ).shape == (3, 10)
 
 
 @pytest.fixture(scope="module")
@@ -448,16 +546,21 @@ def _big_request_input() -> list[grpcclient.InferInput]:
 
 
 def test_oversized_message_fails_only_that_call(small):
-    channel_args = [("grpc.max_send_message_length", 64 * MIB),
-                    ("grpc.max_receive_message_length", 64 * MIB)]
+    channel_args = [
+        ("grpc.max_send_message_length", 64 * MIB),
+        ("grpc.max_receive_message_length", 64 * MIB),
+    ]
     with client(small, channel_args=channel_args) as triton:
         done: queue.Queue = queue.Queue()
         active = hook_globals(small, "slow")["ACTIVE"]
         # a call in flight on the same connection while the big one is refused
         triton.async_infer("slow", slow_input(3.0), lambda result, error: done.put(error))
         wait_until(lambda: active[0] == 1, what="the slow call to be in flight")
-        with raises_status("RESOURCE_EXHAUSTED", "received message of", "larger than the "
-                           f"maximum {2 * MIB} (endpoints.max_message_bytes)"):
+        with raises_status(
+            "RESOURCE_EXHAUSTED",
+            "received message of",
+            f"larger than the maximum {2 * MIB} (endpoints.max_message_bytes)",
+        ):
             triton.infer("classifier", _big_request_input())
         assert active[0] == 1  # still in flight: it completes on the same connection
         assert done.get(timeout=60) is None
@@ -466,8 +569,9 @@ def test_oversized_message_fails_only_that_call(small):
         # compressed below the limit, but inflating above it
         with raises_status("RESOURCE_EXHAUSTED", "(decompressed)", "larger than the maximum"):
             triton.infer("classifier", _big_request_input(), compression_algorithm="gzip")
-        assert triton.infer("classifier", [infer_input("x", x_rows(2))],
-                            compression_algorithm="gzip").as_numpy("logits").shape == (2, 10)
+        assert triton.infer(
+            "classifier", [infer_input("x", x_rows(2))], compression_algorithm="gzip"
+        ).as_numpy("logits").shape == (2, 10)
 
 
 async def test_oversized_message_keeps_the_connection(small):
@@ -483,8 +587,10 @@ async def test_oversized_message_keeps_the_connection(small):
             await channel.unary("ModelInfer", big, pb.ModelInferResponse)
         code, message = rpc_status(info.value)
         assert code == "RESOURCE_EXHAUSTED"
-        assert f"received message of {big.ByteSize()} bytes, larger than the maximum " \
-               f"{2 * MIB}" in message
+        assert (
+            f"received message of {big.ByteSize()} bytes, larger than the maximum "
+            f"{2 * MIB}" in message
+        )
         response = await channel.unary("ModelInfer", ok, pb.ModelInferResponse)
         assert np.frombuffer(response.raw_output_contents[0], np.float32).shape == (10,)
         # the same in a stream: the stream fails, the connection stays
@@ -497,14 +603,17 @@ async def test_oversized_message_keeps_the_connection(small):
 
 def test_largest_message_limit_keeps_the_window_valid(repo):
     """max_message_bytes = 2**31-1: the HTTP/2 window (2 x the limit in purerpc) is capped."""
-    config = worker_config(repo, cache_dir=cache_dir(),
-                           ENDPOINTS_MAX_MESSAGE_BYTES=2**31 - 1, MODEL_CONTROL_MODE="explicit")
+    config = worker_config(
+        repo,
+        cache_dir=cache_dir(),
+        ENDPOINTS_MAX_MESSAGE_BYTES=2**31 - 1,
+        MODEL_CONTROL_MODE="explicit",
+    )
     with running(config) as w, client(w) as triton:
         assert triton.is_server_live()
         triton.load_model("classifier")
         x = np.ones((8, 256), np.float32)
-        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == \
-            (8, 10)
+        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == (8, 10)
 
 
 def test_unsupported_compression_fails_only_that_call(worker):
@@ -517,10 +626,15 @@ def test_unsupported_compression_fails_only_that_call(worker):
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
         frame = b"\x01" + len(compressed).to_bytes(4, "big") + compressed
-        headers = [(":method", "POST"), (":scheme", "http"), (":authority", "localhost"),
-                   (":path", "/inference.GRPCInferenceService/ServerLive"),
-                   ("content-type", "application/grpc+proto"), ("te", "trailers"),
-                   ("grpc-encoding", "snappy")]
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", "localhost"),
+            (":path", "/inference.GRPCInferenceService/ServerLive"),
+            ("content-type", "application/grpc+proto"),
+            ("te", "trailers"),
+            ("grpc-encoding", "snappy"),
+        ]
         conn.send_headers(1, headers)
         conn.send_data(1, frame, end_stream=True)
         plain = b"\x00" + len(body).to_bytes(4, "big") + body
@@ -535,8 +649,9 @@ def test_unsupported_compression_fails_only_that_call(worker):
                 break
             for event in conn.receive_data(data):
                 if isinstance(event, h2.events.TrailersReceived) or (
-                        isinstance(event, h2.events.ResponseReceived)
-                        and any(k == b"grpc-status" for k, _ in event.headers)):
+                    isinstance(event, h2.events.ResponseReceived)
+                    and any(k == b"grpc-status" for k, _ in event.headers)
+                ):
                     statuses[event.stream_id] = dict(event.headers)
             sock.sendall(conn.data_to_send())
     assert statuses[1][b"grpc-status"] == b"12"  # UNIMPLEMENTED

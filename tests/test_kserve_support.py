@@ -96,17 +96,21 @@ def hold(x):
 def _export(**kwargs) -> Path:
     from rsrv.export import export_jax
 
-    return export_jax(provenance={"source": "tests/test_kserve_support.py"}, parity=False,
-                      **kwargs)
+    return export_jax(provenance={"source": "tests/test_kserve_support.py"}, parity=False, **kwargs)
 
 
 def _build_simple(out: Path) -> None:
     from rsrv.export import Input, Output
 
-    _export(fn=lambda p, a, b: (a + b, a - b), params={},
-            inputs=[Input("INPUT0", np.int32, ("n", 16)), Input("INPUT1", np.int32, ("n", 16))],
-            outputs=[Output("OUTPUT0"), Output("OUTPUT1")], batch_sizes=[1, 4, 8],
-            out_dir=out, description="Triton's simple: sum and difference of two INT32[16]")
+    _export(
+        fn=lambda p, a, b: (a + b, a - b),
+        params={},
+        inputs=[Input("INPUT0", np.int32, ("n", 16)), Input("INPUT1", np.int32, ("n", 16))],
+        outputs=[Output("OUTPUT0"), Output("OUTPUT1")],
+        batch_sizes=[1, 4, 8],
+        out_dir=out,
+        description="Triton's simple: sum and difference of two INT32[16]",
+    )
 
 
 def _build_simple_string(out: Path) -> None:
@@ -116,22 +120,33 @@ def _build_simple_string(out: Path) -> None:
     def spec(name):
         return TensorSpec(name=name, dtype="bytes", shape="nk", dims={"k": 16})
 
-    _export(fn=lambda p, a, b: (a + b, a - b), params={},
-            inputs=[Input("a", np.int32, ("n", 16)), Input("b", np.int32, ("n", 16))],
-            outputs=[Output("sum"), Output("diff")], batch_sizes=[1, 4],
-            client_inputs=[spec("INPUT0"), spec("INPUT1")],
-            client_outputs=[spec("OUTPUT0"), spec("OUTPUT1")],
-            model_py=SIMPLE_STRING_MODEL_PY, out_dir=out,
-            description="Triton's simple_string: BYTES decimal integers")
+    _export(
+        fn=lambda p, a, b: (a + b, a - b),
+        params={},
+        inputs=[Input("a", np.int32, ("n", 16)), Input("b", np.int32, ("n", 16))],
+        outputs=[Output("sum"), Output("diff")],
+        batch_sizes=[1, 4],
+        client_inputs=[spec("INPUT0"), spec("INPUT1")],
+        client_outputs=[spec("OUTPUT0"), spec("OUTPUT1")],
+        model_py=SIMPLE_STRING_MODEL_PY,
+        out_dir=out,
+        description="Triton's simple_string: BYTES decimal integers",
+    )
 
 
 def _build_slow(out: Path) -> None:
     from rsrv.export import Input, Output
 
-    _export(fn=lambda p, x: x * p["scale"], params={"scale": np.float32(2.0)},
-            inputs=[Input("x", np.float32, ("n", 4))], outputs=[Output("y")],
-            batch_sizes=[1, 4], model_py=SLOW_MODEL_PY, out_dir=out,
-            description="y = 2x after a preprocess that sleeps x[0, 0] seconds")
+    _export(
+        fn=lambda p, x: x * p["scale"],
+        params={"scale": np.float32(2.0)},
+        inputs=[Input("x", np.float32, ("n", 4))],
+        outputs=[Output("y")],
+        batch_sizes=[1, 4],
+        model_py=SLOW_MODEL_PY,
+        out_dir=out,
+        description="y = 2x after a preprocess that sleeps x[0, 0] seconds",
+    )
 
 
 UNBATCHED_W = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
@@ -140,13 +155,21 @@ UNBATCHED_W = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
 def _build_unbatched(out: Path) -> None:
     from rsrv.export import Input, Output
 
-    _export(fn=lambda p, x: x @ p["w"], params={"w": UNBATCHED_W},
-            inputs=[Input("x", np.float32, (4,))], outputs=[Output("y")], batch_sizes=[],
-            out_dir=out, description="y = x W without a batch axis")
+    _export(
+        fn=lambda p, x: x @ p["w"],
+        params={"w": UNBATCHED_W},
+        inputs=[Input("x", np.float32, (4,))],
+        outputs=[Output("y")],
+        batch_sizes=[],
+        out_dir=out,
+        description="y = x W without a batch axis",
+    )
 
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
-    "simple": _build_simple, "simple_string": _build_simple_string, "slow": _build_slow,
+    "simple": _build_simple,
+    "simple_string": _build_simple_string,
+    "slow": _build_slow,
     "unbatched": _build_unbatched,
 }
 
@@ -202,12 +225,12 @@ def client(worker, **kwargs) -> grpcclient.InferenceServerClient:
     return grpcclient.InferenceServerClient(url(worker), **kwargs)
 
 
-def infer_input(name: str, array: np.ndarray,
-                datatype: str | None = None) -> grpcclient.InferInput:
+def infer_input(name: str, array: np.ndarray, datatype: str | None = None) -> grpcclient.InferInput:
     from tritonclient.utils import np_to_triton_dtype
 
-    tensor = grpcclient.InferInput(name, list(array.shape),
-                                   datatype or np_to_triton_dtype(array.dtype))
+    tensor = grpcclient.InferInput(
+        name, list(array.shape), datatype or np_to_triton_dtype(array.dtype)
+    )
     tensor.set_data_from_numpy(array)
     return tensor
 
@@ -295,8 +318,13 @@ class RawChannel:
         import datetime
 
         stream = await self._channel._grpc_socket.start_request(
-            "http", SERVICE, method, request_type.DESCRIPTOR.full_name, self._authority,
-            None if timeout is None else datetime.timedelta(seconds=timeout))
+            "http",
+            SERVICE,
+            method,
+            request_type.DESCRIPTOR.full_name,
+            self._authority,
+            None if timeout is None else datetime.timedelta(seconds=timeout),
+        )
         stream.expect_message_type(response_type)
         return stream
 
@@ -310,8 +338,15 @@ class RawChannel:
         await send_single_message_client(stream, request)
         return await extract_message_from_singleton_stream(stream)
 
-    async def stream(self, method: str, requests: list, response_type, *,
-                     timeout: float | None = None, keep_open: bool = True) -> list:
+    async def stream(
+        self,
+        method: str,
+        requests: list,
+        response_type,
+        *,
+        timeout: float | None = None,
+        keep_open: bool = True,
+    ) -> list:
         """Send ``requests`` on one stream (left open when ``keep_open``) and collect the
         responses until the server ends the stream (which raises on a non-OK status)."""
         from purerpc.wrappers import stream_to_async_iterator

@@ -30,7 +30,7 @@ from rsrv.export import Input, Output, export_jax
 
 #: A pass-through preprocess hook that sleeps, so requests spend time in flight before
 #: they queue; the module itself may take a while to import (a slow load).
-SLOW_MODEL_PY = '''
+SLOW_MODEL_PY = """
 import time
 
 import rsrv
@@ -42,13 +42,15 @@ time.sleep({import_seconds})
 def slow(x):
     time.sleep({seconds})
     return x
-'''
+"""
 
 
 def linear_params(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"w": rng.standard_normal((3, 2)).astype(np.float32),
-            "b": rng.standard_normal(2).astype(np.float32)}
+    return {
+        "w": rng.standard_normal((3, 2)).astype(np.float32),
+        "b": rng.standard_normal(2).astype(np.float32),
+    }
 
 
 def expected(seed: int, x: np.ndarray) -> np.ndarray:
@@ -60,8 +62,15 @@ def expected(seed: int, x: np.ndarray) -> np.ndarray:
 _exported: dict[tuple, Path] = {}
 
 
-def export_linear(out_dir: Path, seed: int, *, work: int = 0, hook_seconds: float = 0.0,
-                  import_seconds: float = 0.0, batch_sizes=(1, 2, 4)) -> Path:
+def export_linear(
+    out_dir: Path,
+    seed: int,
+    *,
+    work: int = 0,
+    hook_seconds: float = 0.0,
+    import_seconds: float = 0.0,
+    batch_sizes=(1, 2, 4),
+) -> Path:
     """y = x @ w + b with x f32[n,3] -> y f32[n,2]; weights drawn from ``seed``.
 
     ``work`` > 0 adds that many iterations of a 192x192 matmul per row whose result is
@@ -89,30 +98,42 @@ def export_linear(out_dir: Path, seed: int, *, work: int = 0, hook_seconds: floa
     return out_dir
 
 
-def _export_linear(out_dir: Path, seed: int, work: int, hook_seconds: float,
-                   import_seconds: float, batch_sizes: tuple[int, ...]) -> Path:
+def _export_linear(
+    out_dir: Path,
+    seed: int,
+    work: int,
+    hook_seconds: float,
+    import_seconds: float,
+    batch_sizes: tuple[int, ...],
+) -> Path:
     import jax
     import jax.numpy as jnp
 
     params = linear_params(seed)
     if work:
-        params["m"] = (np.random.default_rng(1000 + seed).standard_normal((192, 192)) * 0.01
-                       ).astype(np.float32)
+        params["m"] = (
+            np.random.default_rng(1000 + seed).standard_normal((192, 192)) * 0.01
+        ).astype(np.float32)
 
     def fn(p, x):
         y = x @ p["w"] + p["b"]
         if work:
-            h = jax.lax.fori_loop(0, work, lambda i, h: jnp.tanh(h @ p["m"]),
-                                  jnp.tile(x, (1, 64)))
+            h = jax.lax.fori_loop(0, work, lambda i, h: jnp.tanh(h @ p["m"]), jnp.tile(x, (1, 64)))
             y = y + 0.0 * h.sum(axis=1, keepdims=True)  # per row: rows stay independent
         return y
 
     model_py = None
     if hook_seconds or import_seconds:
         model_py = SLOW_MODEL_PY.format(seconds=hook_seconds, import_seconds=import_seconds)
-    return export_jax(fn, params, inputs=[Input("x", np.float32, ("n", 3), letters="nf")],
-                      outputs=[Output("y", letters="nk")], batch_sizes=list(batch_sizes),
-                      out_dir=out_dir, model_py=model_py)
+    return export_jax(
+        fn,
+        params,
+        inputs=[Input("x", np.float32, ("n", 3), letters="nf")],
+        outputs=[Output("y", letters="nk")],
+        batch_sizes=list(batch_sizes),
+        out_dir=out_dir,
+        model_py=model_py,
+    )
 
 
 def x_input(x: np.ndarray) -> tc.InferInput:
@@ -151,6 +172,7 @@ def status_of(call: Callable[[], object]) -> str:
 
 def control(worker, call: Callable[[ControlClient], Awaitable[object]]):
     """Run ``await call(client)`` with a fresh :class:`ControlClient` on ``worker``."""
+
     async def main():
         async with ControlClient("127.0.0.1", worker.port) as client:
             return await call(client)
@@ -356,8 +378,9 @@ def test_requests_queued_before_a_reload_finish_on_their_version(repo, cache_dir
     sent before the reload answers with the old weights, every one after with the new,
     and some old ones were still queued when the new version took over."""
     export_linear(repo / "slow", seed=0, work=3000)
-    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit",
-                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=0)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", ENDPOINTS_MAX_CONCURRENT_REQUESTS=0
+    )
     with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
         client.load_model("slow")
         assert matches(infer(client, "slow", X), 0, X)
@@ -366,14 +389,17 @@ def test_requests_queued_before_a_reload_finish_on_their_version(repo, cache_dir
         answers: dict[int, tuple[float, object]] = {}
         done = threading.Event()
         n_before, n_after = 96, 16
-        xs = [np.random.default_rng(i).standard_normal((1 + i % 2, 3)).astype(np.float32)
-              for i in range(n_before + n_after)]
+        xs = [
+            np.random.default_rng(i).standard_normal((1 + i % 2, 3)).astype(np.float32)
+            for i in range(n_before + n_after)
+        ]
 
         def send(i):
             def callback(result, error):
                 answers[i] = (time.monotonic(), error if error else result.as_numpy("y"))
                 if len(answers) == len(xs):
                     done.set()
+
             client.async_infer("slow", [x_input(xs[i])], callback)
 
         for i in range(n_before):
@@ -398,11 +424,13 @@ def test_continuous_traffic_across_dynamic_reloads(repo, cache_dir):
     answer is entirely one version's."""
     for seed in (2, 1, 0):  # export every version now; copy them in under traffic
         export_linear(repo / "m", seed=seed, work=300)
-    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL,
-                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=0)
+    config = worker_config(
+        repo, cache_dir, MODEL_POLL_SECONDS=POLL, ENDPOINTS_MAX_CONCURRENT_REQUESTS=0
+    )
     results: list[tuple[np.ndarray, object]] = []
     stop = threading.Event()
     with running(config) as worker:
+
         def client_loop(k):
             with tc.InferenceServerClient(url(worker)) as client:
                 rng = np.random.default_rng(k)
@@ -442,8 +470,7 @@ def test_continuous_traffic_across_dynamic_reloads(repo, cache_dir):
 
 def test_static_mode_ignores_the_repository(repo, cache_dir):
     export_linear(repo / "a", seed=0)
-    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="static",
-                           MODEL_POLL_SECONDS=0.05)
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="static", MODEL_POLL_SECONDS=0.05)
     with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
         assert index(client) == {"a": ("READY", "")}
         export_linear(repo / "a", seed=1)

@@ -45,8 +45,10 @@ PATCH, GRID, TOP_K, THRESHOLD = 16, 4, 4, 0.0  # as the manifest's description s
 
 
 def _weights(bundle: str) -> dict[str, np.ndarray]:
-    return {k: v.astype(np.float64)
-            for k, v in load_file(BUNDLES / bundle / "weights.safetensors").items()}
+    return {
+        k: v.astype(np.float64)
+        for k, v in load_file(BUNDLES / bundle / "weights.safetensors").items()
+    }
 
 
 def scorer_reference(image: np.ndarray) -> np.ndarray:
@@ -60,30 +62,38 @@ def scorer_reference(image: np.ndarray) -> np.ndarray:
 def classifier_reference(crops: np.ndarray) -> np.ndarray:
     """Stage 2: relu(x W1 + b1) W2 + b2 on each flattened crop."""
     w = _weights("patch_classifier")
-    h = np.maximum(crops.astype(np.float64).reshape(len(crops), -1) @ w["hidden.w"]
-                   + w["hidden.b"], 0.0)
+    h = np.maximum(
+        crops.astype(np.float64).reshape(len(crops), -1) @ w["hidden.w"] + w["hidden.b"], 0.0
+    )
     return h @ w["out.w"] + w["out.b"]
 
 
 def crop(image: np.ndarray, region: int) -> np.ndarray:
     r, c = divmod(int(region), GRID)
-    return image[r * PATCH:(r + 1) * PATCH, c * PATCH:(c + 1) * PATCH]
+    return image[r * PATCH : (r + 1) * PATCH, c * PATCH : (c + 1) * PATCH]
 
 
 def pipeline_reference(image: np.ndarray) -> dict[str, np.ndarray]:
     """The glue: the TOP_K best regions scoring above THRESHOLD, best first (ties by
     region index), each labelled by stage 2; nothing (and no stage 2) when none."""
     scores = scorer_reference(image)
-    kept = sorted((i for i in range(GRID * GRID) if scores[i] > THRESHOLD),
-                  key=lambda i: (-scores[i], i))[:TOP_K]
+    kept = sorted(
+        (i for i in range(GRID * GRID) if scores[i] > THRESHOLD), key=lambda i: (-scores[i], i)
+    )[:TOP_K]
     if not kept:
-        return {"regions": np.zeros(0, np.int64), "scores": np.zeros(0),
-                "labels": np.zeros(0, np.int64)}
+        return {
+            "regions": np.zeros(0, np.int64),
+            "scores": np.zeros(0),
+            "labels": np.zeros(0, np.int64),
+        }
     logits = classifier_reference(np.stack([crop(image, i) for i in kept]))
     top2 = np.sort(logits, axis=1)[:, -2:]
     assert (top2[:, 1] - top2[:, 0] > 1e-3).all(), "test image too close to a label tie"
-    return {"regions": np.array(kept, np.int64), "scores": scores[kept],
-            "labels": logits.argmax(axis=1)}
+    return {
+        "regions": np.array(kept, np.int64),
+        "scores": scores[kept],
+        "labels": logits.argmax(axis=1),
+    }
 
 
 def image_with(seed: int, bright: dict[int, float]) -> np.ndarray:
@@ -93,8 +103,9 @@ def image_with(seed: int, bright: dict[int, float]) -> np.ndarray:
     image = rng.uniform(0.0, 0.3, (64, 64)).astype(np.float32)
     for region, level in bright.items():
         r, c = divmod(region, GRID)
-        image[r * PATCH:(r + 1) * PATCH, c * PATCH:(c + 1) * PATCH] = rng.uniform(
-            level - 0.05, level + 0.05, (PATCH, PATCH))
+        image[r * PATCH : (r + 1) * PATCH, c * PATCH : (c + 1) * PATCH] = rng.uniform(
+            level - 0.05, level + 0.05, (PATCH, PATCH)
+        )
     return image
 
 
@@ -119,8 +130,9 @@ def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
 def infer(client, model: str, inputs: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]:
     """One ModelInfer; returns every output by name."""
     result = client.infer(model, [tensor(k, v) for k, v in inputs.items()], **kw)
-    return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response(as_json=True)
-            ["outputs"]}
+    return {
+        o["name"]: result.as_numpy(o["name"]) for o in result.get_response(as_json=True)["outputs"]
+    }
 
 
 def failure(fn: Callable[[], object]) -> tuple[str, str]:
@@ -138,7 +150,8 @@ class Status:
         self._call = self._channel.unary_unary(
             "/rsrv.control.v1.ControlService/ModelControlStatus",
             request_serializer=cpb.ModelControlStatusRequest.SerializeToString,
-            response_deserializer=cpb.ModelControlStatusResponse.FromString)
+            response_deserializer=cpb.ModelControlStatusResponse.FromString,
+        )
 
     def all(self) -> dict[str, cpb.ModelStatus]:
         return {m.name: m for m in self._call(cpb.ModelControlStatusRequest()).models}
@@ -156,6 +169,7 @@ _STATUS: dict[int, Status] = {}
 def scrape(worker) -> str:
     """``exposition(worker)``: it reads trio's clock (for usage averages, not used here),
     so it runs in a trio context of the test thread's own."""
+
     async def collect():
         return exposition(worker).decode()
 
@@ -164,6 +178,7 @@ def scrape(worker) -> str:
 
 def control(worker, method: str, *args):
     """``rsrv.client.ControlClient(...).<method>(*args)`` from synchronous test code."""
+
     async def call():
         async with ControlClient("127.0.0.1", worker.port) as client:
             return await getattr(client, method)(*args)
@@ -273,8 +288,13 @@ Y_SPEC = {"name": "y", "dtype": "f32", "shape": "nk", "dims": {"k": 2}}
 def write_meta(repo: Path, name: str, calls: list[str], model_py: str) -> Path:
     path = repo / name
     path.mkdir(parents=True)
-    manifest = {"format_version": "2.0", "kind": "meta", "client_inputs": [X_SPEC],
-                "client_outputs": [Y_SPEC], "meta": {"calls": calls}}
+    manifest = {
+        "format_version": "2.0",
+        "kind": "meta",
+        "client_inputs": [X_SPEC],
+        "client_outputs": [Y_SPEC],
+        "meta": {"calls": calls},
+    }
     (path / "manifest.yaml").write_bytes(msgspec.yaml.encode(manifest))
     (path / "model.py").write_text(model_py)
     return path
@@ -294,7 +314,7 @@ def rows(value: float, n: int = 1) -> np.ndarray:
 
 
 # relay: optionally parks (until the test releases it) and sleeps, then calls tiny.
-RELAY_PY = '''\
+RELAY_PY = """\
 import threading
 import time
 
@@ -314,10 +334,10 @@ def relay(call, x):
         release.wait(30)
     time.sleep(control["sleep"])
     return call("tiny", {"x": x})["y"]
-'''
+"""
 
 # spin: calls tiny over and over for up to 3 s, recording how it ended.
-SPIN_PY = '''\
+SPIN_PY = """\
 import threading
 import time
 
@@ -343,27 +363,27 @@ def spin(call, x):
         raise
     finally:
         finished.set()
-'''
+"""
 
 # stray: calls a model it did not declare.
-STRAY_PY = '''\
+STRAY_PY = """\
 import rsrv
 
 
 @rsrv.meta(inputs=["x"], outputs=["y"])
 def stray(call, x):
     return call("ghost", {"x": x})["y"]
-'''
+"""
 
 # plain: calls CALLEE, its one declared model.
-PLAIN_PY = '''\
+PLAIN_PY = """\
 import rsrv
 
 
 @rsrv.meta(inputs=["x"], outputs=["y"])
 def plain(call, x):
     return call(CALLEE, {"x": x})["y"]
-'''
+"""
 
 
 def plain(callee: str) -> str:
@@ -409,7 +429,11 @@ def test_region_pipeline_matches_numpy_reference(example, example_client, case):
     stats_after = example_client.get_inference_statistics("patch_classifier", as_json=True)
     if case == "empty":  # early exit: stage 2 never ran
         assert (new.requests_served, new.rows_served, new.dispatches, new.compute_seconds) == (
-            old.requests_served, old.rows_served, old.dispatches, old.compute_seconds)
+            old.requests_served,
+            old.rows_served,
+            old.dispatches,
+            old.compute_seconds,
+        )
         assert stats_after == stats_before
     else:
         assert new.requests_served == old.requests_served + 1
@@ -428,15 +452,18 @@ def test_sub_models_are_hidden_but_served(example, example_client):
         assert example_client.is_model_ready(sub)
     crops = np.stack([crop(image_with(7, {3: 0.9}), 3)])
     out = infer(example_client, "patch_classifier", {"crop": crops})
-    np.testing.assert_allclose(out["logits"], classifier_reference(crops), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(out["logits"], classifier_reference(crops), rtol=1e-5, atol=1e-5)
     config = example_client.get_model_config("region_pipeline", as_json=True)["config"]
     assert [i["name"] for i in config["input"]] == ["image"]
     meta = example_client.get_model_metadata("region_pipeline", as_json=True)
     assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
-        ("image", "FP32", ["64", "64"])]
+        ("image", "FP32", ["64", "64"])
+    ]
     assert [(t["name"], t["datatype"], t["shape"]) for t in meta["outputs"]] == [
-        ("regions", "INT64", ["-1"]), ("scores", "FP32", ["-1"]), ("labels", "INT64", ["-1"])]
+        ("regions", "INT64", ["-1"]),
+        ("scores", "FP32", ["-1"]),
+        ("labels", "INT64", ["-1"]),
+    ]
 
 
 def test_meta_compute_is_the_sum_of_its_sub_calls(example, example_client):
@@ -462,21 +489,25 @@ def test_meta_compute_is_the_sum_of_its_sub_calls(example, example_client):
     meta = after["region_pipeline"]
     assert meta.kind == "meta"
     assert delta("region_pipeline", "requests_served") == 4
-    subs = delta("region_scorer", "compute_seconds") + delta("patch_classifier",
-                                                             "compute_seconds")
+    subs = delta("region_scorer", "compute_seconds") + delta("patch_classifier", "compute_seconds")
     assert subs > 0
     assert delta("region_pipeline", "compute_seconds") == pytest.approx(subs, rel=1e-9)
     assert delta("region_scorer", "requests_served") == 4  # early exit: one call only
     assert delta("patch_classifier", "requests_served") == 3
-    assert meta.weight_bytes == after["region_scorer"].weight_bytes + \
-        after["patch_classifier"].weight_bytes
+    assert (
+        meta.weight_bytes
+        == after["region_scorer"].weight_bytes + after["patch_classifier"].weight_bytes
+    )
 
     compute = "rsrv_compute_seconds_total"
     assert metrics_after[compute]["region_pipeline"] == pytest.approx(meta.compute_seconds)
-    metric_delta = {m: metrics_after[compute][m] - metrics_before[compute][m]
-                    for m in ("region_pipeline", "region_scorer", "patch_classifier")}
+    metric_delta = {
+        m: metrics_after[compute][m] - metrics_before[compute][m]
+        for m in ("region_pipeline", "region_scorer", "patch_classifier")
+    }
     assert metric_delta["region_pipeline"] == pytest.approx(
-        metric_delta["region_scorer"] + metric_delta["patch_classifier"], rel=1e-9)
+        metric_delta["region_scorer"] + metric_delta["patch_classifier"], rel=1e-9
+    )
     assert metrics_after["rsrv_requests_total"]["region_pipeline"] >= 4
 
 
@@ -556,8 +587,9 @@ def test_sub_calls_coalesce_with_direct_traffic_and_go_first_under_edf(cache_dir
             np.testing.assert_allclose(out["scores"], expected["scores"], rtol=1e-5)
             np.testing.assert_array_equal(out["labels"], expected["labels"])
         for d, future in zip(direct, p, strict=True):
-            np.testing.assert_allclose(future.result()["logits"], classifier_reference(d),
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                future.result()["logits"], classifier_reference(d), rtol=1e-5, atol=1e-5
+            )
         client.close()
 
 
@@ -585,10 +617,10 @@ def test_edf_orders_a_sub_call_ahead_of_fresh_work(tiny_repo, tiny_template, cac
 
         ran = [(e.model, e.first_input[:, 0].tolist()) for e in device.executions]
         # pure edf would run other[3], then tiny[1, 2], then tiny[7]
-        assert ran == [("other", [100.0]), ("tiny", [7.0, 1.0]), ("other", [3.0]),
-                       ("tiny", [2.0])]
-        np.testing.assert_allclose(m.result()["y"], tiny_reference(tiny_template, rows(7)),
-                                   rtol=1e-6)
+        assert ran == [("other", [100.0]), ("tiny", [7.0, 1.0]), ("other", [3.0]), ("tiny", [2.0])]
+        np.testing.assert_allclose(
+            m.result()["y"], tiny_reference(tiny_template, rows(7)), rtol=1e-6
+        )
         client.close()
 
 
@@ -609,8 +641,7 @@ def test_deadline_is_inherited_by_sub_calls(tiny_repo, cache_dir, pool):
         # The glue outlives the deadline: the call after it fails at the boundary.
         relay["control"]["sleep"] = 0.3
         start = time.monotonic()
-        code, message = failure(lambda: infer(client, "relay", {"x": rows(1)},
-                                              timeout=100_000))
+        code, message = failure(lambda: infer(client, "relay", {"x": rows(1)}, timeout=100_000))
         assert code == "StatusCode.DEADLINE_EXCEEDED"
         assert "meta model 'relay': deadline passed before its call to 'tiny'" in message
         assert 0.25 < time.monotonic() - start < 5
@@ -624,8 +655,7 @@ def test_deadline_is_inherited_by_sub_calls(tiny_repo, cache_dir, pool):
         g = pool.submit(infer, client, "other", {"x": rows(1)})
         assert held.entered.wait(10)
         start = time.monotonic()
-        code, message = failure(lambda: infer(client, "relay", {"x": rows(1)},
-                                              timeout=300_000))
+        code, message = failure(lambda: infer(client, "relay", {"x": rows(1)}, timeout=300_000))
         elapsed = time.monotonic() - start
         held.released.set()
         g.result(10)
@@ -681,8 +711,12 @@ async def test_cancelling_a_meta_request_cancels_its_sub_call():
             seen.append(type(e).__name__)
             raise
 
-    served = SimpleNamespace(name="m", bundle=SimpleNamespace(
-        hooks=SimpleNamespace(meta=relay), signature=SimpleNamespace(calls=("tiny",))))
+    served = SimpleNamespace(
+        name="m",
+        bundle=SimpleNamespace(
+            hooks=SimpleNamespace(meta=relay), signature=SimpleNamespace(calls=("tiny",))
+        ),
+    )
     runner = MetaRunner(SlowPipeline(), concurrency=2)
     start = trio.current_time()
     with trio.move_on_after(0.2):
@@ -709,14 +743,13 @@ def test_glue_runs_off_the_dispatch_loop(tiny_repo, tiny_template, cache_dir, po
         tiny = infer(client, "tiny", {"x": rows(3)})
         assert time.monotonic() - start < 5
         assert not m.done()
-        np.testing.assert_allclose(other["y"], tiny_reference(tiny_template, rows(2)),
-                                   rtol=1e-6)
-        np.testing.assert_allclose(tiny["y"], tiny_reference(tiny_template, rows(3)),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(other["y"], tiny_reference(tiny_template, rows(2)), rtol=1e-6)
+        np.testing.assert_allclose(tiny["y"], tiny_reference(tiny_template, rows(3)), rtol=1e-6)
 
         relay["release"].set()
-        np.testing.assert_allclose(m.result(10)["y"], tiny_reference(tiny_template, rows(5)),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            m.result(10)["y"], tiny_reference(tiny_template, rows(5)), rtol=1e-6
+        )
         client.close()
 
 
@@ -733,8 +766,7 @@ def test_meta_concurrency_limit(tiny_repo, cache_dir, pool):
         assert len(relay["entered"]) == 1 and not m2.done()
 
         start = time.monotonic()
-        code, message = failure(lambda: infer(client, "relay", {"x": rows(3)},
-                                              timeout=200_000))
+        code, message = failure(lambda: infer(client, "relay", {"x": rows(3)}, timeout=200_000))
         assert code == "StatusCode.DEADLINE_EXCEEDED"
         assert "deadline passed while waiting for a meta slot" in message
         assert 0.15 < time.monotonic() - start < 5
@@ -756,13 +788,17 @@ def test_parked_metas_leave_trio_threads_to_hooks(tmp_path, tiny_template, cache
     repo = tmp_path / "repo"
     post = add_tiny(repo, tiny_template, "post")
     manifest = msgspec.yaml.decode((post / "manifest.yaml").read_bytes())
-    manifest["client_outputs"] = [{"name": "z", "dtype": "f32", "shape": "nk",
-                                   "dims": {"k": 2}}]
+    manifest["client_outputs"] = [{"name": "z", "dtype": "f32", "shape": "nk", "dims": {"k": 2}}]
     (post / "manifest.yaml").write_bytes(msgspec.yaml.encode(manifest))
     (post / "model.py").write_text(
         "import rsrv\n\n\n@rsrv.postprocess(inputs=['y'], outputs=['z'])\n"
-        "def double(y):\n    return y * 2\n")
-    write_meta(repo, "crowd", ["post"], f'''\
+        "def double(y):\n    return y * 2\n"
+    )
+    write_meta(
+        repo,
+        "crowd",
+        ["post"],
+        f"""\
 import threading
 
 import rsrv
@@ -774,15 +810,18 @@ everyone = threading.Barrier({n}, timeout=10)
 def crowd(call, x):
     everyone.wait()
     return call("post", {{"x": x}})["z"]
-''')
-    config = worker_config(repo, cache_dir, SCHEDULER_META_CONCURRENCY=n,
-                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=n + 8)
+""",
+    )
+    config = worker_config(
+        repo, cache_dir, SCHEDULER_META_CONCURRENCY=n, ENDPOINTS_MAX_CONCURRENT_REQUESTS=n + 8
+    )
     with running(config) as worker:
         client = connect(worker)
         futures = [pool.submit(infer, client, "crowd", {"x": rows(i)}) for i in range(n)]
         for i, future in enumerate(futures):
-            np.testing.assert_allclose(future.result(30)["y"],
-                                       2 * tiny_reference(tiny_template, rows(i)), rtol=1e-6)
+            np.testing.assert_allclose(
+                future.result(30)["y"], 2 * tiny_reference(tiny_template, rows(i)), rtol=1e-6
+            )
         client.close()
 
 
@@ -809,8 +848,7 @@ def test_load_time_rules(tmp_path, tiny_template, cache_dir):
         client = connect(worker)
 
         def index():
-            return {m.name: (m.state, m.reason)
-                    for m in client.get_model_repository_index().models}
+            return {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
 
         def load_error(name):
             code, message = failure(lambda: client.load_model(name))
@@ -821,8 +859,7 @@ def test_load_time_rules(tmp_path, tiny_template, cache_dir):
         client.load_model("inner")
 
         # A meta calling a meta: the later one is refused.
-        rule = ("meta.calls: 'inner' is a meta model; meta models may not call other "
-                "meta models")
+        rule = "meta.calls: 'inner' is a meta model; meta models may not call other meta models"
         assert rule in load_error("outer")
         state, reason = index()["outer"]
         assert state == "UNAVAILABLE" and rule in reason
@@ -841,8 +878,10 @@ def test_load_time_rules(tmp_path, tiny_template, cache_dir):
         client.load_model("stray")
         code, message = failure(lambda: infer(client, "stray", {"x": rows(1)}))
         assert code == "StatusCode.FAILED_PRECONDITION"
-        assert ("meta model 'stray' called undeclared model 'ghost'; add it to meta.calls "
-                "(declared: tiny)") in message
+        assert (
+            "meta model 'stray' called undeclared model 'ghost'; add it to meta.calls "
+            "(declared: tiny)"
+        ) in message
 
         # A meta whose callee loads later as a meta: the callee is the one refused.
         client.load_model("caller")
@@ -881,15 +920,15 @@ def test_load_time_rules(tmp_path, tiny_template, cache_dir):
 
 
 def test_explicit_mode_readiness_and_residency(cache_dir):
-    config = worker_config(BUNDLES, cache_dir, MODEL_CONTROL_MODE="explicit",
-                           RUNTIME_WEIGHT_CACHE_BYTES=64 << 20)
+    config = worker_config(
+        BUNDLES, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=64 << 20
+    )
     with running(config) as worker:
         client = connect(worker)
         image = image_with(*CASES["three"])
 
         def index():
-            return {m.name: (m.state, m.reason)
-                    for m in client.get_model_repository_index().models}
+            return {m.name: (m.state, m.reason) for m in client.get_model_repository_index().models}
 
         assert index() == {}
         client.load_model("region_pipeline")  # before the models it calls
@@ -900,8 +939,9 @@ def test_explicit_mode_readiness_and_residency(cache_dir):
         assert code == "StatusCode.UNAVAILABLE" and waiting in message
 
         client.load_model("region_scorer")
-        assert index() == {"region_pipeline": ("UNAVAILABLE",
-                                               "waiting for model(s) patch_classifier")}
+        assert index() == {
+            "region_pipeline": ("UNAVAILABLE", "waiting for model(s) patch_classifier")
+        }
         client.load_model("patch_classifier")
         assert client.is_model_ready("region_pipeline")
         assert index() == {"region_pipeline": ("READY", "")}
@@ -911,8 +951,9 @@ def test_explicit_mode_readiness_and_residency(cache_dir):
 
         client.unload_model("patch_classifier")
         assert not client.is_model_ready("region_pipeline")
-        assert index() == {"region_pipeline": ("UNAVAILABLE",
-                                               "waiting for model(s) patch_classifier")}
+        assert index() == {
+            "region_pipeline": ("UNAVAILABLE", "waiting for model(s) patch_classifier")
+        }
         client.load_model("patch_classifier")
         assert client.is_model_ready("region_pipeline")
 

@@ -52,8 +52,11 @@ class Scrape:
 
     def samples(self, family: str, suffix: str = "", **labels: str) -> list:
         name = family + suffix
-        return [s for s in self.families[family].samples
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return [
+            s
+            for s in self.families[family].samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
 
     def value(self, family: str, suffix: str = "", **labels: str) -> float:
         found = self.samples(family, suffix, **labels)
@@ -119,8 +122,13 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
     """Sequential requests (one dispatch each) with known rows and statuses, and a
     weight budget that holds one model, so switching models loads and evicts."""
     port = free_port()
-    config = worker_config(repo, cache_dir, ENDPOINTS_METRICS_PORT=port, MODEL_POLL_SECONDS=60,
-                           RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8)
+    config = worker_config(
+        repo,
+        cache_dir,
+        ENDPOINTS_METRICS_PORT=port,
+        MODEL_POLL_SECONDS=60,
+        RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8,
+    )
     rng = np.random.default_rng(0)
     with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
         infer(client, "a", X[:1])  # a is now the resident model
@@ -152,16 +160,22 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
 
     assert after.type("rsrv_worker_info") == "gauge"
     info = after.samples("rsrv_worker_info")[0]
-    assert info.labels == {"worker": "worker0", "platform": "cpu", "discipline": "fair",
-                           "control_mode": "dynamic"}
+    assert info.labels == {
+        "worker": "worker0",
+        "platform": "cpu",
+        "discipline": "fair",
+        "control_mode": "dynamic",
+    }
     assert info.value == 1
 
     assert after.type("rsrv_requests") == "counter"
     assert after.total("rsrv_requests", model="a", status="OK") == n_ok
     for status, n in failures.items():
         assert after.total("rsrv_requests", model="a", status=status) == n
-    assert {s.labels["status"] for s in after.samples("rsrv_requests", "_total", model="a")} \
-        == {"OK", *failures}
+    assert {s.labels["status"] for s in after.samples("rsrv_requests", "_total", model="a")} == {
+        "OK",
+        *failures,
+    }
     assert after.total("rsrv_requests", model="b", status="OK") == 2
     assert triton.inference_stats.success.count == n_ok  # agrees with Triton's statistics
     assert triton.inference_stats.fail.count == n_failed
@@ -169,8 +183,10 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
     assert after.type("rsrv_request_latency_seconds") == "histogram"
     assert after.value("rsrv_request_latency_seconds", "_count", model="a") == n_ok + n_failed
     assert after.value("rsrv_request_latency_seconds", "_sum", model="a") > 0
-    buckets = [(float(s.labels["le"]), s.value)
-               for s in after.samples("rsrv_request_latency_seconds", "_bucket", model="a")]
+    buckets = [
+        (float(s.labels["le"]), s.value)
+        for s in after.samples("rsrv_request_latency_seconds", "_bucket", model="a")
+    ]
     assert buckets == sorted(buckets)  # cumulative, bounds ascending
     assert buckets[-1] == (float("inf"), n_ok + n_failed)
     assert buckets[0][0] == 0.001 and len(buckets) == 15
@@ -179,14 +195,17 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
     assert after.type("rsrv_executions") == "counter"
     assert after.total("rsrv_executions", model="a") == n_ok
     assert after.total("rsrv_inferences", model="a") == sum(ok_rows)
-    by_size = {s.labels["batch_size"]: s.value
-               for s in after.samples("rsrv_batch_executions", "_total", model="a")}
+    by_size = {
+        s.labels["batch_size"]: s.value
+        for s in after.samples("rsrv_batch_executions", "_total", model="a")
+    }
     assert by_size == {"1": 2, "2": 3, "4": 2}  # 3 rows run at compiled size 4
     assert after.total("rsrv_compute_seconds", model="a") > 0
     assert after.total("rsrv_executions", model="b") == 2
     assert after.value("rsrv_queue_depth", model="a") == 0
-    waits = {s.labels["quantile"]: s.value
-             for s in after.samples("rsrv_queue_wait_seconds", model="a")}
+    waits = {
+        s.labels["quantile"]: s.value for s in after.samples("rsrv_queue_wait_seconds", model="a")
+    }
     assert set(waits) == {"0.5", "0.99"} and 0 <= waits["0.5"] <= waits["0.99"]
 
     assert after.value("rsrv_model_weight_bytes", model="a") == WEIGHT_BYTES
@@ -197,12 +216,16 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
     assert after.value("rsrv_weight_cache_budget_bytes") == WEIGHT_BYTES + 8
     assert after.value("rsrv_weight_cache_resident_bytes") == WEIGHT_BYTES
     assert after.value("rsrv_weight_cache_pinned_bytes") == 0
-    for family, delta in (("rsrv_weight_cache_loads", 3), ("rsrv_weight_cache_evictions", 3),
-                          ("rsrv_weight_cache_transferred_bytes", 3 * WEIGHT_BYTES)):
+    for family, delta in (
+        ("rsrv_weight_cache_loads", 3),
+        ("rsrv_weight_cache_evictions", 3),
+        ("rsrv_weight_cache_transferred_bytes", 3 * WEIGHT_BYTES),
+    ):
         assert after.type(family) == "counter"
         assert after.total(family) - before.total(family) == delta, family
     assert after.total("rsrv_weight_cache_load_seconds") > before.total(
-        "rsrv_weight_cache_load_seconds")
+        "rsrv_weight_cache_load_seconds"
+    )
 
     assert after.value("rsrv_inflight_requests") == 0
     assert after.total("rsrv_requests_shed") == 0
@@ -217,8 +240,13 @@ def _f64_input() -> tc.InferInput:
 def test_requests_refused_at_the_inflight_cap_are_counted(repo, cache_dir, tmp_path):
     export_linear(repo / "slow", seed=3, hook_seconds=0.3)
     port = free_port()
-    config = worker_config(repo, cache_dir, ENDPOINTS_METRICS_PORT=port, MODEL_POLL_SECONDS=60,
-                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=2)
+    config = worker_config(
+        repo,
+        cache_dir,
+        ENDPOINTS_METRICS_PORT=port,
+        MODEL_POLL_SECONDS=60,
+        ENDPOINTS_MAX_CONCURRENT_REQUESTS=2,
+    )
     with running(config) as worker, tc.InferenceServerClient(url(worker)) as client:
         statuses: list[str] = []
         lock = threading.Lock()

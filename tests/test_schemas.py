@@ -30,9 +30,12 @@ def manifest_schema(repo_root) -> dict:
 def test_committed_schemas_are_fresh(gen_schemas, repo_root):
     fresh = gen_schemas.render()
     assert sorted(fresh) == ["manifest.schema.json", "node.schema.json"]
-    stale = [name for name, text in fresh.items()
-             if not (repo_root / "specs" / name).is_file()
-             or (repo_root / "specs" / name).read_text(encoding="utf-8") != text]
+    stale = [
+        name
+        for name, text in fresh.items()
+        if not (repo_root / "specs" / name).is_file()
+        or (repo_root / "specs" / name).read_text(encoding="utf-8") != text
+    ]
     assert not stale, f"stale schema files {stale}: run `just schemas`"
 
 
@@ -41,8 +44,10 @@ def test_rendering_is_deterministic_and_canonical(gen_schemas):
     assert first == second
     for text in first.values():
         assert text.endswith("}\n") and not text.endswith("\n\n")
-        assert text == json.dumps(json.loads(text), indent=2, sort_keys=True,
-                                  ensure_ascii=False) + "\n"
+        assert (
+            text
+            == json.dumps(json.loads(text), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        )
 
 
 def test_check_mode_detects_stale_files(gen_schemas, tmp_path):

@@ -83,14 +83,16 @@ def test_simple_grpc_shm_client(worker, regions):
     output_byte_size = input_byte_size
 
     shm_op_handle = regions("output_data", output_byte_size * 2)
-    triton_client.register_system_shared_memory("output_data", shm_key(shm_op_handle),
-                                                output_byte_size * 2)
+    triton_client.register_system_shared_memory(
+        "output_data", shm_key(shm_op_handle), output_byte_size * 2
+    )
 
     shm_ip_handle = regions("input_data", input_byte_size * 2)
     shm.set_shared_memory_region(shm_ip_handle, [input0_data])
     shm.set_shared_memory_region(shm_ip_handle, [input1_data], offset=input_byte_size)
-    triton_client.register_system_shared_memory("input_data", shm_key(shm_ip_handle),
-                                                input_byte_size * 2)
+    triton_client.register_system_shared_memory(
+        "input_data", shm_key(shm_ip_handle), input_byte_size * 2
+    )
 
     inputs = []
     inputs.append(grpcclient.InferInput("INPUT0", [1, 16], "INT32"))
@@ -109,12 +111,16 @@ def test_simple_grpc_shm_client(worker, regions):
     output0 = results.get_output("OUTPUT0")
     assert output0 is not None, "OUTPUT0 is missing in the response."
     output0_data = shm.get_contents_as_numpy(
-        shm_op_handle, utils.triton_to_np_dtype(output0.datatype), output0.shape)
+        shm_op_handle, utils.triton_to_np_dtype(output0.datatype), output0.shape
+    )
     output1 = results.get_output("OUTPUT1")
     assert output1 is not None, "OUTPUT1 is missing in the response."
     output1_data = shm.get_contents_as_numpy(
-        shm_op_handle, utils.triton_to_np_dtype(output1.datatype), output1.shape,
-        offset=output_byte_size)
+        shm_op_handle,
+        utils.triton_to_np_dtype(output1.datatype),
+        output1.shape,
+        offset=output_byte_size,
+    )
 
     for i in range(16):
         assert input0_data[i] + input1_data[i] == output0_data[0][i], "incorrect sum"
@@ -141,10 +147,12 @@ def test_simple_grpc_shm_string_client(worker, regions):
     in1n = np.array([str(x).encode("utf-8") for x in in1.flatten()], dtype=object)
     input1_data = in1n.reshape(in1.shape)
 
-    expected_sum = np.array([str(x).encode("utf-8") for x in np.add(in0, in1).flatten()],
-                            dtype=object)
-    expected_diff = np.array([str(x).encode("utf-8") for x in np.subtract(in0, in1).flatten()],
-                             dtype=object)
+    expected_sum = np.array(
+        [str(x).encode("utf-8") for x in np.add(in0, in1).flatten()], dtype=object
+    )
+    expected_diff = np.array(
+        [str(x).encode("utf-8") for x in np.subtract(in0, in1).flatten()], dtype=object
+    )
     expected_sum_serialized = utils.serialize_byte_tensor(expected_sum)
     expected_diff_serialized = utils.serialize_byte_tensor(expected_diff)
 
@@ -157,19 +165,23 @@ def test_simple_grpc_shm_string_client(worker, regions):
 
     shm_op0_handle = regions("output0_data", output0_byte_size)
     shm_op1_handle = regions("output1_data", output1_byte_size)
-    triton_client.register_system_shared_memory("output0_data", shm_key(shm_op0_handle),
-                                                output0_byte_size)
-    triton_client.register_system_shared_memory("output1_data", shm_key(shm_op1_handle),
-                                                output1_byte_size)
+    triton_client.register_system_shared_memory(
+        "output0_data", shm_key(shm_op0_handle), output0_byte_size
+    )
+    triton_client.register_system_shared_memory(
+        "output1_data", shm_key(shm_op1_handle), output1_byte_size
+    )
 
     shm_ip0_handle = regions("input0_data", input0_byte_size)
     shm_ip1_handle = regions("input1_data", input1_byte_size)
     shm.set_shared_memory_region(shm_ip0_handle, [input0_data_serialized])
     shm.set_shared_memory_region(shm_ip1_handle, [input1_data_serialized])
-    triton_client.register_system_shared_memory("input0_data", shm_key(shm_ip0_handle),
-                                                input0_byte_size)
-    triton_client.register_system_shared_memory("input1_data", shm_key(shm_ip1_handle),
-                                                input1_byte_size)
+    triton_client.register_system_shared_memory(
+        "input0_data", shm_key(shm_ip0_handle), input0_byte_size
+    )
+    triton_client.register_system_shared_memory(
+        "input1_data", shm_key(shm_ip1_handle), input1_byte_size
+    )
 
     inputs = []
     inputs.append(grpcclient.InferInput("INPUT0", [1, 16], "BYTES"))
@@ -188,11 +200,13 @@ def test_simple_grpc_shm_string_client(worker, regions):
     output0 = results.get_output("OUTPUT0")
     assert output0 is not None
     output0_data = shm.get_contents_as_numpy(
-        shm_op0_handle, utils.triton_to_np_dtype(output0.datatype), output0.shape)
+        shm_op0_handle, utils.triton_to_np_dtype(output0.datatype), output0.shape
+    )
     output1 = results.get_output("OUTPUT1")
     assert output1 is not None
     output1_data = shm.get_contents_as_numpy(
-        shm_op1_handle, utils.triton_to_np_dtype(output1.datatype), output1.shape)
+        shm_op1_handle, utils.triton_to_np_dtype(output1.datatype), output1.shape
+    )
 
     for i in range(16):
         assert expected_sum[i] == output0_data[0][i], "incorrect sum"
@@ -212,9 +226,10 @@ def test_register_status_unregister(triton, regions):
     triton.register_system_shared_memory("rpc_b", shm_key(handle), 64, offset=128)
 
     status = triton.get_system_shared_memory_status()
-    assert {name: (r.name, r.key, r.offset, r.byte_size) for name, r in status.regions.items()} \
-        == {"rpc_a": ("rpc_a", shm_key(handle), 0, 128),
-            "rpc_b": ("rpc_b", shm_key(handle), 128, 64)}
+    assert {name: (r.name, r.key, r.offset, r.byte_size) for name, r in status.regions.items()} == {
+        "rpc_a": ("rpc_a", shm_key(handle), 0, 128),
+        "rpc_b": ("rpc_b", shm_key(handle), 128, 64),
+    }
     one = triton.get_system_shared_memory_status("rpc_b")
     assert list(one.regions) == ["rpc_b"]
     as_json = triton.get_system_shared_memory_status(as_json=True)
@@ -233,17 +248,28 @@ def test_register_status_unregister(triton, regions):
     assert len(triton.get_system_shared_memory_status().regions) == 0
 
 
-@pytest.mark.parametrize(("key_of", "offset", "size", "message"), [
-    (lambda k: "/../../etc/passwd", 0, 16, "invalid shm key"),
-    (lambda k: "dir/name", 0, 16, "invalid shm key"),
-    (lambda k: "", 0, 16, "invalid shm key"),
-    (lambda k: f"/no_such_object_{uuid.uuid4().hex}", 0, 16,
-     "Unable to open shared memory region: '/no_such_object_"),
-    (lambda k: k, 0, 1024, "offset 0 + byte_size 1024 exceeds the size 256 of shared memory "
-                           "object"),
-    (lambda k: k, 200, 100, "offset 200 + byte_size 100 exceeds the size 256"),
-    (lambda k: k, 0, 0, "byte_size 0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("key_of", "offset", "size", "message"),
+    [
+        (lambda k: "/../../etc/passwd", 0, 16, "invalid shm key"),
+        (lambda k: "dir/name", 0, 16, "invalid shm key"),
+        (lambda k: "", 0, 16, "invalid shm key"),
+        (
+            lambda k: f"/no_such_object_{uuid.uuid4().hex}",
+            0,
+            16,
+            "Unable to open shared memory region: '/no_such_object_",
+        ),
+        (
+            lambda k: k,
+            0,
+            1024,
+            "offset 0 + byte_size 1024 exceeds the size 256 of shared memory object",
+        ),
+        (lambda k: k, 200, 100, "offset 200 + byte_size 100 exceeds the size 256"),
+        (lambda k: k, 0, 0, "byte_size 0 must be > 0"),
+    ],
+)
 def test_register_rejects(triton, regions, key_of, offset, size, message):
     handle = regions("bad", 256)
     with raises_status("INVALID_ARGUMENT", message):
@@ -255,8 +281,10 @@ def test_register_rejects(triton, regions, key_of, offset, size, message):
 
 
 def simple_shm_inputs(region: str, size0=64, size1=64, offset0=0, offset1=64):
-    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"),
-              grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        grpcclient.InferInput("INPUT0", [1, 16], "INT32"),
+        grpcclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     inputs[0].set_shared_memory(region, size0, offset=offset0)
     inputs[1].set_shared_memory(region, size1, offset=offset1)
     return inputs
@@ -276,37 +304,55 @@ def simple_region(triton, regions):
 
 def test_unregistered_region(triton, simple_region):
     # Triton's message for the same mistake, so tritonclient users recognise it
-    with raises_status("NOT_FOUND", "Unable to find shared memory region: 'nope'",
-                       "input tensor 'INPUT0' for model 'simple'"):
+    with raises_status(
+        "NOT_FOUND",
+        "Unable to find shared memory region: 'nope'",
+        "input tensor 'INPUT0' for model 'simple'",
+    ):
         triton.infer("simple", simple_shm_inputs("nope"))
     output = grpcclient.InferRequestedOutput("OUTPUT0")
     output.set_shared_memory("nope", 64)
-    with raises_status("NOT_FOUND", "Unable to find shared memory region: 'nope'",
-                       "output tensor 'OUTPUT0' for model 'simple'"):
+    with raises_status(
+        "NOT_FOUND",
+        "Unable to find shared memory region: 'nope'",
+        "output tensor 'OUTPUT0' for model 'simple'",
+    ):
         triton.infer("simple", simple_shm_inputs("in"), outputs=[output])
 
 
 def test_offset_and_size_beyond_the_region(triton, simple_region):
-    with raises_status("INVALID_ARGUMENT", "Invalid offset + byte size for shared memory "
-                       "region: 'in'", "offset 96 + byte size 64 exceeds the region's 128 bytes",
-                       "input tensor 'INPUT1' for model 'simple'"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "Invalid offset + byte size for shared memory region: 'in'",
+        "offset 96 + byte size 64 exceeds the region's 128 bytes",
+        "input tensor 'INPUT1' for model 'simple'",
+    ):
         triton.infer("simple", simple_shm_inputs("in", offset1=96))
     output = grpcclient.InferRequestedOutput("OUTPUT0")
     output.set_shared_memory("out", 64, offset=100)
-    with raises_status("INVALID_ARGUMENT", "Invalid offset + byte size for shared memory "
-                       "region: 'out'", "output tensor 'OUTPUT0' for model 'simple'"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "Invalid offset + byte size for shared memory region: 'out'",
+        "output tensor 'OUTPUT0' for model 'simple'",
+    ):
         triton.infer("simple", simple_shm_inputs("in"), outputs=[output])
 
 
 def test_byte_size_must_match_the_tensor(triton, simple_region):
-    with raises_status("INVALID_ARGUMENT", "input tensor 'INPUT0' for model 'simple': "
-                       "shared_memory_byte_size of region 'in' holds 60 bytes but shape "
-                       "[1, 16] of INT32 needs 16 x 4 = 64"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "input tensor 'INPUT0' for model 'simple': "
+        "shared_memory_byte_size of region 'in' holds 60 bytes but shape "
+        "[1, 16] of INT32 needs 16 x 4 = 64",
+    ):
         triton.infer("simple", simple_shm_inputs("in", size0=60))
     output = grpcclient.InferRequestedOutput("OUTPUT0")
     output.set_shared_memory("out", 32)
-    with raises_status("INVALID_ARGUMENT", "output tensor 'OUTPUT0' for model 'simple' needs "
-                       "64 bytes but its shared_memory_byte_size in region 'out' is 32"):
+    with raises_status(
+        "INVALID_ARGUMENT",
+        "output tensor 'OUTPUT0' for model 'simple' needs "
+        "64 bytes but its shared_memory_byte_size in region 'out' is 32",
+    ):
         triton.infer("simple", simple_shm_inputs("in"), outputs=[output])
 
 
@@ -331,7 +377,8 @@ def test_shared_memory_with_raw_and_output_offsets(triton, simple_region):
     assert params["shared_memory_offset"].int64_param == 64
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.arange(16)[None] + 5)
     np.testing.assert_array_equal(
-        shm.get_contents_as_numpy(out, np.int32, [1, 16], offset=64), np.arange(16)[None] - 5)
+        shm.get_contents_as_numpy(out, np.int32, [1, 16], offset=64), np.arange(16)[None] - 5
+    )
 
     shm.set_shared_memory_region(handle, [np.full(16, 100, np.int32)])  # new data, same region
     result = triton.infer("simple", [shm_input, raw_input], outputs=[raw])
@@ -350,8 +397,10 @@ def test_shared_memory_with_typed_contents(worker, simple_region):
         with pytest.raises(grpc.RpcError) as info:
             triton._client_stub.ModelInfer(request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "input tensor 'INPUT0' for model 'simple': typed 'contents' must not be set when " \
-           "the input is in shared memory region 'in'" in info.value.details()
+    assert (
+        "input tensor 'INPUT0' for model 'simple': typed 'contents' must not be set when "
+        "the input is in shared memory region 'in'" in info.value.details()
+    )
 
 
 # -- configuration and shutdown ------------------------------------------------------------------
@@ -362,14 +411,19 @@ def test_disabled_by_configuration(repo, regions):
     with running(config) as w, client(w) as triton:
         assert "system_shared_memory" not in triton.get_server_metadata().extensions
         handle = regions("off", 128)
-        with raises_status("FAILED_PRECONDITION", "cannot register shared memory region 'off'",
-                           "system shared memory is disabled by configuration "
-                           "(endpoints.system_shared_memory)"):
+        with raises_status(
+            "FAILED_PRECONDITION",
+            "cannot register shared memory region 'off'",
+            "system shared memory is disabled by configuration (endpoints.system_shared_memory)",
+        ):
             triton.register_system_shared_memory("off", shm_key(handle), 128)
         assert len(triton.get_system_shared_memory_status().regions) == 0
         triton.unregister_system_shared_memory()  # what the examples call first: fine
-        with raises_status("FAILED_PRECONDITION", "input tensor 'INPUT0' for model 'simple' "
-                           "uses shared memory region 'off'", "disabled by configuration"):
+        with raises_status(
+            "FAILED_PRECONDITION",
+            "input tensor 'INPUT0' for model 'simple' uses shared memory region 'off'",
+            "disabled by configuration",
+        ):
             triton.infer("simple", simple_shm_inputs("off"))
 
 

@@ -65,9 +65,14 @@ shutdown_grace_seconds = {GRACE}
         env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
         script = Path(sys.executable).parent / "rsrv"
         command = [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
-        self.process = subprocess.Popen([*command, "serve", str(node)], cwd=tmp_path, env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True)
+        self.process = subprocess.Popen(
+            [*command, "serve", str(node)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.stderr: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -84,6 +89,7 @@ shutdown_grace_seconds = {GRACE}
                 return client.is_server_ready()
             except Exception:
                 return False
+
         wait_for(ready, timeout=timeout, interval=0.1)
 
     def wait_exit(self, timeout: float) -> int:
@@ -136,13 +142,16 @@ def test_sigterm_with_100_requests_in_flight(tmp_path, serve):
 
             answers: dict[int, Any] = {}
             lock = threading.Lock()
-            xs = [np.random.default_rng(i).standard_normal((1 + i % 3, 3)).astype(np.float32)
-                  for i in range(110)]
+            xs = [
+                np.random.default_rng(i).standard_normal((1 + i % 3, 3)).astype(np.float32)
+                for i in range(110)
+            ]
 
             def send(i: int, inputs=None) -> None:
                 def callback(result, error):
                     with lock:
                         answers[i] = error if error else result.as_numpy("y")
+
                 client.async_infer("slow", inputs or [x_input(xs[i])], callback)
 
             for i in range(100):
@@ -182,8 +191,11 @@ def test_sigterm_with_100_requests_in_flight(tmp_path, serve):
     messages = [entry["message"] for entry in logs]
     assert any("received SIGTERM" in m for m in messages)
     assert any("released 1 shared memory region" in m for m in messages)
-    assert not [e for e in logs if e["level"] in ("WARNING", "ERROR", "CRITICAL")
-                and "purerpc" in e["logger"]]
+    assert not [
+        e
+        for e in logs
+        if e["level"] in ("WARNING", "ERROR", "CRITICAL") and "purerpc" in e["logger"]
+    ]
 
 
 def test_json_logs_and_sigint(tmp_path, serve):
@@ -225,8 +237,12 @@ def test_shutdown_answers_accepted_requests_and_unmaps_shared_memory(tmp_path, c
     """In-process: Worker.shutdown() with requests in their preprocess hook and queued;
     each is answered, the region is unmapped, and Worker.run returns."""
     export_linear(tmp_path / "repo" / "slow", seed=2, work=3000, hook_seconds=0.1)
-    config = worker_config(tmp_path / "repo", cache_dir, MODEL_CONTROL_MODE="static",
-                           ENDPOINTS_MAX_CONCURRENT_REQUESTS=0)
+    config = worker_config(
+        tmp_path / "repo",
+        cache_dir,
+        MODEL_CONTROL_MODE="static",
+        ENDPOINTS_MAX_CONCURRENT_REQUESTS=0,
+    )
     backend.configure("cpu")
     worker = Worker(config)
     started, state = threading.Event(), {}
@@ -268,8 +284,9 @@ def test_shutdown_answers_accepted_requests_and_unmaps_shared_memory(tmp_path, c
             wait_for(lambda: len(answers) == 40, timeout=5)
     finally:
         shm.destroy_shared_memory_region(region)
-    assert all(isinstance(a, np.ndarray) and np.allclose(a, expected(2, X), rtol=1e-5)
-               for a in answers), [a for a in answers if not isinstance(a, np.ndarray)][:3]
+    assert all(
+        isinstance(a, np.ndarray) and np.allclose(a, expected(2, X), rtol=1e-5) for a in answers
+    ), [a for a in answers if not isinstance(a, np.ndarray)][:3]
     assert f"/dev/shm{key}" not in Path("/proc/self/maps").read_text()
 
 

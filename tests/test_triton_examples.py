@@ -63,9 +63,14 @@ def test_simple_grpc_health_metadata(server_url):
 
 @pytest.mark.parametrize("compression", [None, "gzip", "deflate"])
 def test_simple_grpc_infer_client(server_url, compression):
-    triton_client = grpcclient.InferenceServerClient(url=server_url, verbose=False, ssl=False,
-                                                     root_certificates=None, private_key=None,
-                                                     certificate_chain=None)
+    triton_client = grpcclient.InferenceServerClient(
+        url=server_url,
+        verbose=False,
+        ssl=False,
+        root_certificates=None,
+        private_key=None,
+        certificate_chain=None,
+    )
     model_name = "simple"
 
     inputs = []
@@ -84,9 +89,14 @@ def test_simple_grpc_infer_client(server_url, compression):
     outputs.append(grpcclient.InferRequestedOutput("OUTPUT1"))
 
     # Test with outputs
-    results = triton_client.infer(model_name=model_name, inputs=inputs, outputs=outputs,
-                                  client_timeout=None, headers={"test": "1"},
-                                  compression_algorithm=compression)
+    results = triton_client.infer(
+        model_name=model_name,
+        inputs=inputs,
+        outputs=outputs,
+        client_timeout=None,
+        headers={"test": "1"},
+        compression_algorithm=compression,
+    )
 
     statistics = triton_client.get_inference_statistics(model_name=model_name)
     assert len(statistics.model_stats) == 1, "FAILED: Inference Statistics"
@@ -98,8 +108,9 @@ def test_simple_grpc_infer_client(server_url, compression):
         assert input0_data[0][i] - input1_data[0][i] == output1_data[0][i], "incorrect diff"
 
     # Test with no outputs
-    results = triton_client.infer(model_name=model_name, inputs=inputs, outputs=None,
-                                  compression_algorithm=compression)
+    results = triton_client.infer(
+        model_name=model_name, inputs=inputs, outputs=None, compression_algorithm=compression
+    )
     output0_data = results.as_numpy("OUTPUT0")
     output1_data = results.as_numpy("OUTPUT1")
     for i in range(16):
@@ -129,9 +140,13 @@ def test_simple_grpc_async_infer_client(server_url):
             user_data.append(result)
 
     user_data = []
-    triton_client.async_infer(model_name=model_name, inputs=inputs,
-                              callback=partial(callback, user_data), outputs=outputs,
-                              client_timeout=None)
+    triton_client.async_infer(
+        model_name=model_name,
+        inputs=inputs,
+        callback=partial(callback, user_data),
+        outputs=outputs,
+        client_timeout=None,
+    )
 
     # Wait until the results are available in user_data (the example polls each second)
     time_out = 100
@@ -171,8 +186,9 @@ def async_stream_send(triton_client, values, batch_size, stream_id, model_name):
         inputs[1].set_data_from_numpy(np.ones_like(value_data))
         outputs = []
         outputs.append(grpcclient.InferRequestedOutput("OUTPUT0"))
-        triton_client.async_stream_infer(model_name=model_name, inputs=inputs, outputs=outputs,
-                                         request_id=f"{stream_id}_{count}")
+        triton_client.async_stream_infer(
+            model_name=model_name, inputs=inputs, outputs=outputs, request_id=f"{stream_id}_{count}"
+        )
         count = count + 1
 
 
@@ -185,11 +201,13 @@ def test_simple_grpc_stream_infer_client(server_url):
 
     # As the example advises, the client is used within a with-clause for streaming.
     with grpcclient.InferenceServerClient(url=server_url, verbose=False) as triton_client:
-        triton_client.start_stream(callback=partial(stream_callback, user_data),
-                                   stream_timeout=None)
+        triton_client.start_stream(
+            callback=partial(stream_callback, user_data), stream_timeout=None
+        )
         async_stream_send(triton_client, [0] + values, 1, stream_id0, model_name)
-        async_stream_send(triton_client, [100] + [-1 * v for v in values], 2, stream_id1,
-                          model_name)
+        async_stream_send(
+            triton_client, [100] + [-1 * v for v in values], 2, stream_id1, model_name
+        )
 
         recv_count = 0
         while recv_count < 2 * (len(values) + 1):
@@ -300,8 +318,10 @@ def test_grpc_explicit_int_content_client(server_url):
     # Triton: "contents field must not be specified when using raw_input_contents for
     # 'INPUT0' for model 'simple'"
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "input tensor 'INPUT0' for model 'simple': typed 'contents' and " \
-           "'raw_input_contents' are both set" in info.value.details()
+    assert (
+        "input tensor 'INPUT0' for model 'simple': typed 'contents' and "
+        "'raw_input_contents' are both set" in info.value.details()
+    )
     channel.close()
 
 

@@ -377,8 +377,9 @@ def test_unpinned_rereads_the_file_and_system_keeps_its_host_copy(
         # Same layout, different values: m00 now holds m05's weights, m01 m06's. m00's
         # file is overwritten in place: a loaded unpinned version holds its file open, so
         # an atomic replacement (a new bundle version) would not reach it, by design.
-        write_weights(repo / "m00" / "weights.safetensors", "a", list(MODELS).index("m05"),
-                      in_place=True)
+        write_weights(
+            repo / "m00" / "weights.safetensors", "a", list(MODELS).index("m05"), in_place=True
+        )
         write_weights(repo / "m01" / "weights.safetensors", "a", list(MODELS).index("m06"))
         assert (repo / "m00" / "weights.safetensors").read_bytes() == (
             store.bundles / "m05" / "weights.safetensors"

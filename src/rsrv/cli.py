@@ -12,18 +12,24 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run a worker: gRPC KServe V2 on the node's port")
-    serve.add_argument("node_file", nargs="?", help="node file (YAML or TOML); "
-                       "default: built-in CPU config serving ./bundles on 127.0.0.1:8001")
+    serve.add_argument(
+        "node_file",
+        nargs="?",
+        help="node file (YAML or TOML); "
+        "default: built-in CPU config serving ./bundles on 127.0.0.1:8001",
+    )
     serve.add_argument("--worker", help="which worker of the node file to run")
 
     bundle = sub.add_parser("bundle", help="bundle tools")
     bundle_sub = bundle.add_subparsers(dest="bundle_command", required=True)
     check = bundle_sub.add_parser("check", help="validate and compile bundles")
-    check.add_argument("dirs", nargs="+", type=Path,
-                       help="bundle directories, or repositories holding bundles")
+    check.add_argument(
+        "dirs", nargs="+", type=Path, help="bundle directories, or repositories holding bundles"
+    )
 
-    export = sub.add_parser("export", help="export a JAX / Flax / Equinox / PyTorch model "
-                            "to a bundle (specs/export.md)")
+    export = sub.add_parser(
+        "export", help="export a JAX / Flax / Equinox / PyTorch model to a bundle (specs/export.md)"
+    )
     from rsrv.export.api import add_arguments
 
     add_arguments(export)

@@ -49,8 +49,11 @@ def summary(bundle: Bundle, compile_seconds: float) -> str:
         lines.append(f"  batch sizes: {sizes}  (compiled in {compile_seconds:.2f} s)")
         n = len(bundle.weights.weights) if bundle.weights else 0
         lines.append(f"  weights: {n} tensors, {_bytes(bundle.weight_bytes)}")
-    hooks = [f"{k} {h.fn.__name__}" for k in ("preprocess", "postprocess", "meta")
-             if (h := getattr(bundle.hooks, k))]
+    hooks = [
+        f"{k} {h.fn.__name__}"
+        for k in ("preprocess", "postprocess", "meta")
+        if (h := getattr(bundle.hooks, k))
+    ]
     if hooks:
         lines.append(f"  model.py: {', '.join(hooks)}")
     return "\n".join(lines) + "\n"

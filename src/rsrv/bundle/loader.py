@@ -86,14 +86,20 @@ def load_bundle(path: Path) -> Bundle:
 
     model_py = path / "model.py"
     has_py = model_py.is_file()
-    for field, given in (("client_inputs", manifest.client_inputs),
-                         ("client_outputs", manifest.client_outputs)):
+    for field, given in (
+        ("client_inputs", manifest.client_inputs),
+        ("client_outputs", manifest.client_outputs),
+    ):
         if given is not None and sig.kind == "model" and not has_py:
-            raise BundleError(f"{manifest_path}: {field}: only valid when model.py transforms "
-                              f"I/O, and {path.name} has no model.py")
+            raise BundleError(
+                f"{manifest_path}: {field}: only valid when model.py transforms "
+                f"I/O, and {path.name} has no model.py"
+            )
     if sig.kind == "meta" and not has_py:
-        raise BundleError(f"{manifest_path}: kind: a meta bundle needs a model.py declaring "
-                          f"@rsrv.meta, and {path.name} has no model.py")
+        raise BundleError(
+            f"{manifest_path}: kind: a meta bundle needs a model.py declaring "
+            f"@rsrv.meta, and {path.name} has no model.py"
+        )
     hooks = _load_hooks(model_py, sig, path.name) if has_py else Hooks()
 
     if sig.kind == "meta":
@@ -124,22 +130,32 @@ def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[i
     if not declared:
         extra = sorted(k for k in present if k is not None)
         if extra:
-            raise BundleError(f"{path / f'model.b{extra[0]}.mlir'}: batch size {extra[0]} is "
-                              f"not in {manifest_path.name} batching.compiled_batch_sizes")
+            raise BundleError(
+                f"{path / f'model.b{extra[0]}.mlir'}: batch size {extra[0]} is "
+                f"not in {manifest_path.name} batching.compiled_batch_sizes"
+            )
         if None not in present:
-            raise BundleError(f"{path}: no module (expected model.mlir, or model.b<N>.mlir "
-                              "for each batching.compiled_batch_sizes entry)")
+            raise BundleError(
+                f"{path}: no module (expected model.mlir, or model.b<N>.mlir "
+                "for each batching.compiled_batch_sizes entry)"
+            )
         return {UNBATCHED: present[None]}  # a batched model.mlir is re-keyed by its batch size
     if None in present:
-        raise BundleError(f"{present[None]}: ambiguous next to batching.compiled_batch_sizes "
-                          f"{list(declared)}; use only model.b<N>.mlir files")
+        raise BundleError(
+            f"{present[None]}: ambiguous next to batching.compiled_batch_sizes "
+            f"{list(declared)}; use only model.b<N>.mlir files"
+        )
     for n in declared:
         if n not in present:
-            raise BundleError(f"{path / f'model.b{n}.mlir'}: missing (declared by "
-                              f"{manifest_path.name} batching.compiled_batch_sizes)")
+            raise BundleError(
+                f"{path / f'model.b{n}.mlir'}: missing (declared by "
+                f"{manifest_path.name} batching.compiled_batch_sizes)"
+            )
     for n in sorted(k for k in present if k not in declared):
-        raise BundleError(f"{present[n]}: batch size {n} is not in {manifest_path.name} "
-                          "batching.compiled_batch_sizes")
+        raise BundleError(
+            f"{present[n]}: batch size {n} is not in {manifest_path.name} "
+            "batching.compiled_batch_sizes"
+        )
     return {n: present[n] for n in declared}
 
 
@@ -164,11 +180,13 @@ def _check_module(file: Path, size: int, sig: Signature, weights: WeightsFile) -
             raise BundleError(f"{file}: argument 0 ({first.name!r}) has no static batch extent")
     for i, (arg, t) in enumerate(zip(msig.inputs, inputs, strict=False)):
         _match(file, f"argument {i} ({t.name!r})", arg, t.dtype, _expect(t, size))
-    for j, (arg, w) in enumerate(zip(msig.inputs[len(inputs):], weights.weights, strict=True)):
+    for j, (arg, w) in enumerate(zip(msig.inputs[len(inputs) :], weights.weights, strict=True)):
         _match(file, f"argument {len(inputs) + j} (weight {w.name!r})", arg, w.dtype, w.shape)
     if len(msig.outputs) != len(outputs):
-        raise BundleError(f"{file}: main returns {len(msig.outputs)} results, expected "
-                          f"{len(outputs)} (executable_outputs)")
+        raise BundleError(
+            f"{file}: main returns {len(msig.outputs)} results, expected "
+            f"{len(outputs)} (executable_outputs)"
+        )
     for k, (arg, t) in enumerate(zip(msig.outputs, outputs, strict=True)):
         _match(file, f"result {k} ({t.name!r})", arg, t.dtype, _expect(t, size))
     return size
@@ -183,10 +201,13 @@ def _match(file: Path, what: str, arg: ArgType, dtype, shape: tuple[int, ...]) -
     if arg.dtype is not dtype:
         raise BundleError(f"{file}: {what} has dtype {arg.dtype.value}, expected {dtype.value}")
     ok = len(arg.shape) == len(shape) and all(
-        e in (-1, a) for a, e in zip(arg.shape, shape, strict=True))
+        e in (-1, a) for a, e in zip(arg.shape, shape, strict=True)
+    )
     if not ok:
-        raise BundleError(f"{file}: {what} has shape {list(arg.shape)}, expected "
-                          f"{['?' if e == -1 else e for e in shape]}")
+        raise BundleError(
+            f"{file}: {what} has shape {list(arg.shape)}, expected "
+            f"{['?' if e == -1 else e for e in shape]}"
+        )
 
 
 def _load_hooks(model_py: Path, sig: Signature, name: str) -> Hooks:
@@ -220,9 +241,11 @@ def _check_hooks(model_py: Path, hooks: Hooks, sig: Signature) -> None:
     def unknown(hook: Hook, arg: str, listed: tuple[str, ...], allowed: dict, what: str):
         for n in listed:
             if n not in allowed:
-                raise BundleError(f"{model_py}: @rsrv.{hook.kind} {hook.fn.__name__!r} {arg} "
-                                  f"names {n!r}, which is not one of the {what} "
-                                  f"({', '.join(allowed) or 'none'})")
+                raise BundleError(
+                    f"{model_py}: @rsrv.{hook.kind} {hook.fn.__name__!r} {arg} "
+                    f"names {n!r}, which is not one of the {what} "
+                    f"({', '.join(allowed) or 'none'})"
+                )
 
     client_in, client_out = names(sig.client_inputs), names(sig.client_outputs)
     if sig.kind == "meta":
@@ -234,8 +257,9 @@ def _check_hooks(model_py: Path, hooks: Hooks, sig: Signature) -> None:
         unknown(hooks.meta, "outputs", hooks.meta.outputs, client_out, "client_outputs")
         missing = [n for n in client_out if n not in hooks.meta.outputs]
         if missing:
-            raise BundleError(f"{model_py}: @rsrv.meta does not produce client output(s) "
-                              f"{', '.join(missing)}")
+            raise BundleError(
+                f"{model_py}: @rsrv.meta does not produce client output(s) {', '.join(missing)}"
+            )
         return
     if hooks.meta:
         raise BundleError(f"{model_py}: @rsrv.meta is only valid in a meta bundle (kind: meta)")
@@ -243,33 +267,44 @@ def _check_hooks(model_py: Path, hooks: Hooks, sig: Signature) -> None:
     made: tuple[str, ...] = ()
     if hooks.preprocess:
         unknown(hooks.preprocess, "inputs", hooks.preprocess.inputs, client_in, "client_inputs")
-        unknown(hooks.preprocess, "outputs", hooks.preprocess.outputs, exec_in,
-                "executable_inputs")
+        unknown(hooks.preprocess, "outputs", hooks.preprocess.outputs, exec_in, "executable_inputs")
         made = hooks.preprocess.outputs
     _check_passthrough(model_py, "executable input", exec_in, made, client_in, "preprocess")
     made = ()
     if hooks.postprocess:
-        unknown(hooks.postprocess, "inputs", hooks.postprocess.inputs, exec_out,
-                "executable_outputs")
-        unknown(hooks.postprocess, "outputs", hooks.postprocess.outputs, client_out,
-                "client_outputs")
+        unknown(
+            hooks.postprocess, "inputs", hooks.postprocess.inputs, exec_out, "executable_outputs"
+        )
+        unknown(
+            hooks.postprocess, "outputs", hooks.postprocess.outputs, client_out, "client_outputs"
+        )
         made = hooks.postprocess.outputs
     _check_passthrough(model_py, "client output", client_out, made, exec_out, "postprocess")
 
 
-def _check_passthrough(model_py: Path, what: str, needed: dict[str, Tensor],
-                       made: tuple[str, ...], source: dict[str, Tensor], hook: str) -> None:
+def _check_passthrough(
+    model_py: Path,
+    what: str,
+    needed: dict[str, Tensor],
+    made: tuple[str, ...],
+    source: dict[str, Tensor],
+    hook: str,
+) -> None:
     """Tensors a hook does not produce pass through by name, with the same dtype."""
     for name, t in needed.items():
         if name in made:
             continue
         src = source.get(name)
         if src is None:
-            raise BundleError(f"{model_py}: {what} {name!r} is neither produced by @rsrv.{hook} "
-                              "nor passed through under the same name")
+            raise BundleError(
+                f"{model_py}: {what} {name!r} is neither produced by @rsrv.{hook} "
+                "nor passed through under the same name"
+            )
         if src.dtype is not t.dtype:
-            raise BundleError(f"{model_py}: {what} {name!r} passes through unchanged but its "
-                              f"dtype differs ({src.dtype.value} vs {t.dtype.value})")
+            raise BundleError(
+                f"{model_py}: {what} {name!r} passes through unchanged but its "
+                f"dtype differs ({src.dtype.value} vs {t.dtype.value})"
+            )
 
 
 def weight_info(bundle: Bundle) -> tuple[WeightInfo, ...]:

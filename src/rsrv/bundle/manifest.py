@@ -124,7 +124,7 @@ def resolve_manifest(manifest: Manifest, path: Path) -> Signature:
 
     version = manifest.format_version
     if str(version) != FORMAT_VERSION:
-        raise fail("format_version", f"unsupported version {version!r} (expected \"2.0\")")
+        raise fail("format_version", f'unsupported version {version!r} (expected "2.0")')
 
     def section(field: str, specs: list[TensorSpec] | None, client: bool) -> tuple[Tensor, ...]:
         if specs is None:
@@ -148,8 +148,11 @@ def resolve_manifest(manifest: Manifest, path: Path) -> Signature:
 
     if meta:
         if exec_in or exec_out or sizes:
-            raise fail("kind", "a meta bundle has no executable_inputs, executable_outputs "
-                       "or batching (it runs no module of its own)")
+            raise fail(
+                "kind",
+                "a meta bundle has no executable_inputs, executable_outputs "
+                "or batching (it runs no module of its own)",
+            )
         if not client_in or not client_out:
             raise fail("kind", "a meta bundle must declare client_inputs and client_outputs")
         if manifest.meta is None:
@@ -169,16 +172,25 @@ def resolve_manifest(manifest: Manifest, path: Path) -> Signature:
         batched = [t.batch_axis is not None for t in exec_in]
         if any(batched) and not all(batched):
             names = ", ".join(t.name for t in exec_in if t.batch_axis is None)
-            raise fail("executable_inputs", "mixes batched and unbatched inputs; every input "
-                       f"needs the batch letter 'n' or none does (unbatched: {names})")
+            raise fail(
+                "executable_inputs",
+                "mixes batched and unbatched inputs; every input "
+                f"needs the batch letter 'n' or none does (unbatched: {names})",
+            )
         if any(batched):
             unbatched = [t.name for t in exec_out if t.batch_axis is None]
             if unbatched:
-                raise fail("executable_outputs", "inputs are batched, so every output needs the "
-                           f"batch letter 'n' (missing in: {', '.join(unbatched)})")
+                raise fail(
+                    "executable_outputs",
+                    "inputs are batched, so every output needs the "
+                    f"batch letter 'n' (missing in: {', '.join(unbatched)})",
+                )
         elif sizes:
-            raise fail("batching.compiled_batch_sizes", "no executable input has a batch axis "
-                       "'n', so the model cannot be compiled per batch size")
+            raise fail(
+                "batching.compiled_batch_sizes",
+                "no executable input has a batch axis "
+                "'n', so the model cannot be compiled per batch size",
+            )
         for i, n in enumerate(sizes):
             if n < 1:
                 raise fail(f"batching.compiled_batch_sizes[{i}]", f"must be positive, got {n}")
@@ -205,8 +217,11 @@ def _resolve_tensor(spec: TensorSpec, where: str, client: bool, fail) -> Tensor:
     except ValueError as e:
         raise fail(f"{where}.dtype", str(e)) from None
     if dtype is DType.BYTES and not client:
-        raise fail(f"{where}.dtype", "'bytes' is only allowed on client_inputs/client_outputs "
-                   "(model.py converts it; a compiled module cannot take strings)")
+        raise fail(
+            f"{where}.dtype",
+            "'bytes' is only allowed on client_inputs/client_outputs "
+            "(model.py converts it; a compiled module cannot take strings)",
+        )
     letters = spec.shape
     for ch in letters:
         if ch not in _LETTERS:
@@ -215,8 +230,10 @@ def _resolve_tensor(spec: TensorSpec, where: str, client: bool, fail) -> Tensor:
     if repeated:
         raise fail(f"{where}.shape", f"{letters!r}: letter {repeated[0]!r} appears twice")
     if BATCH_LETTER in spec.dims:
-        raise fail(f"{where}.dims", f"letter {BATCH_LETTER!r} is reserved for the batch axis "
-                   "and takes no size")
+        raise fail(
+            f"{where}.dims",
+            f"letter {BATCH_LETTER!r} is reserved for the batch axis and takes no size",
+        )
     shape = []
     for ch in letters:
         if ch == BATCH_LETTER:
@@ -230,8 +247,9 @@ def _resolve_tensor(spec: TensorSpec, where: str, client: bool, fail) -> Tensor:
         shape.append(size)
     for key in spec.dims:
         if key not in letters:
-            raise fail(f"{where}.dims.{key}",
-                       f"letter {key!r} does not appear in shape {letters!r}")
+            raise fail(
+                f"{where}.dims.{key}", f"letter {key!r} does not appear in shape {letters!r}"
+            )
     axis = letters.find(BATCH_LETTER)
     return Tensor(spec.name, dtype, letters, tuple(shape), None if axis < 0 else axis)
 

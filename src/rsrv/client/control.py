@@ -14,8 +14,11 @@ import purerpc
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1.control_grpc import ControlServiceStub
 
-RESIDENCIES = {"unpinned": pb.RESIDENCY_UNPINNED, "system": pb.RESIDENCY_SYSTEM,
-               "device": pb.RESIDENCY_DEVICE}
+RESIDENCIES = {
+    "unpinned": pb.RESIDENCY_UNPINNED,
+    "system": pb.RESIDENCY_SYSTEM,
+    "device": pb.RESIDENCY_DEVICE,
+}
 
 
 class ControlClient:
@@ -39,7 +42,8 @@ class ControlClient:
     async def set_residency(self, name: str, residency: str) -> str:
         """Set ``name``'s residency floor (explicit mode); returns the floor now in force."""
         response = await self._stub.SetModelResidency(
-            pb.SetModelResidencyRequest(name=name, residency=RESIDENCIES[residency]))
+            pb.SetModelResidencyRequest(name=name, residency=RESIDENCIES[residency])
+        )
         return {v: k for k, v in RESIDENCIES.items()}[response.residency]
 
     async def set_policy(self, name: str, *, weight: float | None = None) -> float:

@@ -76,14 +76,18 @@ class RuntimeConfig(_Strict):
     weight_cache_fraction: Annotated[
         float,
         Meta(ge=0, le=1),
-        _doc("Share of the device allocator's limit for evictable weights; 0 disables "
-             "the on-demand weight cache (every model stays resident)."),
+        _doc(
+            "Share of the device allocator's limit for evictable weights; 0 disables "
+            "the on-demand weight cache (every model stays resident)."
+        ),
     ] = 1.0
     weight_cache_wiggle_fraction: Annotated[
         float,
         Meta(ge=0, lt=1),
-        _doc("Share of the device allocator's limit kept free of weights (with the largest "
-             "measured scratch) for activations."),
+        _doc(
+            "Share of the device allocator's limit kept free of weights (with the largest "
+            "measured scratch) for activations."
+        ),
     ] = 0.1
     weight_cache_bytes: Annotated[
         Annotated[int, Meta(ge=0)] | None,
@@ -130,14 +134,17 @@ class SchedulerConfig(_Strict):
     compaction_interval: Annotated[
         int,
         Meta(ge=0),
-        _doc("Compact weight memory (free every evictable model at once) after every N "
-             "weight loads; 0: only on request (CompactMemory)."),
+        _doc(
+            "Compact weight memory (free every evictable model at once) after every N "
+            "weight loads; 0: only on request (CompactMemory)."
+        ),
     ] = 0
     meta_concurrency: Annotated[
         int,
         Meta(ge=1),
-        _doc("Meta-model requests the worker runs at once (more wait, bounded by their "
-             "deadlines)."),
+        _doc(
+            "Meta-model requests the worker runs at once (more wait, bounded by their deadlines)."
+        ),
     ] = 4
     models: Annotated[
         dict[str, ModelSchedConfig], _doc("Per-model policy, keyed by model name.")

@@ -59,12 +59,13 @@ def framework_of(model: Any) -> str:
         return "torch"
     if callable(model):
         return "jax"
-    raise ExportError(f"cannot export a {type(model).__name__}: expected a JAX function, a Flax "
-                      "NNX or Linen module, an Equinox module or a torch.nn.Module")
+    raise ExportError(
+        f"cannot export a {type(model).__name__}: expected a JAX function, a Flax "
+        "NNX or Linen module, an Equinox module or a torch.nn.Module"
+    )
 
 
-def export_model(model: Any, params: Any = None, *, out_dir: str | Path,
-                 **options: Any) -> Path:
+def export_model(model: Any, params: Any = None, *, out_dir: str | Path, **options: Any) -> Path:
     """Export ``model`` with the adapter for its framework (see :func:`framework_of`).
 
     ``params`` is the parameter pytree of a JAX function or the variables of a Linen
@@ -78,8 +79,9 @@ def export_model(model: Any, params: Any = None, *, out_dir: str | Path,
         from rsrv.export.flax_export import export_flax_linen
 
         if params is None:
-            raise ExportError("a Linen module needs its variables: export_model(module, "
-                              "variables, ...)")
+            raise ExportError(
+                "a Linen module needs its variables: export_model(module, variables, ...)"
+            )
         return export_flax_linen(model, params, out_dir=out_dir, **options)
     if params is not None:
         raise ExportError(f"a {kind} module carries its own parameters; pass params=None")
@@ -96,27 +98,42 @@ def export_model(model: Any, params: Any = None, *, out_dir: str | Path,
     return export_torch(model, out_dir=out_dir, **options)
 
 
-def export_spec(spec: ExportSpec | Mapping[str, Any], out_dir: str | Path, *,
-                batch_sizes: Sequence[int] | None = None, **overrides: Any) -> Path:
+def export_spec(
+    spec: ExportSpec | Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    batch_sizes: Sequence[int] | None = None,
+    **overrides: Any,
+) -> Path:
     """Export what a factory returned into ``out_dir`` (the bundle directory)."""
     if isinstance(spec, Mapping):
         known = {f.name for f in fields(ExportSpec)}
         unknown = sorted(set(spec) - known)
         if unknown:
-            raise ExportError(f"the factory's dict has unknown key(s) {', '.join(unknown)} "
-                              f"(known: {', '.join(sorted(known))})")
+            raise ExportError(
+                f"the factory's dict has unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
         spec = ExportSpec(**spec)
     elif not isinstance(spec, ExportSpec):
-        raise ExportError(f"the factory must return an ExportSpec or a dict, got "
-                          f"{type(spec).__name__}")
+        raise ExportError(
+            f"the factory must return an ExportSpec or a dict, got {type(spec).__name__}"
+        )
     sizes = batch_sizes if batch_sizes is not None else spec.batch_sizes
     if sizes is None:
         sizes = [1]  # unbatched models ignore it; batched ones need --batch-sizes
         if any("n" in i.shape for i in spec.inputs):
             raise ExportError("no batch sizes: pass --batch-sizes or set ExportSpec.batch_sizes")
     options = {**spec.options, **overrides}
-    return export_model(spec.model, spec.params, inputs=spec.inputs, outputs=spec.outputs,
-                        batch_sizes=list(sizes), out_dir=out_dir, **options)
+    return export_model(
+        spec.model,
+        spec.params,
+        inputs=spec.inputs,
+        outputs=spec.outputs,
+        batch_sizes=list(sizes),
+        out_dir=out_dir,
+        **options,
+    )
 
 
 def load_factory(target: str):
@@ -143,23 +160,44 @@ def load_factory(target: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--module", required=True, metavar="MODULE:FACTORY",
-                        help="factory returning an ExportSpec (or a dict with its fields); "
-                             "MODULE is a dotted module name or a path to a .py file")
-    parser.add_argument("--out", required=True, type=Path, metavar="REPO",
-                        help="model repository: the bundle is written to REPO/NAME")
-    parser.add_argument("--batch-sizes", metavar="N,N,...",
-                        help="compiled batch sizes, e.g. 1,4,8 (default: the spec's)")
-    parser.add_argument("--name", help="model name (default: the spec's name, else the "
-                                       "factory's name)")
-    parser.add_argument("--no-parity", action="store_true",
-                        help="skip the parity gate (not recommended)")
-    parser.add_argument("--cache-dir", type=Path, metavar="DIR",
-                        help="keep the parity gate's executables in this compilation cache "
-                             "(a node's cache_dir), so a worker using it need not compile")
-    parser.add_argument("--x64", choices=("auto", "on", "off"), default="auto",
-                        help="trace with jax_enable_x64 on/off (auto: on iff an input or "
-                             "weight is 64-bit)")
+    parser.add_argument(
+        "--module",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="factory returning an ExportSpec (or a dict with its fields); "
+        "MODULE is a dotted module name or a path to a .py file",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="REPO",
+        help="model repository: the bundle is written to REPO/NAME",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        metavar="N,N,...",
+        help="compiled batch sizes, e.g. 1,4,8 (default: the spec's)",
+    )
+    parser.add_argument(
+        "--name", help="model name (default: the spec's name, else the factory's name)"
+    )
+    parser.add_argument(
+        "--no-parity", action="store_true", help="skip the parity gate (not recommended)"
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the parity gate's executables in this compilation cache "
+        "(a node's cache_dir), so a worker using it need not compile",
+    )
+    parser.add_argument(
+        "--x64",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="trace with jax_enable_x64 on/off (auto: on iff an input or weight is 64-bit)",
+    )
 
 
 def export_main(args: argparse.Namespace) -> int:
@@ -171,11 +209,17 @@ def export_main(args: argparse.Namespace) -> int:
     log.setLevel(logging.INFO)
     try:
         try:
-            sizes = ([int(s) for s in args.batch_sizes.split(",") if s.strip()]
-                     if args.batch_sizes else None)
+            sizes = (
+                [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+                if args.batch_sizes
+                else None
+            )
         except ValueError:
-            print(f"rsrv export: --batch-sizes {args.batch_sizes!r}: expected integers "
-                  "separated by commas", file=sys.stderr)
+            print(
+                f"rsrv export: --batch-sizes {args.batch_sizes!r}: expected integers "
+                "separated by commas",
+                file=sys.stderr,
+            )
             return 2
         try:
             factory = load_factory(args.module)
@@ -183,8 +227,11 @@ def export_main(args: argparse.Namespace) -> int:
             print(f"rsrv export: {e}", file=sys.stderr)
             return 2
         spec = factory()
-        name = args.name or (spec.get("name") if isinstance(spec, Mapping) else
-                             getattr(spec, "name", None)) or factory.__name__
+        name = (
+            args.name
+            or (spec.get("name") if isinstance(spec, Mapping) else getattr(spec, "name", None))
+            or factory.__name__
+        )
         overrides: dict[str, Any] = {}
         if args.no_parity:
             overrides["parity"] = False

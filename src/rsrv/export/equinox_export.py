@@ -20,28 +20,40 @@ from rsrv.export.errors import ExportError
 from rsrv.export.jax_export import Input, Output, Program, export_program
 
 
-def equinox_program(model: Any, inputs: list[Input], outputs: list[Output | str], *,
-                    vmap: bool = True, inference: bool = True) -> Program:
+def equinox_program(
+    model: Any,
+    inputs: list[Input],
+    outputs: list[Output | str],
+    *,
+    vmap: bool = True,
+    inference: bool = True,
+) -> Program:
     """The :class:`Program` of an Equinox model called as ``model(*inputs)``."""
     import equinox as eqx
 
     if not isinstance(model, eqx.Module):
         raise ExportError(f"export_equinox needs an equinox.Module, got {type(model).__name__}")
-    stateful = [keystr(p, simple=True, separator=".") for p, leaf in tree_flatten_with_path(
-        model, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex))[0]
-        if isinstance(leaf, eqx.nn.StateIndex)]
+    stateful = [
+        keystr(p, simple=True, separator=".")
+        for p, leaf in tree_flatten_with_path(
+            model, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex)
+        )[0]
+        if isinstance(leaf, eqx.nn.StateIndex)
+    ]
     if stateful:
         raise ExportError(
             f"the model holds eqx.nn.StateIndex at {', '.join(stateful)} (a stateful layer "
             "such as BatchNorm, called as model(x, state)); export_equinox calls model(*inputs): "
-            "export it with export_jax and a function that passes the eqx.nn.State")
+            "export it with export_jax and a function that passes the eqx.nn.State"
+        )
     if inference:
         model = eqx.nn.inference_mode(model)
     params, static = eqx.partition(model, eqx.is_array)
     paths_leaves, treedef = tree_flatten_with_path(params)
     names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
-    in_axes = tuple(i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None
-                    for i in inputs)
+    in_axes = tuple(
+        i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None for i in inputs
+    )
     out_axes = tuple(o.batch_axis if isinstance(o, Output) else 0 for o in outputs)
     batched = vmap and any(a is not None for a in in_axes)
 
@@ -59,12 +71,26 @@ def equinox_program(model: Any, inputs: list[Input], outputs: list[Output | str]
     def reference(*xs):
         return source(model, *map(jnp.asarray, xs))
 
-    return Program(call, names, [leaf for _, leaf in paths_leaves], reference,
-                   framework="equinox", packages=("equinox",))
+    return Program(
+        call,
+        names,
+        [leaf for _, leaf in paths_leaves],
+        reference,
+        framework="equinox",
+        packages=("equinox",),
+    )
 
 
-def export_equinox(model: Any, *, inputs, outputs, out_dir: str | Path, vmap: bool = True,
-                   inference: bool = True, **options: Any) -> Path:
+def export_equinox(
+    model: Any,
+    *,
+    inputs,
+    outputs,
+    out_dir: str | Path,
+    vmap: bool = True,
+    inference: bool = True,
+    **options: Any,
+) -> Path:
     """Export an ``equinox.Module`` called as ``model(*inputs)``.
 
     ``vmap`` (default True) maps the model over each input's batch axis (Equinox layers take

@@ -26,9 +26,11 @@ from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
 from rsrv.export.errors import ExportError
 from rsrv.export.jax_export import Program, export_program
 
-RNG_HINT = ("the forward pass draws random numbers from nnx RNG state (dropout or sampling "
-            "in training mode?); export the module in eval mode (eval=True, the default, "
-            "calls module.eval() on a copy), or make the randomness an input")
+RNG_HINT = (
+    "the forward pass draws random numbers from nnx RNG state (dropout or sampling "
+    "in training mode?); export the module in eval mode (eval=True, the default, "
+    "calls module.eval() on a copy), or make the randomness an input"
+)
 
 
 def nnx_program(module: Any, *, eval: bool = True) -> Program:  # noqa: A002 - nnx's own name
@@ -54,14 +56,25 @@ def nnx_program(module: Any, *, eval: bool = True) -> Program:  # noqa: A002 - n
         return source(nnx.clone(model), *map(jnp.asarray, xs))
 
     return Program(
-        call, weight_names, weights, reference, framework="flax.nnx", packages=("flax",),
+        call,
+        weight_names,
+        weights,
+        reference,
+        framework="flax.nnx",
+        packages=("flax",),
         state_names=[f"{n} (nnx.{k})" for n, k in zip(rng_names, rng_kinds, strict=True)],
-        state=rng_leaves, state_hint=RNG_HINT,
+        state=rng_leaves,
+        state_hint=RNG_HINT,
     )
 
 
-def export_flax_nnx(module: Any, *, out_dir: str | Path, eval: bool = True,  # noqa: A002
-                    **options: Any) -> Path:
+def export_flax_nnx(
+    module: Any,
+    *,
+    out_dir: str | Path,
+    eval: bool = True,  # noqa: A002
+    **options: Any,
+) -> Path:
     """Export an ``nnx.Module`` called as ``module(*inputs)``.
 
     ``eval`` (default True) exports a copy put in evaluation mode with ``.eval()``
@@ -72,21 +85,24 @@ def export_flax_nnx(module: Any, *, out_dir: str | Path, eval: bool = True,  # n
     return export_program(nnx_program(module, eval=eval), out_dir=out_dir, **options)
 
 
-def linen_program(module: Any, variables: Mapping[str, Any],
-                  apply_kwargs: Mapping[str, Any] | None = None) -> Program:
+def linen_program(
+    module: Any, variables: Mapping[str, Any], apply_kwargs: Mapping[str, Any] | None = None
+) -> Program:
     """The :class:`Program` of ``module.apply(variables, *inputs, **apply_kwargs)``."""
     from flax import linen
 
     if not isinstance(module, linen.Module):
-        raise ExportError(f"export_flax_linen needs a flax.linen.Module, got "
-                          f"{type(module).__name__}")
+        raise ExportError(
+            f"export_flax_linen needs a flax.linen.Module, got {type(module).__name__}"
+        )
     kwargs = dict(apply_kwargs or {})
     for key in ("rngs", "mutable"):
         if key in kwargs:
             raise ExportError(
                 f"apply_kwargs[{key!r}]: a served module neither draws random numbers nor "
                 "mutates collections; pass the deterministic / eval flag of the module "
-                "instead (e.g. apply_kwargs={'train': False})")
+                "instead (e.g. apply_kwargs={'train': False})"
+            )
     paths_leaves, treedef = tree_flatten_with_path(variables)
     names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
 
@@ -96,9 +112,11 @@ def linen_program(module: Any, variables: Mapping[str, Any],
         try:
             return module.apply(v, *xs, **kwargs)
         except FlaxError as e:
-            raise ExportError(f"{type(module).__name__}.apply failed: {e}; a served module "
-                              "must run without RNG streams and without mutable collections "
-                              "(eval / deterministic mode)") from None
+            raise ExportError(
+                f"{type(module).__name__}.apply failed: {e}; a served module "
+                "must run without RNG streams and without mutable collections "
+                "(eval / deterministic mode)"
+            ) from None
 
     def call(ws, _state, *xs):
         return apply(tree_unflatten(treedef, ws), *xs)
@@ -108,20 +126,33 @@ def linen_program(module: Any, variables: Mapping[str, Any],
     def reference(*xs):
         return source(jax.tree.map(jnp.asarray, variables), *map(jnp.asarray, xs))
 
-    return Program(call, names, [leaf for _, leaf in paths_leaves], reference,
-                   framework="flax.linen", packages=("flax",))
+    return Program(
+        call,
+        names,
+        [leaf for _, leaf in paths_leaves],
+        reference,
+        framework="flax.linen",
+        packages=("flax",),
+    )
 
 
-def export_flax_linen(module: Any, variables: Mapping[str, Any], *, out_dir: str | Path,
-                      apply_kwargs: Mapping[str, Any] | None = None, **options: Any) -> Path:
+def export_flax_linen(
+    module: Any,
+    variables: Mapping[str, Any],
+    *,
+    out_dir: str | Path,
+    apply_kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Path:
     """Export ``module.apply(variables, *inputs, **apply_kwargs)``.
 
     Put the module in inference mode through ``apply_kwargs`` (``{"train": False}``) or its
     attributes; RNG streams and mutable collections are refused. ``options`` are
     :func:`export_jax`'s keywords.
     """
-    return export_program(linen_program(module, variables, apply_kwargs), out_dir=out_dir,
-                          **options)
+    return export_program(
+        linen_program(module, variables, apply_kwargs), out_dir=out_dir, **options
+    )
 
 
 def _leaves(state: Any, nnx: Any) -> tuple[list[str], list[str], list[Any], Any]:
@@ -130,7 +161,9 @@ def _leaves(state: Any, nnx: Any) -> tuple[list[str], list[str], list[Any], Any]
     variables, _ = tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     leaves, treedef = jax.tree.flatten(state)
     if len(variables) != len(leaves):
-        raise ExportError(f"cannot map the module's {len(leaves)} state leaves onto its "
-                          f"{len(variables)} variables (a variable holding a pytree?)")
+        raise ExportError(
+            f"cannot map the module's {len(leaves)} state leaves onto its "
+            f"{len(variables)} variables (a variable holding a pytree?)"
+        )
     names = [keystr(p, simple=True, separator=".") for p, _ in variables]
     return names, [type(v).__name__ for _, v in variables], leaves, treedef

@@ -130,9 +130,19 @@ def export_jax(
 
     program = Program(call, names, [leaf for _, leaf in paths_leaves], reference)
     return export_program(
-        program, inputs=inputs, outputs=outputs, batch_sizes=batch_sizes, out_dir=out_dir,
-        description=description, client_inputs=client_inputs, client_outputs=client_outputs,
-        model_py=model_py, provenance=provenance, x64=x64, parity=parity)
+        program,
+        inputs=inputs,
+        outputs=outputs,
+        batch_sizes=batch_sizes,
+        out_dir=out_dir,
+        description=description,
+        client_inputs=client_inputs,
+        client_outputs=client_outputs,
+        model_py=model_py,
+        provenance=provenance,
+        x64=x64,
+        parity=parity,
+    )
 
 
 def export_program(
@@ -164,15 +174,19 @@ def export_program(
     sizes = sorted(set(batch_sizes)) if batched else [0]
     if batched and (not sizes or sizes[0] < 1):
         raise ExportError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    record = dict(provenance) if provenance is not None else collect_provenance(
-        program.framework, program.packages, jax_enable_x64=x64)
+    record = (
+        dict(provenance)
+        if provenance is not None
+        else collect_provenance(program.framework, program.packages, jax_enable_x64=x64)
+    )
 
     with jax.enable_x64(x64):
         modules, out_avals = _trace(program, inputs, outputs, weights, sizes)
 
     exec_inputs = [_input_spec(i) for i in inputs]
-    exec_outputs = [_output_spec(o, a, sizes[-1], batched)
-                    for o, a in zip(outputs, out_avals, strict=True)]
+    exec_outputs = [
+        _output_spec(o, a, sizes[-1], batched) for o, a in zip(outputs, out_avals, strict=True)
+    ]
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         description=description,
@@ -194,15 +208,26 @@ def export_program(
             return [np.asarray(r) for r in result]
 
         def verify(staging: Path) -> None:
-            report = parity_check(staging, inputs=inputs, outputs=outputs, sizes=sizes,
-                                  reference=reference, settings=settings)
+            report = parity_check(
+                staging,
+                inputs=inputs,
+                outputs=outputs,
+                sizes=sizes,
+                reference=reference,
+                settings=settings,
+            )
             log.info("%s: %s", out_dir.name, report.summary())
 
     return _write(out_dir, manifest, modules, names, weights, model_py, verify)
 
 
-def _trace(program: Program, inputs: list[Input], outputs: list[Output],
-           weights: list[np.ndarray], sizes: list[int]):
+def _trace(
+    program: Program,
+    inputs: list[Input],
+    outputs: list[Output],
+    weights: list[np.ndarray],
+    sizes: list[int],
+):
     n_in, n_w = len(inputs), len(weights)
     state = list(program.state)
 
@@ -213,7 +238,7 @@ def _trace(program: Program, inputs: list[Input], outputs: list[Output],
     lifted = _used_state(program, state, *avals_for(sizes[0])) if state else []
 
     def entry(*args):
-        xs, ws, used = args[:n_in], args[n_in:n_in + n_w], args[n_in + n_w:]
+        xs, ws, used = args[:n_in], args[n_in : n_in + n_w], args[n_in + n_w :]
         st = list(state)
         for k, value in zip(lifted, used, strict=True):
             st[k] = value
@@ -235,12 +260,15 @@ def _trace(program: Program, inputs: list[Input], outputs: list[Output],
                 "effect token); make it a parameter or an input, or close over nothing stateful."
             )
             if lifted:
-                message += (f" Lifted here: {', '.join(program.state_names[k] for k in lifted)}"
-                            f"{': ' + program.state_hint if program.state_hint else ''}.")
+                message += (
+                    f" Lifted here: {', '.join(program.state_names[k] for k in lifted)}"
+                    f"{': ' + program.state_hint if program.state_hint else ''}."
+                )
             raise ExportError(message)
         if len(exported.out_avals) != len(outputs):
-            raise ExportError(f"the function returns {len(exported.out_avals)} outputs, "
-                              f"{len(outputs)} were named")
+            raise ExportError(
+                f"the function returns {len(exported.out_avals)} outputs, {len(outputs)} were named"
+            )
         modules[n] = _portable_bytes(text)
         out_avals = exported.out_avals
     return modules, out_avals
@@ -265,8 +293,10 @@ def _as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
     if isinstance(result, Mapping):
         missing = [o.name for o in outputs if o.name not in result]
         if missing:
-            raise ExportError(f"the function returns a mapping without output(s) "
-                              f"{', '.join(map(repr, missing))} (it has {', '.join(result)})")
+            raise ExportError(
+                f"the function returns a mapping without output(s) "
+                f"{', '.join(map(repr, missing))} (it has {', '.join(result)})"
+            )
         return tuple(result[o.name] for o in outputs)
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
@@ -274,9 +304,11 @@ def _as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
 def _weight_array(name: str, leaf: Any) -> np.ndarray:
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        raise ExportError(f"weight {name!r} is a PRNG key ({dtype}): RNG state is not a weight "
-                          "and a bundle cannot store it; drop it from the parameters, or make "
-                          "the randomness an input")
+        raise ExportError(
+            f"weight {name!r} is a PRNG key ({dtype}): RNG state is not a weight "
+            "and a bundle cannot store it; drop it from the parameters, or make "
+            "the randomness an input"
+        )
     try:
         array = np.asarray(leaf)
     except (TypeError, ValueError) as e:
@@ -284,8 +316,10 @@ def _weight_array(name: str, leaf: Any) -> np.ndarray:
     try:
         DType.from_numpy(array.dtype)
     except ValueError:
-        raise ExportError(f"weight {name!r} has dtype {array.dtype}, which a bundle cannot hold "
-                          f"(a {type(leaf).__name__} leaf?)") from None
+        raise ExportError(
+            f"weight {name!r} has dtype {array.dtype}, which a bundle cannot hold "
+            f"(a {type(leaf).__name__} leaf?)"
+        ) from None
     return array
 
 
@@ -294,17 +328,23 @@ def _is_64bit(dtype: Any) -> bool:
     return dtype.kind in "fiu" and dtype.itemsize == 8
 
 
-def _x64_setting(x64: bool | None, inputs: Sequence[Input], names: Sequence[str],
-                 weights: Sequence[np.ndarray]) -> bool:
+def _x64_setting(
+    x64: bool | None, inputs: Sequence[Input], names: Sequence[str], weights: Sequence[np.ndarray]
+) -> bool:
     wide = [f"input {i.name!r} ({np.dtype(i.dtype)})" for i in inputs if _is_64bit(i.dtype)]
-    wide += [f"weight {n!r} ({w.dtype})" for n, w in zip(names, weights, strict=True)
-             if _is_64bit(w.dtype)]
+    wide += [
+        f"weight {n!r} ({w.dtype})"
+        for n, w in zip(names, weights, strict=True)
+        if _is_64bit(w.dtype)
+    ]
     if x64 is None:
         return bool(wide)
     if not x64 and wide:
-        raise ExportError(f"x64=False, but {', '.join(wide)} "
-                          f"{'is' if len(wide) == 1 else 'are'} 64-bit: tracing without "
-                          "jax_enable_x64 would narrow them; pass x64=True or cast them")
+        raise ExportError(
+            f"x64=False, but {', '.join(wide)} "
+            f"{'is' if len(wide) == 1 else 'are'} 64-bit: tracing without "
+            "jax_enable_x64 would narrow them; pass x64=True or cast them"
+        )
     return bool(x64)
 
 
@@ -325,19 +365,23 @@ def _input_spec(i: Input) -> TensorSpec:
     axis = i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None
     letters = _letters(i.letters, len(i.shape), axis)
     dims = {ch: int(d) for ch, d in zip(letters, i.shape, strict=True) if ch != BATCH_LETTER}
-    return TensorSpec(name=i.name, dtype=DType.from_numpy(np.dtype(i.dtype)).value,
-                      shape=letters, dims=dims)
+    return TensorSpec(
+        name=i.name, dtype=DType.from_numpy(np.dtype(i.dtype)).value, shape=letters, dims=dims
+    )
 
 
 def _output_spec(o: Output, aval, n: int, batched: bool) -> TensorSpec:
     axis = o.batch_axis if batched else None
     if axis is not None and (axis >= len(aval.shape) or aval.shape[axis] != n):
-        raise ExportError(f"output {o.name!r} has shape {list(aval.shape)}: axis {axis} is not "
-                          f"the batch axis (expected extent {n})")
+        raise ExportError(
+            f"output {o.name!r} has shape {list(aval.shape)}: axis {axis} is not "
+            f"the batch axis (expected extent {n})"
+        )
     letters = _letters(o.letters, len(aval.shape), axis)
     dims = {ch: int(d) for ch, d in zip(letters, aval.shape, strict=True) if ch != BATCH_LETTER}
-    return TensorSpec(name=o.name, dtype=DType.from_numpy(np.dtype(aval.dtype)).value,
-                      shape=letters, dims=dims)
+    return TensorSpec(
+        name=o.name, dtype=DType.from_numpy(np.dtype(aval.dtype)).value, shape=letters, dims=dims
+    )
 
 
 def _strip_locations(module_text: str) -> str:
@@ -357,17 +401,25 @@ def _portable_bytes(module_text: str) -> bytes:
     from jax.extend.mlir.dialects import stablehlo
 
     target = stablehlo.get_version_from_compatibility_requirement(
-        stablehlo.StablehloCompatibilityRequirement.WEEK_12)
+        stablehlo.StablehloCompatibilityRequirement.WEEK_12
+    )
     try:
         return stablehlo.serialize_portable_artifact_str(module_text, target)
     except ValueError as e:
-        raise ExportError(f"the traced module cannot be written as a StableHLO portable "
-                          f"artifact: {e}") from None
+        raise ExportError(
+            f"the traced module cannot be written as a StableHLO portable artifact: {e}"
+        ) from None
 
 
-def _write(out_dir: Path, manifest: Manifest, modules: dict[int, bytes],
-           weight_names: list[str], weights: list[np.ndarray], model_py: str | None,
-           verify: Callable[[Path], None] | None = None) -> Path:
+def _write(
+    out_dir: Path,
+    manifest: Manifest,
+    modules: dict[int, bytes],
+    weight_names: list[str],
+    weights: list[np.ndarray],
+    model_py: str | None,
+    verify: Callable[[Path], None] | None = None,
+) -> Path:
     """Write into a hidden staging directory next to ``out_dir``, run ``verify`` on it,
     then swap it in; on any failure the staging directory is removed and ``out_dir`` is
     left as it was."""
@@ -380,10 +432,15 @@ def _write(out_dir: Path, manifest: Manifest, modules: dict[int, bytes],
         (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
         for n, data in modules.items():
             (staging / ("model.mlir" if n == 0 else f"model.b{n}.mlir")).write_bytes(data)
-        tensors = {name: np.asarray(w, order="C")  # keeps 0-d weights 0-d
-                   for name, w in zip(weight_names, weights, strict=True)}
-        save_file(tensors, str(staging / "weights.safetensors"),
-                  metadata={ORDER_KEY: json.dumps(weight_names)})
+        tensors = {
+            name: np.asarray(w, order="C")  # keeps 0-d weights 0-d
+            for name, w in zip(weight_names, weights, strict=True)
+        }
+        save_file(
+            tensors,
+            str(staging / "weights.safetensors"),
+            metadata={ORDER_KEY: json.dumps(weight_names)},
+        )
         if model_py is not None:
             (staging / "model.py").write_text(model_py)
         staging.chmod(0o755)  # mkdtemp creates 0700; a bundle is meant to be shared

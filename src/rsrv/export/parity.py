@@ -72,8 +72,10 @@ class ParityReport:
     def summary(self) -> str:
         sizes = sorted({e.batch_size for e in self.errors})
         where = "unbatched" if sizes == [0] else "batch sizes " + ", ".join(map(str, sizes))
-        return (f"parity ok at {where}: max abs err {self.max_abs:.3g}, max rel err "
-                f"{self.max_rel:.3g} (rtol {self.rtol:g}, atol {self.atol:g})")
+        return (
+            f"parity ok at {where}: max abs err {self.max_abs:.3g}, max rel err "
+            f"{self.max_rel:.3g} (rtol {self.rtol:g}, atol {self.atol:g})"
+        )
 
 
 def draw_inputs(inputs, n: int, settings: Parity) -> list[np.ndarray]:
@@ -98,8 +100,15 @@ def draw_inputs(inputs, n: int, settings: Parity) -> list[np.ndarray]:
     return arrays
 
 
-def check(staging: Path, *, inputs, outputs, sizes: Sequence[int],
-          reference: Callable[..., list[np.ndarray]], settings: Parity) -> ParityReport:
+def check(
+    staging: Path,
+    *,
+    inputs,
+    outputs,
+    sizes: Sequence[int],
+    reference: Callable[..., list[np.ndarray]],
+    settings: Parity,
+) -> ParityReport:
     """Run the bundle at ``staging`` at every size in ``sizes`` (0 = unbatched) and
     compare with ``reference(*inputs)``; raise :class:`ExportError` on a mismatch."""
     from rsrv.bundle import load_bundle
@@ -115,8 +124,7 @@ def check(staging: Path, *, inputs, outputs, sizes: Sequence[int],
     device = backend.device()
     weights = to_device(stage(bundle.weights), device) if bundle.weights else []
     names = [o.name for o in outputs]
-    in_axes = [i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None
-               for i in inputs]
+    in_axes = [i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None for i in inputs]
     batched = any(a is not None for a in in_axes)
     axes = [o.batch_axis if batched else None for o in outputs]
     errors: list[OutputError] = []
@@ -131,18 +139,22 @@ def check(staging: Path, *, inputs, outputs, sizes: Sequence[int],
                 want, against, hint = reference(*xs), "the source framework", ""
             else:
                 xs = [_head(x, a, n) for x, a in zip(full, in_axes, strict=True)]
-                want = [_head(w, axes[k] if k < len(axes) else None, n)
-                        for k, w in enumerate(want_full)]
+                want = [
+                    _head(w, axes[k] if k < len(axes) else None, n) for k, w in enumerate(want_full)
+                ]
                 against, hint = "the source framework", ""
                 if n != largest:
                     against = f"the source framework (the same rows in a batch of {largest})"
-                    hint = (" Rows are not computed independently of each other, which the "
-                            "server's batching requires (specs/bundle.md section 6): a batch-"
-                            "dependent op such as BatchNorm using batch statistics?")
+                    hint = (
+                        " Rows are not computed independently of each other, which the "
+                        "server's batching requires (specs/bundle.md section 6): a batch-"
+                        "dependent op such as BatchNorm using batch statistics?"
+                    )
             got = model.run(n, xs, weights)
             if len(want) != len(got):
-                raise ExportError(f"PARITY: the source returns {len(want)} outputs, the "
-                                  f"bundle {len(got)}")
+                raise ExportError(
+                    f"PARITY: the source returns {len(want)} outputs, the bundle {len(got)}"
+                )
             for name, g, w in zip(names, got, want, strict=True):
                 errors.append(_compare(name, n, g, w, settings, against, hint))
     finally:
@@ -158,14 +170,17 @@ def _head(x: Any, axis: int | None, n: int) -> np.ndarray:
     return np.take(x, np.arange(n), axis=axis)
 
 
-def _compare(name: str, n: int, got: np.ndarray, want: Any, settings: Parity,
-             against: str, hint: str = "") -> OutputError:
+def _compare(
+    name: str, n: int, got: np.ndarray, want: Any, settings: Parity, against: str, hint: str = ""
+) -> OutputError:
     want = np.asarray(want)
     where = "" if n == 0 else f" at batch size {n}"
     if got.shape != want.shape or got.dtype != want.dtype:
-        raise ExportError(f"PARITY: output {name!r}{where} is {got.dtype}{list(got.shape)} in "
-                          f"the bundle but {want.dtype}{list(want.shape)} in {against}. "
-                          "Nothing was written.")
+        raise ExportError(
+            f"PARITY: output {name!r}{where} is {got.dtype}{list(got.shape)} in "
+            f"the bundle but {want.dtype}{list(want.shape)} in {against}. "
+            "Nothing was written."
+        )
     exact = got.dtype == np.bool_ or got.dtype.kind in "iu"
     g, w = got.astype(np.float64), want.astype(np.float64)
     same = (g == w) | (np.isnan(g) & np.isnan(w))  # equal infinities, NaN against NaN

@@ -21,16 +21,23 @@ from rsrv.export.errors import ExportError
 BASE_PACKAGES = ("jax", "jaxlib", "rsrv")
 
 
-def collect_provenance(framework: str = "jax", packages: Iterable[str] = (), *,
-                       cwd: str | Path | None = None, **extra: Any) -> dict[str, Any]:
+def collect_provenance(
+    framework: str = "jax",
+    packages: Iterable[str] = (),
+    *,
+    cwd: str | Path | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """The automatic provenance record; ``extra`` entries are added (or override) last.
 
     ``packages`` are distributions whose versions are recorded besides jax, jaxlib and
     rsrv. ``git`` is omitted when ``cwd`` (default: the current directory) is not inside
     a git work tree or git is not installed.
     """
-    record: dict[str, Any] = {"framework": framework,
-                              "versions": versions([*BASE_PACKAGES, *packages])}
+    record: dict[str, Any] = {
+        "framework": framework,
+        "versions": versions([*BASE_PACKAGES, *packages]),
+    }
     git = git_state(cwd)
     if git is not None:
         record["git"] = git
@@ -58,8 +65,9 @@ def export_time() -> str:
         try:
             when = datetime.fromtimestamp(int(epoch), UTC)
         except (ValueError, OverflowError, OSError):
-            raise ExportError(f"SOURCE_DATE_EPOCH={epoch!r} is not a number of seconds "
-                                  "since 1970-01-01 UTC") from None
+            raise ExportError(
+                f"SOURCE_DATE_EPOCH={epoch!r} is not a number of seconds since 1970-01-01 UTC"
+            ) from None
     else:
         when = datetime.now(UTC)
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -75,8 +83,9 @@ def git_state(cwd: str | Path | None = None) -> dict[str, Any] | None:
 
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", "-C", where, *args], capture_output=True, text=True,
-                                  timeout=30, check=False)
+            done = subprocess.run(
+                ["git", "-C", where, *args], capture_output=True, text=True, timeout=30, check=False
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout if done.returncode == 0 else None

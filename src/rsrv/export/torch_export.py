@@ -58,7 +58,8 @@ def _import_torchax() -> tuple[Any, str | None]:
             f"torchax {version} does not work with torch {torch.__version__}: "
             f"{type(e).__name__}: {e}; install a torchax release built for torch "
             f"{torch.__version__.split('+')[0]}, or a torch release that torchax {version} "
-            "supports")
+            "supports"
+        )
     return torchax_export, None
 
 
@@ -76,29 +77,36 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
     try:
         functions, names, weights = {}, None, None
         for n in sizes:
-            example = tuple(torch.from_numpy(np.zeros(_shape(i, n), np.dtype(i.dtype)))
-                            for i in inputs)
+            example = tuple(
+                torch.from_numpy(np.zeros(_shape(i, n), np.dtype(i.dtype))) for i in inputs
+            )
             try:
                 program = torch.export.export(module, example)
             except Exception as e:  # noqa: BLE001 - torch.export's many failure types
-                raise ExportError(f"torch.export failed at batch size {n}: "
-                                  f"{type(e).__name__}: {e}") from None
+                raise ExportError(
+                    f"torch.export failed at batch size {n}: {type(e).__name__}: {e}"
+                ) from None
             mutated = dict(program.graph_signature.buffers_to_mutate)
             if mutated:
                 raise ExportError(
                     f"the program mutates buffer(s) {', '.join(sorted(mutated.values()))} "
-                    "(BatchNorm in training mode?); a served module must not change state")
+                    "(BatchNorm in training mode?); a served module must not change state"
+                )
             keys, states, fn = torchax_export.exported_program_to_jax(program, export_raw=True)
-            keys = list(keys) + list(getattr(program.graph_signature,
-                                             "lifted_tensor_constants", []))
+            keys = list(keys) + list(
+                getattr(program.graph_signature, "lifted_tensor_constants", [])
+            )
             if len(keys) != len(states):
-                raise ExportError(f"cannot name the program's {len(states)} weights "
-                                  f"({len(keys)} state-dict keys)")
+                raise ExportError(
+                    f"cannot name the program's {len(states)} weights ({len(keys)} state-dict keys)"
+                )
             if names is None:
                 names, weights = keys, [_numpy(s) for s in states]
             elif keys != names:
-                raise ExportError(f"the program's weights at batch size {n} differ from those "
-                                  f"at batch size {sizes[0]}")
+                raise ExportError(
+                    f"the program's weights at batch size {n} differ from those "
+                    f"at batch size {sizes[0]}"
+                )
             functions[n] = fn
     finally:
         module.train(was_training)
@@ -122,12 +130,14 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
             return {k: v.detach().cpu().numpy() for k, v in result.items()}
         return [r.detach().cpu().numpy() for r in result]
 
-    return Program(call, names, weights, reference, framework="torch",
-                   packages=("torch", "torchax"))
+    return Program(
+        call, names, weights, reference, framework="torch", packages=("torch", "torchax")
+    )
 
 
-def export_torch(module: Any, *, inputs, outputs, batch_sizes, out_dir: str | Path,
-                 **options: Any) -> Path:
+def export_torch(
+    module: Any, *, inputs, outputs, batch_sizes, out_dir: str | Path, **options: Any
+) -> Path:
     """Export a ``torch.nn.Module`` called as ``module(*inputs)`` (run in eval mode).
 
     The example tensors ``torch.export`` traces with are built from ``inputs`` at each
@@ -138,8 +148,9 @@ def export_torch(module: Any, *, inputs, outputs, batch_sizes, out_dir: str | Pa
     batched = any(BATCH_LETTER in i.shape for i in inputs)
     sizes = sorted(set(batch_sizes)) if batched else [0]
     program = torch_program(module, inputs, sizes)
-    return export_program(program, inputs=inputs, outputs=outputs, batch_sizes=batch_sizes,
-                          out_dir=out_dir, **options)
+    return export_program(
+        program, inputs=inputs, outputs=outputs, batch_sizes=batch_sizes, out_dir=out_dir, **options
+    )
 
 
 def _shape(spec: Input, n: int) -> tuple[int, ...]:
@@ -150,4 +161,3 @@ def _numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):
         return value.detach().cpu().numpy()
     return np.asarray(value)
-

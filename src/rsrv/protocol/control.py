@@ -15,8 +15,11 @@ from rsrv.protocol.generated.rsrv.control.v1.control_grpc import ControlServiceS
 if TYPE_CHECKING:
     from rsrv.worker.app import Worker
 
-_RESIDENCY = {"unpinned": pb.RESIDENCY_UNPINNED, "system": pb.RESIDENCY_SYSTEM,
-              "device": pb.RESIDENCY_DEVICE}
+_RESIDENCY = {
+    "unpinned": pb.RESIDENCY_UNPINNED,
+    "system": pb.RESIDENCY_SYSTEM,
+    "device": pb.RESIDENCY_DEVICE,
+}
 _FROM_RESIDENCY = {v: k for k, v in _RESIDENCY.items()}
 
 
@@ -69,8 +72,11 @@ class ControlService(ControlServiceServicer):
         """A meta reports its sub-models' footprint, its least-resident floor, and the
         device time of its own sub-calls."""
         w = self.worker
-        subs = [w.models.entries[c].model for c in served.bundle.signature.calls
-                if c in w.models.entries and w.models.entries[c].model is not None]
+        subs = [
+            w.models.entries[c].model
+            for c in served.bundle.signature.calls
+            if c in w.models.entries and w.models.entries[c].model is not None
+        ]
         meta = w.pipeline.meta.stats.get(served.name)
         if meta is not None:
             status.requests_served = status.rows_served = status.dispatches = meta.requests
@@ -90,11 +96,13 @@ class ControlService(ControlServiceServicer):
             raise FailedPrecondition(
                 "SetModelResidency is only accepted when model_control_mode is 'explicit' "
                 f"(this worker runs '{w.config.model_control_mode}'; residency then comes "
-                "from scheduler.models.<name>.residency)")
+                "from scheduler.models.<name>.residency)"
+            )
         residency = _FROM_RESIDENCY.get(message.residency)
         if residency is None:
-            raise InvalidArgument("residency must be RESIDENCY_UNPINNED, RESIDENCY_SYSTEM "
-                                  "or RESIDENCY_DEVICE")
+            raise InvalidArgument(
+                "residency must be RESIDENCY_UNPINNED, RESIDENCY_SYSTEM or RESIDENCY_DEVICE"
+            )
         await w.set_residency(served, residency)
         return pb.SetModelResidencyResponse(residency=_RESIDENCY[served.residency])
 
@@ -103,7 +111,8 @@ class ControlService(ControlServiceServicer):
         if w.models.get(message.name).bundle.kind == "meta":
             raise FailedPrecondition(
                 f"{message.name!r} is a meta model: it has no scheduling policy of its own "
-                "(its calls are scheduled as requests of the models it calls; set theirs)")
+                "(its calls are scheduled as requests of the models it calls; set theirs)"
+            )
         if message.HasField("weight"):
             if not message.weight > 0:
                 raise InvalidArgument(f"weight must be positive, got {message.weight}")
@@ -115,5 +124,6 @@ class ControlService(ControlServiceServicer):
         for name in message.reload_models:
             w.models.get(name)  # NOT_FOUND before freeing anything
         reloaded = await w.compact_memory(list(message.reload_models))
-        return pb.CompactMemoryResponse(reloaded_models=reloaded,
-                                        resident_bytes_after=w.weights.cache.resident_bytes)
+        return pb.CompactMemoryResponse(
+            reloaded_models=reloaded, resident_bytes_after=w.weights.cache.resident_bytes
+        )

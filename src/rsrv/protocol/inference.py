@@ -34,8 +34,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVER_NAME = "rsrv"
 #: The trace settings TraceSetting reports (Triton's defaults, tracing off).
-TRACE_DEFAULTS = {"trace_level": ["OFF"], "trace_rate": ["1000"], "trace_count": ["-1"],
-                  "log_frequency": ["0"], "trace_mode": ["triton"]}
+TRACE_DEFAULTS = {
+    "trace_level": ["OFF"],
+    "trace_rate": ["1000"],
+    "trace_count": ["-1"],
+    "log_frequency": ["0"],
+    "trace_mode": ["triton"],
+}
 
 
 class InferenceService(GRPCInferenceServiceServicer):
@@ -55,21 +60,28 @@ class InferenceService(GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=self.worker.model_ready(message.name))
 
     async def ServerMetadata(self, message, request):
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=rsrv.__version__,
-                                         extensions=self.worker.extensions)
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=rsrv.__version__, extensions=self.worker.extensions
+        )
 
     async def ModelMetadata(self, message, request):
         served = self.worker.models.get(message.name)
         sig = served.bundle.signature
         return pb.ModelMetadataResponse(
-            name=served.name, versions=["1"], platform=self.worker.platform,
+            name=served.name,
+            versions=["1"],
+            platform=self.worker.platform,
             inputs=[codec.tensor_metadata(t) for t in sig.client_inputs],
-            outputs=[codec.tensor_metadata(t) for t in sig.client_outputs])
+            outputs=[codec.tensor_metadata(t) for t in sig.client_outputs],
+        )
 
     async def ModelConfig(self, message, request):
         served = self.worker.models.get(message.name)
-        return pb.ModelConfigResponse(config=model_config(
-            served.bundle, self.worker.platform, self.worker.max_batch_size(served.name)))
+        return pb.ModelConfigResponse(
+            config=model_config(
+                served.bundle, self.worker.platform, self.worker.max_batch_size(served.name)
+            )
+        )
 
     # -- inference ------------------------------------------------------------------------
 
@@ -96,14 +108,18 @@ class InferenceService(GRPCInferenceServiceServicer):
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self._infer(message))
                 if response.ByteSize() > limit:
-                    raise ResourceExhausted(f"response of {response.ByteSize()} bytes exceeds "
-                                            f"the maximum {limit} (endpoints.max_message_bytes)")
+                    raise ResourceExhausted(
+                        f"response of {response.ByteSize()} bytes exceeds "
+                        f"the maximum {limit} (endpoints.max_message_bytes)"
+                    )
             except Exception as e:
                 code, text = grpc_status(e)
                 response = pb.ModelStreamInferResponse(
                     error_message=text,
-                    infer_response=pb.ModelInferResponse(model_name=message.model_name,
-                                                         id=message.id))
+                    infer_response=pb.ModelInferResponse(
+                        model_name=message.model_name, id=message.id
+                    ),
+                )
             await send.send(response)
 
         async def pump(nursery):
@@ -131,15 +147,18 @@ class InferenceService(GRPCInferenceServiceServicer):
         try:
             sig = served.bundle.signature
             inputs = codec.decode_request(message, sig.client_inputs, worker.shm)
-            order = codec.requested_outputs(message, [t.name for t in sig.client_outputs],
-                                            worker.shm)
-            deadline = min(call_deadline.get(), codec.request_deadline(message, trio.current_time())
-                           or float("inf"))
+            order = codec.requested_outputs(
+                message, [t.name for t in sig.client_outputs], worker.shm
+            )
+            deadline = min(
+                call_deadline.get(),
+                codec.request_deadline(message, trio.current_time()) or float("inf"),
+            )
             codec.request_priority(message)  # validated; the scheduler has no priorities
             outputs = await worker.pipeline.infer(
-                served.name, inputs, deadline=None if deadline == float("inf") else deadline)
-            response = codec.encode_response(message, served.name, "1", outputs, order,
-                                             worker.shm)
+                served.name, inputs, deadline=None if deadline == float("inf") else deadline
+            )
+            response = codec.encode_response(message, served.name, "1", outputs, order, worker.shm)
         except RsrvError as e:
             stats.record(False, time.perf_counter() - start, e.code)
             raise
@@ -148,15 +167,19 @@ class InferenceService(GRPCInferenceServiceServicer):
             raise
         except BaseException:  # cancelled: grpc-timeout expired, or the call was abandoned
             expired = trio.current_time() >= call_deadline.get()
-            stats.record(False, time.perf_counter() - start,
-                         "DEADLINE_EXCEEDED" if expired else "CANCELLED")
+            stats.record(
+                False, time.perf_counter() - start, "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            )
             raise
         stats.record(True, time.perf_counter() - start, rows=_rows(sig.client_inputs, inputs))
         return response
 
     async def ModelStatistics(self, message, request):
-        names = [message.name] if message.name else sorted(
-            n for n in self.worker.models.entries if self.worker.models.ready(n))
+        names = (
+            [message.name]
+            if message.name
+            else sorted(n for n in self.worker.models.entries if self.worker.models.ready(n))
+        )
         out = []
         for name in names:
             self.worker.models.get(name)  # NotFound for an unknown model
@@ -178,9 +201,11 @@ class InferenceService(GRPCInferenceServiceServicer):
                 state, reason = "UNAVAILABLE", f"waiting for model(s) {', '.join(waiting)}"
             if message.ready and state != "READY":
                 continue
-            models.append(pb.RepositoryIndexResponse.ModelIndex(
-                name=entry.name, version="1" if entry.model else "", state=state,
-                reason=reason))
+            models.append(
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=entry.name, version="1" if entry.model else "", state=state, reason=reason
+                )
+            )
         return pb.RepositoryIndexResponse(models=models)
 
     async def RepositoryModelLoad(self, message, request):
@@ -188,7 +213,8 @@ class InferenceService(GRPCInferenceServiceServicer):
             raise InvalidArgument(
                 f"RepositoryModelLoad parameters are not supported "
                 f"({', '.join(sorted(message.parameters))}): rsrv loads {message.model_name!r} "
-                "exactly as its bundle is in the repository")
+                "exactly as its bundle is in the repository"
+            )
         await self.worker.load_model(message.model_name)
         return pb.RepositoryModelLoadResponse()
 
@@ -201,14 +227,16 @@ class InferenceService(GRPCInferenceServiceServicer):
     async def SystemSharedMemoryStatus(self, message, request):
         regions = {
             r.name: pb.SystemSharedMemoryStatusResponse.RegionStatus(
-                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size)
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
+            )
             for r in self.worker.shm.status(message.name or None)
         }
         return pb.SystemSharedMemoryStatusResponse(regions=regions)
 
     async def SystemSharedMemoryRegister(self, message, request):
-        await trio.to_thread.run_sync(self.worker.shm.register, message.name, message.key,
-                                      message.offset, message.byte_size)
+        await trio.to_thread.run_sync(
+            self.worker.shm.register, message.name, message.key, message.offset, message.byte_size
+        )
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, message, request):
@@ -221,7 +249,8 @@ class InferenceService(GRPCInferenceServiceServicer):
     async def CudaSharedMemoryRegister(self, message, request):
         raise FailedPrecondition(
             f"CUDA shared memory is not supported by this {self.worker.platform} worker; "
-            "use system shared memory (SystemSharedMemoryRegister)")
+            "use system shared memory (SystemSharedMemoryRegister)"
+        )
 
     async def CudaSharedMemoryUnregister(self, message, request):
         return pb.CudaSharedMemoryUnregisterResponse()  # nothing can be registered
@@ -236,21 +265,25 @@ class InferenceService(GRPCInferenceServiceServicer):
         updated = dict(self._trace)
         for key, setting in message.settings.items():
             if key not in TRACE_DEFAULTS:
-                raise InvalidArgument(f"unknown trace setting {key!r} (known: "
-                                      f"{', '.join(TRACE_DEFAULTS)})")
+                raise InvalidArgument(
+                    f"unknown trace setting {key!r} (known: {', '.join(TRACE_DEFAULTS)})"
+                )
             value = list(setting.value) or TRACE_DEFAULTS[key]  # no value: back to default
             if key == "trace_level" and value != ["OFF"]:
-                raise InvalidArgument(f"tracing is not supported: trace_level can only be "
-                                      f"OFF, got {value}")
+                raise InvalidArgument(
+                    f"tracing is not supported: trace_level can only be OFF, got {value}"
+                )
             if key in ("trace_rate", "trace_count", "log_frequency") and not (
-                    len(value) == 1 and value[0].lstrip("-").isdigit()):
+                len(value) == 1 and value[0].lstrip("-").isdigit()
+            ):
                 raise InvalidArgument(f"trace setting {key!r} takes one integer, got {value}")
             if key == "trace_mode" and value not in (["triton"], ["opentelemetry"]):
                 raise InvalidArgument(f"trace_mode must be triton or opentelemetry, got {value}")
             updated[key] = value
         self._trace = updated
-        return pb.TraceSettingResponse(settings={
-            k: pb.TraceSettingResponse.SettingValue(value=v) for k, v in updated.items()})
+        return pb.TraceSettingResponse(
+            settings={k: pb.TraceSettingResponse.SettingValue(value=v) for k, v in updated.items()}
+        )
 
     async def LogSettings(self, message, request):
         logs = self.worker.log_settings
@@ -275,16 +308,25 @@ def model_statistics(worker: Worker, name: str) -> pb.ModelStatistics:
         return pb.StatisticDuration(count=d.count, ns=d.ns)
 
     return pb.ModelStatistics(
-        name=name, version="1", last_inference=stats.last_inference_ms,
-        inference_count=stats.inference_count, execution_count=executions,
+        name=name,
+        version="1",
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=executions,
         inference_stats=pb.InferStatistics(
-            success=duration(stats.success), fail=duration(stats.fail),
-            queue=duration(stats.queue), compute_input=duration(stats.compute_input),
+            success=duration(stats.success),
+            fail=duration(stats.fail),
+            queue=duration(stats.queue),
+            compute_input=duration(stats.compute_input),
             compute_infer=duration(stats.compute_infer),
-            compute_output=duration(stats.compute_output)),
-        batch_stats=[pb.InferBatchStatistics(batch_size=size,
-                                             compute_infer=pb.StatisticDuration(count=count))
-                     for size, count in sorted(batches.items())],
+            compute_output=duration(stats.compute_output),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=size, compute_infer=pb.StatisticDuration(count=count)
+            )
+            for size, count in sorted(batches.items())
+        ],
     )
 
 
@@ -307,12 +349,17 @@ def model_config(bundle, platform: str, max_batch_size: int) -> mc.ModelConfig:
         return mc.DataType.Value(name)
 
     config = mc.ModelConfig(
-        name=bundle.name, platform=f"rsrv_stablehlo_{platform}", backend="rsrv",
+        name=bundle.name,
+        platform=f"rsrv_stablehlo_{platform}",
+        backend="rsrv",
         max_batch_size=max_batch_size if leading else 0,
-        input=[mc.ModelInput(name=t.name, data_type=dtype(t), dims=dims(t))
-               for t in sig.client_inputs],
-        output=[mc.ModelOutput(name=t.name, data_type=dtype(t), dims=dims(t))
-                for t in sig.client_outputs],
+        input=[
+            mc.ModelInput(name=t.name, data_type=dtype(t), dims=dims(t)) for t in sig.client_inputs
+        ],
+        output=[
+            mc.ModelOutput(name=t.name, data_type=dtype(t), dims=dims(t))
+            for t in sig.client_outputs
+        ],
     )
     if bundle.batch_sizes:
         config.dynamic_batching.preferred_batch_size.extend(bundle.batch_sizes)

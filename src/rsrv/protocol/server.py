@@ -56,7 +56,8 @@ MAX_WINDOW = 2**31 - 1  # the largest HTTP/2 flow-control window
 
 #: Absolute trio deadline of the current call (from grpc-timeout), or inf.
 call_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
-    "call_deadline", default=math.inf)
+    "call_deadline", default=math.inf
+)
 
 
 class _Failed(bytes):
@@ -73,9 +74,11 @@ def _failed(code: StatusCode, message: str) -> _Failed:
 
 
 def _too_large(size: int | str, limit: int) -> _Failed:
-    return _failed(StatusCode.RESOURCE_EXHAUSTED,
-                   f"received message of {size} bytes, larger than the maximum {limit} "
-                   "(endpoints.max_message_bytes)")
+    return _failed(
+        StatusCode.RESOURCE_EXHAUSTED,
+        f"received message of {size} bytes, larger than the maximum {limit} "
+        "(endpoints.max_message_bytes)",
+    )
 
 
 class _ReadBuffer(MessageReadBuffer):
@@ -127,9 +130,11 @@ class _ReadBuffer(MessageReadBuffer):
     def _inflate(self, data: bytes) -> bytes:
         encoding = self._message_encoding
         if encoding not in ("gzip", "deflate"):
-            return _failed(StatusCode.UNIMPLEMENTED,
-                           f"message compressed with {encoding!r}; rsrv accepts gzip and "
-                           "deflate (or no compression)")
+            return _failed(
+                StatusCode.UNIMPLEMENTED,
+                f"message compressed with {encoding!r}; rsrv accepts gzip and "
+                "deflate (or no compression)",
+            )
         limit = self._max_message_length
         inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib or gzip header
         try:
@@ -149,17 +154,20 @@ class _Connection(GRPCConnection):
             client=self.config.client_side,
             initial_values={
                 SettingCodes.MAX_CONCURRENT_STREAMS: self.MAX_CONCURRENT_STREAMS,
-                SettingCodes.INITIAL_WINDOW_SIZE: min(2 * self.config.max_message_length,
-                                                      MAX_WINDOW),
+                SettingCodes.INITIAL_WINDOW_SIZE: min(
+                    2 * self.config.max_message_length, MAX_WINDOW
+                ),
                 SettingCodes.MAX_FRAME_SIZE: self.MAX_INBOUND_FRAME_SIZE,
                 SettingCodes.MAX_HEADER_LIST_SIZE: self.MAX_HEADER_LIST_SIZE,
-            })
+            },
+        )
         self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
 
     def _request_received(self, event):
         events = super()._request_received(event)
         self.message_read_buffers[event.stream_id] = _ReadBuffer(
-            events[0].message_encoding, self.config.max_message_length)
+            events[0].message_encoding, self.config.max_message_length
+        )
         return events
 
     def _data_received(self, event):
@@ -182,10 +190,12 @@ class _Stream(GRPCProtoStream):
                 try:
                     message.ParseFromString(event.data)
                 except DecodeError as e:  # purerpc would answer CANCELLED + a traceback
-                    raise RpcFailedError(Status(
-                        StatusCode.INVALID_ARGUMENT,
-                        f"cannot parse the request as {message.DESCRIPTOR.full_name}: {e}"
-                    )) from None
+                    raise RpcFailedError(
+                        Status(
+                            StatusCode.INVALID_ARGUMENT,
+                            f"cannot parse the request as {message.DESCRIPTOR.full_name}: {e}",
+                        )
+                    ) from None
                 event.data = message
         return event
 
@@ -238,24 +248,30 @@ class Admission:
             raise Unavailable("server is shutting down")
         if self.limit and self.inflight >= self.limit:
             self.shed += 1
-            raise ResourceExhausted(f"server is at its in-flight limit of {self.limit} "
-                                    "requests (endpoints.max_concurrent_requests)")
+            raise ResourceExhausted(
+                f"server is at its in-flight limit of {self.limit} "
+                "requests (endpoints.max_concurrent_requests)"
+            )
         self.inflight += 1
 
     def __exit__(self, *exc):
         self.inflight -= 1
 
 
-def guard_service(service: purerpc.Service, admission: Admission | None,
-                  max_message_bytes: int) -> purerpc.Service:
+def guard_service(
+    service: purerpc.Service, admission: Admission | None, max_message_bytes: int
+) -> purerpc.Service:
     """Wrap every method: admission, deadline, status mapping, response size."""
     wrapped = purerpc.Service(service.name)
     for name, bound in service.methods.items():
-        streaming = bound.signature.cardinality in (Cardinality.UNARY_STREAM,
-                                                   Cardinality.STREAM_STREAM)
+        streaming = bound.signature.cardinality in (
+            Cardinality.UNARY_STREAM,
+            Cardinality.STREAM_STREAM,
+        )
         fn = _guard_stream if streaming else _guard
         wrapped.methods[name] = BoundRPCMethod(
-            functools.partial(fn, bound.method_fn, admission, max_message_bytes), bound.signature)
+            functools.partial(fn, bound.method_fn, admission, max_message_bytes), bound.signature
+        )
     return wrapped
 
 
@@ -275,8 +291,10 @@ async def _guard(fn: Callable, admission: Admission | None, max_bytes: int, mess
             if scope.cancelled_caught:
                 raise DeadlineExceeded("deadline (grpc-timeout) expired before the call finished")
         if response.ByteSize() > max_bytes:
-            raise ResourceExhausted(f"response of {response.ByteSize()} bytes exceeds the maximum "
-                                    f"{max_bytes} (endpoints.max_message_bytes)")
+            raise ResourceExhausted(
+                f"response of {response.ByteSize()} bytes exceeds the maximum "
+                f"{max_bytes} (endpoints.max_message_bytes)"
+            )
         return response
     except Exception as e:
         raise to_rpc_error(_single(e)) from None
@@ -284,8 +302,9 @@ async def _guard(fn: Callable, admission: Admission | None, max_bytes: int, mess
         call_deadline.reset(token)
 
 
-async def _guard_stream(fn: Callable, admission: Admission | None, max_bytes: int,
-                        message, request):
+async def _guard_stream(
+    fn: Callable, admission: Admission | None, max_bytes: int, message, request
+):
     # Streams carry per-message errors in-band (ModelStreamInfer's error_message); only
     # failures of the stream itself are mapped to a status here.
     try:
@@ -315,8 +334,9 @@ class _nullcontext:
 class GrpcServer:
     """Serve purerpc services on ``host:port`` (port 0 picks a free port)."""
 
-    def __init__(self, services: list[purerpc.Service], host: str, port: int,
-                 max_message_bytes: int):
+    def __init__(
+        self, services: list[purerpc.Service], host: str, port: int, max_message_bytes: int
+    ):
         self._services = {s.name: s for s in services}
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes

@@ -13,8 +13,13 @@ import jax
 _configured: tuple | None = None
 
 
-def configure(backend: str = "cpu", *, mem_fraction: float = 0.9, preallocate: bool = True,
-              allow_cpu_fallback: bool = False) -> None:
+def configure(
+    backend: str = "cpu",
+    *,
+    mem_fraction: float = 0.9,
+    preallocate: bool = True,
+    allow_cpu_fallback: bool = False,
+) -> None:
     """Select the platform and the device allocator policy. Idempotent for equal settings."""
     global _configured
     settings = (backend, mem_fraction, preallocate, allow_cpu_fallback)

@@ -40,11 +40,18 @@ class Compiler:
         self._client = self._device.client
         self._devices = xla_client.DeviceList((self._device,))
         self._cache = Path(cache_dir) / "executables" if cache_dir else None
-        self._salt = hashlib.sha256(b"\0".join([
-            _KEY_VERSION, jax.__version__.encode(), jaxlib.__version__.encode(),
-            self._client.platform.encode(), self._client.platform_version.encode(),
-            self._device.device_kind.encode(),
-        ])).digest()
+        self._salt = hashlib.sha256(
+            b"\0".join(
+                [
+                    _KEY_VERSION,
+                    jax.__version__.encode(),
+                    jaxlib.__version__.encode(),
+                    self._client.platform.encode(),
+                    self._client.platform_version.encode(),
+                    self._device.device_kind.encode(),
+                ]
+            )
+        ).digest()
 
     def compile(self, source: bytes | str) -> CompileResult:
         """Compile ``source`` (StableHLO text or portable bytecode), or load it from cache."""

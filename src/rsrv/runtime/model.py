@@ -36,8 +36,9 @@ class CompiledModel:
     def name(self) -> str:
         return self.bundle.name
 
-    def run(self, size: int, inputs: Sequence[np.ndarray],
-            weights: Sequence[jax.Array]) -> list[np.ndarray]:
+    def run(
+        self, size: int, inputs: Sequence[np.ndarray], weights: Sequence[jax.Array]
+    ) -> list[np.ndarray]:
         """Execute the module for batch ``size``; blocks until results are on the host.
 
         ``inputs`` must already have the compiled shapes and dtypes (the scheduler pads
@@ -45,8 +46,10 @@ class CompiledModel:
         """
         exe = self.executables.get(size)
         if exe is None:
-            raise Internal(f"model {self.name!r} has no executable for batch size {size} "
-                           f"(compiled: {sorted(self.executables)})")
+            raise Internal(
+                f"model {self.name!r} has no executable for batch size {size} "
+                f"(compiled: {sorted(self.executables)})"
+            )
         dev = backend.device()
         args = [jax.device_put(x, dev) for x in inputs]
         args.extend(weights)

@@ -52,8 +52,7 @@ def stage(wf: WeightsFile, fd: int | None = None) -> HostWeights:
     try:
         for w, off in zip(wf.weights, offsets, strict=True):
             size = w.end - w.start
-            if os.preadv(fd, [memoryview(buf[off : off + size])], wf.data_offset + w.start) \
-                    != size:
+            if os.preadv(fd, [memoryview(buf[off : off + size])], wf.data_offset + w.start) != size:
                 raise ValueError(f"{wf.path}: file is shorter than its header says")
             count = size // w.dtype.itemsize if w.dtype.itemsize else 0
             arrays.append(np.frombuffer(buf, w.dtype.numpy, count, off).reshape(w.shape))

@@ -92,17 +92,31 @@ class WeightCache:
                 evicted.append(name)
         if nbytes > self.budget:
             self.counters.oversized_loads += 1
-            log.warning("model weights (%d bytes) exceed the whole weight cache budget (%d "
-                        "bytes); loading anyway after evicting every evictable model",
-                        nbytes, self.budget)
+            log.warning(
+                "model weights (%d bytes) exceed the whole weight cache budget (%d "
+                "bytes); loading anyway after evicting every evictable model",
+                nbytes,
+                self.budget,
+            )
         elif self.resident_bytes + nbytes > self.budget:
-            log.warning("loading %d bytes of weights exceeds the weight cache budget (%d "
-                        "bytes): %d bytes are held by models in use", nbytes, self.budget,
-                        self.resident_bytes)
+            log.warning(
+                "loading %d bytes of weights exceeds the weight cache budget (%d "
+                "bytes): %d bytes are held by models in use",
+                nbytes,
+                self.budget,
+                self.resident_bytes,
+            )
         return evicted
 
-    def admit(self, name: str, arrays: list[jax.Array], nbytes: int, seconds: float,
-              *, pinned: bool = False) -> Resident:
+    def admit(
+        self,
+        name: str,
+        arrays: list[jax.Array],
+        nbytes: int,
+        seconds: float,
+        *,
+        pinned: bool = False,
+    ) -> Resident:
         """Record freshly transferred weights (call :meth:`make_room` first)."""
         resident = Resident(arrays, nbytes)
         if pinned or self.budget is None:

@@ -66,8 +66,10 @@ def read_weights_header(path: Path) -> WeightsFile:
     metadata = header.pop("__metadata__", None) or {}
     if ORDER_KEY not in metadata:
         if header:
-            raise ValueError(f"has tensors but no {ORDER_KEY!r} metadata (a JSON list of "
-                             "tensor names giving the executable's weight argument order)")
+            raise ValueError(
+                f"has tensors but no {ORDER_KEY!r} metadata (a JSON list of "
+                "tensor names giving the executable's weight argument order)"
+            )
         order: list[str] = []
     else:
         try:

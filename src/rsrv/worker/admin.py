@@ -41,20 +41,29 @@ class AdminApp:
             status, body, ctype = 200, b"ok\n", "text/plain"
         elif path == "/readyz":
             ready = self.worker.ready
-            status, body, ctype = (200, b"ready\n", "text/plain") if ready else \
-                (503, b"not ready\n", "text/plain")
+            status, body, ctype = (
+                (200, b"ready\n", "text/plain") if ready else (503, b"not ready\n", "text/plain")
+            )
         elif path == "/metrics":
             status, body, ctype = 200, exposition(self.worker), CONTENT_TYPE
         else:
             status, body, ctype = 404, b"not found\n", "text/plain"
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype.encode()),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", ctype.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
-async def serve_admin(worker: Worker, host: str, port: int, *,
-                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_admin(
+    worker: Worker, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
     """Serve until cancelled; ``task_status.started()`` once listening."""
     config = Config()
     config.bind = [f"{host}:{port}"]

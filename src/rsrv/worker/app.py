@@ -35,8 +35,9 @@ class Worker:
         self.config = config
         self.models = ModelSet()
         device = backend.device()
-        self.weights = WeightManager(weight_budget(config.runtime, device), device,
-                                     config.scheduler.compaction_interval)
+        self.weights = WeightManager(
+            weight_budget(config.runtime, device), device, config.scheduler.compaction_interval
+        )
         self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)
         self.pipeline = Pipeline(self.models, self.scheduler, config.scheduler.meta_concurrency)
@@ -79,8 +80,13 @@ class Worker:
     def hidden_models(self) -> set[str]:
         """Ready models that a loaded meta model calls: served, but not listed in the
         index (a sub-model that failed to load stays listed, with its reason)."""
-        return {c for e in self.models.entries.values() if e.model
-                for c in e.model.bundle.signature.calls if self.models.ready(c)}
+        return {
+            c
+            for e in self.models.entries.values()
+            if e.model
+            for c in e.model.bundle.signature.calls
+            if self.models.ready(c)
+        }
 
     def max_batch_size(self, name: str) -> int:
         served = self.models.get(name)
@@ -115,8 +121,10 @@ class Worker:
         cfg = self.config
         self.compiler = Compiler(Path(cfg.cache_dir))
         limit = cfg.endpoints.max_message_bytes
-        services = [guard_service(s.service, self.admission, limit)
-                    for s in (InferenceService(self), ControlService(self))]
+        services = [
+            guard_service(s.service, self.admission, limit)
+            for s in (InferenceService(self), ControlService(self))
+        ]
         server = GrpcServer(services, cfg.endpoints.host, cfg.endpoints.port, limit)
         try:
             async with trio.open_nursery() as nursery:
@@ -126,13 +134,14 @@ class Worker:
                 self.port = await nursery.start(server.serve)
                 log.info("gRPC listening on %s:%d", cfg.endpoints.host, self.port)
                 if cfg.endpoints.metrics_port is not None:
-                    await nursery.start(serve_admin, self, cfg.endpoints.host,
-                                        cfg.endpoints.metrics_port)
+                    await nursery.start(
+                        serve_admin, self, cfg.endpoints.host, cfg.endpoints.metrics_port
+                    )
                     log.info("admin HTTP on %s:%d", cfg.endpoints.host, cfg.endpoints.metrics_port)
                 if cfg.model_control_mode == "dynamic":
-                    self.watcher = RepositoryWatcher(Path(cfg.model_repo),
-                                                     cfg.model_poll_seconds,
-                                                     self._load, self._unload)
+                    self.watcher = RepositoryWatcher(
+                        Path(cfg.model_repo), cfg.model_poll_seconds, self._load, self._unload
+                    )
                     # Fingerprint before the startup load: a bundle that changes while
                     # it loads is reloaded by the watcher, not taken as applied.
                     await trio.to_thread.run_sync(self.watcher.seed)
@@ -151,8 +160,11 @@ class Worker:
         runtime = self.config.runtime
         if runtime.weight_cache_bytes is None and self.weights.max_scratch:
             budget = weight_budget(runtime, self.weights.device, self.weights.max_scratch)
-            log.info("weight cache budget %s bytes (largest scratch %d bytes)",
-                     budget, self.weights.max_scratch)
+            log.info(
+                "weight cache budget %s bytes (largest scratch %d bytes)",
+                budget,
+                self.weights.max_scratch,
+            )
             self.weights.cache.budget = budget
 
     async def shutdown(self) -> None:
@@ -170,8 +182,11 @@ class Worker:
             # handler returned: give it a moment before the connections are cancelled.
             await trio.sleep(0.1)
         if scope.cancelled_caught:
-            log.warning("shutdown grace period of %.1f s expired with %d call(s) in flight",
-                        grace, self.admission.inflight)
+            log.warning(
+                "shutdown grace period of %.1f s expired with %d call(s) in flight",
+                grace,
+                self.admission.inflight,
+            )
         regions = len(self.shm.status())
         self.shm.close()
         log.info("shutdown: released %d shared memory region(s); stopping", regions)
@@ -193,12 +208,15 @@ class Worker:
         """RepositoryModelLoad: (re)load ``name`` from the repository (explicit mode)."""
         self._require_explicit("RepositoryModelLoad")
         if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
-            raise InvalidArgument(f"failed to load {name!r}: a model name is the name of a "
-                                  "directory directly under the repository")
+            raise InvalidArgument(
+                f"failed to load {name!r}: a model name is the name of a "
+                "directory directly under the repository"
+            )
         path = Path(self.config.model_repo) / name
         if not path.is_dir():
-            raise NotFound(f"failed to load {name!r}: no such model in the repository "
-                           f"{self.config.model_repo}")
+            raise NotFound(
+                f"failed to load {name!r}: no such model in the repository {self.config.model_repo}"
+            )
         entry = self.models.entries.setdefault(name, Entry(name, path))
         if entry.model is None:
             entry.state = ModelState.LOADING
@@ -252,8 +270,10 @@ class Worker:
     def _require_explicit(self, rpc: str) -> None:
         mode = self.config.model_control_mode
         if mode != "explicit":
-            raise FailedPrecondition(f"{rpc} is only effective when model_control_mode is "
-                                     f"'explicit'; this worker runs in '{mode}' mode")
+            raise FailedPrecondition(
+                f"{rpc} is only effective when model_control_mode is "
+                f"'explicit'; this worker runs in '{mode}' mode"
+            )
 
     async def _load(self, path: Path) -> None:
         """Build a new version beside the old one; switch atomically only on success."""
@@ -269,7 +289,8 @@ class Worker:
                 costs = {}
                 if served.compiled:
                     served.residency = self.weights.residency_for(
-                        self._residency.get(name, policy.residency))
+                        self._residency.get(name, policy.residency)
+                    )
                     self.executor.versions[served.key] = served
                     await self.weights.add(served.key, served.bundle.weights, served.residency)
                     costs = await self.executor.warm_up(served)
@@ -281,19 +302,27 @@ class Worker:
                     entry.state = ModelState.UNAVAILABLE
                     log.error("model %s unavailable: %s", name, e)
                 else:
-                    log.error("reload of model %s failed; version %d keeps serving: %s",
-                              name, entry.model.version, e)
+                    log.error(
+                        "reload of model %s failed; version %d keeps serving: %s",
+                        name,
+                        entry.model.version,
+                        e,
+                    )
                 return
             previous = entry.model
             entry.model, entry.state, entry.reason = served, ModelState.READY, ""
-            log.info("model %s version %d ready%s: %d weight bytes, residency %s",
-                     name, served.version,
-                     f" (replacing version {previous.version})" if previous else "",
-                     served.bundle.weight_bytes,
-                     served.residency if served.compiled else "none (meta)")
+            log.info(
+                "model %s version %d ready%s: %d weight bytes, residency %s",
+                name,
+                served.version,
+                f" (replacing version {previous.version})" if previous else "",
+                served.bundle.weight_bytes,
+                served.residency if served.compiled else "none (meta)",
+            )
             if served.compiled:
-                self.scheduler.add_model(served.spec(policy.weight, policy.max_batch_size,
-                                                     policy.latency_budget_seconds))
+                self.scheduler.add_model(
+                    served.spec(policy.weight, policy.max_batch_size, policy.latency_budget_seconds)
+                )
                 self.scheduler.warm_costs(name, costs)
 
     def _check_calls(self, served) -> None:
@@ -302,19 +331,27 @@ class Worker:
         for callee in served.bundle.signature.calls:
             entry = self.models.entries.get(callee)
             if entry is not None and entry.model is not None and entry.model.bundle.kind == "meta":
-                raise BundleError(f"{served.bundle.manifest_path}: meta.calls: {callee!r} is a "
-                                  "meta model; meta models may not call other meta models")
+                raise BundleError(
+                    f"{served.bundle.manifest_path}: meta.calls: {callee!r} is a "
+                    "meta model; meta models may not call other meta models"
+                )
         if served.bundle.kind == "meta":
-            callers = [e.name for e in self.models.entries.values() if e.model
-                       and e.name != name and name in e.model.bundle.signature.calls]
+            callers = [
+                e.name
+                for e in self.models.entries.values()
+                if e.model and e.name != name and name in e.model.bundle.signature.calls
+            ]
             if callers:
-                raise BundleError(f"{served.bundle.manifest_path}: kind: meta model {name!r} is "
-                                  f"called by meta model(s) {', '.join(callers)}")
+                raise BundleError(
+                    f"{served.bundle.manifest_path}: kind: meta model {name!r} is "
+                    f"called by meta model(s) {', '.join(callers)}"
+                )
         if not self.models.entries.get(name) or not self.models.entries[name].model:
             missing = [c for c in served.bundle.signature.calls if c not in self.models.entries]
             if missing:
-                log.warning("meta model %s calls %s, not (yet) in the repository",
-                            name, ", ".join(missing))
+                log.warning(
+                    "meta model %s calls %s, not (yet) in the repository", name, ", ".join(missing)
+                )
 
     def _policy(self, name: str) -> ModelSchedConfig:
         return self.config.scheduler.models.get(name) or ModelSchedConfig()

@@ -30,8 +30,9 @@ class DeviceExecutor:
         self._device = trio.Lock()
         self._limiter = trio.CapacityLimiter(1)
 
-    async def execute(self, model: str, batch_size: int,
-                      inputs: list[np.ndarray]) -> list[np.ndarray]:
+    async def execute(
+        self, model: str, batch_size: int, inputs: list[np.ndarray]
+    ) -> list[np.ndarray]:
         served = self.versions.get(model)
         if served is None:
             raise NotFound(f"model version {model!r} is not loaded")
@@ -57,14 +58,16 @@ class DeviceExecutor:
             after = device.memory_stats() or {}
             if "peak_bytes_in_use" in after:  # accelerators; CPU reports no statistics
                 # The peak is monotonic, so this over- rather than under-estimates.
-                self.weights.note_scratch(after["peak_bytes_in_use"]
-                                          - before.get("bytes_in_use", 0))
+                self.weights.note_scratch(
+                    after["peak_bytes_in_use"] - before.get("bytes_in_use", 0)
+                )
         return costs
 
     async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
         async with self._device:
             async with self.weights.lease(served.key) as weights:
                 outputs = await trio.to_thread.run_sync(
-                    served.compiled.run, size, inputs, weights, limiter=self._limiter)
+                    served.compiled.run, size, inputs, weights, limiter=self._limiter
+                )
             self.weights.after_execution()
             return outputs

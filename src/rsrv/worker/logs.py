@@ -27,8 +27,11 @@ class LogSettings:
     def update(self, key: str, setting) -> None:
         kind = setting.WhichOneof("parameter_choice")
         value = getattr(setting, kind) if kind else None
-        expected = {"log_verbose_level": "uint32_param", "log_format": "string_param",
-                    "log_file": "string_param"}.get(key, "bool_param" if key in _BOOL else None)
+        expected = {
+            "log_verbose_level": "uint32_param",
+            "log_format": "string_param",
+            "log_file": "string_param",
+        }.get(key, "bool_param" if key in _BOOL else None)
         if expected is None:
             raise InvalidArgument(f"unknown log setting {key!r} (known: {', '.join(self.values)})")
         if kind != expected:
@@ -42,9 +45,17 @@ class LogSettings:
 
     def _apply(self) -> None:
         v = self.values
-        level = (logging.DEBUG if v["log_verbose_level"] else logging.INFO if v["log_info"]
-                 else logging.WARNING if v["log_warning"] else logging.ERROR if v["log_error"]
-                 else logging.CRITICAL + 1)
+        level = (
+            logging.DEBUG
+            if v["log_verbose_level"]
+            else logging.INFO
+            if v["log_info"]
+            else logging.WARNING
+            if v["log_warning"]
+            else logging.ERROR
+            if v["log_error"]
+            else logging.CRITICAL + 1
+        )
         logging.getLogger("rsrv").setLevel(level)
 
     def to_proto(self) -> dict:

@@ -34,8 +34,12 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
     _configure_logging(config)
     log.info("effective configuration: %s", json.dumps(effective_config_dict(config)))
     rt = config.runtime
-    backend.configure(rt.backend, mem_fraction=rt.mem_fraction, preallocate=rt.preallocate,
-                      allow_cpu_fallback=rt.allow_cpu_fallback)
+    backend.configure(
+        rt.backend,
+        mem_fraction=rt.mem_fraction,
+        preallocate=rt.preallocate,
+        allow_cpu_fallback=rt.allow_cpu_fallback,
+    )
     worker = Worker(config)
     trio.run(_serve_until_signal, worker)
     return 0
@@ -44,8 +48,11 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
 def _default_repo(config: WorkerConfig) -> WorkerConfig:
     """The embedded default serves ./bundles; outside a checkout, the checkout's bundles/."""
     checkout = Path(__file__).resolve().parents[3] / "bundles"
-    if not Path(config.model_repo).is_dir() and checkout.is_dir() and \
-            "INFERENCE_SERVER_MODEL_REPO" not in " ".join(config.overrides):
+    if (
+        not Path(config.model_repo).is_dir()
+        and checkout.is_dir()
+        and "INFERENCE_SERVER_MODEL_REPO" not in " ".join(config.overrides)
+    ):
         return msgspec.structs.replace(config, model_repo=str(checkout))
     return config
 
@@ -66,8 +73,9 @@ def _configure_logging(config: WorkerConfig) -> None:
     if config.logging.format == "json":
         handler.setFormatter(_JsonFormatter(config.name))
     else:
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(config.logging.level.upper())
@@ -81,8 +89,13 @@ class _JsonFormatter(logging.Formatter):
         self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record), "level": record.levelname,
-                 "worker": self.worker, "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "worker": self.worker,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)

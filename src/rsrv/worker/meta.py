@@ -44,8 +44,9 @@ class MetaRunner:
         self._threads = trio.CapacityLimiter(concurrency)
         self.stats: dict[str, MetaStats] = {}
 
-    async def run(self, served: ServedModel, inputs: Mapping[str, np.ndarray],
-                  deadline: float | None) -> tuple[dict[str, np.ndarray], float]:
+    async def run(
+        self, served: ServedModel, inputs: Mapping[str, np.ndarray], deadline: float | None
+    ) -> tuple[dict[str, np.ndarray], float]:
         """Run one meta request; returns its outputs and its sub-calls' device seconds."""
         hook = served.bundle.hooks.meta
         declared = served.bundle.signature.calls
@@ -56,8 +57,9 @@ class MetaRunner:
 
         async def sub_call(model: str, tensors: Mapping[str, np.ndarray]):
             if deadline is not None and trio.current_time() >= deadline:
-                raise DeadlineExceeded(f"meta model {served.name!r}: deadline passed before "
-                                       f"its call to {model!r}")
+                raise DeadlineExceeded(
+                    f"meta model {served.name!r}: deadline passed before its call to {model!r}"
+                )
             outputs, seconds = await self.pipeline.infer_sub(model, tensors, deadline)
             compute.append(seconds)
             return outputs
@@ -66,7 +68,8 @@ class MetaRunner:
             if model not in declared:
                 raise FailedPrecondition(
                     f"meta model {served.name!r} called undeclared model {model!r}; "
-                    f"add it to meta.calls (declared: {', '.join(declared) or 'none'})")
+                    f"add it to meta.calls (declared: {', '.join(declared) or 'none'})"
+                )
             if not isinstance(tensors, Mapping):
                 raise TypeError("call(model, tensors) takes a dict of numpy arrays by name")
             if hook_thread and threading.get_ident() == hook_thread[0]:
@@ -80,13 +83,16 @@ class MetaRunner:
             return _run(hook, inputs, call, served.name)
 
         if deadline is not None and trio.current_time() >= deadline:
-            raise DeadlineExceeded(f"meta model {served.name!r}: the request's deadline has "
-                                   "already passed")
+            raise DeadlineExceeded(
+                f"meta model {served.name!r}: the request's deadline has already passed"
+            )
         with trio.move_on_at(deadline if deadline is not None else math.inf) as waiting:
             await self.limiter.acquire()
         if waiting.cancelled_caught:
-            raise DeadlineExceeded(f"meta model {served.name!r}: deadline passed while waiting "
-                                   "for a meta slot (scheduler.meta_concurrency)")
+            raise DeadlineExceeded(
+                f"meta model {served.name!r}: deadline passed while waiting "
+                "for a meta slot (scheduler.meta_concurrency)"
+            )
         try:
             outputs = await trio.to_thread.run_sync(run_hook, limiter=self._threads)
         finally:
@@ -102,5 +108,6 @@ def _run(hook, inputs, call, name: str) -> dict[str, np.ndarray]:
     except RsrvError:
         raise
     except Exception as e:  # user code
-        raise Internal(f"meta model {name!r}: hook {hook.fn.__name__!r} failed: "
-                       f"{type(e).__name__}: {e}") from None
+        raise Internal(
+            f"meta model {name!r}: hook {hook.fn.__name__!r} failed: {type(e).__name__}: {e}"
+        ) from None

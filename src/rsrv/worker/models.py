@@ -49,8 +49,12 @@ class ServedModel:
         """The executable key: this version's identity in the scheduler and weight cache."""
         return f"{self.name}@{self.version}"
 
-    def spec(self, weight: float = 1.0, max_batch_size: int | None = None,
-             latency_budget: float | None = None) -> ModelSpec:
+    def spec(
+        self,
+        weight: float = 1.0,
+        max_batch_size: int | None = None,
+        latency_budget: float | None = None,
+    ) -> ModelSpec:
         sig = self.bundle.signature
         return ModelSpec(
             name=self.name,
@@ -113,7 +117,12 @@ async def build_model(path: Path, compiler: Compiler, version: int) -> ServedMod
         compiled = await trio.to_thread.run_sync(compile_bundle, bundle, compiler)
     except Exception as e:
         raise BundleError(f"{path}: compilation failed: {e}") from None
-    log.info("model %s loaded: %d module(s) in %.2f s (%d from cache), %d weight bytes",
-             bundle.name, len(compiled.executables), compiled.compile_seconds,
-             compiled.cache_hits, bundle.weight_bytes)
+    log.info(
+        "model %s loaded: %d module(s) in %.2f s (%d from cache), %d weight bytes",
+        bundle.name,
+        len(compiled.executables),
+        compiled.compile_seconds,
+        compiled.cache_hits,
+        bundle.weight_bytes,
+    )
     return ServedModel(bundle, compiled, version)

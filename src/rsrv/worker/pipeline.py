@@ -36,15 +36,17 @@ class Pipeline:
     def stats(self, name: str) -> ModelStatistics:
         return self.statistics.setdefault(name, ModelStatistics())
 
-    async def infer(self, name: str, inputs: Mapping[str, np.ndarray], *,
-                    deadline: float | None = None) -> dict[str, np.ndarray]:
+    async def infer(
+        self, name: str, inputs: Mapping[str, np.ndarray], *, deadline: float | None = None
+    ) -> dict[str, np.ndarray]:
         """Run one request on model ``name``; ``inputs`` are validated client inputs."""
         served = self.models.get(name)
         if served.bundle.kind == "meta":
             waiting = [c for c in served.bundle.signature.calls if not self.models.ready(c)]
             if waiting:
-                raise Unavailable(f"meta model {name!r} is not ready: waiting for model(s) "
-                                  f"{', '.join(waiting)}")
+                raise Unavailable(
+                    f"meta model {name!r} is not ready: waiting for model(s) {', '.join(waiting)}"
+                )
             outputs, seconds = await self.meta.run(served, inputs, deadline)
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
             self.stats(name).compute_infer.add(seconds)  # the device time of its sub-calls
@@ -52,22 +54,28 @@ class Pipeline:
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return (await self._run_model(served, inputs, deadline, front=False))[0]
 
-    async def infer_sub(self, name: str, inputs: Mapping[str, np.ndarray],
-                        deadline: float | None) -> tuple[dict[str, np.ndarray], float]:
+    async def infer_sub(
+        self, name: str, inputs: Mapping[str, np.ndarray], deadline: float | None
+    ) -> tuple[dict[str, np.ndarray], float]:
         """A meta model's call: checked like a client request, queued ahead of fresh
         work; returns the outputs and the device seconds of its batch."""
         try:
             served = self.models.get(name)
             if served.bundle.kind == "meta":
-                raise FailedPrecondition(f"meta models may not call other meta models "
-                                         f"({name!r})")
+                raise FailedPrecondition(f"meta models may not call other meta models ({name!r})")
             check_inputs(served.bundle.signature.client_inputs, inputs, f"call to {name!r}")
             return await self._run_model(served, inputs, deadline, front=True)
         except NotFound as e:  # unloaded since the meta request started
             raise Unavailable(f"call to {name!r}: {e}") from None
 
-    async def _run_model(self, served: ServedModel, inputs: Mapping[str, np.ndarray],
-                         deadline: float | None, *, front: bool):
+    async def _run_model(
+        self,
+        served: ServedModel,
+        inputs: Mapping[str, np.ndarray],
+        deadline: float | None,
+        *,
+        front: bool,
+    ):
         name = served.name
         stats = self.stats(name)
         hooks = served.bundle.hooks
@@ -81,12 +89,15 @@ class Pipeline:
 
         order = served.bundle.signature.executable_inputs
         result = await self.scheduler.submit(
-            name, [exec_inputs[t.name] for t in order], deadline=deadline, front=front)
+            name, [exec_inputs[t.name] for t in order], deadline=deadline, front=front
+        )
         stats.queue.add(result.queue_seconds)
         stats.compute_infer.add(result.compute_seconds)
 
-        outputs = {t.name: a for t, a in
-                   zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)}
+        outputs = {
+            t.name: a
+            for t, a in zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)
+        }
         if hooks.postprocess:
             start = trio.current_time()
             made = await trio.to_thread.run_sync(_run_hook, hooks.postprocess, outputs, name)
@@ -103,18 +114,23 @@ def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], w
     extra = sorted(set(tensors) - names)
     missing = sorted(names - set(tensors))
     if extra or missing:
-        raise InvalidArgument(f"{where}: inputs {sorted(tensors)} do not match the model's "
-                              f"inputs {sorted(names)}")
+        raise InvalidArgument(
+            f"{where}: inputs {sorted(tensors)} do not match the model's inputs {sorted(names)}"
+        )
     for spec in specs:
         array = tensors[spec.name]
         if not isinstance(array, np.ndarray) or array.dtype != spec.dtype.numpy:
             got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
-            raise InvalidArgument(f"{where}: input {spec.name!r} has dtype {got}, expected "
-                                  f"{spec.dtype.value}")
-        if array.ndim != spec.rank or any(d >= 0 and d != a
-                                          for d, a in zip(spec.shape, array.shape, strict=True)):
-            raise InvalidArgument(f"{where}: input {spec.name!r} has shape {list(array.shape)}, "
-                                  f"expected {list(spec.shape)} (-1: any extent)")
+            raise InvalidArgument(
+                f"{where}: input {spec.name!r} has dtype {got}, expected {spec.dtype.value}"
+            )
+        if array.ndim != spec.rank or any(
+            d >= 0 and d != a for d, a in zip(spec.shape, array.shape, strict=True)
+        ):
+            raise InvalidArgument(
+                f"{where}: input {spec.name!r} has shape {list(array.shape)}, "
+                f"expected {list(spec.shape)} (-1: any extent)"
+            )
 
 
 def _run_hook(hook, tensors, model: str) -> dict[str, np.ndarray]:
@@ -123,12 +139,15 @@ def _run_hook(hook, tensors, model: str) -> dict[str, np.ndarray]:
     except RsrvError:
         raise
     except Exception as e:  # user code: report it as the model's error, not ours
-        raise Internal(f"model {model!r}: {hook.kind} hook {hook.fn.__name__!r} failed: "
-                       f"{type(e).__name__}: {e}") from None
+        raise Internal(
+            f"model {model!r}: {hook.kind} hook {hook.fn.__name__!r} failed: "
+            f"{type(e).__name__}: {e}"
+        ) from None
 
 
-def _check_made(served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[str, np.ndarray],
-                hook: str) -> None:
+def _check_made(
+    served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[str, np.ndarray], hook: str
+) -> None:
     """A hook's outputs must match the manifest exactly (dtype, rank, fixed extents)."""
     for spec in specs:
         array = made.get(spec.name)
@@ -138,8 +157,9 @@ def _check_made(served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[st
         if array.dtype != spec.dtype.numpy:
             raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
         if array.ndim != spec.rank or any(
-                d >= 0 and d != a for d, a in zip(spec.shape, array.shape, strict=True)):
-            expected = ['n' if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
+            d >= 0 and d != a for d, a in zip(spec.shape, array.shape, strict=True)
+        ):
+            expected = ["n" if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
             raise Internal(f"{where} with shape {list(array.shape)}, expected {expected}")
 
 
@@ -149,5 +169,3 @@ def rows_of(specs: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray]) -> int:
         if spec.batch_axis is not None and spec.name in inputs:
             return int(inputs[spec.name].shape[spec.batch_axis])
     return 1
-
-

@@ -26,8 +26,9 @@ Fingerprint = tuple[tuple[str, int, int], ...]
 def fingerprint(bundle: Path) -> Fingerprint | None:
     """The defining files of a bundle with their sizes and mtimes; None if it is gone."""
     try:
-        files = sorted(p for p in bundle.iterdir()
-                       if p.name in MANIFEST_NAMES or _DEFINING.match(p.name))
+        files = sorted(
+            p for p in bundle.iterdir() if p.name in MANIFEST_NAMES or _DEFINING.match(p.name)
+        )
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
         return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
@@ -52,9 +53,13 @@ def scan(repo: Path) -> dict[str, Fingerprint]:
 class RepositoryWatcher:
     """Polls ``repo`` and calls ``load(path)`` / ``unload(name)`` on stable changes."""
 
-    def __init__(self, repo: Path, interval: float,
-                 load: Callable[[Path], Awaitable[None]],
-                 unload: Callable[[str], Awaitable[None]]):
+    def __init__(
+        self,
+        repo: Path,
+        interval: float,
+        load: Callable[[Path], Awaitable[None]],
+        unload: Callable[[str], Awaitable[None]],
+    ):
         self.repo, self.interval = repo, interval
         self._load, self._unload = load, unload
         self.seen: dict[str, Fingerprint] = {}

@@ -189,8 +189,11 @@ class WeightManager:
         if not pinned and self.cache.enabled:
             protected = frozenset(self._waiting)  # about to be used: never evict them
             if key not in protected and not self.cache.fits(nbytes, protected):
-                log.debug("prefetch of %s skipped: %d bytes do not fit beside the models "
-                          "in use", key, nbytes)
+                log.debug(
+                    "prefetch of %s skipped: %d bytes do not fit beside the models in use",
+                    key,
+                    nbytes,
+                )
                 return
             self.cache.make_room(nbytes, protected)
         start = time.perf_counter()
@@ -223,11 +226,14 @@ class WeightManager:
         """Auto-compaction: every ``compaction_interval`` loads (0 = never), free all
         evictable weights at once so the device allocator can defragment."""
         loads = self.cache.counters.loads
-        if self.compaction_interval and loads - self._loads_at_compaction >= \
-                self.compaction_interval:
+        if (
+            self.compaction_interval
+            and loads - self._loads_at_compaction >= self.compaction_interval
+        ):
             freed = self.compact()
-            log.info("auto-compaction after %d loads freed %d model(s)",
-                     self.compaction_interval, freed)
+            log.info(
+                "auto-compaction after %d loads freed %d model(s)", self.compaction_interval, freed
+            )
 
     def note_scratch(self, nbytes: int) -> None:
         """Record device memory a model needed beyond its weights (measured at warm-up)."""
@@ -285,6 +291,8 @@ def weight_budget(runtime, device: jax.Device, max_scratch: int = 0) -> int | No
     limit = stats.get("bytes_limit")
     if not limit:
         return None
-    pool = min(runtime.weight_cache_fraction * limit,
-               (1 - runtime.weight_cache_wiggle_fraction) * limit - max_scratch)
+    pool = min(
+        runtime.weight_cache_fraction * limit,
+        (1 - runtime.weight_cache_wiggle_fraction) * limit - max_scratch,
+    )
     return max(0, int(pool))
