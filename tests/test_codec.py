@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.utils.shared_memory as tshm
+from assertions import raises
 from purerpc.grpclib import exceptions as rpc_exc
 from purerpc.grpclib.status import StatusCode
 from tritonclient.grpc import service_pb2 as t_svc
@@ -119,25 +120,6 @@ def as_triton_result(response: pb.ModelInferResponse) -> tgrpc.InferResult:
 
 def serialize_bytes(items) -> bytes:
     return b"".join(struct.pack("<I", len(b)) + b for b in items)
-
-
-def raises(exc_type, *needles):
-    """pytest.raises that also checks that every needle is in the message."""
-
-    class _Check:
-        def __enter__(self):
-            self._ctx = pytest.raises(exc_type)
-            self.info = self._ctx.__enter__()
-            return self.info
-
-        def __exit__(self, *exc):
-            result = self._ctx.__exit__(*exc)
-            message = str(self.info.value)
-            for needle in needles:
-                assert needle in message, f"{needle!r} not in {message!r}"
-            return result
-
-    return _Check()
 
 
 @pytest.fixture

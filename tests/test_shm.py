@@ -10,6 +10,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 import tritonclient.utils.shared_memory as tshm
+from assertions import raises
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol.shm import (
@@ -18,23 +19,6 @@ from rsrv.protocol.shm import (
     RegionInfo,
     SharedMemoryRegistry,
 )
-
-
-def raises(exc_type, *needles):
-    class _Check:
-        def __enter__(self):
-            self._ctx = pytest.raises(exc_type)
-            self.info = self._ctx.__enter__()
-            return self.info
-
-        def __exit__(self, *exc):
-            result = self._ctx.__exit__(*exc)
-            message = str(self.info.value)
-            for needle in needles:
-                assert needle in message, f"{needle!r} not in {message!r}"
-            return result
-
-    return _Check()
 
 
 @pytest.fixture
