@@ -243,25 +243,7 @@ def test_shutdown_answers_accepted_requests_and_unmaps_shared_memory(tmp_path, c
         MODEL_CONTROL_MODE="static",
         ENDPOINTS_MAX_CONCURRENT_REQUESTS=0,
     )
-    backend.configure("cpu")
-    worker = Worker(config)
-    started, state = threading.Event(), {}
-
-    def main():
-        async def run():
-            state["token"] = trio.lowlevel.current_trio_token()
-            await worker.run(task_status=_Started(started))
-
-        try:
-            trio.run(run)
-        except BaseException as e:
-            state["error"] = e
-        finally:
-            started.set()
-
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
-    assert started.wait(60) and "error" not in state, state
+    worker, thread, state = start_in_thread(config)
     key = f"/rsrv_test_inproc_{os.getpid()}"
     region = shm.create_shared_memory_region("x_in", key, X.nbytes)
     try:
@@ -288,6 +270,58 @@ def test_shutdown_answers_accepted_requests_and_unmaps_shared_memory(tmp_path, c
         isinstance(a, np.ndarray) and np.allclose(a, expected(2, X), rtol=1e-5) for a in answers
     ), [a for a in answers if not isinstance(a, np.ndarray)][:3]
     assert f"/dev/shm{key}" not in Path("/proc/self/maps").read_text()
+
+
+def test_an_idle_open_stream_does_not_hold_up_shutdown(tmp_path, cache_dir):
+    """A ModelStreamInfer stream left open (idle) is not a call in flight: shutdown
+    finishes at once instead of waiting out the grace period."""
+    export_linear(tmp_path / "repo" / "m", seed=3)
+    config = worker_config(
+        tmp_path / "repo",
+        cache_dir,
+        MODEL_CONTROL_MODE="static",
+        ENDPOINTS_SHUTDOWN_GRACE_SECONDS=30,
+    )
+    worker, thread, state = start_in_thread(config)
+    answers: list[Any] = []
+    client = tc.InferenceServerClient(url(worker))
+    client.start_stream(callback=lambda result, error: answers.append(error or result))
+    client.async_stream_infer("m", [x_input(X)])
+    wait_for(lambda: len(answers) == 1, timeout=10)
+    assert not isinstance(answers[0], Exception), answers[0]
+    assert worker.admission.inflight == 0  # the open stream itself holds no slot
+    start = time.monotonic()
+    trio.from_thread.run(worker.shutdown, trio_token=state["token"])
+    thread.join(10)
+    assert not thread.is_alive() and "error" not in state, state
+    assert time.monotonic() - start < 5  # not the 30 s grace period
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+def start_in_thread(config) -> tuple[Worker, threading.Thread, dict[str, Any]]:
+    """Run ``Worker.run`` in its own trio loop in a thread; return once it serves.
+    ``state["token"]`` reaches the loop; ``state["error"]`` holds what it raised."""
+    backend.configure("cpu")
+    worker = Worker(config)
+    started, state = threading.Event(), {}
+
+    def main():
+        async def run():
+            state["token"] = trio.lowlevel.current_trio_token()
+            await worker.run(task_status=_Started(started))
+
+        try:
+            trio.run(run)
+        except BaseException as e:
+            state["error"] = e
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    assert started.wait(60) and "error" not in state, state
+    return worker, thread, state
 
 
 class _Started:

@@ -106,7 +106,9 @@ class InferenceService(GRPCInferenceServiceServicer):
 
         async def one(message):
             try:
-                response = pb.ModelStreamInferResponse(infer_response=await self._infer(message))
+                with self.worker.admission:  # each request on a stream is one call in flight
+                    result = await self._infer(message)
+                response = pb.ModelStreamInferResponse(infer_response=result)
                 if response.ByteSize() > limit:
                     raise ResourceExhausted(
                         f"response of {response.ByteSize()} bytes exceeds "

@@ -22,6 +22,7 @@ each closed here by a small subclass rather than a fork:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -285,7 +286,7 @@ async def _guard(fn: Callable, admission: Admission | None, max_bytes: int, mess
     deadline = deadline_of(request)
     token = call_deadline.set(deadline)
     try:
-        with admission if admission is not None else _nullcontext():
+        with admission if admission is not None else contextlib.nullcontext():
             with trio.move_on_at(deadline) as scope:
                 response = await fn(message, request)
             if scope.cancelled_caught:
@@ -306,11 +307,14 @@ async def _guard_stream(
     fn: Callable, admission: Admission | None, max_bytes: int, message, request
 ):
     # Streams carry per-message errors in-band (ModelStreamInfer's error_message); only
-    # failures of the stream itself are mapped to a status here.
+    # failures of the stream itself are mapped to a status here. A stream holds no
+    # admission slot (an idle open stream must not count as in flight): the handler
+    # admits each request on it.
     try:
-        with admission if admission is not None else _nullcontext():
-            async for response in fn(message, request):
-                yield response
+        if admission is not None and admission.closed:
+            raise Unavailable("server is shutting down")
+        async for response in fn(message, request):
+            yield response
     except Exception as e:
         raise to_rpc_error(_single(e)) from None
 
@@ -321,14 +325,6 @@ def _single(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class GrpcServer:
