@@ -25,7 +25,7 @@ from rsrv.bundle.manifest import (
     resolve_manifest,
 )
 from rsrv.errors import BundleError
-from rsrv.runtime.stablehlo import ArgType, read_module, read_signature
+from rsrv.runtime.stablehlo import ArgType, ModuleSignature, read_module, read_signature
 from rsrv.runtime.weights import WeightInfo, WeightsFile, read_weights_header
 
 UNBATCHED = 0  # module key of a model without a batch axis
@@ -43,7 +43,8 @@ class Hooks:
 
 @dataclass(frozen=True, slots=True)
 class Bundle:
-    """A validated bundle. ``modules`` maps each batch size (0 = unbatched) to its file."""
+    """A validated bundle. ``modules`` maps each batch size (0 = unbatched) to its file,
+    ``module_signatures`` to that module's entry signature (read once, at validation)."""
 
     name: str
     path: Path
@@ -53,6 +54,7 @@ class Bundle:
     modules: dict[int, Path]
     weights: WeightsFile | None
     hooks: Hooks
+    module_signatures: dict[int, ModuleSignature]
 
     @property
     def kind(self) -> str:
@@ -103,7 +105,7 @@ def load_bundle(path: Path) -> Bundle:
     hooks = _load_hooks(model_py, sig, path.name) if has_py else Hooks()
 
     if sig.kind == "meta":
-        return Bundle(path.name, path, manifest_path, manifest, sig, {}, None, hooks)
+        return Bundle(path.name, path, manifest_path, manifest, sig, {}, None, hooks, {})
 
     weights_path = path / "weights.safetensors"
     if not weights_path.is_file():
@@ -114,10 +116,13 @@ def load_bundle(path: Path) -> Bundle:
         raise BundleError(f"{weights_path}: {e}") from None
 
     modules = _discover_modules(path, sig, manifest_path)
-    checked = {}
+    checked, signatures = {}, {}
     for size, file in modules.items():
-        checked[_check_module(file, size, sig, weights)] = file
-    return Bundle(path.name, path, manifest_path, manifest, sig, checked, weights, hooks)
+        size, signatures[size] = _check_module(file, size, sig, weights)
+        checked[size] = file
+    return Bundle(
+        path.name, path, manifest_path, manifest, sig, checked, weights, hooks, signatures
+    )
 
 
 def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[int, Path]:
@@ -159,8 +164,10 @@ def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[i
     return {n: present[n] for n in declared}
 
 
-def _check_module(file: Path, size: int, sig: Signature, weights: WeightsFile) -> int:
-    """Check the module's entry signature; return its batch size key."""
+def _check_module(
+    file: Path, size: int, sig: Signature, weights: WeightsFile
+) -> tuple[int, ModuleSignature]:
+    """Check the module's entry signature; return its batch size key and the signature."""
     try:
         msig = read_signature(read_module(file))
     except (ValueError, OSError) as e:
@@ -189,7 +196,7 @@ def _check_module(file: Path, size: int, sig: Signature, weights: WeightsFile) -
         )
     for k, (arg, t) in enumerate(zip(msig.outputs, outputs, strict=True)):
         _match(file, f"result {k} ({t.name!r})", arg, t.dtype, _expect(t, size))
-    return size
+    return size, msig
 
 
 def _expect(t: Tensor, size: int) -> tuple[int, ...]:

@@ -113,16 +113,15 @@ def check(
     compare with ``reference(*inputs)``; raise :class:`ExportError` on a mismatch."""
     from rsrv.bundle import load_bundle
     from rsrv.errors import BundleError
-    from rsrv.runtime import Compiler, backend, compile_bundle
-    from rsrv.runtime.staging import free, stage, to_device
+    from rsrv.runtime import Compiler, compile_bundle, weights_to_device
+    from rsrv.runtime.staging import free
 
     try:
         bundle = load_bundle(staging)
     except BundleError as e:
         raise ExportError(f"PARITY: the written bundle does not load: {e}") from None
     model = compile_bundle(bundle, Compiler(settings.cache_dir and Path(settings.cache_dir)))
-    device = backend.device()
-    weights = to_device(stage(bundle.weights), device) if bundle.weights else []
+    weights = weights_to_device(bundle)
     names = [o.name for o in outputs]
     in_axes = [i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None for i in inputs]
     batched = any(a is not None for a in in_axes)

@@ -61,7 +61,7 @@ class ControlService(ControlServiceServicer):
         status.requests_served = sched.requests
         status.rows_served = sched.rows
         status.dispatches = sched.dispatches
-        status.max_batch_size = w.max_batch_size(name)
+        status.max_batch_size = sched.max_batch_size
         for t in served.bundle.signature.client_inputs:
             if t.batch_axis is not None:
                 status.batch_input_name, status.batch_axis = t.name, t.batch_axis

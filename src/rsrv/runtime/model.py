@@ -17,8 +17,8 @@ import numpy as np
 from rsrv.errors import Internal
 from rsrv.runtime import backend
 from rsrv.runtime.compiler import Compiler
-from rsrv.runtime.stablehlo import ModuleSignature, read_module, read_signature
-from rsrv.runtime.weights import load_host
+from rsrv.runtime.stablehlo import read_module
+from rsrv.runtime.staging import stage, to_device
 
 if TYPE_CHECKING:  # the bundle package imports the runtime's file readers
     from rsrv.bundle.loader import Bundle
@@ -28,7 +28,6 @@ if TYPE_CHECKING:  # the bundle package imports the runtime's file readers
 class CompiledModel:
     bundle: Bundle
     executables: dict[int, object]  # batch size (0 = unbatched) -> LoadedExecutable
-    signatures: dict[int, ModuleSignature]  # the compiled argument/result types per size
     compile_seconds: float
     cache_hits: int
 
@@ -59,25 +58,26 @@ class CompiledModel:
 
 def compile_bundle(bundle: Bundle, compiler: Compiler) -> CompiledModel:
     """Compile every module of ``bundle`` (blocking; call it from a worker thread)."""
-    executables, signatures, seconds, hits = {}, {}, 0.0, 0
+    executables, seconds, hits = {}, 0.0, 0
     for size, path in bundle.modules.items():
-        source = read_module(path)
-        signatures[size] = read_signature(source)
-        result = compiler.compile(source)
+        result = compiler.compile(read_module(path))
         executables[size] = result.executable
         seconds += result.seconds
         hits += result.cached
-    return CompiledModel(bundle, executables, signatures, seconds, hits)
+    return CompiledModel(bundle, executables, seconds, hits)
 
 
 def zero_inputs(model: CompiledModel, size: int) -> list[np.ndarray]:
     """Zero-filled executable inputs for batch ``size`` (warm-up and cost seeding)."""
     n_inputs = len(model.bundle.signature.executable_inputs)
-    return [np.zeros(a.shape, a.dtype.numpy) for a in model.signatures[size].inputs[:n_inputs]]
+    return [
+        np.zeros(a.shape, a.dtype.numpy)
+        for a in model.bundle.module_signatures[size].inputs[:n_inputs]
+    ]
 
 
 def weights_to_device(bundle: Bundle) -> list[jax.Array]:
     """Read the bundle's weights and copy them to the device (blocking)."""
     if bundle.weights is None:
         return []
-    return jax.device_put(load_host(bundle.weights), backend.device())
+    return to_device(stage(bundle.weights), backend.device())

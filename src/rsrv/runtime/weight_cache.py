@@ -1,8 +1,8 @@
 """The device weight cache: which models' weights are on the device, LRU under a budget.
 
-Pure bookkeeping with no I/O and no locking: the weight-transfer worker is its only
-user, so every method runs on one trio task. ``budget`` None means the cache is off
-and every model stays resident.
+Pure bookkeeping with no I/O and no locking: every caller (the transfer task, leases,
+prefetch, compaction, residency changes) runs on the worker's single trio thread.
+``budget`` None means the cache is off and every model stays resident.
 """
 
 from __future__ import annotations
@@ -84,10 +84,12 @@ class WeightCache:
         evicted = []
         if self.budget is None:
             return evicted
+        resident = self.resident_bytes
         for name in list(self.lru):
-            if self.resident_bytes + nbytes <= self.budget:
+            if resident + nbytes <= self.budget:
                 break
             if self.lru[name].leases == 0 and name not in protected:
+                resident -= self.lru[name].nbytes
                 self.evict(name)
                 evicted.append(name)
         if nbytes > self.budget:

@@ -1,30 +1,25 @@
-"""Weights files: the safetensors header, argument order, and host materialisation.
+"""Weights files: the safetensors header and the executable's weight argument order.
 
 rsrv reads safetensors itself (the format is an 8-byte length, a JSON header, then one
-data region) for two reasons: every dtype rsrv serves, bf16 included, maps straight to
-numpy; and a model's whole data region is read with one ``readinto`` into one contiguous
-buffer, so a device load later copies one staging buffer instead of many small arrays.
+data region): every dtype rsrv serves, bf16 included, maps straight to numpy, and the
+byte offsets let :mod:`rsrv.runtime.staging` read each tensor straight into an aligned
+staging buffer.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from rsrv.dtypes import DType
 
 ORDER_KEY = "argument_order"
-_ALIGN = 64
 
-_SAFETENSORS_DTYPES = {
-    "F16": DType.F16, "F32": DType.F32, "F64": DType.F64, "BF16": DType.BF16,
-    "I8": DType.I8, "I16": DType.I16, "I32": DType.I32, "I64": DType.I64,
-    "U8": DType.U8, "U16": DType.U16, "U32": DType.U32, "U64": DType.U64, "BOOL": DType.BOOL,
-}  # fmt: skip
+# safetensors spells dtypes as rsrv's tokens in upper case ("F32", "BF16", "BOOL").
+_SAFETENSORS_DTYPES = {d.value.upper(): d for d in DType if d is not DType.BYTES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,45 +83,7 @@ def read_weights_header(path: Path) -> WeightsFile:
             raise ValueError(f"tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
         shape = tuple(int(d) for d in entry["shape"])
         start, end = (int(x) for x in entry["data_offsets"])
-        if not 0 <= start <= end <= size or end - start != dtype.itemsize * _prod(shape):
+        if not 0 <= start <= end <= size or end - start != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name!r} has inconsistent data_offsets {[start, end]}")
         infos.append(WeightInfo(name, dtype, shape, start, end))
     return WeightsFile(path, 8 + n, tuple(infos))
-
-
-def load_host(wf: WeightsFile) -> list[np.ndarray]:
-    """Read the weights into one aligned host buffer; return per-tensor views, in order.
-
-    Only the span covering the listed tensors is read, with a single ``readinto``.
-    """
-    if not wf.weights:
-        return []
-    lo = min(w.start for w in wf.weights)
-    hi = max(w.end for w in wf.weights)
-    buf = _aligned_empty(hi - lo)
-    with open(wf.path, "rb") as f:
-        f.seek(wf.data_offset + lo)
-        if f.readinto(memoryview(buf)) != hi - lo:
-            raise ValueError(f"{wf.path}: file is shorter than its header says")
-    return [_view(buf, w, w.start - lo) for w in wf.weights]
-
-
-def _view(buf: np.ndarray, w: WeightInfo, offset: int) -> np.ndarray:
-    count = _prod(w.shape)
-    if offset % w.dtype.itemsize:  # safetensors does not promise alignment: copy if unaligned
-        raw = buf[offset : offset + count * w.dtype.itemsize].copy()
-        return raw.view(w.dtype.numpy).reshape(w.shape)
-    return np.frombuffer(buf, w.dtype.numpy, count, offset).reshape(w.shape)
-
-
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    shift = (-raw.ctypes.data) % _ALIGN
-    return raw[shift : shift + nbytes]
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -35,8 +35,16 @@ class Worker:
         self.config = config
         self.models = ModelSet()
         device = backend.device()
+        runtime = config.runtime
         self.weights = WeightManager(
-            weight_budget(config.runtime, device), device, config.scheduler.compaction_interval
+            weight_budget(runtime, device),
+            device,
+            config.scheduler.compaction_interval,
+            # An explicit byte budget is kept as given; a derived one leaves room for the
+            # largest scratch measured while warming models up.
+            resize=None
+            if runtime.weight_cache_bytes is not None
+            else (lambda scratch: weight_budget(runtime, device, scratch)),
         )
         self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)
@@ -89,10 +97,9 @@ class Worker:
         }
 
     def max_batch_size(self, name: str) -> int:
+        """Rows one dispatch of ``name`` may hold (0: unbatched model or meta)."""
         served = self.models.get(name)
-        sizes = served.bundle.batch_sizes
-        cap = self._policy(name).max_batch_size
-        return min(sizes[-1], cap) if sizes and cap else (sizes[-1] if sizes else 0)
+        return self.scheduler.spec(name).max_rows if served.compiled else 0
 
     def execution_counts(self, name: str) -> tuple[int, dict[int, int]]:
         """Executions of ``name`` and their count per compiled batch size (a meta model
@@ -147,25 +154,11 @@ class Worker:
                     await trio.to_thread.run_sync(self.watcher.seed)
                 if cfg.model_control_mode != "explicit":
                     await self._load_startup_set()
-                    self._size_weight_cache()
                 if self.watcher is not None:
                     await nursery.start(self.watcher.run)
                 task_status.started(self.port)
         finally:
             self.shm.close()
-
-    def _size_weight_cache(self) -> None:
-        """With the budget derived from device memory, leave room for the largest scratch
-        measured while warming every model up (explicit byte budgets are kept as given)."""
-        runtime = self.config.runtime
-        if runtime.weight_cache_bytes is None and self.weights.max_scratch:
-            budget = weight_budget(runtime, self.weights.device, self.weights.max_scratch)
-            log.info(
-                "weight cache budget %s bytes (largest scratch %d bytes)",
-                budget,
-                self.weights.max_scratch,
-            )
-            self.weights.cache.budget = budget
 
     async def shutdown(self) -> None:
         """Graceful stop: refuse new calls, answer everything accepted (within
@@ -320,9 +313,7 @@ class Worker:
                 served.residency if served.compiled else "none (meta)",
             )
             if served.compiled:
-                self.scheduler.add_model(
-                    served.spec(policy.weight, policy.max_batch_size, policy.latency_budget_seconds)
-                )
+                self.scheduler.add_model(served.spec().with_policy(policy))
                 self.scheduler.warm_costs(name, costs)
 
     def _check_calls(self, served) -> None:

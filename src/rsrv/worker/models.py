@@ -49,21 +49,15 @@ class ServedModel:
         """The executable key: this version's identity in the scheduler and weight cache."""
         return f"{self.name}@{self.version}"
 
-    def spec(
-        self,
-        weight: float = 1.0,
-        max_batch_size: int | None = None,
-        latency_budget: float | None = None,
-    ) -> ModelSpec:
+    def spec(self) -> ModelSpec:
+        """What the scheduler needs of this version (lay the config over it with
+        :meth:`ModelSpec.with_policy`)."""
         sig = self.bundle.signature
         return ModelSpec(
             name=self.name,
             batch_sizes=self.bundle.batch_sizes,
             input_axes=tuple(t.batch_axis for t in sig.executable_inputs),
             output_axes=tuple(t.batch_axis for t in sig.executable_outputs),
-            weight=weight,
-            max_batch_size=max_batch_size,
-            latency_budget=latency_budget,
             executable=self.key,
         )
 

@@ -34,7 +34,10 @@ class Pipeline:
         self.meta = MetaRunner(self, meta_concurrency)
 
     def stats(self, name: str) -> ModelStatistics:
-        return self.statistics.setdefault(name, ModelStatistics())
+        stats = self.statistics.get(name)
+        if stats is None:
+            stats = self.statistics[name] = ModelStatistics()
+        return stats
 
     async def infer(
         self, name: str, inputs: Mapping[str, np.ndarray], *, deadline: float | None = None

@@ -22,6 +22,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -68,8 +69,18 @@ class _Transfer:
 class WeightManager:
     """Owns device weights for every model version, keyed by executable key."""
 
-    def __init__(self, budget: int | None, device: jax.Device, compaction_interval: int = 0):
+    def __init__(
+        self,
+        budget: int | None,
+        device: jax.Device,
+        compaction_interval: int = 0,
+        *,
+        resize: Callable[[int], int | None] | None = None,
+    ):
+        """``resize(max_scratch)``, when given, re-derives the budget each time a larger
+        scratch is measured (a budget derived from the device limit)."""
         self.cache = WeightCache(budget)
+        self._resize = resize
         self.device = device
         self.compaction_interval = compaction_interval
         self.compactions = 0
@@ -236,8 +247,15 @@ class WeightManager:
             )
 
     def note_scratch(self, nbytes: int) -> None:
-        """Record device memory a model needed beyond its weights (measured at warm-up)."""
-        self.max_scratch = max(self.max_scratch, nbytes)
+        """Record device memory a model needed beyond its weights (measured at warm-up);
+        a larger scratch shrinks a budget derived from the device limit right away."""
+        if nbytes <= self.max_scratch:
+            return
+        self.max_scratch = nbytes
+        if self._resize is not None and self.cache.enabled:
+            self.cache.budget = self._resize(nbytes)
+            log.info("weight cache budget %s bytes (largest scratch %d bytes)",
+                     self.cache.budget, nbytes)
 
     async def compact_and_reload(self, keys: list[str]) -> int:
         """CompactMemory: free every evictable weight, then load ``keys`` again."""
