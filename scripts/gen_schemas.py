@@ -28,12 +28,8 @@ DEFAULT_OUT = ROOT / "specs"
 
 
 def node_schema() -> dict[str, Any]:
-    try:
-        from rsrv.config import node_json_schema
-    except ImportError:  # the config package predates node_json_schema
-        from rsrv.config.schema import NodeConfig
+    from rsrv.config import node_json_schema
 
-        return msgspec.json.schema(NodeConfig)
     return node_json_schema()
 
 

@@ -42,11 +42,6 @@ class DType(enum.Enum):
         """Bytes per element on the wire; 0 for BYTES (variable length)."""
         return 0 if self is DType.BYTES else self.numpy.itemsize
 
-    @property
-    def mlir(self) -> str | None:
-        """The MLIR element type spelling, or None for BYTES."""
-        return _MLIR.get(self)
-
     @classmethod
     def from_token(cls, token: str) -> DType:
         try:

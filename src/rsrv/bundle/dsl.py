@@ -5,6 +5,8 @@ A hook binds tensors by name. It is called with one numpy array per name in ``in
 one output, otherwise a tuple/list in ``outputs`` order or a dict keyed by name::
 
     import numpy as np
+
+from rsrv.errors import Internal, RsrvError
     import rsrv
 
     @rsrv.postprocess(inputs=["logits"], outputs=["grade"])
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
+from rsrv.errors import Internal, RsrvError
 
 HookKind = Literal["preprocess", "postprocess", "meta"]
 
@@ -48,6 +52,19 @@ class Hook:
         """
         result = self.fn(*leading, *(tensors[name] for name in self.inputs))
         return _bind_outputs(self, result)
+
+    def run(self, model: str, tensors: Mapping[str, np.ndarray], *leading: Any):
+        """:meth:`apply` as the server calls it: a failure of the user's code becomes the
+        model's ``Internal`` error naming the hook (rsrv's own errors pass through)."""
+        try:
+            return self.apply(tensors, *leading)
+        except RsrvError:
+            raise
+        except Exception as e:
+            raise Internal(
+                f"model {model!r}: {self.kind} hook {self.fn.__name__!r} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from None
 
 
 def _declare(kind: HookKind, inputs: Sequence[str], outputs: Sequence[str]):

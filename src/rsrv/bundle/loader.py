@@ -26,7 +26,7 @@ from rsrv.bundle.manifest import (
 )
 from rsrv.errors import BundleError
 from rsrv.runtime.stablehlo import ArgType, ModuleSignature, read_module, read_signature
-from rsrv.runtime.weights import WeightInfo, WeightsFile, read_weights_header
+from rsrv.runtime.weights import WeightsFile, read_weights_header
 
 UNBATCHED = 0  # module key of a model without a batch axis
 _MODULE_RE = re.compile(r"^model(?:\.b(\d+))?\.mlir$")
@@ -312,7 +312,3 @@ def _check_passthrough(
                 f"{model_py}: {what} {name!r} passes through unchanged but its "
                 f"dtype differs ({src.dtype.value} vs {t.dtype.value})"
             )
-
-
-def weight_info(bundle: Bundle) -> tuple[WeightInfo, ...]:
-    return bundle.weights.weights if bundle.weights else ()

@@ -75,6 +75,12 @@ class Tensor:
     def rank(self) -> int:
         return len(self.shape)
 
+    def accepts(self, shape: tuple[int, ...]) -> bool:
+        """Same rank and every fixed extent equal (batch and variable axes take any)."""
+        return len(shape) == self.rank and all(
+            d < 0 or d == a for d, a in zip(self.shape, shape, strict=True)
+        )
+
     def describe(self) -> str:
         dims = ",".join(
             "n" if i == self.batch_axis else ("?" if d < 0 else str(d))

@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import purerpc
 
+from rsrv.protocol.control import FROM_RESIDENCY, RESIDENCY
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1.control_grpc import ControlServiceStub
-
-RESIDENCIES = {
-    "unpinned": pb.RESIDENCY_UNPINNED,
-    "system": pb.RESIDENCY_SYSTEM,
-    "device": pb.RESIDENCY_DEVICE,
-}
 
 
 class ControlClient:
@@ -42,9 +37,9 @@ class ControlClient:
     async def set_residency(self, name: str, residency: str) -> str:
         """Set ``name``'s residency floor (explicit mode); returns the floor now in force."""
         response = await self._stub.SetModelResidency(
-            pb.SetModelResidencyRequest(name=name, residency=RESIDENCIES[residency])
+            pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency])
         )
-        return {v: k for k, v in RESIDENCIES.items()}[response.residency]
+        return FROM_RESIDENCY[response.residency]
 
     async def set_policy(self, name: str, *, weight: float | None = None) -> float:
         """Change ``name``'s fair-share weight live; returns the weight now in force."""

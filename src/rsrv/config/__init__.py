@@ -3,7 +3,7 @@
 Typical use::
 
     worker = rsrv.config.load_worker("node.yaml", name="gpu0")
-    log.info("config", config=rsrv.config.effective_config_dict(worker))
+    log.info("effective configuration: %s", rsrv.config.effective_config_dict(worker))
 
 See ``specs/config.md`` for the file format, the environment overrides
 and the resolution rules.

@@ -15,12 +15,13 @@ from rsrv.protocol.generated.rsrv.control.v1.control_grpc import ControlServiceS
 if TYPE_CHECKING:
     from rsrv.worker.app import Worker
 
-_RESIDENCY = {
+#: Residency floor names <-> the wire enum, least to most resident (the client uses them).
+RESIDENCY = {
     "unpinned": pb.RESIDENCY_UNPINNED,
     "system": pb.RESIDENCY_SYSTEM,
     "device": pb.RESIDENCY_DEVICE,
 }
-_FROM_RESIDENCY = {v: k for k, v in _RESIDENCY.items()}
+FROM_RESIDENCY = {v: k for k, v in RESIDENCY.items()}
 
 
 class ControlService(ControlServiceServicer):
@@ -51,7 +52,7 @@ class ControlService(ControlServiceServicer):
         if served.bundle.kind == "meta":
             return self._meta_status(status, served)
         sched = w.scheduler.stats(name)
-        status.residency = _RESIDENCY[served.residency]
+        status.residency = RESIDENCY[served.residency]
         status.device_resident = w.weights.cache.is_resident(served.key)
         status.host_resident = w.weights.host_resident(served.key)
         status.weight_bytes = served.bundle.weight_bytes
@@ -83,8 +84,8 @@ class ControlService(ControlServiceServicer):
             status.compute_seconds = meta.compute_seconds
         status.weight_bytes = sum(s.bundle.weight_bytes for s in subs)
         if subs:
-            order = list(_RESIDENCY)
-            status.residency = _RESIDENCY[min((s.residency for s in subs), key=order.index)]
+            order = list(RESIDENCY)  # least resident first
+            status.residency = RESIDENCY[min((s.residency for s in subs), key=order.index)]
             status.device_resident = all(w.weights.cache.is_resident(s.key) for s in subs)
             status.host_resident = all(w.weights.host_resident(s.key) for s in subs)
         return status
@@ -98,13 +99,13 @@ class ControlService(ControlServiceServicer):
                 f"(this worker runs '{w.config.model_control_mode}'; residency then comes "
                 "from scheduler.models.<name>.residency)"
             )
-        residency = _FROM_RESIDENCY.get(message.residency)
+        residency = FROM_RESIDENCY.get(message.residency)
         if residency is None:
             raise InvalidArgument(
                 "residency must be RESIDENCY_UNPINNED, RESIDENCY_SYSTEM or RESIDENCY_DEVICE"
             )
         await w.set_residency(served, residency)
-        return pb.SetModelResidencyResponse(residency=_RESIDENCY[served.residency])
+        return pb.SetModelResidencyResponse(residency=RESIDENCY[served.residency])
 
     async def SetModelPolicy(self, message, request):
         w = self.worker

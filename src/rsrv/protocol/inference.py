@@ -115,7 +115,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                         f"the maximum {limit} (endpoints.max_message_bytes)"
                     )
             except Exception as e:
-                code, text = grpc_status(e)
+                _, text = grpc_status(e)
                 response = pb.ModelStreamInferResponse(
                     error_message=text,
                     infer_response=pb.ModelInferResponse(
@@ -124,7 +124,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                 )
             await send.send(response)
 
-        async def pump(nursery):
+        async def pump():
             async with send:
                 async with trio.open_nursery() as requests:
                     async for message in messages:
@@ -132,7 +132,7 @@ class InferenceService(GRPCInferenceServiceServicer):
 
         with trio.move_on_at(deadline) as scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(pump, nursery)
+                nursery.start_soon(pump)
                 async with receive:
                     async for response in receive:
                         yield response

@@ -336,8 +336,6 @@ class GrpcServer:
         self._services = {s.name: s for s in services}
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
-        self._exception_count = 0  # ConnectionHandler bookkeeping
-        self._connection_count = 0
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; ``task_status.started(port)`` once accepting."""

@@ -41,9 +41,6 @@ class KeyedHeap(Generic[T]):
         """The live items, in no particular order."""
         return iter(list(self._live))
 
-    def key(self, item: T) -> Any:
-        return self._live[item][0]
-
     def set(self, item: T, key: Any) -> None:
         """Insert ``item`` or change its key."""
         current = self._live.get(item)

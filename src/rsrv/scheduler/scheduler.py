@@ -89,10 +89,6 @@ class Scheduler:
         self._wake = trio.Event()
         self._drained = trio.Event()
 
-    @property
-    def discipline(self) -> str:
-        return self._config.discipline
-
     # -- registry -------------------------------------------------------------------
 
     def add_model(self, spec: ModelSpec) -> None:
@@ -146,9 +142,6 @@ class Scheduler:
     def spec(self, name: str) -> ModelSpec:
         """The current spec of ``name``; NotFound if unknown."""
         return self._model(name).version.spec
-
-    def models(self) -> list[str]:
-        return list(self._models)
 
     def stats(self, name: str) -> ModelStats:
         m = self._model(name)

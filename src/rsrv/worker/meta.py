@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from rsrv.errors import DeadlineExceeded, FailedPrecondition, Internal, RsrvError
+from rsrv.errors import DeadlineExceeded, FailedPrecondition
 
 if TYPE_CHECKING:
     from rsrv.worker.models import ServedModel
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class MetaStats:
     requests: int = 0  # answered with outputs (counted by Pipeline.infer, once checked)
-    calls: int = 0  # sub-calls answered with outputs (of every request, failed ones too)
     compute_seconds: float = 0.0  # device time of those sub-calls
 
 
@@ -80,7 +79,7 @@ class MetaRunner:
 
         def run_hook() -> dict[str, np.ndarray]:
             hook_thread.append(threading.get_ident())
-            return _run(hook, inputs, call, served.name)
+            return hook.run(served.name, inputs, call)
 
         if deadline is not None and trio.current_time() >= deadline:
             raise DeadlineExceeded(
@@ -97,17 +96,5 @@ class MetaRunner:
             outputs = await trio.to_thread.run_sync(run_hook, limiter=self._threads)
         finally:
             self.limiter.release()
-            stats.calls += len(compute)
             stats.compute_seconds += sum(compute)
         return outputs, sum(compute)
-
-
-def _run(hook, inputs, call, name: str) -> dict[str, np.ndarray]:
-    try:
-        return hook.apply(inputs, call)
-    except RsrvError:
-        raise
-    except Exception as e:  # user code
-        raise Internal(
-            f"meta model {name!r}: hook {hook.fn.__name__!r} failed: {type(e).__name__}: {e}"
-        ) from None

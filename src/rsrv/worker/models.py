@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -38,7 +37,6 @@ class ServedModel:
     compiled: CompiledModel | None  # None for a meta model
     version: int
     residency: str = "system"
-    loaded_at: float = field(default_factory=time.time)
 
     @property
     def name(self) -> str:

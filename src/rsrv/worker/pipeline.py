@@ -17,7 +17,6 @@ from rsrv.errors import (
     Internal,
     InvalidArgument,
     NotFound,
-    RsrvError,
     Unavailable,
 )
 from rsrv.scheduler import Scheduler
@@ -85,7 +84,7 @@ class Pipeline:
         start = trio.current_time()
         exec_inputs = dict(inputs)
         if hooks.preprocess:
-            made = await trio.to_thread.run_sync(_run_hook, hooks.preprocess, inputs, name)
+            made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
             exec_inputs.update(made)
             _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
         stats.compute_input.add(trio.current_time() - start)
@@ -103,7 +102,7 @@ class Pipeline:
         }
         if hooks.postprocess:
             start = trio.current_time()
-            made = await trio.to_thread.run_sync(_run_hook, hooks.postprocess, outputs, name)
+            made = await trio.to_thread.run_sync(hooks.postprocess.run, name, outputs)
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
             outputs.update(made)
             stats.compute_output.add(trio.current_time() - start)
@@ -127,25 +126,13 @@ def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], w
             raise InvalidArgument(
                 f"{where}: input {spec.name!r} has dtype {got}, expected {spec.dtype.value}"
             )
-        if array.ndim != spec.rank or any(
-            d >= 0 and d != a for d, a in zip(spec.shape, array.shape, strict=True)
-        ):
+        if not spec.accepts(array.shape):
             raise InvalidArgument(
                 f"{where}: input {spec.name!r} has shape {list(array.shape)}, "
                 f"expected {list(spec.shape)} (-1: any extent)"
             )
-
-
-def _run_hook(hook, tensors, model: str) -> dict[str, np.ndarray]:
-    try:
-        return hook.apply(tensors)
-    except RsrvError:
-        raise
-    except Exception as e:  # user code: report it as the model's error, not ours
-        raise Internal(
-            f"model {model!r}: {hook.kind} hook {hook.fn.__name__!r} failed: "
-            f"{type(e).__name__}: {e}"
-        ) from None
+        if spec.batch_axis is not None and array.shape[spec.batch_axis] == 0:
+            raise InvalidArgument(f"{where}: input {spec.name!r} has no rows (batch axis is 0)")
 
 
 def _check_made(
@@ -159,16 +146,6 @@ def _check_made(
         where = f"model {served.name!r}: {hook} produced {spec.name!r}"
         if array.dtype != spec.dtype.numpy:
             raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
-        if array.ndim != spec.rank or any(
-            d >= 0 and d != a for d, a in zip(spec.shape, array.shape, strict=True)
-        ):
+        if not spec.accepts(array.shape):
             expected = ["n" if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
             raise Internal(f"{where} with shape {list(array.shape)}, expected {expected}")
-
-
-def rows_of(specs: tuple[Tensor, ...], inputs: Mapping[str, np.ndarray]) -> int:
-    """Rows of a request: the batch extent of its first batched input (1 if none)."""
-    for spec in specs:
-        if spec.batch_axis is not None and spec.name in inputs:
-            return int(inputs[spec.name].shape[spec.batch_axis])
-    return 1

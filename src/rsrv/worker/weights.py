@@ -36,7 +36,6 @@ from rsrv.runtime.weights import WeightsFile
 
 log = logging.getLogger(__name__)
 
-RESIDENCIES = ("unpinned", "system", "device")
 
 
 @dataclass(eq=False, slots=True)
@@ -196,7 +195,7 @@ class WeightManager:
         if placement is None or self.cache.is_resident(key):
             return
         pinned = placement.residency == "device"
-        nbytes = placement.file.nbytes if placement.file else 0
+        nbytes = self.nbytes(key)
         if not pinned and self.cache.enabled:
             protected = frozenset(self._waiting)  # about to be used: never evict them
             if key not in protected and not self.cache.fits(nbytes, protected):
@@ -254,8 +253,9 @@ class WeightManager:
         self.max_scratch = nbytes
         if self._resize is not None and self.cache.enabled:
             self.cache.budget = self._resize(nbytes)
-            log.info("weight cache budget %s bytes (largest scratch %d bytes)",
-                     self.cache.budget, nbytes)
+            log.info(
+                "weight cache budget %s bytes (largest scratch %d bytes)", self.cache.budget, nbytes
+            )
 
     async def compact_and_reload(self, keys: list[str]) -> int:
         """CompactMemory: free every evictable weight, then load ``keys`` again."""
