@@ -15,6 +15,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import trio
@@ -572,6 +573,32 @@ def test_oversized_message_fails_only_that_call(small):
         assert triton.infer(
             "classifier", [infer_input("x", x_rows(2))], compression_algorithm="gzip"
         ).as_numpy("logits").shape == (2, 10)
+
+
+def test_oversized_response_fails_only_that_call(tmp_path):
+    """An answer above endpoints.max_message_bytes: RESOURCE_EXHAUSTED naming the limit
+    for that call (not CANCELLED), and the next call on the connection is served."""
+    from rsrv.export import Input, Output, export_jax
+
+    export_jax(  # 4 bytes in per row, 1 MiB out per row
+        lambda p, x: jnp.tile(x, (1, MIB // 16)),
+        {},
+        inputs=[Input("x", np.float32, ("n", 4))],
+        outputs=[Output("y")],
+        batch_sizes=[1, 4],
+        out_dir=tmp_path / "repo" / "expand",
+        provenance={"source": "tests/test_kserve_errors.py"},
+        parity=False,
+    )
+    config = worker_config(
+        tmp_path / "repo", cache_dir=cache_dir(), ENDPOINTS_MAX_MESSAGE_BYTES=2 * MIB
+    )
+    channel_args = [("grpc.max_receive_message_length", 64 * MIB)]
+    with running(config) as w, client(w, channel_args=channel_args) as triton:
+        with raises_status("RESOURCE_EXHAUSTED", "exceeds the maximum", f"{2 * MIB}"):
+            triton.infer("expand", [infer_input("x", np.ones((4, 4), np.float32))])
+        y = triton.infer("expand", [infer_input("x", np.ones((1, 4), np.float32))])
+        assert y.as_numpy("y").shape == (1, MIB // 4)
 
 
 async def test_oversized_message_keeps_the_connection(small):

@@ -109,9 +109,10 @@ class InferenceService(GRPCInferenceServiceServicer):
                 with self.worker.admission:  # each request on a stream is one call in flight
                     result = await self._infer(message)
                 response = pb.ModelStreamInferResponse(infer_response=result)
-                if response.ByteSize() > limit:
+                size = response.ByteSize()  # in-band: a stream must outlive one big answer
+                if size > limit:
                     raise ResourceExhausted(
-                        f"response of {response.ByteSize()} bytes exceeds "
+                        f"response of {size} bytes exceeds "
                         f"the maximum {limit} (endpoints.max_message_bytes)"
                     )
             except Exception as e:

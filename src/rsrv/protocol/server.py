@@ -22,7 +22,6 @@ each closed here by a small subclass rather than a fork:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import logging
@@ -43,7 +42,7 @@ from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import MessageReceived, RequestReceived
-from purerpc.grpclib.exceptions import RpcFailedError
+from purerpc.grpclib.exceptions import MessageTooLargeError, RpcFailedError
 from purerpc.grpclib.status import Status, StatusCode
 from purerpc.rpc import Cardinality
 from purerpc.server import BoundRPCMethod, ConnectionHandler
@@ -181,6 +180,21 @@ class _Connection(GRPCConnection):
 
 
 class _Stream(GRPCProtoStream):
+    async def send_message(self, message):
+        # purerpc's writer enforces the message limit but its error would reach the
+        # client as CANCELLED with a repr; nothing has been written when it raises.
+        try:
+            await super().send_message(message)
+        except MessageTooLargeError:
+            limit = self._grpc_connection.config.max_message_length
+            raise RpcFailedError(
+                Status(
+                    StatusCode.RESOURCE_EXHAUSTED,
+                    f"response of {message.ByteSize()} bytes exceeds the maximum {limit} "
+                    "(endpoints.max_message_bytes)",
+                )
+            ) from None
+
     async def receive_event(self):
         event = await super(GRPCProtoStream, self)._receive()
         if isinstance(event, MessageReceived):
@@ -244,9 +258,12 @@ class Admission:
         """Refuse every new call from now on (graceful shutdown)."""
         self.closed = True
 
-    def __enter__(self):
+    def check_open(self) -> None:
         if self.closed:
             raise Unavailable("server is shutting down")
+
+    def __enter__(self):
+        self.check_open()
         if self.limit and self.inflight >= self.limit:
             self.shed += 1
             raise ResourceExhausted(
@@ -259,10 +276,9 @@ class Admission:
         self.inflight -= 1
 
 
-def guard_service(
-    service: purerpc.Service, admission: Admission | None, max_message_bytes: int
-) -> purerpc.Service:
-    """Wrap every method: admission, deadline, status mapping, response size."""
+def guard_service(service: purerpc.Service, admission: Admission) -> purerpc.Service:
+    """Wrap every method: unary calls get admission, their deadline and status mapping;
+    streams get status mapping and are refused once the server shuts down."""
     wrapped = purerpc.Service(service.name)
     for name, bound in service.methods.items():
         streaming = bound.signature.cardinality in (
@@ -271,7 +287,7 @@ def guard_service(
         )
         fn = _guard_stream if streaming else _guard
         wrapped.methods[name] = BoundRPCMethod(
-            functools.partial(fn, bound.method_fn, admission, max_message_bytes), bound.signature
+            functools.partial(fn, bound.method_fn, admission), bound.signature
         )
     return wrapped
 
@@ -282,37 +298,29 @@ def deadline_of(request: RequestReceived) -> float:
     return trio.current_time() + timeout.total_seconds() if timeout is not None else math.inf
 
 
-async def _guard(fn: Callable, admission: Admission | None, max_bytes: int, message, request):
+async def _guard(fn: Callable, admission: Admission, message, request):
     deadline = deadline_of(request)
     token = call_deadline.set(deadline)
     try:
-        with admission if admission is not None else contextlib.nullcontext():
+        with admission:
             with trio.move_on_at(deadline) as scope:
                 response = await fn(message, request)
             if scope.cancelled_caught:
                 raise DeadlineExceeded("deadline (grpc-timeout) expired before the call finished")
-        if response.ByteSize() > max_bytes:
-            raise ResourceExhausted(
-                f"response of {response.ByteSize()} bytes exceeds the maximum "
-                f"{max_bytes} (endpoints.max_message_bytes)"
-            )
-        return response
+        return response  # a response above the size limit fails in _Stream.send_message
     except Exception as e:
         raise to_rpc_error(_single(e)) from None
     finally:
         call_deadline.reset(token)
 
 
-async def _guard_stream(
-    fn: Callable, admission: Admission | None, max_bytes: int, message, request
-):
+async def _guard_stream(fn: Callable, admission: Admission, message, request):
     # Streams carry per-message errors in-band (ModelStreamInfer's error_message); only
     # failures of the stream itself are mapped to a status here. A stream holds no
     # admission slot (an idle open stream must not count as in flight): the handler
     # admits each request on it.
     try:
-        if admission is not None and admission.closed:
-            raise Unavailable("server is shutting down")
+        admission.check_open()
         async for response in fn(message, request):
             yield response
     except Exception as e:

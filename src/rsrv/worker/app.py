@@ -129,7 +129,7 @@ class Worker:
         self.compiler = Compiler(Path(cfg.cache_dir))
         limit = cfg.endpoints.max_message_bytes
         services = [
-            guard_service(s.service, self.admission, limit)
+            guard_service(s.service, self.admission)
             for s in (InferenceService(self), ControlService(self))
         ]
         server = GrpcServer(services, cfg.endpoints.host, cfg.endpoints.port, limit)

@@ -37,7 +37,6 @@ from rsrv.runtime.weights import WeightsFile
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(eq=False, slots=True)
 class Placement:
     file: WeightsFile | None
