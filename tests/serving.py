@@ -71,7 +71,7 @@ def running(config) -> Iterator[Worker]:
 
     thread = threading.Thread(target=thread_main, name="rsrv-test-worker", daemon=True)
     thread.start()
-    started.wait(120)
+    assert started.wait(120), "the worker did not start within 120 s"
     if "error" in state:
         raise state["error"]
     try:
@@ -79,6 +79,7 @@ def running(config) -> Iterator[Worker]:
     finally:
         trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
         thread.join(30)
+        assert not thread.is_alive(), "the worker did not stop within 30 s"
         _tokens.pop(id(worker), None)
         if "error" in state:
             raise state["error"]

@@ -456,7 +456,8 @@ def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path):
     assert listing(tmp_path) == []
 
 
-def test_parity_integer_outputs_are_exact_and_settings_apply(tmp_path):
+def test_parity_integer_outputs_are_exact_and_settings_apply(tmp_path, caplog):
+    caplog.set_level("INFO", logger="rsrv.export")
     out = export_jax(
         lambda p, x, ids: (x * p["s"], p["table"][ids]),
         {"s": np.float32(3.0), "table": np.arange(10, dtype=np.int32)},
@@ -467,6 +468,9 @@ def test_parity_integer_outputs_are_exact_and_settings_apply(tmp_path):
         parity=Parity(rtol=0.0, atol=0.0, seed=5, int_range=(0, 10)),
     )
     assert manifest(out)["executable_outputs"][1]["dtype"] == "i32"
+    # the gate compared with exactly the tolerances given (seed and int_range only shape
+    # the random inputs, which both sides then agree on)
+    assert any("(rtol 0, atol 0)" in r.getMessage() for r in caplog.records)
 
 
 # -- provenance ----------------------------------------------------------------------------

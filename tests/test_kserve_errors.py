@@ -427,12 +427,23 @@ async def test_grpc_timeout_is_enforced_by_the_server(worker, triton):
     assert stats_of(triton, "slow").inference_stats.fail.count == before + 1
 
 
-async def test_grpc_timeout_withdraws_a_queued_request(worker):
-    """With the device held, the call ends at its deadline, long before the device frees."""
+async def test_grpc_timeout_withdraws_a_queued_request(worker, triton):
+    """With the device held by an earlier request, the call queues; it ends at its
+    deadline, long before the device frees, and never runs."""
     request = pb.ModelInferRequest(model_name="classifier")
     request.inputs.add(name="x", datatype="FP32", shape=[1, 256])
     request.raw_input_contents.append(x_rows(1).tobytes())
+
+    def dispatches() -> int:
+        return sched_stats(worker, "classifier").dispatches
+
+    done: queue.Queue = queue.Queue()
     with held_device(worker):
+        before = await trio.to_thread.run_sync(dispatches)
+        triton.async_infer(
+            "classifier", [infer_input("x", x_rows(1))], lambda result, error: done.put(error)
+        )
+        await trio.to_thread.run_sync(lambda: wait_until(lambda: dispatches() == before + 1))
         async with raw_channel(worker) as channel:
             start = trio.current_time()
             with pytest.raises(RpcFailedError) as info:
@@ -442,9 +453,11 @@ async def test_grpc_timeout_withdraws_a_queued_request(worker):
                 "deadline (grpc-timeout) expired before the call finished",
             )
             assert trio.current_time() - start < 10
-        await trio.sleep(0.1)
-        stats = await trio.to_thread.run_sync(sched_stats, worker, "classifier")
-        assert stats.queue_depth == 0  # withdrawn
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: sched_stats(worker, "classifier").queue_depth == 0)
+        )
+    assert await trio.to_thread.run_sync(lambda: done.get(timeout=60)) is None
+    assert await trio.to_thread.run_sync(dispatches) == before + 1  # withdrawn: never ran
 
 
 async def test_grpc_timeout_ends_a_stream(worker):

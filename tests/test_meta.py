@@ -678,13 +678,12 @@ def test_grpc_deadline_stops_the_glue(tiny_repo, cache_dir):
         spin = glue(worker, "spin")
         code, _ = failure(lambda: infer(client, "spin", {"x": rows(1)}, client_timeout=0.3))
         assert code == "StatusCode.DEADLINE_EXCEEDED"
-        assert spin["finished"].wait(2.0), "the glue kept calling after the deadline"
+        # its natural end (3 s of calls) would leave "ended" empty: this cannot pass late
+        assert spin["finished"].wait(10), "the glue kept calling after the deadline"
         assert spin["ended"] in (["DeadlineExceeded"], ["Cancelled"])
         assert 0 < len(spin["calls"])
-        time.sleep(0.1)  # a call already executing at the deadline still completes
-        served = sched(worker, "tiny").requests_served
-        time.sleep(0.2)
-        assert sched(worker, "tiny").requests_served == served
+        time.sleep(0.3)  # a call already executing at the deadline still completes
+        assert sched(worker, "tiny").requests_served <= len(spin["calls"]) + 1
         client.close()
 
 

@@ -95,11 +95,35 @@ def test_health_endpoints(repo, cache_dir):
         get(port, "/healthz")
 
 
+def listening_ports() -> set[int]:
+    """TCP ports this process listens on (Linux: /proc/net/tcp* joined with our fds)."""
+    import os
+
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            ours.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in ours:  # LISTEN, and our socket
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def test_no_admin_server_without_a_metrics_port(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
     assert config.endpoints.metrics_port is None
+    before = listening_ports()
     with running(config) as worker:
-        assert worker.port is not None  # serving gRPC, and nothing else to check
+        opened = listening_ports() - before
+    assert opened == {worker.port}  # gRPC only: no admin HTTP listener
 
 
 def test_readyz_is_503_while_a_model_is_loading(repo, cache_dir, tmp_path):

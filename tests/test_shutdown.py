@@ -166,7 +166,8 @@ def test_sigterm_with_100_requests_in_flight(tmp_path, serve):
             with lock:
                 answered_before = len(answers)
             server.process.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
+            # Logged just before Worker.shutdown refuses new calls (before its first await).
+            wait_for(lambda: any("received SIGTERM" in line for line in server.stderr), 10)
             for i in range(100, 110):  # arrive while it drains
                 send(i)
             status = server.wait_exit(GRACE + 10)

@@ -404,16 +404,18 @@ async def test_lock_before_lease_keeps_concurrent_runs_within_the_budget(files, 
             )
         nursery.start_soon(executor.execute, "a", 1, [])
         try:
-            while not running.is_set():  # a is loaded, leased and executing
-                await trio.sleep(0.001)
+            with trio.fail_after(30):
+                while not running.is_set():  # a is loaded, leased and executing
+                    await trio.sleep(0.001)
             nursery.start_soon(executor.execute, "b", 1, [])  # e.g. a warm-up: waits for a
             await wait_all_tasks_blocked()
             await executor.prefetch("b")  # the scheduler's hook: skipped, no room beside a
             assert list(m.cache.lru) == ["a"]  # b neither leased nor prefetched over budget
         finally:
             release.set()
-        while len(seen) < 2:
-            await trio.sleep(0.001)
+        with trio.fail_after(30):
+            while len(seen) < 2:
+                await trio.sleep(0.001)
         assert seen == [("a", 1), ("b", 2)]
         assert max(peaks) == W
         nursery.cancel_scope.cancel()
