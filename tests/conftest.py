@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository paths and a tiny exported bundle to copy and break."""
+"""Shared fixtures: the repository paths, one compilation cache, a tiny exported bundle
+to copy and break, and a worker serving a module's ``repo``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,32 @@ def repo_root() -> Path:
 def examples_dir() -> Path:
     """The committed example model repository, bundles/."""
     return ROOT / "bundles"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One compilation cache for the session: identical modules compile once."""
+    return tmp_path_factory.getbasetemp() / "rsrv-cache"
+
+
+@pytest.fixture(scope="module")
+def worker(repo):
+    """A real worker serving the test module's ``repo`` fixture on a loopback port."""
+    from serving import running, worker_config
+    from test_kserve_support import cache_dir
+
+    with running(worker_config(repo, cache_dir=cache_dir())) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def triton(worker):
+    """A tritonclient.grpc client of ``worker``."""
+    from test_kserve_support import client
+
+    c = client(worker)
+    yield c
+    c.close()
 
 
 @pytest.fixture(scope="session")

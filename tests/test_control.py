@@ -46,11 +46,6 @@ def repo(tmp_path):
     return path
 
 
-@pytest.fixture
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "rsrv-cache"
-
-
 def export_columns(out_dir, seed: int):
     """Like the linear bundle, but the batch runs along axis 1 of x f32[3,n]."""
     return export_jax(

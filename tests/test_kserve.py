@@ -54,19 +54,6 @@ def repo(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker(repo):
-    with running(worker_config(repo, cache_dir=cache_dir())) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def triton(worker):
-    c = client(worker)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def weights():
     return {
         name: load_file(str(BUNDLES / name / "weights.safetensors"))

@@ -55,19 +55,6 @@ def repo(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def worker(repo):
-    with running(worker_config(repo, cache_dir=cache_dir())) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def triton(worker):
-    c = client(worker)
-    yield c
-    c.close()
-
-
 def x_rows(rows: int) -> np.ndarray:
     return np.random.default_rng(rows).standard_normal((rows, 256)).astype(np.float32)
 

@@ -201,12 +201,6 @@ def repo(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture
-def cache_dir(tmp_path_factory) -> Path:
-    """One compile cache for the session: reloads of identical modules are cache hits."""
-    return tmp_path_factory.getbasetemp() / "rsrv-cache"
-
-
 # -- dynamic mode: the repository watcher ----------------------------------------------------
 
 

@@ -251,11 +251,6 @@ class Device:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("compile-cache")
-
-
-@pytest.fixture(scope="module")
 def pool():
     with ThreadPoolExecutor(64) as executor:
         yield executor

@@ -76,11 +76,6 @@ def repo(tmp_path):
     return path
 
 
-@pytest.fixture
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "rsrv-cache"
-
-
 def test_health_endpoints(repo, cache_dir):
     port = free_port()
     config = worker_config(repo, cache_dir, ENDPOINTS_METRICS_PORT=port, MODEL_POLL_SECONDS=60)

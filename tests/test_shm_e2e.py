@@ -28,12 +28,6 @@ def repo(tmp_path_factory):
     return make_repo(tmp_path_factory.mktemp("shm") / "repo", "simple", "simple_string")
 
 
-@pytest.fixture(scope="module")
-def worker(repo):
-    with running(worker_config(repo, cache_dir=cache_dir())) as w:
-        yield w
-
-
 @pytest.fixture
 def triton(worker):
     c = client(worker)

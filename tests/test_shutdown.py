@@ -35,11 +35,6 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, 
 GRACE = 20.0
 
 
-@pytest.fixture
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "rsrv-cache"
-
-
 class Served:
     """A ``rsrv serve NODE_FILE`` subprocess; stderr is collected line by line."""
 
