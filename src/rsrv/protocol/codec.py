@@ -237,13 +237,10 @@ def request_priority(request: Any) -> int:
 
 
 def tensor_metadata(spec: Tensor) -> Any:
-    """``ModelMetadataResponse.TensorMetadata`` for a client-facing tensor (-1: any extent)."""
-    shape = [
-        -1 if (axis == spec.batch_axis or extent < 0) else extent
-        for axis, extent in enumerate(spec.shape)
-    ]
+    """``ModelMetadataResponse.TensorMetadata`` for a client-facing tensor (-1: any extent;
+    ``Tensor.shape`` already holds -1 on the batch and variable axes)."""
     return pb.ModelMetadataResponse.TensorMetadata(
-        name=spec.name, datatype=spec.dtype.kserve, shape=shape
+        name=spec.name, datatype=spec.dtype.kserve, shape=list(spec.shape)
     )
 
 

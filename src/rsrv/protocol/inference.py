@@ -19,7 +19,6 @@ from rsrv.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
-    RsrvError,
 )
 from rsrv.protocol import codec
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -162,11 +161,8 @@ class InferenceService(GRPCInferenceServiceServicer):
                 served.name, inputs, deadline=None if deadline == float("inf") else deadline
             )
             response = codec.encode_response(message, served.name, "1", outputs, order, worker.shm)
-        except RsrvError as e:
-            stats.record(False, time.perf_counter() - start, e.code)
-            raise
-        except Exception:
-            stats.record(False, time.perf_counter() - start, "INTERNAL")
+        except Exception as e:  # counted under the status the client receives
+            stats.record(False, time.perf_counter() - start, grpc_status(e)[0].name)
             raise
         except BaseException:  # cancelled: grpc-timeout expired, or the call was abandoned
             expired = trio.current_time() >= call_deadline.get()
