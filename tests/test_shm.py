@@ -12,7 +12,7 @@ import pytest
 import tritonclient.utils.shared_memory as tshm
 from assertions import raises
 
-from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
+from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from rsrv.protocol.shm import (
     DISABLED_MESSAGE,
     AlreadyExists,
@@ -53,7 +53,7 @@ def test_register_read_write_status_unregister(registry, posix_shm):
     assert registry.status() == [RegionInfo("r", "/" + obj.name, 0, 4096)]
     assert registry.status("r") == [RegionInfo("r", "/" + obj.name, 0, 4096)]
     data = registry.read("r", 2, 4)
-    assert data == b"cdef" and isinstance(data, bytes)
+    assert data == b"cdef" and isinstance(data, bytearray)  # a private, writable copy
     assert registry.write("r", 100, b"XYZ") == 3
     assert bytes(obj.buf[100:103]) == b"XYZ"  # visible to the client
     registry.unregister("r")
@@ -221,27 +221,74 @@ def test_disabled(posix_shm):
         reg.read("r", 0, 1)
 
 
-def test_close_releases_every_mapping(posix_shm):
+def _held(name: str) -> list[str]:
+    """This process's descriptors and mappings of the shared-memory object ``name``."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split()[-1] for line in maps if name in line]
+    return [f for f in fds if name in f] + mapped
+
+
+def test_registered_regions_hold_no_descriptor_or_mapping(posix_shm):
     obj = posix_shm(64)
+    obj.buf[:4] = b"data"
+    client_view = _held(obj.name)  # the test's own SharedMemory maps it once
     reg = SharedMemoryRegistry()
-    reg.register("a", obj.name, 0, 64)
-    reg.register("b", obj.name, 0, 32)
-    regions = list(reg._regions.values())
+    for i in range(50):
+        reg.register(f"r{i}", obj.name, 0, 64)
+    assert reg.read("r7", 0, 4) == b"data"
+    reg.write("r9", 4, b"more")
+    assert _held(obj.name) == client_view
     reg.close()
     assert reg.status() == []
-    assert all(r._mm.closed for r in regions)
 
 
-def test_region_in_use_survives_unregister(registry, posix_shm):
+def test_registration_cap(posix_shm):
     obj = posix_shm(64)
-    obj.buf[:4] = b"live"
+    reg = SharedMemoryRegistry(max_regions=3)
+    for i in range(3):
+        reg.register(f"r{i}", obj.name, 0, 64)
+    with raises(ResourceExhausted, "'r3'", "3 regions", "endpoints.max_shm_regions"):
+        reg.register("r3", obj.name, 0, 64)
+    reg.unregister("r0")
+    reg.register("r3", obj.name, 0, 64)  # room again
+
+
+def test_truncated_object_is_an_error_not_a_crash(registry, posix_shm):
+    """A client that shrinks its object after registering it: reads and writes past the
+    new end fail with INVALID_ARGUMENT (a mapping would have raised SIGBUS)."""
+    obj = posix_shm(1 << 16)
+    registry.register("r", obj.name, 0, 1 << 16)
+    os.truncate(f"/dev/shm/{obj.name}", 100)
+    assert len(registry.read("r", 0, 100)) == 100  # what is left still reads
+    with raises(InvalidArgument, "'r'", "is now 100 bytes", "must not shrink"):
+        registry.read("r", 0, 1 << 16)
+    with raises(InvalidArgument, "'r'", "is now 100 bytes"):
+        registry.write("r", 1000, b"x" * 10)
+    os.truncate(f"/dev/shm/{obj.name}", 0)
+    with raises(InvalidArgument, "is now 0 bytes"):
+        registry.read("r", 0, 1)
+
+
+def test_removed_or_replaced_object(registry, posix_shm):
+    obj = posix_shm(64)
+    path = f"/dev/shm/{obj.name}"
     registry.register("r", obj.name, 0, 64)
-    with registry._pin("r", 0, 4) as region:
-        registry.unregister("r")
-        assert registry.status() == []  # the name is gone at once...
-        assert region.read(0, 4) == b"live"  # ...the mapping stays while in use
-        assert not region._mm.closed
-    assert region._mm.closed  # the last user unmapped it
+    os.rename(path, path + "_moved")
+    try:
+        with raises(NotFound, "no longer exists", "register the region again"):
+            registry.read("r", 0, 4)
+        with open(path, "wb") as f:  # a new object under the same key
+            f.write(bytes(64))
+        with raises(FailedPrecondition, "was replaced"):
+            registry.write("r", 0, b"x")
+    finally:
+        os.replace(path + "_moved", path)
 
 
 def test_concurrent_reads_while_registrations_change(posix_shm):

@@ -34,7 +34,14 @@ import msgspec.yaml
 
 from .env import ENV_PREFIX, apply_env
 from .errors import ConfigError
-from .schema import SECTIONS, GlobalConfig, NodeConfig, WorkerConfig, WorkerEntry
+from .schema import (
+    SECTIONS,
+    EndpointsConfig,
+    GlobalConfig,
+    NodeConfig,
+    WorkerConfig,
+    WorkerEntry,
+)
 
 __all__ = [
     "DEFAULT_NODE_NAME",
@@ -323,6 +330,7 @@ def _resolve_one(
     # Paths from the file are relative to the file; from the environment,
     # relative to where the server was started.
     cwd = Path.cwd()
+    endpoints = _resolve_security(endpoints, here, base, cwd, from_env)
     return WorkerConfig(
         name=entry.name,
         index=index,
@@ -339,6 +347,42 @@ def _resolve_one(
         gpu=gpu,
         overrides=overrides,
     )
+
+
+def _resolve_security(
+    endpoints: EndpointsConfig, here: str, base: Path, cwd: Path, from_env: set[str]
+) -> EndpointsConfig:
+    """Check the TLS and restricted-protocol settings; make their paths absolute."""
+    tls = {}
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(endpoints, key)
+        if value is not None:
+            variable = f"{ENV_PREFIX}ENDPOINTS_{key.upper()}"
+            tls[key] = _absolute(value, cwd if variable in from_env else base)
+    if ("tls_cert_file" in tls) != ("tls_key_file" in tls):
+        raise ConfigError(f"{here}: endpoints.tls_cert_file and tls_key_file go together")
+    if "tls_client_ca_file" in tls and "tls_cert_file" not in tls:
+        raise ConfigError(
+            f"{here}: endpoints.tls_client_ca_file needs tls_cert_file and tls_key_file"
+        )
+    restricted = []
+    owner: dict[str, int] = {}
+    for i, block in enumerate(endpoints.restricted):
+        at = f"{here}: endpoints.restricted[{i}]"
+        sources = [k for k in ("value", "value_env", "value_file") if getattr(block, k) is not None]
+        if len(sources) != 1:
+            raise ConfigError(f"{at}: give exactly one of value, value_env, value_file")
+        for protocol in block.protocols:
+            if protocol in owner:
+                raise ConfigError(
+                    f"{at}: protocol {protocol!r} is already restricted by "
+                    f"endpoints.restricted[{owner[protocol]}]"
+                )
+            owner[protocol] = i
+        if block.value_file is not None:
+            block = msgspec.structs.replace(block, value_file=_absolute(block.value_file, base))
+        restricted.append(block)
+    return msgspec.structs.replace(endpoints, restricted=restricted, **tls)
 
 
 def _check_ports(workers: list[WorkerConfig], where: str) -> None:
@@ -424,6 +468,11 @@ def load_worker(
 
 
 def effective_config_dict(worker: WorkerConfig) -> dict[str, Any]:
-    """`worker` as plain JSON data (dicts, lists, str, numbers, None), for the startup log."""
+    """`worker` as plain JSON data (dicts, lists, str, numbers, None), for the startup log.
+    Restricted-protocol values written in the file are shown as ``"***"``."""
     # Through JSON rather than to_builtins: tuples come back as lists.
-    return msgspec.json.decode(msgspec.json.encode(worker))
+    data = msgspec.json.decode(msgspec.json.encode(worker))
+    for block in data["endpoints"]["restricted"]:
+        if block.get("value") is not None:
+            block["value"] = "***"
+    return data

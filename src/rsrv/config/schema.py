@@ -27,11 +27,14 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "MAX_WEIGHT",
+    "MIN_WEIGHT",
     "EndpointsConfig",
     "GlobalConfig",
     "LoggingConfig",
     "ModelSchedConfig",
     "NodeConfig",
+    "RestrictedConfig",
     "RuntimeConfig",
     "SchedulerConfig",
     "WorkerConfig",
@@ -45,11 +48,30 @@ def _doc(text: str) -> Meta:
 
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
+
+#: Fair-share weights a model may have. Bounded so that a model's virtual time stays
+#: finite and comparable: a weight of inf would starve every other model, and a
+#: subnormal one would push the virtual clock to inf, breaking fair sharing for good.
+MIN_WEIGHT = 1e-3
+MAX_WEIGHT = 1e3
 Backend = Literal["cpu", "cuda"]
 Residency = Literal["unpinned", "system", "device"]
 Discipline = Literal["fair", "fifo", "edf"]
 ControlMode = Literal["dynamic", "static", "explicit"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+#: Triton's protocol groups of RPCs, and ``control`` for rsrv's control service.
+Protocol = Literal[
+    "health",
+    "metadata",
+    "inference",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "shared-memory",
+    "trace",
+    "logging",
+    "control",
+]
 LogFormat = Literal["text", "json"]
 
 
@@ -99,7 +121,9 @@ class ModelSchedConfig(_Strict):
     """Scheduling policy for one model, keyed by model name."""
 
     weight: Annotated[
-        float, Meta(gt=0), _doc("Fair-share weight; a model gets service in proportion.")
+        float,
+        Meta(ge=MIN_WEIGHT, le=MAX_WEIGHT),
+        _doc("Fair-share weight (0.001 to 1000); a model gets service in proportion."),
     ] = 1.0
     residency: Annotated[
         Residency | None,
@@ -151,6 +175,29 @@ class SchedulerConfig(_Strict):
     ] = {}
 
 
+class RestrictedConfig(_Strict):
+    """Protocols that need a header (an item of `endpoints.restricted`)."""
+
+    protocols: Annotated[
+        list[Protocol],
+        Meta(min_length=1),
+        _doc("Protocol groups whose RPCs need the header (Triton's names, and `control`)."),
+    ]
+    header: Annotated[
+        str,
+        Meta(min_length=1, pattern=r"^[0-9a-z_.-]+$"),
+        _doc("Header (gRPC metadata key, lower case) that must carry the value."),
+    ]
+    value: Annotated[str | None, _doc("The value, written in the file.")] = None
+    value_env: Annotated[str | None, _doc("Name of an environment variable holding the value.")] = (
+        None
+    )
+    value_file: Annotated[
+        str | None,
+        _doc("File holding the value (trailing newline removed); relative to the node file."),
+    ] = None
+
+
 class EndpointsConfig(_Strict):
     """Where and how the worker listens."""
 
@@ -177,6 +224,42 @@ class EndpointsConfig(_Strict):
     shutdown_grace_seconds: Annotated[
         float, Meta(ge=0), _doc("How long in-flight requests may finish after a stop signal.")
     ] = 30.0
+    max_connections: Annotated[
+        int, Meta(ge=1), _doc("Open client connections; more are closed as they arrive.")
+    ] = 1000
+    max_streams_per_connection: Annotated[
+        int, Meta(ge=1), _doc("Calls open at once on one connection (HTTP/2 setting).")
+    ] = 128
+    max_requests_per_stream: Annotated[
+        int,
+        Meta(ge=1),
+        _doc("Requests of one ModelStreamInfer stream in flight at once; more wait."),
+    ] = 16
+    receive_timeout_seconds: Annotated[
+        float,
+        Meta(gt=0),
+        _doc("A request message must arrive whole within this of its first byte."),
+    ] = 60.0
+    idle_connection_seconds: Annotated[
+        float,
+        Meta(ge=0),
+        _doc("A connection with no call open this long is closed (GOAWAY); 0: never."),
+    ] = 600.0
+    max_shm_regions: Annotated[
+        int, Meta(ge=0), _doc("System shared memory regions registered at once.")
+    ] = 256
+    tls_cert_file: Annotated[
+        str | None, _doc("PEM certificate chain: serve gRPC over TLS (with tls_key_file).")
+    ] = None
+    tls_key_file: Annotated[str | None, _doc("PEM private key of tls_cert_file.")] = None
+    tls_client_ca_file: Annotated[
+        str | None,
+        _doc("PEM CA bundle: clients must present a certificate it signed (mutual TLS)."),
+    ] = None
+    restricted: Annotated[
+        list[RestrictedConfig],
+        _doc("Protocols that need a header; unlisted protocols stay open."),
+    ] = []
 
 
 class LoggingConfig(_Strict):

@@ -14,7 +14,7 @@ from rsrv.protocol.codec import (
     tensor_metadata,
 )
 from rsrv.protocol.shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
-from rsrv.protocol.status import MAX_MESSAGE_CHARS, grpc_status, to_rpc_error
+from rsrv.protocol.status import MAX_MESSAGE_CHARS, grpc_status
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",
@@ -31,5 +31,4 @@ __all__ = [
     "request_priority",
     "requested_outputs",
     "tensor_metadata",
-    "to_rpc_error",
 ]

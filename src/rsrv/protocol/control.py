@@ -115,8 +115,6 @@ class ControlService(ControlServiceServicer):
                 "(its calls are scheduled as requests of the models it calls; set theirs)"
             )
         if message.HasField("weight"):
-            if not message.weight > 0:
-                raise InvalidArgument(f"weight must be positive, got {message.weight}")
             w.scheduler.set_weight(message.name, message.weight)
         return pb.SetModelPolicyResponse(weight=w.scheduler.stats(message.name).weight)
 

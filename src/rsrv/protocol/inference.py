@@ -15,16 +15,15 @@ import trio
 import rsrv
 from rsrv.bundle.manifest import Tensor
 from rsrv.errors import (
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
 )
 from rsrv.protocol import codec
+from rsrv.protocol.calls import call_deadline
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2 as mc
 from rsrv.protocol.generated.inference.grpc_service_grpc import GRPCInferenceServiceServicer
-from rsrv.protocol.server import call_deadline, deadline_of
 from rsrv.protocol.status import grpc_status
 
 if TYPE_CHECKING:
@@ -88,11 +87,12 @@ class InferenceService(GRPCInferenceServiceServicer):
         return await self._infer(message)
 
     async def ModelStreamInfer(self, messages, request):
-        """Requests on one stream run concurrently; each answer (or its error_message)
-        is sent as it completes, and a failed request never ends the stream. The stream's
-        grpc-timeout bounds the whole stream (DEADLINE_EXCEEDED when it expires) and
-        every request on it."""
-        async with self._stream_responses(messages, deadline_of(request)) as responses:
+        """Requests on one stream run concurrently, at most
+        ``endpoints.max_requests_per_stream`` at once (the stream is not read further
+        until one finishes); each answer (or its error_message) is sent as it completes,
+        and a failed request never ends the stream. The stream's grpc-timeout bounds the
+        whole stream (DEADLINE_EXCEEDED when it expires) and every request on it."""
+        async with self._stream_responses(messages, request.deadline) as responses:
             async for response in responses:
                 yield response
 
@@ -100,8 +100,9 @@ class InferenceService(GRPCInferenceServiceServicer):
     async def _stream_responses(self, messages, deadline: float):
         call_deadline.set(deadline)  # this task's context: inherited by the request tasks
         send, receive = trio.open_memory_channel(0)
-
-        limit = self.worker.config.endpoints.max_message_bytes
+        endpoints = self.worker.config.endpoints
+        limit = endpoints.max_message_bytes
+        slots = trio.Semaphore(endpoints.max_requests_per_stream)
 
         async def one(message):
             try:
@@ -122,22 +123,26 @@ class InferenceService(GRPCInferenceServiceServicer):
                         model_name=message.model_name, id=message.id
                     ),
                 )
-            await send.send(response)
+            try:
+                await send.send(response)
+            finally:
+                slots.release()
 
         async def pump():
             async with send:
                 async with trio.open_nursery() as requests:
-                    async for message in messages:
+                    while True:
+                        await slots.acquire()
+                        message = await anext(messages, None)
+                        if message is None:
+                            break
                         requests.start_soon(one, message)
 
-        with trio.move_on_at(deadline) as scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pump)
-                async with receive:
-                    async for response in receive:
-                        yield response
-        if scope.cancelled_caught:
-            raise DeadlineExceeded("deadline (grpc-timeout) expired before the stream ended")
+        async with trio.open_nursery() as nursery:  # the transport enforces the deadline
+            nursery.start_soon(pump)
+            async with receive:
+                async for response in receive:
+                    yield response
 
     async def _infer(self, message) -> pb.ModelInferResponse:
         if not message.model_name:

@@ -34,15 +34,29 @@ mistake, so rsrv answers INVALID_ARGUMENT. The disabled case has no Triton count
 (Triton answers UNIMPLEMENTED on platforms without shared memory); FAILED_PRECONDITION
 says "not until the configuration changes" and the message names the setting.
 
-Thread safety: every method may be called from any thread. A read or write pins its
-region (a use count) for the duration of the copy, so a region unregistered meanwhile
-stays mapped until the copy ends and is unmapped by its last user: never a dangling
-mapping, never a segfault. The name is freed at once, so it can be registered again.
+The object belongs to the client, which may shrink, replace or remove it at any time.
+So a region is never mapped: every read or write opens the object, checks that it is
+still the object that was registered (device and inode) and still large enough, and
+copies with ``pread`` / ``pwrite``, which report a shrink as a short count instead of
+the SIGBUS a mapping would raise. The outcomes, each failing only that request:
+
+==========================================  ====================  ==========================
+object removed since registration           NOT_FOUND             shared memory object 'k'
+                                                                  of region 'x' no longer
+                                                                  exists
+object replaced (a new object, same key)    FAILED_PRECONDITION   ... was replaced since
+object shrunk below the registered window   INVALID_ARGUMENT      ... is now N bytes
+==========================================  ====================  ==========================
+
+No descriptor is held between requests, and at most ``max_regions`` regions may be
+registered at once (RESOURCE_EXHAUSTED beyond: endpoints.max_shm_regions).
+
+Thread safety: every method may be called from any thread; unregistering a region while
+a copy from it is under way lets that copy finish.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import threading
@@ -50,7 +64,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, RsrvError
+from rsrv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RsrvError,
+)
 
 __all__ = [
     "DISABLED_MESSAGE",
@@ -80,28 +100,16 @@ class RegionInfo:
     byte_size: int
 
 
+@dataclass(frozen=True, slots=True)
 class _Region:
-    """One mapping. ``view`` covers exactly the registered window."""
+    """A registered window and the identity of the object it lies in."""
 
-    __slots__ = ("info", "_mm", "_delta", "users", "retired")
+    info: RegionInfo
+    path: str
+    identity: tuple[int, int]  # (st_dev, st_ino) at registration
 
-    def __init__(self, info: RegionInfo, mm: mmap.mmap, delta: int) -> None:
-        self.info = info
-        self._mm = mm
-        self._delta = delta  # mmap offsets must be page aligned: window starts here
-        self.users = 0
-        self.retired = False
 
-    def read(self, offset: int, byte_size: int) -> bytes:
-        start = self._delta + offset
-        return self._mm[start : start + byte_size]
-
-    def write(self, offset: int, data: memoryview) -> None:
-        start = self._delta + offset
-        self._mm[start : start + data.nbytes] = data
-
-    def unmap(self) -> None:
-        self._mm.close()
+_OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _validate_key(name: str, key: str) -> str:
@@ -121,11 +129,13 @@ class SharedMemoryRegistry:
 
     ``enabled`` is ``endpoints.system_shared_memory``. When disabled, ``register`` raises
     FailedPrecondition, ``status`` is empty and ``unregister`` is a no-op. ``root`` is the
-    directory holding POSIX shared-memory objects (``/dev/shm`` on Linux).
+    directory holding POSIX shared-memory objects (``/dev/shm`` on Linux);
+    ``max_regions`` caps how many regions are registered at once.
     """
 
-    def __init__(self, enabled: bool = True, *, root: str = "/dev/shm") -> None:
+    def __init__(self, enabled: bool = True, *, root: str = "/dev/shm", max_regions: int = 256):
         self.enabled = enabled
+        self.max_regions = max_regions
         self._root = root
         self._lock = threading.Lock()
         self._regions: dict[str, _Region] = {}
@@ -133,7 +143,7 @@ class SharedMemoryRegistry:
     # --- registration -------------------------------------------------------------------
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Map ``byte_size`` bytes at ``offset`` of the shared-memory object ``key``."""
+        """Register ``byte_size`` bytes at ``offset`` of the shared-memory object ``key``."""
         if not self.enabled:
             raise FailedPrecondition(
                 f"cannot register shared memory region '{name}': {DISABLED_MESSAGE}"
@@ -146,17 +156,9 @@ class SharedMemoryRegistry:
                 f"failed to register shared memory region '{name}': invalid args: "
                 f"offset {offset} must be >= 0 and byte_size {byte_size} must be > 0"
             )
-        with self._lock:
-            if name in self._regions:
-                raise AlreadyExists(f"shared memory region '{name}' already in manager")
-            region = self._map(name, key, bare, offset, byte_size)
-            self._regions[name] = region
-
-    def _map(self, name: str, key: str, bare: str, offset: int, byte_size: int) -> _Region:
         path = os.path.join(self._root, bare)
-        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags)
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as e:
             raise InvalidArgument(
                 f"Unable to open shared memory region: '{key}' "
@@ -164,53 +166,42 @@ class SharedMemoryRegistry:
             ) from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidArgument(
-                    f"Unable to open shared memory region: '{key}' "
-                    f"(registering region '{name}'): not a shared-memory object"
-                )
-            size = st.st_size
-            # Python ints do not overflow; the checks below are exact.
-            if offset + byte_size > size:
-                raise InvalidArgument(
-                    f"failed to register shared memory region '{name}': invalid args: "
-                    f"offset {offset} + byte_size {byte_size} exceeds the size {size} "
-                    f"of shared memory object '{key}'"
-                )
-            delta = offset % mmap.ALLOCATIONGRANULARITY
-            try:
-                mm = mmap.mmap(
-                    fd,
-                    byte_size + delta,
-                    flags=mmap.MAP_SHARED,
-                    prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                    offset=offset - delta,
-                )
-            except (OSError, ValueError, OverflowError) as e:
-                raise InvalidArgument(
-                    f"failed to register shared memory region '{name}': cannot map '{key}': {e}"
-                ) from None
         finally:
             os.close(fd)
-        return _Region(RegionInfo(name, key, offset, byte_size), mm, delta)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(
+                f"Unable to open shared memory region: '{key}' "
+                f"(registering region '{name}'): not a shared-memory object"
+            )
+        # Python ints do not overflow; the check is exact.
+        if offset + byte_size > st.st_size:
+            raise InvalidArgument(
+                f"failed to register shared memory region '{name}': invalid args: "
+                f"offset {offset} + byte_size {byte_size} exceeds the size {st.st_size} "
+                f"of shared memory object '{key}'"
+            )
+        region = _Region(RegionInfo(name, key, offset, byte_size), path, (st.st_dev, st.st_ino))
+        with self._lock:
+            if name in self._regions:
+                raise AlreadyExists(f"shared memory region '{name}' already in manager")
+            if len(self._regions) >= self.max_regions:
+                raise ResourceExhausted(
+                    f"cannot register shared memory region '{name}': {len(self._regions)} "
+                    f"regions are registered, the limit (endpoints.max_shm_regions); "
+                    "unregister some first"
+                )
+            self._regions[name] = region
 
     def unregister(self, name: str | None = None) -> None:
         """Forget region ``name`` (an unknown name is fine); None or "" means all."""
         with self._lock:
             if name:
-                region = self._regions.pop(name, None)
-                doomed = [region] if region is not None else []
+                self._regions.pop(name, None)
             else:
-                doomed = list(self._regions.values())
                 self._regions.clear()
-            for region in doomed:
-                region.retired = True
-                if region.users == 0:
-                    region.unmap()
-                # else: the last reader/writer unmaps it in _pin
 
     def close(self) -> None:
-        """Release every mapping (shutdown). In-flight copies finish first."""
+        """Forget every region (shutdown)."""
         self.unregister(None)
 
     def status(self, name: str | None = None) -> list[RegionInfo]:
@@ -229,36 +220,68 @@ class SharedMemoryRegistry:
         """Validate that ``[offset, offset + byte_size)`` lies in region ``name``."""
         with self._lock:
             region = self._lookup(name)
-            _check_bounds(region.info, offset, byte_size)
-            return region.info
+        _check_bounds(region.info, offset, byte_size)
+        return region.info
 
-    def read(self, name: str, offset: int, byte_size: int) -> bytes:
+    def read(self, name: str, offset: int, byte_size: int) -> bytearray:
         """A copy of ``byte_size`` bytes at ``offset`` in region ``name``."""
-        with self._pin(name, offset, byte_size) as region:
-            return region.read(offset, byte_size)
+        region = self._region(name, offset, byte_size)
+        out = bytearray(byte_size)
+        with self._open(region, offset + byte_size) as fd:
+            view = memoryview(out)
+            start = region.info.offset + offset
+            done = 0
+            while done < byte_size:
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n <= 0:
+                    raise _shrunk(region, start + done)
+                done += n
+        return out
 
     def write(self, name: str, offset: int, data) -> int:
         """Copy the bytes-like ``data`` to ``offset`` in region ``name``; returns its size."""
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")  # C-contiguous data only, as bytes-like objects are
-        with self._pin(name, offset, view.nbytes) as region:
-            region.write(offset, view)
-        return view.nbytes
+        size = view.nbytes
+        region = self._region(name, offset, size)
+        with self._open(region, offset + size) as fd:
+            start = region.info.offset + offset
+            done = 0
+            while done < size:
+                done += os.pwrite(fd, view[done:], start + done)
+        return size
 
-    @contextmanager
-    def _pin(self, name: str, offset: int, byte_size: int) -> Iterator[_Region]:
+    def _region(self, name: str, offset: int, byte_size: int) -> _Region:
         with self._lock:
             region = self._lookup(name)
-            _check_bounds(region.info, offset, byte_size)
-            region.users += 1
+        _check_bounds(region.info, offset, byte_size)
+        return region
+
+    @contextmanager
+    def _open(self, region: _Region, needed: int) -> Iterator[int]:
+        """The region's object, opened, once it is known to be the registered one and
+        to hold the window's first ``needed`` bytes."""
+        info = region.info
+        what = f"shared memory object '{info.key}' of region '{info.name}'"
         try:
-            yield region
+            fd = os.open(region.path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            raise NotFound(f"{what} no longer exists; register the region again") from None
+        except OSError as e:
+            raise InvalidArgument(f"cannot open {what}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != region.identity:
+                raise FailedPrecondition(
+                    f"{what} was replaced since the region was registered; "
+                    "register the region again"
+                )
+            if st.st_size < info.offset + needed:
+                raise _shrunk(region, st.st_size)
+            yield fd
         finally:
-            with self._lock:
-                region.users -= 1
-                if region.retired and region.users == 0:
-                    region.unmap()
+            os.close(fd)
 
     def _lookup(self, name: str) -> _Region:
         if not self.enabled:
@@ -273,6 +296,15 @@ class SharedMemoryRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._regions)
+
+
+def _shrunk(region: _Region, size: int) -> InvalidArgument:
+    info = region.info
+    return InvalidArgument(
+        f"shared memory object '{info.key}' of region '{info.name}' is now {size} bytes, "
+        f"smaller than the registered window (offset {info.offset} + byte_size "
+        f"{info.byte_size}); the client must not shrink a registered object"
+    )
 
 
 def _check_bounds(info: RegionInfo, offset: int, byte_size: int) -> None:

@@ -1,13 +1,12 @@
 """Exceptions -> gRPC status, decided once.
 
 Every rsrv error carries its status name in ``code`` (``rsrv.errors``); this module turns
-any exception into a purerpc ``(StatusCode, message)`` pair, or into the purerpc
-``RpcFailedError`` subclass that a handler raises so that purerpc closes the stream with
-that status (purerpc 0.8's server catches ``RpcFailedError`` and sends ``error.status``;
-anything else becomes CANCELLED with a ``repr(sys.exc_info())`` traceback, which must
-never reach a client).
+any exception a handler raises into the purerpc ``(StatusCode, message)`` pair the
+transport sends (``rsrv.transport.GrpcServer(status_of=grpc_status)``), so a client
+never receives a Python repr or traceback.
 
-Mapping:
+Mapping (an exception group with a single member is its member: a failure that crossed
+nurseries, e.g. a stream's request pump or a meta model's calls, keeps its status):
 
 * ``RsrvError`` (and subclasses, e.g. ``rsrv.protocol.shm.AlreadyExists``): its ``code``.
 * ``purerpc.RpcFailedError``: its own status, unchanged.
@@ -25,32 +24,13 @@ from __future__ import annotations
 
 import trio
 from purerpc.grpclib import exceptions as _exc
-from purerpc.grpclib.status import Status, StatusCode
+from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import RsrvError
 
-__all__ = ["MAX_MESSAGE_CHARS", "grpc_status", "to_rpc_error"]
+__all__ = ["MAX_MESSAGE_CHARS", "grpc_status"]
 
 MAX_MESSAGE_CHARS = 2000
-
-_RPC_ERRORS: dict[StatusCode, type[_exc.RpcFailedError]] = {
-    StatusCode.CANCELLED: _exc.CancelledError,
-    StatusCode.UNKNOWN: _exc.UnknownError,
-    StatusCode.INVALID_ARGUMENT: _exc.InvalidArgumentError,
-    StatusCode.DEADLINE_EXCEEDED: _exc.DeadlineExceededError,
-    StatusCode.NOT_FOUND: _exc.NotFoundError,
-    StatusCode.ALREADY_EXISTS: _exc.AlreadyExistsError,
-    StatusCode.PERMISSION_DENIED: _exc.PermissionDeniedError,
-    StatusCode.RESOURCE_EXHAUSTED: _exc.ResourceExhaustedError,
-    StatusCode.FAILED_PRECONDITION: _exc.FailedPreconditionError,
-    StatusCode.ABORTED: _exc.AbortedError,
-    StatusCode.OUT_OF_RANGE: _exc.OutOfRangeError,
-    StatusCode.UNIMPLEMENTED: _exc.UnimplementedError,
-    StatusCode.INTERNAL: _exc.InternalError,
-    StatusCode.UNAVAILABLE: _exc.UnavailableError,
-    StatusCode.DATA_LOSS: _exc.DataLossError,
-    StatusCode.UNAUTHENTICATED: _exc.UnauthenticatedError,
-}
 
 
 def _cap(message: str) -> str:
@@ -67,6 +47,8 @@ def _type_message(exc: BaseException) -> str:
 
 def grpc_status(exc: BaseException) -> tuple[StatusCode, str]:
     """The purerpc status code and message a client receives for ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
     if isinstance(exc, RsrvError):
         try:
             code = StatusCode[exc.code]
@@ -91,14 +73,3 @@ def grpc_status(exc: BaseException) -> tuple[StatusCode, str]:
     if not isinstance(exc, Exception):
         return StatusCode.CANCELLED, _cap(str(exc) or "cancelled")
     return StatusCode.INTERNAL, _cap(_type_message(exc))
-
-
-def to_rpc_error(exc: BaseException) -> _exc.RpcFailedError:
-    """The purerpc exception a handler raises (``raise to_rpc_error(e) from e``)."""
-    if isinstance(exc, _exc.RpcFailedError):
-        return exc
-    code, message = grpc_status(exc)
-    cls = _RPC_ERRORS.get(code)
-    if cls is None:
-        return _exc.RpcFailedError(Status(code, message))
-    return cls(message)

@@ -44,6 +44,9 @@ class Policy:
     def dispatched(self, m: ModelState, estimate: float) -> None:
         """``m`` starts a batch expected to take ``estimate`` seconds."""
 
+    def reweight(self, m: ModelState, weight: float, now: float) -> None:
+        """``m``'s weight is about to become ``weight``."""
+
     def completed(self, m: ModelState, estimate: float, actual: float, now: float) -> None:
         """``m``'s batch took ``actual`` seconds."""
 
@@ -140,6 +143,11 @@ class Fair(Policy):
 
     def backlogged(self) -> Iterator[ModelState]:
         return iter(self._ready)
+
+    def reweight(self, m: ModelState, weight: float, now: float) -> None:
+        # The tag's distance from V is service (or its lack) per unit weight: keep it
+        # the same in device seconds under the new weight.
+        m.tag = self.vtime + (m.tag - self.vtime) * m.weight / weight
 
     def dispatched(self, m: ModelState, estimate: float) -> None:
         self.vtime = max(self.vtime, m.tag)

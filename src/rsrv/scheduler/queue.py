@@ -73,12 +73,18 @@ class RequestQueue:
     """One model's queued requests, in service order, plus arrival order.
 
     Service order is ``Request.order`` (a heap); arrival order (a deque) gives the
-    oldest queued request. Requests that leave other than by ``pop`` (withdrawn,
-    expired, failed) are only marked and skipped later, so every operation is
-    O(log n) amortised. ``live`` and ``rows`` count requests still QUEUED.
+    oldest queued request. A request that leaves is only marked and skipped later, so
+    every operation is O(log n) amortised; the marked ones are dropped as soon as they
+    reach the front, and both records are rebuilt whenever marked entries outnumber the
+    queued ones, so the queue never holds more than about twice what is queued (plus a
+    small constant), however long it runs. ``live`` and ``rows`` count requests still
+    QUEUED.
     """
 
     __slots__ = ("_heap", "_arrivals", "live", "rows")
+
+    #: Marked entries tolerated before a rebuild, beyond the number of queued ones.
+    SLACK = 64
 
     def __init__(self) -> None:
         self._heap: list[tuple[tuple, Request]] = []
@@ -118,6 +124,18 @@ class RequestQueue:
         req.state = state
         self.live -= 1
         self.rows -= req.rows
+        arrivals = self._arrivals
+        while arrivals and arrivals[0].state is not State.QUEUED:
+            arrivals.popleft()
+        limit = 2 * self.live + self.SLACK
+        if len(arrivals) > limit or len(self._heap) > limit:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Drop every entry of a request that is no longer queued."""
+        self._arrivals = deque(r for r in self._arrivals if r.state is State.QUEUED)
+        self._heap = [e for e in self._heap if e[1].state is State.QUEUED]
+        heapq.heapify(self._heap)
 
     def oldest(self) -> Request | None:
         """The queued request that arrived first."""

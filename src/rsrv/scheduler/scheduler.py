@@ -32,7 +32,7 @@ from rsrv.scheduler.batching import assemble, rows_of, signature, split
 from rsrv.scheduler.costs import CostTable, DecayedSum
 from rsrv.scheduler.policy import make_policy
 from rsrv.scheduler.queue import Request, State, Version
-from rsrv.scheduler.spec import Executor, ModelSpec, Result
+from rsrv.scheduler.spec import Executor, ModelSpec, Result, check_weight
 from rsrv.scheduler.state import ModelState
 from rsrv.scheduler.stats import ModelStats
 
@@ -126,12 +126,15 @@ class Scheduler:
         self._retire(m.version)
 
     def set_weight(self, name: str, weight: float) -> None:
-        """Change a model's fair-share weight, effective from the next decision."""
+        """Change a model's fair-share weight, effective from the next decision.
+        Service it received beyond (or short of) its share so far keeps its size in
+        device seconds. InvalidArgument outside [MIN_WEIGHT, MAX_WEIGHT]."""
         m = self._model(name)
-        if not weight > 0:
-            raise InvalidArgument(f"model {name!r}: weight must be positive, got {weight}")
-        m.weight = float(weight)
-        self._policy.update(m, self._clock())
+        weight = check_weight(weight, f"model {name!r}")
+        now = self._clock()
+        self._policy.reweight(m, weight, now)
+        m.weight = weight
+        self._policy.update(m, now)
 
     def warm_costs(self, name: str, costs: dict[int, float]) -> None:
         """Seed the current version's per-size cost estimates (e.g. from warm-up runs)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from rsrv.config import MAX_WEIGHT, MIN_WEIGHT
 from rsrv.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -43,6 +44,15 @@ class Executor(Protocol):
     async def execute(
         self, model: str, batch_size: int, inputs: list[np.ndarray]
     ) -> list[np.ndarray]: ...
+
+
+def check_weight(weight: float, where: str) -> float:
+    """``weight`` as a float if it is a valid fair-share weight, else InvalidArgument."""
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # also refuses NaN
+        raise InvalidArgument(
+            f"{where}: weight must be between {MIN_WEIGHT:g} and {MAX_WEIGHT:g}, got {weight}"
+        )
+    return float(weight)
 
 
 @dataclass(frozen=True)
@@ -94,8 +104,7 @@ class ModelSpec:
             raise InvalidArgument(
                 f"{where}: an unbatched model (no compiled batch sizes) cannot have batch axes"
             )
-        if not self.weight > 0:
-            raise InvalidArgument(f"{where}: weight must be positive, got {self.weight}")
+        check_weight(self.weight, where)
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise InvalidArgument(
                 f"{where}: max_batch_size must be >= 1, got {self.max_batch_size}"

@@ -8,17 +8,20 @@ loads run in it too. Cancelling the nursery is shutdown; no task or thread outli
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import trio
 
 from rsrv.bundle.repository import discover
-from rsrv.config import ModelSchedConfig, WorkerConfig
+from rsrv.config import ConfigError, EndpointsConfig, ModelSchedConfig, WorkerConfig
 from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
-from rsrv.protocol.server import Admission
+from rsrv.protocol.calls import Admission, Restriction, guard
 from rsrv.protocol.shm import SharedMemoryRegistry
+from rsrv.protocol.status import grpc_status
 from rsrv.runtime import Compiler, backend
 from rsrv.scheduler import Scheduler
+from rsrv.transport import GrpcServer, TransportLimits, methods_of, server_tls_context
 from rsrv.worker.executor import DeviceExecutor
 from rsrv.worker.logs import LogSettings
 from rsrv.worker.models import Entry, ModelSet, ModelState, build_model
@@ -49,14 +52,19 @@ class Worker:
         self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)
         self.pipeline = Pipeline(self.models, self.scheduler, config.scheduler.meta_concurrency)
-        self.shm = SharedMemoryRegistry(enabled=config.endpoints.system_shared_memory)
+        self.shm = SharedMemoryRegistry(
+            enabled=config.endpoints.system_shared_memory,
+            max_regions=config.endpoints.max_shm_regions,
+        )
         self.log_settings = LogSettings(config.logging.level, config.logging.format)
         self.admission = Admission(config.endpoints.max_concurrent_requests)
+        self.restrictions = restrictions_of(config.endpoints)
         self.port: int | None = None
         self.compiler: Compiler | None = None
         self._loading: dict[str, trio.Lock] = {}
         self._residency: dict[str, str] = {}  # floors set by SetModelResidency, by name
         self.watcher = None  # the RepositoryWatcher, in dynamic mode
+        self.server: GrpcServer | None = None
         self._nursery: trio.Nursery | None = None
 
     # -- facts the protocol reports ---------------------------------------------------
@@ -121,25 +129,45 @@ class Worker:
         """
         from rsrv.protocol.control import ControlService
         from rsrv.protocol.inference import InferenceService
-        from rsrv.protocol.server import GrpcServer, guard_service
         from rsrv.worker.admin import serve_admin
         from rsrv.worker.watcher import RepositoryWatcher
 
         cfg = self.config
+        ep = cfg.endpoints
         self.compiler = Compiler(Path(cfg.cache_dir))
-        limit = cfg.endpoints.max_message_bytes
-        services = [
-            guard_service(s.service, self.admission)
-            for s in (InferenceService(self), ControlService(self))
+        methods = [
+            m
+            for service in (InferenceService(self), ControlService(self))
+            for m in methods_of(service.service)
         ]
-        server = GrpcServer(services, cfg.endpoints.host, cfg.endpoints.port, limit)
+        server = self.server = GrpcServer(
+            guard(methods, self.admission, self.restrictions),
+            ep.host,
+            ep.port,
+            limits=TransportLimits(
+                max_message_bytes=ep.max_message_bytes,
+                max_connections=ep.max_connections,
+                max_streams_per_connection=ep.max_streams_per_connection,
+                receive_timeout=ep.receive_timeout_seconds,
+                idle_timeout=ep.idle_connection_seconds,
+            ),
+            tls=server_tls_context(ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file)
+            if ep.tls_cert_file
+            else None,
+            status_of=grpc_status,
+        )
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.weights.run)
                 await nursery.start(self.scheduler.run)
                 self.port = await nursery.start(server.serve)
-                log.info("gRPC listening on %s:%d", cfg.endpoints.host, self.port)
+                log.info(
+                    "gRPC listening on %s:%d%s",
+                    ep.host,
+                    self.port,
+                    " (TLS)" if server.tls else "",
+                )
                 if cfg.endpoints.metrics_port is not None:
                     await nursery.start(
                         serve_admin, self, cfg.endpoints.host, cfg.endpoints.metrics_port
@@ -171,9 +199,6 @@ class Worker:
             while self.admission.inflight:
                 await trio.sleep(0.01)
             await self.scheduler.drain()
-            # The last answers were handed to the transport, which writes them after the
-            # handler returned: give it a moment before the connections are cancelled.
-            await trio.sleep(0.1)
         if scope.cancelled_caught:
             log.warning(
                 "shutdown grace period of %.1f s expired with %d call(s) in flight",
@@ -183,6 +208,9 @@ class Worker:
         regions = len(self.shm.status())
         self.shm.close()
         log.info("shutdown: released %d shared memory region(s); stopping", regions)
+        if self.server is not None:
+            # The last answers are flushed, then GOAWAY: clients see a clean end.
+            await self.server.close()
         self._nursery.cancel_scope.cancel()
 
     async def _load_startup_set(self) -> None:
@@ -346,3 +374,28 @@ class Worker:
 
     def _policy(self, name: str) -> ModelSchedConfig:
         return self.config.scheduler.models.get(name) or ModelSchedConfig()
+
+
+def restrictions_of(endpoints: EndpointsConfig) -> list[Restriction]:
+    """The restricted protocols of ``endpoints``, their values read from the file, the
+    environment or a file. Raises ConfigError when a value cannot be read or is empty."""
+    out = []
+    for i, block in enumerate(endpoints.restricted):
+        where = f"endpoints.restricted[{i}]"
+        if block.value_env is not None:
+            value = os.environ.get(block.value_env)
+            if value is None:
+                raise ConfigError(f"{where}: environment variable {block.value_env} is not set")
+        elif block.value_file is not None:
+            try:
+                value = Path(block.value_file).read_text().rstrip("\r\n")
+            except OSError as e:
+                raise ConfigError(
+                    f"{where}: cannot read value_file {block.value_file}: {e.strerror}"
+                ) from None
+        else:
+            value = block.value
+        if not value:
+            raise ConfigError(f"{where}: the header value is empty")
+        out.append(Restriction(frozenset(block.protocols), block.header, value))
+    return out

@@ -1,0 +1,161 @@
+"""What every call passes through before its handler: access, admission and deadline.
+
+:func:`guard` wraps the methods of the worker's services:
+
+* **Restricted protocols** (Triton's model): each RPC belongs to a protocol group
+  (:data:`PROTOCOLS`); a group listed in ``endpoints.restricted`` needs a header with a
+  given value, and a call without it fails with UNAVAILABLE and Triton's message
+  ("This protocol is restricted, expecting header '<name>'").
+* **Admission**: a unary call takes an in-flight slot (``endpoints.
+  max_concurrent_requests``) for its whole life; past the cap it is RESOURCE_EXHAUSTED,
+  and once the server drains every new call is UNAVAILABLE. A streaming call holds no
+  slot itself (an idle open stream is not in flight): its handler admits each request.
+* **Deadline**: the call's grpc-timeout is published in :data:`call_deadline` for the
+  handler (the transport enforces it).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import math
+from collections.abc import Iterable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+from rsrv.errors import ResourceExhausted, Unavailable
+from rsrv.transport import Method
+
+__all__ = [
+    "PROTOCOLS",
+    "Admission",
+    "Restriction",
+    "call_deadline",
+    "guard",
+    "protocol_of",
+]
+
+#: Absolute trio deadline of the current call (from grpc-timeout), or inf.
+call_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "call_deadline", default=math.inf
+)
+
+#: Protocol groups: Triton's names for its RPCs, and ``control`` for rsrv's control service.
+PROTOCOLS: Mapping[str, tuple[str, ...]] = {
+    "health": ("ServerLive", "ServerReady", "ModelReady"),
+    "metadata": ("ServerMetadata", "ModelMetadata"),
+    "inference": ("ModelInfer", "ModelStreamInfer"),
+    "model-config": ("ModelConfig",),
+    "model-repository": ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"),
+    "statistics": ("ModelStatistics",),
+    "shared-memory": (
+        "SystemSharedMemoryStatus",
+        "SystemSharedMemoryRegister",
+        "SystemSharedMemoryUnregister",
+        "CudaSharedMemoryStatus",
+        "CudaSharedMemoryRegister",
+        "CudaSharedMemoryUnregister",
+    ),
+    "trace": ("TraceSetting",),
+    "logging": ("LogSettings",),
+    "control": (
+        "ModelControlStatus",
+        "SetModelResidency",
+        "SetModelPolicy",
+        "CompactMemory",
+    ),
+}
+_GROUP_OF = {rpc: group for group, rpcs in PROTOCOLS.items() for rpc in rpcs}
+
+
+def protocol_of(path: str) -> str | None:
+    """The protocol group of a method path ("/pkg.Service/Method"), None if unknown."""
+    return _GROUP_OF.get(path.rsplit("/", 1)[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class Restriction:
+    """Calls of ``protocols`` need header ``header`` (lower case) equal to ``value``."""
+
+    protocols: frozenset[str]
+    header: str
+    value: str
+
+    def check(self, metadata: Mapping[str, str]) -> None:
+        sent = metadata.get(self.header)
+        if sent is None or not hmac.compare_digest(sent.encode(), self.value.encode()):
+            raise Unavailable(f"This protocol is restricted, expecting header '{self.header}'")
+
+
+class Admission:
+    """The in-flight cap (``endpoints.max_concurrent_requests``; 0 = uncapped)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.inflight = 0
+        self.shed = 0
+        self.closed = False
+
+    def close(self) -> None:
+        """Refuse every new call from now on (graceful shutdown)."""
+        self.closed = True
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Unavailable("server is shutting down")
+
+    def __enter__(self):
+        self.check_open()
+        if self.limit and self.inflight >= self.limit:
+            self.shed += 1
+            raise ResourceExhausted(
+                f"server is at its in-flight limit of {self.limit} "
+                "requests (endpoints.max_concurrent_requests)"
+            )
+        self.inflight += 1
+
+    def __exit__(self, *exc):
+        self.inflight -= 1
+
+
+def guard(
+    methods: Iterable[Method], admission: Admission, restrictions: Iterable[Restriction] = ()
+) -> list[Method]:
+    """``methods`` with restriction, admission and deadline around their handlers."""
+    by_protocol: dict[str, Restriction] = {}
+    for r in restrictions:
+        for protocol in r.protocols:
+            by_protocol[protocol] = r
+    guarded = []
+    for method in methods:
+        restriction = by_protocol.get(protocol_of(method.path) or "")
+        if method.client_streaming or method.server_streaming:
+            handler = _stream_handler(method.handler, admission, restriction)
+        else:
+            handler = _unary_handler(method.handler, admission, restriction)
+        guarded.append(replace(method, handler=handler))
+    return guarded
+
+
+def _unary_handler(fn, admission: Admission, restriction: Restriction | None):
+    async def handler(message, call):
+        if restriction is not None:
+            restriction.check(call.metadata)
+        call_deadline.set(call.deadline)  # this call's task context only
+        with admission:
+            return await fn(message, call)
+
+    return handler
+
+
+def _stream_handler(fn, admission: Admission, restriction: Restriction | None):
+    async def handler(messages, call):
+        if restriction is not None:
+            restriction.check(call.metadata)
+        admission.check_open()
+        call_deadline.set(call.deadline)
+        async with aclosing(fn(messages, call)) as responses:
+            async for response in responses:
+                yield response
+
+    return handler

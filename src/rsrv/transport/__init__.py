@@ -1,0 +1,31 @@
+"""gRPC over HTTP/2 on trio: the wire layer of every rsrv process.
+
+purerpc supplies the service definitions (generated servicers and stubs) and status
+types; this package replaces its connection layer, which has no way to cancel a call
+whose client reset the stream or went away, flushes once per frame, and runs on anyio.
+Here every connection and call is a trio task with a defined lifetime (see
+``_connection``), limits bound what one client can hold (``TransportLimits``), and TLS
+is served by ``trio.SSLStream``.
+"""
+
+from rsrv.transport._connection import ServerCall
+from rsrv.transport._messages import MessageError
+from rsrv.transport._server import (
+    GrpcServer,
+    Method,
+    TransportLimits,
+    default_status,
+    methods_of,
+    server_tls_context,
+)
+
+__all__ = [
+    "GrpcServer",
+    "MessageError",
+    "Method",
+    "ServerCall",
+    "TransportLimits",
+    "default_status",
+    "methods_of",
+    "server_tls_context",
+]

@@ -1,0 +1,177 @@
+"""gRPC length-prefixed messages: framing them, and reading them out of DATA frames.
+
+A gRPC message on the wire is a 1-byte compressed flag, a 4-byte big-endian length and
+the payload. :class:`MessageReader` turns a stream's DATA payloads into whole messages,
+enforcing the message limit on the declared length (an oversized message is skipped
+without being buffered) and inflating compressed ones against a per-connection
+:class:`InflateBudget`, so that a small compressed body cannot make one connection hold
+more than a bounded number of decompressed bytes.
+
+A message that cannot be delivered becomes a :class:`MessageError` in the reader's output
+in its place: only that call fails, the connection and its other calls carry on.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from purerpc.grpclib.exceptions import RpcFailedError
+from purerpc.grpclib.status import Status, StatusCode
+
+__all__ = ["InflateBudget", "MessageError", "MessageReader", "frame"]
+
+_HEADER = struct.Struct(">?I")
+ACCEPTED_ENCODINGS = ("gzip", "deflate")
+
+
+class MessageError(RpcFailedError):
+    """A call that fails in the transport (a message that cannot be delivered, an
+    unknown method...): the client receives ``status``."""
+
+    def __init__(self, code: StatusCode, message: str):
+        super().__init__(Status(code, message))
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` as one uncompressed gRPC message."""
+    return _HEADER.pack(False, len(payload)) + payload
+
+
+class InflateBudget:
+    """Decompressed bytes that the messages of one connection may hold at once.
+
+    Charged when a compressed message is inflated, released when its call ends.
+    """
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+
+class MessageReader:
+    """Whole messages out of one stream's DATA payloads.
+
+    ``feed`` returns the messages (``bytes``, or :class:`MessageError` for one that
+    cannot be delivered) completed by a payload. ``partial`` is True while a message
+    has started arriving and is not complete. ``release`` returns this stream's share
+    of the connection's inflate budget (call it when the call ends).
+    """
+
+    __slots__ = (
+        "_buf",
+        "_length",
+        "_compressed",
+        "_skip",
+        "_encoding",
+        "_limit",
+        "_budget",
+        "inflated",
+    )
+
+    def __init__(self, encoding: str | None, limit: int, budget: InflateBudget):
+        self._buf = bytearray()
+        self._length: int | None = None  # payload length of the message being read
+        self._compressed = False
+        self._skip = 0  # bytes of an oversized message still to discard
+        self._encoding = encoding
+        self._limit = limit
+        self._budget = budget
+        self.inflated = 0  # bytes charged to the budget by this stream
+
+    @property
+    def partial(self) -> bool:
+        return bool(self._buf) or self._length is not None or self._skip > 0
+
+    def feed(self, data: bytes) -> list[bytes | MessageError]:
+        out: list[bytes | MessageError] = []
+        if self._skip:
+            take = min(self._skip, len(data))
+            self._skip -= take
+            data = data[take:]
+            if self._skip:
+                return out
+        if not self._buf and self._length is None and len(data) >= 5:
+            # The common case: the payload starts at a message boundary.
+            compressed, length = _HEADER.unpack_from(data)
+            if len(data) == 5 + length and length <= self._limit:
+                out.append(self._deliver(compressed, data[5:]))
+                return out
+        self._buf += data
+        buf = self._buf
+        while True:
+            if self._length is None:
+                if len(buf) < 5:
+                    break
+                self._compressed, self._length = _HEADER.unpack_from(buf)
+                del buf[:5]
+                if self._length > self._limit:
+                    out.append(_too_large(self._length, self._limit))
+                    take = min(self._length, len(buf))
+                    del buf[:take]
+                    self._skip = self._length - take
+                    self._length = None
+                    if self._skip:
+                        break
+                    continue
+            if len(buf) < self._length:
+                break
+            payload = bytes(buf[: self._length])
+            del buf[: self._length]
+            self._length = None
+            out.append(self._deliver(self._compressed, payload))
+        return out
+
+    def _deliver(self, compressed: bool, payload: bytes) -> bytes | MessageError:
+        if not compressed:
+            return payload
+        return self._inflate(payload)
+
+    def _inflate(self, payload: bytes) -> bytes | MessageError:
+        encoding = self._encoding
+        if encoding is None or encoding == "identity":
+            return MessageError(
+                StatusCode.INTERNAL,
+                "the message has the compressed flag set, but the call declared no grpc-encoding",
+            )
+        if encoding not in ACCEPTED_ENCODINGS:
+            return MessageError(
+                StatusCode.UNIMPLEMENTED,
+                f"message compressed with {encoding!r}; rsrv accepts gzip and deflate "
+                "(or no compression)",
+            )
+        budget = self._budget
+        room = min(self._limit, budget.limit - budget.used)
+        inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib or gzip header
+        try:
+            out = inflater.decompress(payload, room + 1)
+        except zlib.error as e:
+            return MessageError(
+                StatusCode.INTERNAL, f"cannot decompress the {encoding} message: {e}"
+            )
+        if len(out) > room:
+            if room < self._limit:
+                return MessageError(
+                    StatusCode.RESOURCE_EXHAUSTED,
+                    f"decompressed messages of this connection's calls in flight would "
+                    f"exceed {budget.limit} bytes; send fewer compressed messages at once",
+                )
+            return _too_large(f"more than {self._limit} (decompressed)", self._limit)
+        budget.used += len(out)
+        self.inflated += len(out)
+        return out
+
+    def release(self) -> None:
+        self._budget.used -= self.inflated
+        self.inflated = 0
+        self._buf = bytearray()
+
+
+def _too_large(size: int | str, limit: int) -> MessageError:
+    return MessageError(
+        StatusCode.RESOURCE_EXHAUSTED,
+        f"received message of {size} bytes, larger than the maximum {limit} "
+        "(endpoints.max_message_bytes)",
+    )

@@ -1,0 +1,317 @@
+"""The gRPC server: listeners, TLS, connection limits, and running one call.
+
+Services are tables of :class:`Method` (see :func:`methods_of` for purerpc servicers).
+A handler raises any exception to fail its call; ``status_of`` (given by the protocol
+layer) turns it into the status the client receives, so the transport never decides a
+status for an application error and never sends a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import ssl
+from collections.abc import Callable, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import purerpc
+import trio
+from google.protobuf.message import DecodeError
+from purerpc.grpclib.exceptions import RpcFailedError
+from purerpc.grpclib.status import StatusCode
+from purerpc.rpc import Cardinality
+
+from rsrv.transport._connection import ServerCall, ServerConnection
+from rsrv.transport._messages import MessageError
+
+log = logging.getLogger("rsrv.transport")
+
+#: accept() failures that mean "out of descriptors or memory for now": wait, retry.
+_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One RPC of a service.
+
+    ``handler(request, call)`` for a unary request, ``handler(requests, call)`` with an
+    async iterator of requests for a streaming one; it returns the response, or is an
+    async generator of responses for a streaming response. ``decode`` parses a request
+    message's bytes, ``encode`` serializes a response.
+    """
+
+    path: str  # "/package.Service/Method"
+    handler: Callable[..., Any]
+    decode: Callable[[bytes], Any]
+    encode: Callable[[Any], bytes]
+    client_streaming: bool = False
+    server_streaming: bool = False
+
+
+def methods_of(service: purerpc.Service) -> list[Method]:
+    """The methods of a purerpc service (e.g. ``Servicer().service``)."""
+    methods = []
+    for name, bound in service.methods.items():
+        sig = bound.signature
+        card = sig.cardinality
+        methods.append(
+            Method(
+                path=f"/{service.name}/{name}",
+                handler=bound.method_fn,
+                decode=_parser(sig.request_type),
+                encode=sig.response_type.SerializeToString,
+                client_streaming=card in (Cardinality.STREAM_UNARY, Cardinality.STREAM_STREAM),
+                server_streaming=card in (Cardinality.UNARY_STREAM, Cardinality.STREAM_STREAM),
+            )
+        )
+    return methods
+
+
+@dataclass(frozen=True, slots=True)
+class TransportLimits:
+    """What one client may hold of the server (see specs/protocol.md, Security)."""
+
+    max_message_bytes: int = 1 << 28
+    max_connections: int = 1000
+    max_streams_per_connection: int = 128
+    receive_timeout: float = 60.0  # a request message must arrive whole within this
+    handshake_timeout: float = 10.0  # TLS + HTTP/2 preface
+    idle_timeout: float = 600.0  # a connection with no call open is closed; 0: never
+
+
+def default_status(exc: BaseException) -> tuple[StatusCode, str]:
+    """The status of an exception when the server is given no mapping."""
+    if isinstance(exc, RpcFailedError):
+        return exc.status.status_code, exc.status.status_message
+    return StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class GrpcServer:
+    """Serve :class:`Method` tables on ``host:port`` (port 0 picks a free port).
+
+    ``tls``: a server ``ssl.SSLContext`` (see :func:`server_tls_context`), or None for
+    plaintext HTTP/2. ``status_of`` maps a handler's exception to its status.
+    """
+
+    def __init__(
+        self,
+        methods: Iterable[Method],
+        host: str,
+        port: int,
+        *,
+        limits: TransportLimits | None = None,
+        tls: ssl.SSLContext | None = None,
+        status_of: Callable[[BaseException], tuple[StatusCode, str]] = default_status,
+    ):
+        self.methods = {m.path: m for m in methods}
+        self.host, self.port = host, port
+        self.limits = limits or TransportLimits()
+        self.tls = tls
+        self.status_of = status_of
+        self.connections: set[ServerConnection] = set()
+        self.refused_connections = 0
+        self._listeners: list[trio.SocketListener] = []
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled or closed; ``task_status.started(port)`` once
+        accepting. Binds the host given, nothing else (no SO_REUSEPORT); with port 0
+        only the host's first address is bound."""
+        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        if self.port == 0:
+            for extra in listeners[1:]:
+                await extra.aclose()
+            listeners = listeners[:1]
+        self._listeners = listeners
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener, nursery)
+            task_status.started(self.port)
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Stop accepting, then close every connection: what each has queued is sent,
+        then GOAWAY. Returns once they are closed (at most ``timeout`` seconds). Calls
+        still running are cancelled: answer them first (the worker drains before this).
+        """
+        for listener in self._listeners:
+            await listener.aclose()
+        for conn in list(self.connections):
+            conn.goaway()
+        with trio.move_on_after(timeout):
+            while self.connections:
+                await trio.sleep(0.01)
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as e:
+                if e.errno not in _CAPACITY_ERRNOS:
+                    raise
+                log.error("accept failed (%s): retrying in 0.1 s", e.strerror)
+                await trio.sleep(0.1)
+                continue
+            except trio.ClosedResourceError:
+                return
+            if len(self.connections) >= self.limits.max_connections:
+                self.refused_connections += 1
+                if self.refused_connections in (1, 10, 100) or self.refused_connections % 1000 == 0:
+                    log.warning(
+                        "refused a connection: %d open, the limit "
+                        "(endpoints.max_connections); %d refused so far",
+                        len(self.connections),
+                        self.refused_connections,
+                    )
+                await trio.aclose_forcefully(stream)
+                continue
+            nursery.start_soon(self._serve_connection, stream)
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        peer = _peer(stream)
+        _keepalive(stream.socket)
+        conn = None
+        try:
+            if self.tls is not None:
+                stream = trio.SSLStream(stream, self.tls, server_side=True)
+                with trio.move_on_after(self.limits.handshake_timeout) as timer:
+                    await stream.do_handshake()
+                if timer.cancelled_caught:
+                    log.debug("TLS handshake from %s timed out", peer)
+                    return
+            conn = ServerConnection(stream, self, peer)
+            self.connections.add(conn)
+            await conn.run()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as e:
+            log.debug("connection from %s ended: %s", peer, e)
+        except Exception:  # one connection's failure must never take the server down
+            log.exception("connection from %s failed", peer)
+        finally:
+            if conn is not None:
+                self.connections.discard(conn)
+            await trio.aclose_forcefully(stream)
+
+    async def _run_call(self, call: ServerCall) -> None:
+        """One call, start to end: dispatch, deadline, status, cleanup."""
+        code, message = StatusCode.OK, ""
+        method = self.methods.get(call.path)
+        try:
+            with call.scope:  # cancelled by RST_STREAM: the client is gone
+                with trio.move_on_at(call.deadline) as timer:
+                    try:
+                        if method is None:
+                            raise MessageError(
+                                StatusCode.UNIMPLEMENTED, f"unknown method {call.path!r}"
+                            )
+                        call.unary_request = not method.client_streaming
+                        await self._invoke(method, call)
+                    except Exception as e:
+                        code, message = self.status_of(e)
+                if timer.cancelled_caught:
+                    code = StatusCode.DEADLINE_EXCEEDED
+                    streaming = method.client_streaming or method.server_streaming
+                    message = "deadline (grpc-timeout) expired before the " + (
+                        "stream ended" if streaming else "call finished"
+                    )
+                call.finish(code, message)
+        finally:
+            call.release()
+
+    async def _invoke(self, method: Method, call: ServerCall) -> None:
+        if method.client_streaming:
+            request = _requests(method, call)
+        else:
+            raw = await call.receive()
+            if raw is None:
+                raise MessageError(StatusCode.INTERNAL, "the request ended before its message")
+            request = method.decode(raw)
+        limit = self.limits.max_message_bytes
+        if method.server_streaming:
+            async with aclosing(method.handler(request, call)) as responses:
+                async for response in responses:
+                    await call.send(_encode(method, response, limit))
+        else:
+            await call.send(_encode(method, await method.handler(request, call), limit))
+
+
+async def _requests(method: Method, call: ServerCall):
+    while (raw := await call.receive()) is not None:
+        yield method.decode(raw)
+
+
+def _parser(message_type) -> Callable[[bytes], Any]:
+    """``message_type.FromString``, failing the call with INVALID_ARGUMENT."""
+    parse = message_type.FromString
+    name = message_type.DESCRIPTOR.full_name
+
+    def decode(raw: bytes):
+        try:
+            return parse(raw)
+        except DecodeError as e:
+            raise MessageError(
+                StatusCode.INVALID_ARGUMENT, f"cannot parse the request as {name}: {e}"
+            ) from None
+
+    return decode
+
+
+def _encode(method: Method, response: Any, limit: int) -> bytes:
+    payload = method.encode(response)
+    if len(payload) > limit:
+        raise MessageError(
+            StatusCode.RESOURCE_EXHAUSTED,
+            f"response of {len(payload)} bytes exceeds the maximum {limit} "
+            "(endpoints.max_message_bytes)",
+        )
+    return payload
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+def _keepalive(sock) -> None:
+    """TCP keepalive, so a peer that vanished without a FIN is noticed (~8 min)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 300)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 30)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
+    except OSError:
+        pass
+
+
+def server_tls_context(
+    cert_file: str, key_file: str, client_ca_file: str | None = None
+) -> ssl.SSLContext:
+    """A TLS context for the gRPC endpoint (HTTP/2 by ALPN, TLS 1.2 or newer).
+
+    With ``client_ca_file``, clients must present a certificate signed by that CA
+    (mutual TLS). Raises OSError / ssl.SSLError when a file cannot be read or used.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    context.set_alpn_protocols(["h2"])
+    if client_ca_file:
+        context.load_verify_locations(client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+__all__ = [
+    "GrpcServer",
+    "Method",
+    "ServerCall",
+    "TransportLimits",
+    "default_status",
+    "methods_of",
+    "server_tls_context",
+]
