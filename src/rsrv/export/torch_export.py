@@ -4,16 +4,20 @@ The module (in eval mode) is exported with ``torch.export.export`` once per comp
 batch size, on example tensors of that size; torchax turns each exported program into a
 JAX function of ``(weights, inputs)``. The weights are the program's parameters, buffers
 and lifted constants, named by their state-dict keys (``fc.weight``, ``bn.running_mean``),
-in the program's own argument order. A program that mutates buffers (BatchNorm in
+in the order the decomposed program takes them. A program that mutates buffers (BatchNorm in
 training mode) is refused.
 
 torchax is an optional dependency (``pip install 'rsrv[torch]'``), and its releases track
 particular torch releases: :func:`torch_unavailable_reason` says why the path cannot run
-here, and every entry point raises :class:`ExportError` with that reason.
+here (naming the versions known to work), and every entry point raises
+:class:`ExportError` with that reason.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,18 @@ import numpy as np
 from rsrv.bundle.manifest import BATCH_LETTER
 from rsrv.export.errors import ExportError
 from rsrv.export.jax_export import Input, Program, export_program
+
+# What the torch extra installs (pyproject.toml) and what was seen to work (specs/export.md
+# §7). torchax 0.0.13 and older do not import with torch >= 2.13, which removed the
+# named-tensor overloads they register; nightlies before 0.0.14.dev20260912 do not import
+# with torch 2.14, which removed aten.qr.
+TORCHAX_REQUIREMENT = "torchax>=0.0.14.dev20260912"
+TORCH_REQUIREMENT = "torch>=2.13,<2.15"
+WORKING = "torch 2.13.0 or 2.14.1 with torchax 0.0.14.dev20260912 or 0.0.14.dev20261026"
+INSTALL = (
+    f"install a working pair with pip install 'rsrv[torch]' ({TORCH_REQUIREMENT}, "
+    f"{TORCHAX_REQUIREMENT}); known to work: {WORKING} (specs/export.md §8)"
+)
 
 _status: tuple[Any, str | None] | None = None  # (torchax.export module or None, reason)
 
@@ -43,11 +59,11 @@ def _import_torchax() -> tuple[Any, str | None]:
     try:
         import torch
     except ImportError as e:
-        return None, f"torch is not installed ({e}); pip install 'rsrv[torch]'"
+        return None, f"torch is not installed ({e}); {INSTALL}"
     try:
         version = metadata.version("torchax")
     except metadata.PackageNotFoundError:
-        return None, "torchax is not installed; pip install 'rsrv[torch]'"
+        return None, f"torchax is not installed; {INSTALL}"
     try:
         import torchax
         import torchax.export as torchax_export
@@ -56,11 +72,28 @@ def _import_torchax() -> tuple[Any, str | None]:
     except Exception as e:  # noqa: BLE001 - any import failure is an incompatibility
         return None, (
             f"torchax {version} does not work with torch {torch.__version__}: "
-            f"{type(e).__name__}: {e}; install a torchax release built for torch "
-            f"{torch.__version__.split('+')[0]}, or a torch release that torchax {version} "
-            "supports"
+            f"{type(e).__name__}: {e}; {INSTALL}"
         )
     return torchax_export, None
+
+
+@contextmanager
+def _without_pytree_deprecations() -> Iterator[None]:
+    """Hide one FutureWarning of torch's own that the user cannot act on.
+
+    ``ExportedProgram.run_decompositions`` (run twice per program, see :func:`_to_jax`)
+    deep-copies the module call graph, and every copied ``LeafSpec`` warns that
+    ``isinstance(treespec, LeafSpec)`` is deprecated: six identical warnings for an export
+    at three batch sizes (torch 2.13, 2.14). Only that message is ignored, and only while
+    the program is exported and converted.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+            category=FutureWarning,
+        )
+        yield
 
 
 def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program:
@@ -81,7 +114,8 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
                 torch.from_numpy(np.zeros(_shape(i, n), np.dtype(i.dtype))) for i in inputs
             )
             try:
-                program = torch.export.export(module, example)
+                with _without_pytree_deprecations():
+                    program = torch.export.export(module, example)
             except Exception as e:  # noqa: BLE001 - torch.export's many failure types
                 raise ExportError(
                     f"torch.export failed at batch size {n}: {type(e).__name__}: {e}"
@@ -92,14 +126,7 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
                     f"the program mutates buffer(s) {', '.join(sorted(mutated.values()))} "
                     "(BatchNorm in training mode?); a served module must not change state"
                 )
-            keys, states, fn = torchax_export.exported_program_to_jax(program, export_raw=True)
-            keys = list(keys) + list(
-                getattr(program.graph_signature, "lifted_tensor_constants", [])
-            )
-            if len(keys) != len(states):
-                raise ExportError(
-                    f"cannot name the program's {len(states)} weights ({len(keys)} state-dict keys)"
-                )
+            keys, states, fn = _to_jax(torchax_export, program, len(example))
             if names is None:
                 names, weights = keys, [_numpy(s) for s in states]
             elif keys != names:
@@ -133,6 +160,42 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
     return Program(
         call, names, weights, reference, framework="torch", packages=("torch", "torchax")
     )
+
+
+def _to_jax(torchax_export: Any, program: Any, n_inputs: int) -> tuple[list[str], list, Any]:
+    """The weights' names and values and a JAX function ``fn(weights, inputs)`` of a program.
+
+    What torchax's ``exported_program_to_jax`` does (torch's default decompositions, then
+    torchax's, then its ``JaxInterpreter`` on the graph), except that the weights are taken
+    in the order of the decomposed program's own signature. torchax lists parameters,
+    buffers, then lifted constants, but the decompositions move lifted constants (tensors
+    held as plain attributes) before the buffers, so its order would feed a constant where
+    a buffer is expected (torch 2.13/2.14, torchax 0.0.14 nightlies).
+    """
+    from torch.export.graph_signature import InputKind
+    from torchax import decompositions
+
+    with _without_pytree_deprecations():
+        program = program.run_decompositions().run_decompositions(decompositions.DECOMPOSITIONS)
+    signature = program.graph_signature
+    specs = signature.input_specs
+    state = {**program.state_dict, **program.constants}
+    weights = [s for s in specs if s.kind != InputKind.USER_INPUT]
+    users = [s for s in specs if s.kind == InputKind.USER_INPUT]
+    unknown = [s.arg.name for s in weights if s.target not in state]
+    if unknown or len(users) != n_inputs or weights != specs[: len(weights)]:
+        raise ExportError(
+            "cannot map the exported program's arguments to weights and inputs: "
+            + ", ".join(f"{s.kind.name.lower()} {s.arg.name}" for s in specs)
+        )
+    mutations = len(signature.buffers_to_mutate)
+    graph = program.graph_module
+
+    def fn(ws, xs):
+        outputs = torchax_export.JaxInterpreter(graph).run(*ws, *xs, enable_io_processing=False)
+        return outputs[mutations:]
+
+    return [s.target for s in weights], [state[s.target] for s in weights], fn
 
 
 def export_torch(
