@@ -1,12 +1,20 @@
 """Run a real worker on a loopback port for tests that drive it with tritonclient.
 
-tritonclient.grpc is synchronous, so the worker runs its own trio loop in a background
-thread; tests talk to it over real gRPC on 127.0.0.1 exactly like any client would.
+:func:`running` runs the worker in this process: tritonclient.grpc is synchronous, so the
+worker runs its own trio loop in a background thread; tests talk to it over real gRPC on
+127.0.0.1 exactly like any client would. :class:`ServerProcess` runs the real
+``rsrv serve NODE_FILE`` command instead, for what only a process shows (signals, exit
+status, memory, survival of hostile input).
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +49,19 @@ def worker_config(
     config = resolve_worker(load_node(None), None, variables)
     import msgspec
 
+    return msgspec.structs.replace(
+        config, endpoints=msgspec.structs.replace(config.endpoints, port=0)
+    )
+
+
+def node_config(directory: Path, node: str, worker: str | None = None):
+    """The WorkerConfig of node file text ``node`` (written to ``directory/node.toml``,
+    resolved without environment overrides), on a free port."""
+    import msgspec
+
+    path = directory / "node.toml"
+    path.write_text(node)
+    config = resolve_worker(load_node(path), worker, {}, source=path)
     return msgspec.structs.replace(
         config, endpoints=msgspec.structs.replace(config.endpoints, port=0)
     )
@@ -96,3 +117,78 @@ def in_loop(worker: Worker, fn, *args):
     """``fn(*args)`` run synchronously on the worker's trio loop (e.g. to read
     ``worker.scheduler.stats(name)``, which needs the loop's clock); returns its result."""
     return trio.from_thread.run_sync(fn, *args, trio_token=_tokens[id(worker)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A ``rsrv serve NODE_FILE`` subprocess; stderr is collected line by line.
+
+    ``node`` is the node file's TOML; ``{port}`` and ``{metrics_port}`` in it are
+    replaced by free ports (``self.port``, ``self.metrics_port``). Runs in ``workdir``
+    with no ``INFERENCE_SERVER_*`` variables but those in ``env``.
+    """
+
+    def __init__(self, workdir: Path, node: str, env: Mapping[str, str] | None = None):
+        self.port, self.metrics_port = free_port(), free_port()
+        path = workdir / "node.toml"
+        path.write_text(
+            node.replace("{port}", str(self.port)).replace("{metrics_port}", str(self.metrics_port))
+        )
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
+        environ.update(env or {})
+        script = Path(sys.executable).parent / "rsrv"
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
+        self.process = subprocess.Popen(
+            [*command, "serve", str(path)],
+            cwd=workdir,
+            env=environ,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = f"127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.stderr.append(line.rstrip("\n"))
+
+    def wait_ready(self, client, timeout: float = 60) -> None:
+        """Until ``client`` (tritonclient) sees the server ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, "\n".join(self.stderr)
+            try:
+                if client.is_server_ready():
+                    return
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "the server did not get ready"
+            time.sleep(0.1)
+
+    def rss(self) -> int:
+        """Resident memory of the server, in bytes."""
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.kill()
+            self._reader.join(5)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

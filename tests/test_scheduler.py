@@ -6,6 +6,9 @@ test_scheduler_fair.py. Time is trio's MockClock: deterministic and instant.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import trio
@@ -500,3 +503,34 @@ def test_model_spec_with_policy_from_config():
     assert tuned.max_rows == 6 and tuned.size_for(5) == 8 and tuned.size_for(0) == 1
     assert base.with_policy(ModelSchedConfig()).max_rows == 8
     assert ModelSpec("m", [8, 1, 4], (0,), (0,)).batch_sizes == (1, 4, 8)
+
+
+@pytest.mark.parametrize("discipline", ["fair", "fifo", "edf"])
+async def test_answered_and_withdrawn_requests_are_released(autojump_clock, discipline):
+    """Nothing keeps a request once it is answered or withdrawn, whatever the order it
+    leaves in: its input arrays can be freed (every answered request used to stay in
+    the queue's arrival record, raw input bytes included)."""
+    ex = FakeExecutor(cost=lambda model, size: 5.0 if model == "busy" else 0.001)
+    sched = Scheduler(config(discipline=discipline), ex)
+    sched.add_model(spec("busy"))
+    sched.add_model(spec("m"))
+    inputs: list[weakref.ref] = []
+
+    def fresh(i: int) -> list[np.ndarray]:
+        x = rows(i, 1 + i % 3)
+        inputs.append(weakref.ref(x))
+        return [x]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        for i in range(300):
+            await sched.submit("m", fresh(i))
+        # withdrawn out of arrival order while the device is busy
+        await queued(nursery, sched, "busy", [rows(0, 1)])
+        for i in range(300, 600):
+            with trio.move_on_after(0.001 * (600 - i)):
+                await sched.submit("m", fresh(i), deadline=None)
+        await sched.drain()
+    gc.collect()
+    alive = [i for i, ref in enumerate(inputs) if ref() is not None]
+    assert alive == [], alive[:10]

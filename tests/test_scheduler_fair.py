@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import trio
+from assertions import raises
 from test_scheduler_support import FakeExecutor, client_loop, config, spec
 
+from rsrv.config import MAX_WEIGHT, MIN_WEIGHT
+from rsrv.errors import InvalidArgument
 from rsrv.scheduler import Scheduler
 
 
@@ -161,3 +164,41 @@ async def test_latency_budget_escalates_under_fair(autojump_clock, budget):
         assert latency > 0.05  # by weight alone it waits ~20 batches
     else:
         assert latency <= budget + 1e-9
+
+
+@pytest.mark.parametrize("bad", [float("inf"), 5e-324, 0.0, -1.0, float("nan"), 1e-4, 1e4])
+async def test_weights_outside_the_range_are_refused(autojump_clock, bad):
+    """inf would starve every other model; a subnormal one would push virtual time to
+    inf for good."""
+    sched = Scheduler(config(), FakeExecutor())
+    sched.add_model(spec("a"))
+    with raises(InvalidArgument, "weight must be between 0.001 and 1000"):
+        sched.set_weight("a", bad)
+    with raises(InvalidArgument, "weight must be between"):
+        spec("b", weight=bad)
+    assert sched.stats("a").weight == 1.0
+
+
+async def test_shares_recover_after_an_extreme_weight(autojump_clock):
+    """The smallest and largest weights, then back to 1: within a few seconds the two
+    models share equally again (the lead a weight change leaves is kept in device
+    seconds, not multiplied by the weight ratio)."""
+    ex = FakeExecutor(cost=lambda model, size: 0.02)
+    sched = Scheduler(config(), ex)
+    sched.add_model(spec("a"))
+    sched.add_model(spec("b"))
+
+    async def swing(sched):
+        await trio.sleep(3.0)
+        sched.set_weight("a", MIN_WEIGHT)
+        await trio.sleep(3.0)
+        sched.set_weight("a", MAX_WEIGHT)
+        await trio.sleep(3.0)
+        sched.set_weight("a", 1.0)
+
+    await saturate(sched, ex, {"a": 12, "b": 12}, seconds=20.0, during=swing)
+    low = ex.device_time("a", 4.0, 6.0) / ex.device_time("b", 4.0, 6.0)
+    high = ex.device_time("b", 7.0, 9.0) / max(ex.device_time("a", 7.0, 9.0), 1e-9)
+    after = ex.device_time("a", 12.0, 20.0) / ex.device_time("b", 12.0, 20.0)
+    assert low < 0.01 and high < 0.01
+    assert after == pytest.approx(1.0, rel=0.05)

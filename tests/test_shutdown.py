@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,9 +22,9 @@ import pytest
 import trio
 import tritonclient.grpc as tc
 import tritonclient.utils.shared_memory as shm
-from serving import url, worker_config
+from serving import ServerProcess, url, worker_config
 from test_lifecycle import X, expected, export_linear, infer, matches, wait_for, x_input
-from test_metrics import Scrape, free_port
+from test_metrics import Scrape
 
 from rsrv.runtime import backend
 from rsrv.worker import Worker
@@ -35,16 +34,14 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, 
 GRACE = 20.0
 
 
-class Served:
-    """A ``rsrv serve NODE_FILE`` subprocess; stderr is collected line by line."""
-
-    def __init__(self, tmp_path: Path, cache_dir: Path, **logging: str):
-        self.port, self.metrics_port = free_port(), free_port()
-        node = tmp_path / "node.toml"
-        node.write_text(f'''
+def served(tmp_path: Path, cache_dir: Path, **logging: str) -> ServerProcess:
+    """``rsrv serve`` on ``tmp_path/repo`` (static mode, no in-flight cap)."""
+    return ServerProcess(
+        tmp_path,
+        f"""
 model_repo = "repo"
-base_port = {self.port}
-metrics_base_port = {self.metrics_port}
+base_port = {{port}}
+metrics_base_port = {{metrics_port}}
 
 [global]
 cache_dir = "{cache_dir}"
@@ -56,64 +53,22 @@ shutdown_grace_seconds = {GRACE}
 
 [global.logging]
 {"".join(f'{k} = "{v}"' + chr(10) for k, v in logging.items())}
-''')
-        env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
-        script = Path(sys.executable).parent / "rsrv"
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
-        self.process = subprocess.Popen(
-            [*command, "serve", str(node)],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.stderr: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.url = f"127.0.0.1:{self.port}"
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.stderr.append(line.rstrip("\n"))
-
-    def wait_ready(self, client: tc.InferenceServerClient, timeout: float = 60) -> None:
-        def ready():
-            assert self.process.poll() is None, "\n".join(self.stderr)
-            try:
-                return client.is_server_ready()
-            except Exception:
-                return False
-
-        wait_for(ready, timeout=timeout, interval=0.1)
-
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-            self._reader.join(5)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+""",
+    )
 
 
 @pytest.fixture
 def serve(tmp_path, cache_dir):
-    started: list[Served] = []
+    started: list[ServerProcess] = []
 
-    def start(**logging: str) -> Served:
-        served = Served(tmp_path, cache_dir, **logging)
-        started.append(served)
-        return served
+    def start(**logging: str) -> ServerProcess:
+        server = served(tmp_path, cache_dir, **logging)
+        started.append(server)
+        return server
 
     yield start
-    for served in started:
-        served.kill()
+    for server in started:
+        server.kill()
 
 
 def test_sigterm_with_100_requests_in_flight(tmp_path, serve):

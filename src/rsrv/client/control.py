@@ -9,6 +9,9 @@ Use it from trio::
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import Mapping
+
 import purerpc
 
 from rsrv.protocol.control import FROM_RESIDENCY, RESIDENCY
@@ -17,10 +20,27 @@ from rsrv.protocol.generated.rsrv.control.v1.control_grpc import ControlServiceS
 
 
 class ControlClient:
-    """Failed calls raise purerpc's ``RpcFailedError`` subclasses (e.g. ``NotFoundError``)."""
+    """Failed calls raise purerpc's ``RpcFailedError`` subclasses (e.g. ``NotFoundError``).
 
-    def __init__(self, host: str, port: int):
-        self._channel = purerpc.insecure_channel(host, port)
+    ``headers`` are sent with every call (e.g. the header of a restricted ``control``
+    protocol); ``ssl_context`` connects over TLS (``ssl.create_default_context()`` with
+    the server's CA, plus ``load_cert_chain`` for mutual TLS).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ):
+        if ssl_context is None:
+            self._channel = purerpc.insecure_channel(host, port)
+        else:
+            ssl_context.set_alpn_protocols(["h2"])
+            self._channel = purerpc.secure_channel(host, port, ssl_context)
+        self._metadata = tuple((headers or {}).items())
         self._stub: ControlServiceStub | None = None
 
     async def __aenter__(self) -> ControlClient:
@@ -32,12 +52,15 @@ class ControlClient:
         await self._channel.__aexit__(*exc)
 
     async def status(self) -> pb.ModelControlStatusResponse:
-        return await self._stub.ModelControlStatus(pb.ModelControlStatusRequest())
+        return await self._stub.ModelControlStatus(
+            pb.ModelControlStatusRequest(), metadata=self._metadata
+        )
 
     async def set_residency(self, name: str, residency: str) -> str:
         """Set ``name``'s residency floor (explicit mode); returns the floor now in force."""
         response = await self._stub.SetModelResidency(
-            pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency])
+            pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency]),
+            metadata=self._metadata,
         )
         return FROM_RESIDENCY[response.residency]
 
@@ -46,7 +69,9 @@ class ControlClient:
         request = pb.SetModelPolicyRequest(name=name)
         if weight is not None:
             request.weight = weight
-        return (await self._stub.SetModelPolicy(request)).weight
+        return (await self._stub.SetModelPolicy(request, metadata=self._metadata)).weight
 
     async def compact_memory(self, reload: list[str] = ()) -> pb.CompactMemoryResponse:
-        return await self._stub.CompactMemory(pb.CompactMemoryRequest(reload_models=reload))
+        return await self._stub.CompactMemory(
+            pb.CompactMemoryRequest(reload_models=reload), metadata=self._metadata
+        )

@@ -36,6 +36,7 @@ import h2.exceptions
 import trio
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes, Settings
+from h2.utilities import SizeLimitDict
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport._messages import InflateBudget, MessageError, MessageReader, frame
@@ -88,6 +89,7 @@ class ServerCall:
         "_window",
         "_since",
         "_received",
+        "_stalled",
     )
 
     def __init__(self, conn: ServerConnection, stream_id: int, path: str, metadata, deadline):
@@ -109,6 +111,7 @@ class ServerCall:
         self._window: trio.Event | None = None
         self._since = trio.current_time()  # headers, or the first byte of a partial message
         self._received = False
+        self._stalled = False  # the request did not arrive in time
 
     # -- inbound, called by the connection's reader -----------------------------------
 
@@ -167,6 +170,7 @@ class ServerCall:
             with trio.move_on_at(deadline) as timer:
                 await waiter.wait()
             if timer.cancelled_caught and not self._inbox:
+                self._stalled = True
                 raise MessageError(
                     StatusCode.DEADLINE_EXCEEDED,
                     f"the request message did not arrive in full within "
@@ -225,8 +229,11 @@ class ServerCall:
         h2conn = self.conn.h2
         try:
             # A client still sending may finish: what it sends is acknowledged and
-            # dropped (some clients fail on the RST_STREAM that would stop it).
+            # dropped (some clients fail on the RST_STREAM that would stop it); one
+            # that stalled mid-message is reset.
             h2conn.send_headers(self.id, trailers, end_stream=True)
+            if self._stalled and not self._ended:
+                h2conn.reset_stream(self.id, ErrorCodes.CANCEL)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             pass
         self.conn.wake_writer()
@@ -258,6 +265,12 @@ class ServerConnection:
             normalize_outbound_headers=False,
         )
         conn = self.h2 = h2.connection.H2Connection(config)
+        # h2 remembers how each of the last 65,536 streams closed (to tell a late frame
+        # from a protocol error): megabytes per long-lived connection. Streams open at
+        # once are capped far lower, so a few thousand are plenty.
+        conn._closed_streams = SizeLimitDict(
+            size_limit=max(1024, 8 * limits.max_streams_per_connection)
+        )
         conn.local_settings = Settings(
             client=False,
             initial_values={
@@ -277,6 +290,7 @@ class ServerConnection:
         self._idle_since = self._opened
         self._nursery: trio.Nursery | None = None
         self._read_scope = trio.CancelScope()
+        self._timer: trio.CancelScope | None = None  # around the reader's receive
         self._preface = False
 
     async def run(self) -> None:
@@ -323,16 +337,18 @@ class ServerConnection:
         receive = self.stream.receive_some
         conn = self.h2
         while not self._closing:
-            deadline = self._read_deadline()
-            if deadline == math.inf:
-                data = await receive(RECEIVE_SIZE)
-            else:
-                with trio.move_on_at(deadline) as timer:
+            # The deadline moves when the last call ends (forget) while this waits.
+            with trio.CancelScope(deadline=self._read_deadline()) as timer:
+                self._timer = timer
+                try:
                     data = await receive(RECEIVE_SIZE)
-                if timer.cancelled_caught:
-                    log.debug("closing %s connection from %s", self._why_idle(), self.peer)
-                    self._send_goaway()
-                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # reset by the peer, or a TLS stream cut short
+            self._timer = None
+            if timer.cancelled_caught:
+                log.debug("closing %s connection from %s", self._why_idle(), self.peer)
+                self._send_goaway()
+                return
             if not data:
                 return  # the peer closed the connection
             try:
@@ -444,6 +460,8 @@ class ServerConnection:
             del self.calls[call.id]
             if not self.calls:
                 self._idle_since = trio.current_time()
+                if self._timer is not None:
+                    self._timer.deadline = self._read_deadline()
 
     async def _writer(self) -> None:
         conn = self.h2

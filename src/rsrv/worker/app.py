@@ -29,6 +29,7 @@ from rsrv.worker.pipeline import Pipeline
 from rsrv.worker.weights import WeightManager, weight_budget
 
 log = logging.getLogger(__name__)
+MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
 
 
 class Worker:
@@ -149,6 +150,7 @@ class Worker:
                 max_connections=ep.max_connections,
                 max_streams_per_connection=ep.max_streams_per_connection,
                 receive_timeout=ep.receive_timeout_seconds,
+                handshake_timeout=ep.receive_timeout_seconds,
                 idle_timeout=ep.idle_connection_seconds,
             ),
             tls=server_tls_context(ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file)
@@ -228,16 +230,24 @@ class Worker:
     async def load_model(self, name: str) -> None:
         """RepositoryModelLoad: (re)load ``name`` from the repository (explicit mode)."""
         self._require_explicit("RepositoryModelLoad")
-        if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+        if (
+            not name
+            or name.startswith(".")
+            or any(c in name for c in "/\\\0")
+            or len(name.encode()) > MAX_NAME_BYTES
+        ):
+            shown = name if len(name) <= 80 else name[:80] + "..."
             raise InvalidArgument(
-                f"failed to load {name!r}: a model name is the name of a "
-                "directory directly under the repository"
+                f"failed to load {shown!r}: a model name is the name of a directory "
+                f"directly under the repository (at most {MAX_NAME_BYTES} bytes)"
             )
         path = Path(self.config.model_repo) / name
-        if not path.is_dir():
-            raise NotFound(
-                f"failed to load {name!r}: no such model in the repository {self.config.model_repo}"
-            )
+        try:
+            found = path.is_dir()
+        except OSError as e:  # never the repository path: it is the server's business
+            raise InvalidArgument(f"failed to load {name!r}: {e.strerror}") from None
+        if not found:
+            raise NotFound(f"failed to load {name!r}: no such model in the repository")
         entry = self.models.entries.setdefault(name, Entry(name, path))
         if entry.model is None:
             entry.state = ModelState.LOADING

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import signal
 import sys
 from pathlib import Path
@@ -40,9 +41,26 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
         preallocate=rt.preallocate,
         allow_cpu_fallback=rt.allow_cpu_fallback,
     )
-    worker = Worker(config)
+    _raise_descriptor_limit()
+    try:
+        worker = Worker(config)
+    except ConfigError as e:
+        print(f"rsrv: {e}", file=sys.stderr)
+        return 2
     trio.run(_serve_until_signal, worker)
     return 0
+
+
+def _raise_descriptor_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one: every connection
+    holds one (see endpoints.max_connections), and 1024 is a common soft default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return
+        log.info("open descriptor limit raised from %d to %d", soft, hard)
 
 
 def _default_repo(config: WorkerConfig) -> WorkerConfig:

@@ -1,0 +1,96 @@
+"""The transport's message reader: framing, limits, and the per-connection inflate budget."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import zlib
+
+import pytest
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.transport._connection import _parse_timeout
+from rsrv.transport._messages import InflateBudget, MessageError, MessageReader, frame
+
+MIB = 1 << 20
+
+
+def reader(encoding=None, limit=MIB, budget=None) -> MessageReader:
+    return MessageReader(encoding, limit, budget or InflateBudget(limit))
+
+
+def compressed(payload: bytes, how=gzip.compress) -> bytes:
+    body = how(payload)
+    return struct.pack(">?I", True, len(body)) + body
+
+
+def test_messages_split_and_joined_across_frames():
+    data = frame(b"first") + frame(b"") + frame(b"x" * 1000)
+    r = reader()
+    out = []
+    for i in range(0, len(data), 7):
+        out += r.feed(data[i : i + 7])
+        assert r.partial == (len(out) < 3 and i + 7 < len(data))
+    assert out == [b"first", b"", b"x" * 1000]
+    assert not r.partial
+
+
+def test_oversized_message_is_skipped_without_buffering():
+    r = reader(limit=100)
+    (error,) = r.feed(struct.pack(">?I", False, 5000) + bytes(10))
+    assert isinstance(error, MessageError)
+    assert error.status.status_code is StatusCode.RESOURCE_EXHAUSTED
+    assert "5000 bytes, larger than the maximum 100" in error.status.status_message
+    assert r.partial and len(r._buf) == 0  # skipping, holding nothing
+    assert r.feed(bytes(4990)) == []
+    assert r.feed(frame(b"next")) == [b"next"]
+
+
+def test_compressed_message_without_or_with_an_unknown_encoding():
+    (error,) = reader().feed(compressed(b"x"))
+    assert error.status.status_code is StatusCode.INTERNAL
+    assert "declared no grpc-encoding" in error.status.status_message
+    assert "None" not in error.status.status_message
+    (error,) = reader("snappy").feed(compressed(b"x"))
+    assert error.status.status_code is StatusCode.UNIMPLEMENTED
+    assert "'snappy'" in error.status.status_message
+
+
+def test_gzip_and_deflate_are_inflated():
+    assert reader("gzip").feed(compressed(b"hello" * 100)) == [b"hello" * 100]
+    assert reader("deflate").feed(compressed(b"hi", zlib.compress)) == [b"hi"]
+    (error,) = reader("gzip").feed(compressed(b"zz")[:-3] + b"abc")
+    assert error.status.status_code is StatusCode.INTERNAL
+
+
+def test_inflate_budget_is_shared_by_a_connection_and_returned_when_calls_end():
+    """Four 40-byte-per-MiB bombs on one connection: the first inflates, the others are
+    refused while it is held; its call ending returns the budget."""
+    budget = InflateBudget(MIB)
+    bomb = compressed(bytes(MIB))
+    assert len(bomb) < 2000
+    first = reader("gzip", budget=budget)
+    assert first.feed(bomb) == [bytes(MIB)]
+    assert budget.used == MIB
+    for _ in range(3):
+        (error,) = reader("gzip", budget=budget).feed(bomb)
+        assert error.status.status_code is StatusCode.RESOURCE_EXHAUSTED
+        assert "this connection's calls in flight" in error.status.status_message
+    first.release()
+    assert budget.used == 0
+    assert reader("gzip", budget=budget).feed(bomb) == [bytes(MIB)]
+
+
+def test_bomb_larger_than_the_message_limit():
+    (error,) = reader("gzip", limit=MIB).feed(compressed(bytes(4 * MIB)))
+    assert error.status.status_code is StatusCode.RESOURCE_EXHAUSTED
+    assert "decompressed" in error.status.status_message
+
+
+def test_grpc_timeout_header():
+    assert _parse_timeout(b"5S") == 5.0
+    assert _parse_timeout(b"250m") == 0.25
+    assert _parse_timeout(b"2H") == 7200.0
+    assert _parse_timeout(b"100n") == pytest.approx(1e-7)
+    for bad in (b"", b"S", b"5", b"-5S", b"123456789S", b"5s", b"1.5S"):
+        assert _parse_timeout(bad) is None, bad
