@@ -126,6 +126,13 @@ def test_sigterm_with_100_requests_in_flight(tmp_path, serve):
             wait_for(lambda: any("received SIGTERM" in line for line in server.stderr), 10)
             for i in range(100, 110):  # arrive while it drains
                 send(i)
+            # a client connecting during the drain is answered too, not reset
+            with tc.InferenceServerClient(server.url) as late:
+                try:
+                    late.infer("slow", [x_input(xs[0])])
+                    late_error = None
+                except tc.InferenceServerException as e:
+                    late_error = e
             status = server.wait_exit(GRACE + 10)
             wait_for(lambda: len(answers) == 110, timeout=10)
     finally:
@@ -136,7 +143,7 @@ def test_sigterm_with_100_requests_in_flight(tmp_path, serve):
     errors = {i: a for i, a in answers.items() if not isinstance(a, np.ndarray)}
     for i in ok:
         assert matches(answers[i], 0, xs[i]), i
-    for i, e in errors.items():
+    for i, e in [*errors.items(), ("late", late_error)]:
         assert e.status() == "StatusCode.UNAVAILABLE", (i, str(e))
         assert "shutting down" in e.message(), (i, str(e))
     # all 100 were accepted before the signal, most still in flight: each was answered

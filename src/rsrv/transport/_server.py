@@ -202,8 +202,10 @@ class GrpcServer:
                 with trio.move_on_at(call.deadline) as timer:
                     try:
                         if method is None:
+                            service, _, name = call.path.lstrip("/").rpartition("/")
                             raise MessageError(
-                                StatusCode.UNIMPLEMENTED, f"unknown method {call.path!r}"
+                                StatusCode.UNIMPLEMENTED,
+                                f"Method {name} is not implemented in service {service}",
                             )
                         call.unary_request = not method.client_streaming
                         await self._invoke(method, call)
