@@ -63,9 +63,9 @@ import trio
 from safetensors.numpy import load_file, save_file
 from trio.testing import wait_all_tasks_blocked
 
-from rsrv.config.schema import SchedulerConfig
-from rsrv.runtime.staging import free, pin, stage, to_device
-from rsrv.runtime.weights import ORDER_KEY, read_weights_header
+from rsrv.config._schema import SchedulerConfig
+from rsrv.runtime._staging import free, pin, stage, to_device
+from rsrv.bundle._safetensors import ORDER_KEY, read_weights_header
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -194,7 +194,7 @@ def naive(wf, device, reps: int) -> dict:
 
 async def lease_cold(wf, device, reps: int) -> float:
     """Best cold ``WeightManager.lease`` of a ``system`` model, evicted before each."""
-    from rsrv.worker.weights import WeightManager
+    from rsrv.runtime._weight_manager import WeightManager
 
     manager = WeightManager(wf.nbytes, device)
     times = []
@@ -238,8 +238,8 @@ async def serve_sequence(served, budget: int, prefetch: bool, requests: int, x: 
     """Run ``requests`` requests cycling through ``served`` on a fresh WeightManager,
     DeviceExecutor (with or without prefetch) and Scheduler; all weights cold."""
     from rsrv.scheduler import Scheduler
-    from rsrv.worker.executor import DeviceExecutor
-    from rsrv.worker.weights import WeightManager
+    from rsrv.worker._executor import DeviceExecutor
+    from rsrv.runtime._weight_manager import WeightManager
 
     class NoPrefetch(DeviceExecutor):
         prefetch = None  # the scheduler looks the hook up and skips it when None
@@ -306,7 +306,7 @@ async def serve_sequence(served, budget: int, prefetch: bool, requests: int, x: 
 
 async def prefetch_bench(workdir: Path, k: int, rows: int, requests: int, runs: int) -> dict:
     from rsrv.runtime import Compiler
-    from rsrv.worker.models import build_model
+    from rsrv.worker._models import build_model
 
     paths = export_models(workdir, 3, k, rows)
     compiler = Compiler(workdir / "cache")
@@ -434,10 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB (< 60 s)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "cold_load.json")
     args = parser.parse_args(argv)
-    from rsrv.runtime import backend
+    from rsrv.runtime import configure, device as device_of
 
-    backend.configure("cpu")
-    device = backend.device()
+    configure("cpu")
+    device = device_of()
     sizes = QUICK_SIZES if args.quick else SIZES
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="rsrv-cold-load-"))

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from rsrv.config.schema import SchedulerConfig
+from rsrv.config._schema import SchedulerConfig
 from rsrv.scheduler import ModelSpec, Result, Scheduler
 
 MODEL_COUNTS = (10, 1_000, 10_000)

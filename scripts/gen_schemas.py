@@ -3,7 +3,7 @@
     python scripts/gen_schemas.py [--out DIR] [--check]
 
 * specs/manifest.schema.json: a bundle's manifest.yaml / manifest.toml
-  (``rsrv.bundle.manifest.Manifest``);
+  (``rsrv.bundle._manifest.Manifest``);
 * specs/node.schema.json: a node file (``rsrv.config.node_json_schema()``).
 
 Output is deterministic (sorted keys, two-space indent, trailing newline), so the
@@ -34,7 +34,7 @@ def node_schema() -> dict[str, Any]:
 
 
 def manifest_schema() -> dict[str, Any]:
-    from rsrv.bundle.manifest import Manifest
+    from rsrv.bundle._manifest import Manifest
 
     return msgspec.json.schema(Manifest)
 

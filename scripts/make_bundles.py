@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
-from rsrv.bundle.manifest import TensorSpec
+from rsrv.bundle._manifest import TensorSpec
 from rsrv.export import Input, Output, export_jax
 
 ROOT = Path(__file__).resolve().parent.parent

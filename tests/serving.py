@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from rsrv.config import load_node, resolve_worker
-from rsrv.runtime import backend
+from rsrv.runtime import configure
 from rsrv.worker import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def node_config(directory: Path, node: str, worker: str | None = None):
 @contextmanager
 def running(config) -> Iterator[Worker]:
     """Start a worker in a background thread; yield it once ready; stop it on exit."""
-    backend.configure("cpu")
+    configure("cpu")
     worker = Worker(config)
     started = threading.Event()
     state: dict[str, Any] = {}

@@ -21,7 +21,7 @@ from purerpc.grpclib.status import StatusCode
 from tritonclient.grpc import service_pb2 as t_svc
 from tritonclient.utils import serialize_byte_tensor
 
-from rsrv.bundle.manifest import Tensor
+from rsrv.bundle._manifest import Tensor
 from rsrv.dtypes import DType
 from rsrv.errors import (
     FailedPrecondition,
@@ -30,8 +30,8 @@ from rsrv.errors import (
     NotFound,
     ResourceExhausted,
 )
-from rsrv.protocol import codec
-from rsrv.protocol.codec import (
+from rsrv.protocol import _codec as codec
+from rsrv.protocol._codec import (
     ShmTarget,
     decode_request,
     encode_response,
@@ -41,8 +41,8 @@ from rsrv.protocol.codec import (
     tensor_metadata,
 )
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
-from rsrv.protocol.shm import AlreadyExists, SharedMemoryRegistry
-from rsrv.protocol.status import MAX_MESSAGE_CHARS, grpc_status
+from rsrv.protocol._shm import AlreadyExists, SharedMemoryRegistry
+from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
 
 MODEL = "m"
 ALL_FIXED = [d for d in DType if d is not DType.BYTES]

@@ -28,7 +28,7 @@ from test_lifecycle import (
     status_of,
 )
 
-from rsrv.client.control import ControlClient
+from rsrv.client._control import ControlClient
 from rsrv.config import ModelSchedConfig
 from rsrv.export import Input, Output, export_jax
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb

@@ -16,7 +16,7 @@ from rsrv.bundle import UNBATCHED, TensorSpec, load_bundle
 from rsrv.dtypes import DType
 from rsrv.export import ExportError, Input, Output, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
-from rsrv.runtime.stablehlo import read_module, read_signature
+from rsrv.bundle._stablehlo import read_module, read_signature
 
 MAGIC = b"ML\xefR"  # StableHLO portable artifact (MLIR bytecode)
 

@@ -27,7 +27,7 @@ import test_kserve_support as kserve
 from rsrv.bundle import load_bundle
 from rsrv.cli import main as cli_main
 from rsrv.export import ExportError, Input, Output, Parity, export_torch, torch_unavailable_reason
-from rsrv.export.torch_export import TORCHAX_REQUIREMENT, WORKING
+from rsrv.export._torch import TORCHAX_REQUIREMENT, WORKING
 
 SIZES = [1, 4, 8]
 IMAGE = [Input("x", np.float32, ("n", 3, 8, 8), letters="nchw")]

@@ -114,7 +114,7 @@ def _build_simple(out: Path) -> None:
 
 
 def _build_simple_string(out: Path) -> None:
-    from rsrv.bundle.manifest import TensorSpec
+    from rsrv.bundle._manifest import TensorSpec
     from rsrv.export import Input, Output
 
     def spec(name):

@@ -23,7 +23,7 @@ import tritonclient.grpc as tc
 from serving import running, url, worker_config
 from tritonclient.utils import InferenceServerException
 
-from rsrv.client.control import ControlClient
+from rsrv.client._control import ControlClient
 from rsrv.export import Input, Output, export_jax
 
 # -- shared helpers -------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def test_a_change_during_the_startup_load_is_picked_up(repo, cache_dir, monkeypa
     """The bundle changes on disk once the startup load has read it (weights on the
     device, warming up): the watcher, which fingerprinted the repository before that
     load, reloads it."""
-    from rsrv.worker.executor import DeviceExecutor
+    from rsrv.worker._executor import DeviceExecutor
 
     export_linear(repo / "a", seed=0)
     export_linear(repo.parent / "unused", seed=1)  # exported now, copied in below
@@ -286,7 +286,7 @@ def test_a_bundle_being_written_is_not_loaded_until_stable(repo, cache_dir, tmp_
 
 async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):
     """The debounce rule itself, poll by poll, over real files."""
-    from rsrv.worker.watcher import RepositoryWatcher
+    from rsrv.worker._watcher import RepositoryWatcher
 
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -37,7 +37,7 @@ from tritonclient.utils import InferenceServerException
 
 from rsrv.client import ControlClient
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
-from rsrv.worker.metrics import exposition
+from rsrv.worker._metrics import exposition
 
 # -- the numpy reference of bundles/region_pipeline ------------------------------------------
 
@@ -688,7 +688,7 @@ async def test_cancelling_a_meta_request_cancels_its_sub_call():
     from types import SimpleNamespace
 
     import rsrv
-    from rsrv.worker.meta import MetaRunner
+    from rsrv.worker._meta import MetaRunner
 
     seen = []
 

@@ -31,7 +31,7 @@ from rsrv.errors import (
 )
 from rsrv.scheduler import ModelSpec, Scheduler
 from rsrv.scheduler._heap import KeyedHeap
-from rsrv.scheduler.costs import CostTable, DecayedSum
+from rsrv.scheduler._costs import CostTable, DecayedSum
 
 # -- coalescing -----------------------------------------------------------------------
 
@@ -492,7 +492,7 @@ async def test_deadline_in_the_past_and_while_queued(autojump_clock):
 
 
 def test_model_spec_with_policy_from_config():
-    from rsrv.config.schema import ModelSchedConfig
+    from rsrv.config._schema import ModelSchedConfig
 
     base = spec("m", (1, 4, 8), weight=1.0)
     assert base.with_policy(None) is base

@@ -14,7 +14,7 @@ import numpy as np
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from rsrv.config.schema import SchedulerConfig
+from rsrv.config._schema import SchedulerConfig
 from rsrv.errors import RsrvError
 from rsrv.scheduler import ModelSpec, Result, Scheduler
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rsrv.bundle.manifest import MANIFEST_NAMES
+from rsrv.bundle._manifest import MANIFEST_NAMES
 
 
 @pytest.fixture(scope="module")

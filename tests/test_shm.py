@@ -13,7 +13,7 @@ import tritonclient.utils.shared_memory as tshm
 from assertions import raises
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from rsrv.protocol.shm import (
+from rsrv.protocol._shm import (
     DISABLED_MESSAGE,
     AlreadyExists,
     RegionInfo,

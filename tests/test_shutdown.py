@@ -26,7 +26,7 @@ from serving import ServerProcess, url, worker_config
 from test_lifecycle import X, expected, export_linear, infer, matches, wait_for, x_input
 from test_metrics import Scrape
 
-from rsrv.runtime import backend
+from rsrv.runtime import configure
 from rsrv.worker import Worker
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /proc, /dev/shm")
@@ -267,7 +267,7 @@ def test_an_idle_open_stream_does_not_hold_up_shutdown(tmp_path, cache_dir):
 def start_in_thread(config) -> tuple[Worker, threading.Thread, dict[str, Any]]:
     """Run ``Worker.run`` in its own trio loop in a thread; return once it serves.
     ``state["token"]`` reaches the loop; ``state["error"]`` holds what it raised."""
-    backend.configure("cpu")
+    configure("cpu")
     worker = Worker(config)
     started, state = threading.Event(), {}
 

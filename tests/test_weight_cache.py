@@ -20,14 +20,14 @@ import trio
 from safetensors.numpy import save_file
 from trio.testing import wait_all_tasks_blocked
 
-from rsrv.config.schema import RuntimeConfig
+from rsrv.config._schema import RuntimeConfig
 from rsrv.errors import NotFound
-from rsrv.runtime import staging
-from rsrv.runtime.staging import ALIGN, free, stage, to_device
-from rsrv.runtime.weight_cache import WeightCache
-from rsrv.runtime.weights import ORDER_KEY, read_weights_header
-from rsrv.worker.executor import DeviceExecutor
-from rsrv.worker.weights import WeightManager, weight_budget
+from rsrv.runtime import _staging as staging
+from rsrv.runtime._staging import ALIGN, free, stage, to_device
+from rsrv.runtime._weight_cache import WeightCache
+from rsrv.bundle._safetensors import ORDER_KEY, read_weights_header
+from rsrv.worker._executor import DeviceExecutor
+from rsrv.runtime._weight_manager import WeightManager, weight_budget
 
 W = 4096  # bytes of one test model's weights
 CPU = jax.devices("cpu")[0]
@@ -98,7 +98,7 @@ def test_pinned_is_never_evicted_nor_counted_in_the_budget():
 def test_oversized_model_evicts_everything_evictable_and_loads_with_a_warning(caplog):
     cache, held = cache_with(3 * W, "a", "b", "c")
     cache.lru["b"].leases = 1
-    with caplog.at_level(logging.WARNING, logger="rsrv.runtime.weight_cache"):
+    with caplog.at_level(logging.WARNING, logger="rsrv.runtime._weight_cache"):
         evicted = cache.make_room(4 * W)
     assert evicted == ["a", "c"]  # everything evictable; the leased one stays
     assert "exceed the whole weight cache budget" in caplog.text
@@ -114,7 +114,7 @@ def test_oversized_model_evicts_everything_evictable_and_loads_with_a_warning(ca
 def test_over_budget_because_of_models_in_use_is_logged(caplog):
     cache, _ = cache_with(2 * W, "a", "b")
     assert not cache.fits(W, protected=frozenset({"a", "b"}))
-    with caplog.at_level(logging.WARNING, logger="rsrv.runtime.weight_cache"):
+    with caplog.at_level(logging.WARNING, logger="rsrv.runtime._weight_cache"):
         assert cache.make_room(W, protected=frozenset({"a", "b"})) == []
     assert "held by models in use" in caplog.text
     assert cache.counters.oversized_loads == 0
@@ -440,7 +440,7 @@ async def test_a_failed_transfer_fails_its_lease_and_a_later_one_retries(files):
 async def test_unpinned_reads_the_file_on_every_load(files, monkeypatch):
     opened = []
     monkeypatch.setattr(
-        "rsrv.worker.weights.stage",
+        "rsrv.runtime._weight_manager.stage",
         lambda wf, fd=None: (opened.append(wf.path.stem), stage(wf, fd))[1],
     )
     async with trio.open_nursery() as nursery:

@@ -31,10 +31,10 @@ from serving import running, url, worker_config
 
 from rsrv.config import load_worker
 from rsrv.export import Input, Output, export_jax
-from rsrv.runtime.staging import stage
-from rsrv.runtime.weight_cache import WeightCache
-from rsrv.runtime.weights import ORDER_KEY
-from rsrv.worker.weights import WeightManager
+from rsrv.runtime._staging import stage
+from rsrv.runtime._weight_cache import WeightCache
+from rsrv.bundle._safetensors import ORDER_KEY
+from rsrv.runtime._weight_manager import WeightManager
 
 D = 16  # input features of the small models
 W = (D * 32 + 32) * 4  # weight bytes of every small model (both layouts): 2176
@@ -362,7 +362,7 @@ def test_unpinned_rereads_the_file_and_system_keeps_its_host_copy(
         staged[wf.path.parent.name] += 1
         return stage(wf, fd)
 
-    monkeypatch.setattr("rsrv.worker.weights.stage", spy_stage)
+    monkeypatch.setattr("rsrv.runtime._weight_manager.stage", spy_stage)
     repo = store.copy(["m00", "m01", "m02"], tmp_path / "repo")
     config = node_file(tmp_path, store, repo, W, {"m00": "unpinned", "m01": "system"})
     x = inputs("m00", 2, np.random.default_rng(5))
@@ -412,7 +412,7 @@ def test_unpinned_version_keeps_its_own_weights_when_the_bundle_is_replaced(
 
 
 def test_oversized_model_still_answers(store, reference, probe, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="rsrv.runtime.weight_cache")
+    caplog.set_level(logging.WARNING, logger="rsrv.runtime._weight_cache")
     names = ["m00", "m01", "m02", "big"]
     repo = store.copy(names, tmp_path / "repo")
     config = worker_config(

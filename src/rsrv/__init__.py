@@ -3,7 +3,7 @@
 The names exported here are the bundle DSL used by a bundle's ``model.py``.
 """
 
-from rsrv.bundle.dsl import Hook, meta, postprocess, preprocess
+from rsrv.bundle import Hook, meta, postprocess, preprocess
 
 __version__ = "0.1.0"
 __all__ = ["Hook", "__version__", "meta", "postprocess", "preprocess"]

@@ -30,21 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser(
         "export", help="export a JAX / Flax / Equinox / PyTorch model to a bundle (specs/export.md)"
     )
-    from rsrv.export.api import add_arguments
+    from rsrv.export import add_arguments
 
     add_arguments(export)
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from rsrv.worker.main import serve_main
+        from rsrv.worker import serve_main
 
         return serve_main(args.node_file, args.worker)
     if args.command == "bundle":
-        from rsrv.bundle.check import check_main
+        from rsrv.bundle import check_main
 
         return check_main(args.dirs)
     if args.command == "export":
-        from rsrv.export.api import export_main
+        from rsrv.export import export_main
 
         return export_main(args)
     return 2

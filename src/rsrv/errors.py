@@ -1,7 +1,7 @@
 """Errors that carry their wire status.
 
 Every layer raises these; the protocol layer maps ``code`` to a gRPC status once
-(``rsrv.protocol.status``), so no handler decides a status ad hoc.
+(``rsrv.protocol._status``), so no handler decides a status ad hoc.
 """
 
 from __future__ import annotations

@@ -1,11 +1,29 @@
-"""Bundles: the manifest schema, the model.py DSL, loading and repository discovery."""
+"""Bundles: the manifest schema, the model.py DSL, the file formats a bundle holds
+(StableHLO modules, safetensors weights), loading and repository discovery."""
 
-from rsrv.bundle.dsl import Hook, meta, postprocess, preprocess
-from rsrv.bundle.loader import UNBATCHED, Bundle, Hooks, load_bundle
-from rsrv.bundle.manifest import Manifest, Signature, Tensor, TensorSpec
-from rsrv.bundle.repository import discover, scan
+from rsrv.bundle._check import check_main
+from rsrv.bundle._dsl import Hook, meta, postprocess, preprocess
+from rsrv.bundle._loader import UNBATCHED, Bundle, Hooks, find_manifest, load_bundle
+from rsrv.bundle._manifest import (
+    BATCH_LETTER,
+    FORMAT_VERSION,
+    MANIFEST_NAMES,
+    Batching,
+    Manifest,
+    Signature,
+    Tensor,
+    TensorSpec,
+    decode_manifest,
+    resolve_manifest,
+)
+from rsrv.bundle._repository import discover, scan
+from rsrv.bundle._safetensors import ORDER_KEY, WeightInfo, WeightsFile, read_weights_header
+from rsrv.bundle._stablehlo import ArgType, ModuleSignature, read_module, read_signature
 
 __all__ = [
-    "UNBATCHED", "Bundle", "Hook", "Hooks", "Manifest", "Signature", "Tensor", "TensorSpec",
-    "discover", "load_bundle", "meta", "postprocess", "preprocess", "scan",
+    "BATCH_LETTER", "FORMAT_VERSION", "MANIFEST_NAMES", "ORDER_KEY", "UNBATCHED", "ArgType",
+    "Batching", "Bundle", "Hook", "Hooks", "Manifest", "ModuleSignature", "Signature", "Tensor",
+    "TensorSpec", "WeightInfo", "WeightsFile", "check_main", "decode_manifest", "discover",
+    "find_manifest", "load_bundle", "meta", "postprocess", "preprocess", "read_module",
+    "read_signature", "read_weights_header", "resolve_manifest", "scan",
 ]  # fmt: skip

@@ -1,5 +1,5 @@
 """Clients for rsrv workers. Inference uses the unmodified ``tritonclient``."""
 
-from rsrv.client.control import ControlClient
+from rsrv.client._control import ControlClient
 
 __all__ = ["ControlClient"]

@@ -9,16 +9,16 @@ See ``specs/config.md`` for the file format, the environment overrides
 and the resolution rules.
 """
 
-from .env import ENV_PREFIX, apply_env, env_variables, parse_env_value
-from .errors import ConfigError
-from .load import (
+from ._env import ENV_PREFIX, apply_env, env_variables, parse_env_value
+from ._errors import ConfigError
+from ._load import (
     DEFAULT_NODE_NAME,
     effective_config_dict,
     load_node,
     load_worker,
     resolve_worker,
 )
-from .schema import (
+from ._schema import (
     MAX_WEIGHT,
     MIN_WEIGHT,
     EndpointsConfig,

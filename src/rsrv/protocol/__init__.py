@@ -1,9 +1,22 @@
-"""The KServe V2 / Triton gRPC protocol: tensor codec, shared memory, status mapping.
+"""The KServe V2 / Triton protocol: services, tensor codec, shared memory, statuses.
 
-The generated message and service modules live in ``rsrv.protocol.generated``.
+The services translate protobuf to and from a backend (:class:`InferenceBackend`,
+:class:`ControlBackend`) that the serving process implements. The generated message and
+service modules live in ``rsrv.protocol.generated``.
 """
 
-from rsrv.protocol.codec import (
+from rsrv.protocol._backend import (
+    ControlBackend,
+    ControlSnapshot,
+    Duration,
+    IndexEntry,
+    InferenceBackend,
+    ModelControl,
+    ModelStatisticsSnapshot,
+    ServedModelView,
+)
+from rsrv.protocol._calls import PROTOCOLS, Admission, Restriction, call_deadline, guard
+from rsrv.protocol._codec import (
     DEFAULT_MAX_TENSOR_BYTES,
     ShmTarget,
     decode_request,
@@ -13,20 +26,42 @@ from rsrv.protocol.codec import (
     requested_outputs,
     tensor_metadata,
 )
-from rsrv.protocol.shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
-from rsrv.protocol.status import MAX_MESSAGE_CHARS, grpc_status
+from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
+from rsrv.protocol._inference import InferenceService, model_config
+from rsrv.protocol._logs import LogSettings
+from rsrv.protocol._shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
+from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",
     "DISABLED_MESSAGE",
+    "FROM_RESIDENCY",
     "MAX_MESSAGE_CHARS",
+    "PROTOCOLS",
+    "RESIDENCY",
+    "Admission",
     "AlreadyExists",
+    "ControlBackend",
+    "ControlService",
+    "ControlSnapshot",
+    "Duration",
+    "IndexEntry",
+    "InferenceBackend",
+    "InferenceService",
+    "LogSettings",
+    "ModelControl",
+    "ModelStatisticsSnapshot",
     "RegionInfo",
+    "Restriction",
+    "ServedModelView",
     "SharedMemoryRegistry",
     "ShmTarget",
+    "call_deadline",
     "decode_request",
     "encode_response",
     "grpc_status",
+    "guard",
+    "model_config",
     "request_deadline",
     "request_priority",
     "requested_outputs",

@@ -4,8 +4,9 @@ coalescing at compiled sizes, over a transport-agnostic :class:`Executor`.
 Formulas and rules: specs/scheduler.md.
 """
 
-from rsrv.scheduler.scheduler import Scheduler
-from rsrv.scheduler.spec import Executor, ModelSpec, Result
-from rsrv.scheduler.stats import ModelStats
+from rsrv.scheduler._executor import Executor, Result
+from rsrv.scheduler._scheduler import Scheduler
+from rsrv.scheduler._spec import ModelSpec, check_weight
+from rsrv.scheduler._stats import SchedulingStats
 
-__all__ = ["Executor", "ModelSpec", "ModelStats", "Result", "Scheduler"]
+__all__ = ["Executor", "ModelSpec", "Result", "Scheduler", "SchedulingStats", "check_weight"]

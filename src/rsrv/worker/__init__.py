@@ -1,7 +1,7 @@
 """The worker process (``rsrv serve``): models, the inference pipeline, the task tree."""
 
-from rsrv.worker.app import Worker
-from rsrv.worker.main import serve_main
-from rsrv.worker.models import ModelSet, ModelState, ServedModel
+from rsrv.worker._main import serve_main
+from rsrv.worker._models import LoadState, ModelSet, ServedModel
+from rsrv.worker._worker import Worker, restrictions_of
 
-__all__ = ["ModelSet", "ModelState", "ServedModel", "Worker", "serve_main"]
+__all__ = ["LoadState", "ModelSet", "ServedModel", "Worker", "restrictions_of", "serve_main"]

@@ -1,0 +1,77 @@
+"""``rsrv bundle check``: validate bundles, compile every module, print a summary."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rsrv.bundle._loader import Bundle, find_manifest, load_bundle
+from rsrv.bundle._repository import discover
+from rsrv.errors import BundleError
+
+
+def check_main(dirs: list[Path], out=sys.stdout) -> int:
+    """Check each bundle (a directory with a manifest, or each bundle of a repository)."""
+    from rsrv.runtime import Compiler, compile_bundle, configure
+
+    configure("cpu")
+    compiler = Compiler()
+    paths = _expand(dirs)
+    failures = 0
+    for path in paths:
+        try:
+            bundle = load_bundle(path)
+            seconds = compile_bundle(bundle, compiler).compile_seconds if bundle.modules else 0.0
+        except BundleError as e:
+            failures += 1
+            print(f"FAIL {path.name}\n  {e}\n", file=out)
+            continue
+        except Exception as e:  # a module that validates but does not compile
+            failures += 1
+            print(f"FAIL {path.name}\n  {path}: compilation failed: {e}\n", file=out)
+            continue
+        print(summary(bundle, seconds), file=out)
+    print(f"{len(paths) - failures} ok, {failures} failed", file=out)
+    return 1 if failures else 0
+
+
+def summary(bundle: Bundle, compile_seconds: float) -> str:
+    sig = bundle.signature
+    lines = [f"OK   {bundle.name} ({bundle.kind})  {bundle.path}"]
+    if bundle.manifest.description:
+        lines.append(f"  {bundle.manifest.description}")
+    lines.append(f"  inputs:  {', '.join(t.describe() for t in sig.client_inputs)}")
+    lines.append(f"  outputs: {', '.join(t.describe() for t in sig.client_outputs)}")
+    if bundle.kind == "meta":
+        lines.append(f"  calls:   {', '.join(sig.calls) or '(none)'}")
+    else:
+        sizes = ", ".join(map(str, bundle.batch_sizes)) or "unbatched"
+        lines.append(f"  batch sizes: {sizes}  (compiled in {compile_seconds:.2f} s)")
+        n = len(bundle.weights.weights) if bundle.weights else 0
+        lines.append(f"  weights: {n} tensors, {_bytes(bundle.weight_bytes)}")
+    hooks = [
+        f"{k} {h.fn.__name__}"
+        for k in ("preprocess", "postprocess", "meta")
+        if (h := getattr(bundle.hooks, k))
+    ]
+    if hooks:
+        lines.append(f"  model.py: {', '.join(hooks)}")
+    return "\n".join(lines) + "\n"
+
+
+def _expand(dirs: list[Path]) -> list[Path]:
+    out = []
+    for d in dirs:
+        try:
+            is_bundle = find_manifest(d) is not None
+        except BundleError:
+            is_bundle = True
+        out.extend([d] if is_bundle or not d.is_dir() else discover(d))
+    return out
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

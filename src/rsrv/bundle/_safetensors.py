@@ -1,0 +1,89 @@
+"""Weights files: the safetensors header and the executable's weight argument order.
+
+rsrv reads safetensors itself (the format is an 8-byte length, a JSON header, then one
+data region): every dtype rsrv serves, bf16 included, maps straight to numpy, and the
+byte offsets let :mod:`rsrv.runtime._staging` read each tensor straight into an aligned
+staging buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from rsrv.dtypes import DType
+
+ORDER_KEY = "argument_order"
+
+# safetensors spells dtypes as rsrv's tokens in upper case ("F32", "BF16", "BOOL").
+_SAFETENSORS_DTYPES = {d.value.upper(): d for d in DType if d is not DType.BYTES}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightInfo:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    start: int  # byte offset within the data region
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsFile:
+    """The header of a weights file: the executable's weight arguments, in order."""
+
+    path: Path
+    data_offset: int  # where the data region starts in the file
+    weights: tuple[WeightInfo, ...]  # in argument order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.end - w.start for w in self.weights)
+
+
+def read_weights_header(path: Path) -> WeightsFile:
+    """Read and check the header; raise ``ValueError`` naming what is wrong."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 2**20:
+            raise ValueError(f"not a safetensors file (header length {n} is implausible)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not a safetensors file (header is not JSON: {e})") from None
+    size = path.stat().st_size - 8 - n
+    metadata = header.pop("__metadata__", None) or {}
+    if ORDER_KEY not in metadata:
+        if header:
+            raise ValueError(
+                f"has tensors but no {ORDER_KEY!r} metadata (a JSON list of "
+                "tensor names giving the executable's weight argument order)"
+            )
+        order: list[str] = []
+    else:
+        try:
+            order = json.loads(metadata[ORDER_KEY])
+        except json.JSONDecodeError:
+            order = None
+        if not isinstance(order, list) or not all(isinstance(x, str) for x in order):
+            raise ValueError(f"metadata {ORDER_KEY!r} must be a JSON list of tensor names")
+    infos = []
+    for name in order:
+        if name not in header:
+            raise ValueError(f"{ORDER_KEY} names tensor {name!r}, which the file does not contain")
+        entry = header[name]
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+        shape = tuple(int(d) for d in entry["shape"])
+        start, end = (int(x) for x in entry["data_offsets"])
+        if not 0 <= start <= end <= size or end - start != dtype.itemsize * math.prod(shape):
+            raise ValueError(f"tensor {name!r} has inconsistent data_offsets {[start, end]}")
+        infos.append(WeightInfo(name, dtype, shape, start, end))
+    return WeightsFile(path, 8 + n, tuple(infos))

@@ -1,0 +1,204 @@
+"""The parity gate: run the written bundle with rsrv's own runtime, compare with the source.
+
+The bundle is loaded from its staging directory exactly as a worker loads it
+(``load_bundle``, ``Compiler``, ``compile_bundle``, weights staged into one aligned host
+buffer and copied to the device), every compiled batch size is run on seeded random
+inputs, and each output is compared with what the source framework computes for the same
+inputs. Float outputs must satisfy ``|got - want| <= atol + rtol * |want|`` elementwise;
+integer and bool outputs must be equal. Batched models are also checked row by row across
+batch sizes (the inputs of a smaller size are the first rows of the largest one), since
+the server pads and coalesces requests and so needs every row computed independently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from rsrv.bundle import BATCH_LETTER
+from rsrv.export._errors import ExportError
+
+log = logging.getLogger("rsrv.export")
+
+
+@dataclass(frozen=True, slots=True)
+class Parity:
+    """Settings of the parity gate (``parity=True`` means ``Parity()``).
+
+    ``int_range`` is the half-open range of integer inputs other than u8 (which covers
+    0..255) and bool; ``make_inputs(n)``, when given, returns the executable inputs for
+    batch size ``n`` (0 for an unbatched model) instead of the seeded random draw.
+    ``cache_dir``, when given, is a compilation cache directory (a node's ``cache_dir``):
+    the gate's executables are stored there, so a worker using it loads them instead of
+    compiling the bundle again.
+    """
+
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    seed: int = 0
+    int_range: tuple[int, int] = (0, 8)
+    make_inputs: Callable[[int], Sequence[np.ndarray]] | None = None
+    cache_dir: str | Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputError:
+    output: str
+    batch_size: int
+    max_abs: float
+    max_rel: float
+
+
+@dataclass(frozen=True, slots=True)
+class ParityReport:
+    errors: tuple[OutputError, ...]
+    rtol: float
+    atol: float
+
+    @property
+    def max_abs(self) -> float:
+        return max((e.max_abs for e in self.errors), default=0.0)
+
+    @property
+    def max_rel(self) -> float:
+        return max((e.max_rel for e in self.errors), default=0.0)
+
+    def summary(self) -> str:
+        sizes = sorted({e.batch_size for e in self.errors})
+        where = "unbatched" if sizes == [0] else "batch sizes " + ", ".join(map(str, sizes))
+        return (
+            f"parity ok at {where}: max abs err {self.max_abs:.3g}, max rel err "
+            f"{self.max_rel:.3g} (rtol {self.rtol:g}, atol {self.atol:g})"
+        )
+
+
+def draw_inputs(inputs, n: int, settings: Parity) -> list[np.ndarray]:
+    """Seeded executable inputs for batch size ``n`` (0 = unbatched): floats standard
+    normal, u8 0..255, bool 0/1, other integers in ``settings.int_range``."""
+    if settings.make_inputs is not None:
+        return [np.asarray(x) for x in settings.make_inputs(n)]
+    rng = np.random.default_rng(settings.seed)
+    low, high = settings.int_range
+    arrays = []
+    for spec in inputs:
+        shape = tuple(n if d == BATCH_LETTER else int(d) for d in spec.shape)
+        dtype = np.dtype(spec.dtype)
+        if dtype == np.bool_:
+            arrays.append(rng.integers(0, 2, shape).astype(np.bool_))
+        elif dtype == np.uint8:
+            arrays.append(rng.integers(0, 256, shape).astype(np.uint8))
+        elif dtype.kind in "iu":
+            arrays.append(rng.integers(low, high, shape).astype(dtype))
+        else:
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+    return arrays
+
+
+def check(
+    staging: Path,
+    *,
+    inputs,
+    outputs,
+    sizes: Sequence[int],
+    reference: Callable[..., list[np.ndarray]],
+    settings: Parity,
+) -> ParityReport:
+    """Run the bundle at ``staging`` at every size in ``sizes`` (0 = unbatched) and
+    compare with ``reference(*inputs)``; raise :class:`ExportError` on a mismatch."""
+    from rsrv.bundle import load_bundle
+    from rsrv.errors import BundleError
+    from rsrv.runtime import Compiler, compile_bundle, free, weights_to_device
+
+    try:
+        bundle = load_bundle(staging)
+    except BundleError as e:
+        raise ExportError(f"PARITY: the written bundle does not load: {e}") from None
+    model = compile_bundle(bundle, Compiler(settings.cache_dir and Path(settings.cache_dir)))
+    weights = weights_to_device(bundle)
+    names = [o.name for o in outputs]
+    in_axes = [i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None for i in inputs]
+    batched = any(a is not None for a in in_axes)
+    axes = [o.batch_axis if batched else None for o in outputs]
+    errors: list[OutputError] = []
+    try:
+        largest = max(sizes)
+        if settings.make_inputs is None:  # one draw; smaller sizes take its first rows
+            full = draw_inputs(inputs, largest, settings)
+            want_full = reference(*full)
+        for n in sorted(sizes, reverse=True):
+            if settings.make_inputs is not None:
+                xs = draw_inputs(inputs, n, settings)
+                want, against, hint = reference(*xs), "the source framework", ""
+            else:
+                xs = [_head(x, a, n) for x, a in zip(full, in_axes, strict=True)]
+                want = [
+                    _head(w, axes[k] if k < len(axes) else None, n) for k, w in enumerate(want_full)
+                ]
+                against, hint = "the source framework", ""
+                if n != largest:
+                    against = f"the source framework (the same rows in a batch of {largest})"
+                    hint = (
+                        " Rows are not computed independently of each other, which the "
+                        "server's batching requires (specs/bundle.md section 6): a batch-"
+                        "dependent op such as BatchNorm using batch statistics?"
+                    )
+            got = model.run(n, xs, weights)
+            if len(want) != len(got):
+                raise ExportError(
+                    f"PARITY: the source returns {len(want)} outputs, the bundle {len(got)}"
+                )
+            for name, g, w in zip(names, got, want, strict=True):
+                errors.append(_compare(name, n, g, w, settings, against, hint))
+    finally:
+        free([w for w in weights if isinstance(w, jax.Array)])
+    return ParityReport(tuple(errors), settings.rtol, settings.atol)
+
+
+def _head(x: Any, axis: int | None, n: int) -> np.ndarray:
+    """The first ``n`` rows of ``x`` along ``axis`` (all of it when there is no axis)."""
+    x = np.asarray(x)
+    if axis is None or x.ndim <= axis or x.shape[axis] == n:
+        return x
+    return np.take(x, np.arange(n), axis=axis)
+
+
+def _compare(
+    name: str, n: int, got: np.ndarray, want: Any, settings: Parity, against: str, hint: str = ""
+) -> OutputError:
+    want = np.asarray(want)
+    where = "" if n == 0 else f" at batch size {n}"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise ExportError(
+            f"PARITY: output {name!r}{where} is {got.dtype}{list(got.shape)} in "
+            f"the bundle but {want.dtype}{list(want.shape)} in {against}. "
+            "Nothing was written."
+        )
+    exact = got.dtype == np.bool_ or got.dtype.kind in "iu"
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    same = (g == w) | (np.isnan(g) & np.isnan(w))  # equal infinities, NaN against NaN
+    with np.errstate(invalid="ignore", divide="ignore"):  # inf - inf, inf / inf
+        diff = np.where(same, 0.0, np.abs(g - w))
+        rel = diff / np.maximum(np.abs(w), np.finfo(np.float64).tiny)
+    if exact:
+        bad = got != want  # compared natively: float64 cannot hold every 64-bit integer
+    else:  # a NaN or an infinity that is not matched exactly is a mismatch
+        tol = settings.atol + settings.rtol * np.abs(w)
+        bad = ~same & ~(np.isfinite(diff) & (diff <= tol))
+    max_abs = float(np.nanmax(diff, initial=0.0))
+    max_rel = float(np.nanmax(np.where(diff == 0, 0.0, rel), initial=0.0))
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        rule = "exactly" if exact else f"within rtol {settings.rtol:g}, atol {settings.atol:g}"
+        raise ExportError(
+            f"PARITY: output {name!r}{where} differs from {against}: {int(bad.sum())} of "
+            f"{bad.size} elements are not equal {rule}; max abs err {max_abs:.3g}, max rel "
+            f"err {max_rel:.3g}; first at index {list(idx)}: bundle {got[idx].item()!r}, "
+            f"expected {want[idx].item()!r}.{hint} Nothing was written."
+        )
+    return OutputError(name, n, max_abs, max_rel)

@@ -1,0 +1,407 @@
+"""The export back end: a :class:`Program` to a bundle (see specs/export.md).
+
+The function is traced once per batch size as ``main(inputs..., weights...)``: every
+parameter leaf becomes an explicit weight argument (never a baked-in constant), named by
+its tree path, and written to ``weights.safetensors`` with that order under
+``argument_order``. Modules are written as StableHLO portable artifacts with debug
+locations stripped, and traced under an explicit ``jax_enable_x64`` setting, so the same
+inputs always produce byte-identical files whatever the process-wide setting is.
+
+Two gates guard what is written. The arity gate refuses, before anything is written, a
+traced program whose entry takes more or fewer arguments than inputs + weights. The
+parity gate runs the staged bundle with rsrv's own runtime and compares it with the source
+framework; only a bundle that passes replaces ``out_dir``.
+
+This is the export back end: every framework adapter (JAX in ``_jax``, Flax, Equinox,
+PyTorch) builds a :class:`Program` and calls :func:`export_program`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import msgspec
+import numpy as np
+
+from rsrv.bundle import (
+    BATCH_LETTER,
+    FORMAT_VERSION,
+    ORDER_KEY,
+    Batching,
+    Manifest,
+    TensorSpec,
+    read_signature,
+)
+from rsrv.dtypes import DType
+from rsrv.export._errors import ExportError
+from rsrv.export._parity import Parity
+from rsrv.export._parity import check as parity_check
+from rsrv.export._provenance import collect_provenance
+
+__all__ = ["Input", "Output", "Program", "export_program"]
+
+log = logging.getLogger("rsrv.export")
+_AUTO_LETTERS = "abcdefghijklmopqrstuvwxyz"  # every lowercase letter but the batch letter n
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """An executable input. ``shape`` holds ints and at most one ``"n"`` (the batch axis)."""
+
+    name: str
+    dtype: Any
+    shape: tuple[int | str, ...]
+    letters: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """An executable output; dtype and shape come from tracing. ``batch_axis`` None = none."""
+
+    name: str
+    batch_axis: int | None = 0
+    letters: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What an adapter hands :func:`export_program`.
+
+    ``call(weights, state, *inputs)`` is traced; ``weights`` is the list of arrays named by
+    ``weight_names``, in argument order. ``state`` is non-weight state the call may read
+    (RNG keys and counters): leaves the program does not use are dropped; leaves it uses
+    are lifted into extra entry arguments, which the arity gate then refuses, naming them
+    with ``state_hint``. ``reference(*inputs)`` runs the source framework on numpy inputs
+    (the parity gate's expectation). ``framework`` and ``packages`` go into provenance.
+    """
+
+    call: Callable[..., Any]
+    weight_names: Sequence[str]
+    weights: Sequence[Any]
+    reference: Callable[..., Any]
+    framework: str = "jax"
+    packages: tuple[str, ...] = ()
+    state_names: Sequence[str] = ()
+    state: Sequence[Any] = ()
+    state_hint: str = ""
+
+
+def export_program(
+    program: Program,
+    *,
+    inputs: Sequence[Input],
+    outputs: Sequence[Output | str],
+    batch_sizes: Sequence[int],
+    out_dir: str | Path,
+    description: str = "",
+    client_inputs: Sequence[TensorSpec] | None = None,
+    client_outputs: Sequence[TensorSpec] | None = None,
+    model_py: str | None = None,
+    provenance: Mapping[str, Any] | None = None,
+    x64: bool | None = None,
+    parity: bool | Parity = True,
+) -> Path:
+    """Trace, gate and write ``program`` (the shared back end of every adapter)."""
+    out_dir = Path(out_dir)
+    inputs = list(inputs)
+    outputs = [o if isinstance(o, Output) else Output(o) for o in outputs]
+    names = list(program.weight_names)
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ExportError(f"weight names are not unique: {', '.join(dup)}")
+    weights = [_weight_array(name, w) for name, w in zip(names, program.weights, strict=True)]
+    x64 = _x64_setting(x64, inputs, names, weights)
+    batched = any(BATCH_LETTER in i.shape for i in inputs)
+    sizes = sorted(set(batch_sizes)) if batched else [0]
+    if batched and (not sizes or sizes[0] < 1):
+        raise ExportError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    record = (
+        dict(provenance)
+        if provenance is not None
+        else collect_provenance(program.framework, program.packages, jax_enable_x64=x64)
+    )
+
+    with jax.enable_x64(x64):
+        modules, out_avals = _trace(program, inputs, outputs, weights, sizes)
+
+    exec_inputs = [_input_spec(i) for i in inputs]
+    exec_outputs = [
+        _output_spec(o, a, sizes[-1], batched) for o, a in zip(outputs, out_avals, strict=True)
+    ]
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        description=description,
+        executable_inputs=exec_inputs,
+        executable_outputs=exec_outputs,
+        client_inputs=list(client_inputs) if client_inputs is not None else None,
+        client_outputs=list(client_outputs) if client_outputs is not None else None,
+        batching=Batching(compiled_batch_sizes=sizes if batched else []),
+        provenance=record,
+    )
+
+    verify = None
+    if parity:
+        settings = parity if isinstance(parity, Parity) else Parity()
+
+        def reference(*xs):
+            with jax.enable_x64(x64):
+                result = _as_outputs(program.reference(*xs), outputs)
+            return [np.asarray(r) for r in result]
+
+        def verify(staging: Path) -> None:
+            report = parity_check(
+                staging,
+                inputs=inputs,
+                outputs=outputs,
+                sizes=sizes,
+                reference=reference,
+                settings=settings,
+            )
+            log.info("%s: %s", out_dir.name, report.summary())
+
+    return _write(out_dir, manifest, modules, names, weights, model_py, verify)
+
+
+def _trace(
+    program: Program,
+    inputs: list[Input],
+    outputs: list[Output],
+    weights: list[np.ndarray],
+    sizes: list[int],
+):
+    n_in, n_w = len(inputs), len(weights)
+    state = list(program.state)
+
+    def avals_for(n):
+        xs = [jax.ShapeDtypeStruct(_concrete(i.shape, n), np.dtype(i.dtype)) for i in inputs]
+        return xs, [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+
+    lifted = _used_state(program, state, *avals_for(sizes[0])) if state else []
+
+    def entry(*args):
+        xs, ws, used = args[:n_in], args[n_in : n_in + n_w], args[n_in + n_w :]
+        st = list(state)
+        for k, value in zip(lifted, used, strict=True):
+            st[k] = value
+        return _as_outputs(program.call(list(ws), st, *xs), outputs)
+
+    modules: dict[int, bytes] = {}
+    out_avals = None
+    for n in sizes:
+        xs, ws = avals_for(n)
+        extra = [jax.ShapeDtypeStruct(np.shape(state[k]), state[k].dtype) for k in lifted]
+        exported = jax.export.export(jax.jit(entry, keep_unused=True))(*xs, *ws, *extra)
+        text = _strip_locations(exported.mlir_module())
+        got = len(read_signature(text).inputs)
+        if got != n_in + n_w:
+            message = (
+                f"UNSERVABLE: the compiled entry takes {got} arguments but rsrv calls it with "
+                f"{n_in + n_w} ({n_in} inputs + {n_w} weights). The likely cause "
+                "is state lifted into extra arguments (an RNG key, a mutable collection, an "
+                "effect token); make it a parameter or an input, or close over nothing stateful."
+            )
+            if lifted:
+                message += (
+                    f" Lifted here: {', '.join(program.state_names[k] for k in lifted)}"
+                    f"{': ' + program.state_hint if program.state_hint else ''}."
+                )
+            raise ExportError(message)
+        if len(exported.out_avals) != len(outputs):
+            raise ExportError(
+                f"the function returns {len(exported.out_avals)} outputs, {len(outputs)} were named"
+            )
+        modules[n] = _portable_bytes(text)
+        out_avals = exported.out_avals
+    return modules, out_avals
+
+
+def _used_state(program: Program, state: list, xs, ws) -> list[int]:
+    """Indices of the ``state`` leaves the traced call reads (dead code eliminated)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    def probe(xs, ws, st):
+        return program.call(list(ws), list(st), *xs)
+
+    st = [jax.ShapeDtypeStruct(np.shape(s), s.dtype) for s in state]
+    closed = jax.make_jaxpr(probe)(xs, ws, st)
+    n_out = len(closed.jaxpr.outvars)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * n_out)
+    offset = len(xs) + len(ws)
+    return [k for k in range(len(state)) if used[offset + k]]
+
+
+def _as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
+    if isinstance(result, Mapping):
+        missing = [o.name for o in outputs if o.name not in result]
+        if missing:
+            raise ExportError(
+                f"the function returns a mapping without output(s) "
+                f"{', '.join(map(repr, missing))} (it has {', '.join(result)})"
+            )
+        return tuple(result[o.name] for o in outputs)
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def _weight_array(name: str, leaf: Any) -> np.ndarray:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise ExportError(
+            f"weight {name!r} is a PRNG key ({dtype}): RNG state is not a weight "
+            "and a bundle cannot store it; drop it from the parameters, or make "
+            "the randomness an input"
+        )
+    try:
+        array = np.asarray(leaf)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"weight {name!r} is not an array: {type(leaf).__name__} ({e})") from None
+    try:
+        DType.from_numpy(array.dtype)
+    except ValueError:
+        raise ExportError(
+            f"weight {name!r} has dtype {array.dtype}, which a bundle cannot hold "
+            f"(a {type(leaf).__name__} leaf?)"
+        ) from None
+    return array
+
+
+def _is_64bit(dtype: Any) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.kind in "fiu" and dtype.itemsize == 8
+
+
+def _x64_setting(
+    x64: bool | None, inputs: Sequence[Input], names: Sequence[str], weights: Sequence[np.ndarray]
+) -> bool:
+    wide = [f"input {i.name!r} ({np.dtype(i.dtype)})" for i in inputs if _is_64bit(i.dtype)]
+    wide += [
+        f"weight {n!r} ({w.dtype})"
+        for n, w in zip(names, weights, strict=True)
+        if _is_64bit(w.dtype)
+    ]
+    if x64 is None:
+        return bool(wide)
+    if not x64 and wide:
+        raise ExportError(
+            f"x64=False, but {', '.join(wide)} "
+            f"{'is' if len(wide) == 1 else 'are'} 64-bit: tracing without "
+            "jax_enable_x64 would narrow them; pass x64=True or cast them"
+        )
+    return bool(x64)
+
+
+def _concrete(shape: tuple[int | str, ...], n: int) -> tuple[int, ...]:
+    return tuple(n if d == BATCH_LETTER else int(d) for d in shape)
+
+
+def _letters(given: str | None, rank: int, batch_axis: int | None) -> str:
+    if given is not None:
+        if len(given) != rank:
+            raise ExportError(f"letters {given!r} name {len(given)} axes, the tensor has {rank}")
+        return given
+    auto = iter(_AUTO_LETTERS)
+    return "".join(BATCH_LETTER if i == batch_axis else next(auto) for i in range(rank))
+
+
+def _input_spec(i: Input) -> TensorSpec:
+    axis = i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None
+    letters = _letters(i.letters, len(i.shape), axis)
+    dims = {ch: int(d) for ch, d in zip(letters, i.shape, strict=True) if ch != BATCH_LETTER}
+    return TensorSpec(
+        name=i.name, dtype=DType.from_numpy(np.dtype(i.dtype)).value, shape=letters, dims=dims
+    )
+
+
+def _output_spec(o: Output, aval, n: int, batched: bool) -> TensorSpec:
+    axis = o.batch_axis if batched else None
+    if axis is not None and (axis >= len(aval.shape) or aval.shape[axis] != n):
+        raise ExportError(
+            f"output {o.name!r} has shape {list(aval.shape)}: axis {axis} is not "
+            f"the batch axis (expected extent {n})"
+        )
+    letters = _letters(o.letters, len(aval.shape), axis)
+    dims = {ch: int(d) for ch, d in zip(letters, aval.shape, strict=True) if ch != BATCH_LETTER}
+    return TensorSpec(
+        name=o.name, dtype=DType.from_numpy(np.dtype(aval.dtype)).value, shape=letters, dims=dims
+    )
+
+
+def _strip_locations(module_text: str) -> str:
+    """The module without source locations (file paths and line numbers vary by run)."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax.extend.mlir import ir
+
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(module_text)
+        text = io.StringIO()
+        module.operation.print(file=text, enable_debug_info=False)
+    return text.getvalue()
+
+
+def _portable_bytes(module_text: str) -> bytes:
+    """Serialize as a StableHLO portable artifact (versioned, reproducible bytecode)."""
+    from jax.extend.mlir.dialects import stablehlo
+
+    target = stablehlo.get_version_from_compatibility_requirement(
+        stablehlo.StablehloCompatibilityRequirement.WEEK_12
+    )
+    try:
+        return stablehlo.serialize_portable_artifact_str(module_text, target)
+    except ValueError as e:
+        raise ExportError(
+            f"the traced module cannot be written as a StableHLO portable artifact: {e}"
+        ) from None
+
+
+def _write(
+    out_dir: Path,
+    manifest: Manifest,
+    modules: dict[int, bytes],
+    weight_names: list[str],
+    weights: list[np.ndarray],
+    model_py: str | None,
+    verify: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write into a hidden staging directory next to ``out_dir``, run ``verify`` on it,
+    then swap it in; on any failure the staging directory is removed and ``out_dir`` is
+    left as it was."""
+    from safetensors.numpy import save_file
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    try:
+        doc = {k: v for k, v in msgspec.to_builtins(manifest).items() if v not in (None, {}, [])}
+        (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
+        for n, data in modules.items():
+            (staging / ("model.mlir" if n == 0 else f"model.b{n}.mlir")).write_bytes(data)
+        tensors = {
+            name: np.asarray(w, order="C")  # keeps 0-d weights 0-d
+            for name, w in zip(weight_names, weights, strict=True)
+        }
+        save_file(
+            tensors,
+            str(staging / "weights.safetensors"),
+            metadata={ORDER_KEY: json.dumps(weight_names)},
+        )
+        if model_py is not None:
+            (staging / "model.py").write_text(model_py)
+        staging.chmod(0o755)  # mkdtemp creates 0700; a bundle is meant to be shared
+        for file in staging.iterdir():
+            file.chmod(0o644)
+        if verify is not None:
+            verify(staging)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,185 @@
+"""What the protocol services need from the process behind them.
+
+The services (:class:`~rsrv.protocol.InferenceService`, :class:`~rsrv.protocol.
+ControlService`) translate protobuf to and from the calls below and nothing else; a
+worker implements them (``rsrv.worker.Worker``), and a process that answers some RPCs
+itself (a gateway) implements what it answers. The data handed across is plain
+snapshots, so the protocol layer never reaches into a worker's internals.
+
+Errors are ``rsrv.errors`` exceptions (NotFound for an unknown model, Unavailable for
+one that is not ready, ...); the transport turns them into statuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from rsrv.bundle import Bundle
+from rsrv.protocol._calls import Admission
+from rsrv.protocol._logs import LogSettings
+from rsrv.protocol._shm import SharedMemoryRegistry
+
+__all__ = [
+    "ControlBackend",
+    "ControlSnapshot",
+    "Duration",
+    "IndexEntry",
+    "InferenceBackend",
+    "ModelControl",
+    "ModelStatisticsSnapshot",
+    "ServedModelView",
+]
+
+
+class ServedModelView(Protocol):
+    """A loaded model, as far as the protocol is concerned."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def bundle(self) -> Bundle: ...
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    """One RepositoryIndex entry."""
+
+    name: str
+    version: str  # "" while not loaded
+    state: str  # READY / UNAVAILABLE / LOADING
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatisticsSnapshot:
+    """Triton's ModelStatistics of one model, as plain numbers (specs/protocol.md §2)."""
+
+    name: str
+    version: str
+    last_inference_ms: int
+    inference_count: int
+    execution_count: int
+    success: Duration
+    fail: Duration
+    queue: Duration
+    compute_input: Duration
+    compute_infer: Duration
+    compute_output: Duration
+    batch_executions: Mapping[int, int] = field(default_factory=dict)  # size -> count
+
+
+@dataclass(frozen=True, slots=True)
+class ModelControl:
+    """One model in ModelControlStatus (specs/weights.md, control.proto)."""
+
+    name: str
+    state: str
+    kind: str = ""  # "" until loaded
+    residency: str = ""  # unpinned / system / device ("" for a meta without models)
+    device_resident: bool = False
+    host_resident: bool = False
+    weight_bytes: int = 0
+    weight: float = 0.0
+    queue_depth: int = 0
+    compute_seconds: float = 0.0
+    requests_served: int = 0
+    rows_served: int = 0
+    dispatches: int = 0
+    max_batch_size: int = 0
+    batch_input_name: str = ""
+    batch_axis: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSnapshot:
+    discipline: str
+    control_mode: str
+    weight_cache_budget_bytes: int
+    weight_cache_resident_bytes: int
+    weight_cache_loads: int
+    weight_cache_evictions: int
+    models: list[ModelControl]
+
+
+class InferenceBackend(Protocol):
+    """What ``inference.GRPCInferenceService`` calls."""
+
+    shm: SharedMemoryRegistry
+    log_settings: LogSettings
+    admission: Admission  # streams admit each request on them
+    max_message_bytes: int
+    max_requests_per_stream: int
+
+    @property
+    def platform(self) -> str: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def extensions(self) -> list[str]: ...
+
+    def model(self, name: str) -> ServedModelView:
+        """The ready model ``name``; NotFound / Unavailable otherwise."""
+        ...
+
+    def model_ready(self, name: str) -> bool: ...
+
+    def max_batch_size(self, name: str) -> int:
+        """Rows one execution of ``name`` may hold (0: unbatched, or meta)."""
+        ...
+
+    async def infer(
+        self, name: str, inputs: Mapping[str, np.ndarray], deadline: float | None
+    ) -> dict[str, np.ndarray]:
+        """Run one request of validated client inputs; returns the client outputs."""
+        ...
+
+    def record(self, name: str, ok: bool, seconds: float, status: str, rows: int) -> None:
+        """Count one request of ``name`` (``status`` as the client receives it)."""
+        ...
+
+    def statistics(self, name: str) -> ModelStatisticsSnapshot: ...
+
+    def statistics_names(self) -> list[str]:
+        """Models reported when ModelStatistics names none: every ready one."""
+        ...
+
+    def index(self) -> list[IndexEntry]: ...
+
+    async def load_model(self, name: str) -> None: ...
+
+    async def unload_model(self, name: str) -> None: ...
+
+
+class ControlBackend(Protocol):
+    """What ``rsrv.control.v1.ControlService`` calls."""
+
+    def control_status(self) -> ControlSnapshot: ...
+
+    async def set_residency(self, name: str, residency: str) -> str:
+        """Set ``name``'s residency floor; returns the floor in force. Explicit mode only
+        (FailedPrecondition otherwise)."""
+        ...
+
+    def set_weight(self, name: str, weight: float) -> float:
+        """Set ``name``'s fair-share weight; returns the weight in force."""
+        ...
+
+    def weight_of(self, name: str) -> float: ...
+
+    async def compact_memory(self, reload: list[str]) -> tuple[int, int]:
+        """Free every evictable weight, reload ``reload``; returns (reloaded models,
+        resident bytes after)."""
+        ...

@@ -1,0 +1,350 @@
+"""``inference.GRPCInferenceService``: the KServe V2 / Triton RPCs.
+
+Handlers translate between protobuf and an :class:`~rsrv.protocol.InferenceBackend`
+(a worker): decode -> backend -> encode. They raise :mod:`rsrv.errors` exceptions; the
+transport maps them to statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+import rsrv
+from rsrv.bundle import Tensor
+from rsrv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from rsrv.protocol import _codec as codec
+from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
+from rsrv.protocol._calls import call_deadline
+from rsrv.protocol._status import grpc_status
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.inference import model_config_pb2 as mc
+from rsrv.protocol.generated.inference.grpc_service_grpc import GRPCInferenceServiceServicer
+
+log = logging.getLogger(__name__)
+SERVER_NAME = "rsrv"
+#: The trace settings TraceSetting reports (Triton's defaults, tracing off).
+TRACE_DEFAULTS = {
+    "trace_level": ["OFF"],
+    "trace_rate": ["1000"],
+    "trace_count": ["-1"],
+    "log_frequency": ["0"],
+    "trace_mode": ["triton"],
+}
+
+
+class InferenceService(GRPCInferenceServiceServicer):
+    def __init__(self, backend: InferenceBackend):
+        self.backend = backend
+        self._trace = dict(TRACE_DEFAULTS)
+
+    # -- health and metadata ----------------------------------------------------------
+
+    async def ServerLive(self, message, request):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, message, request):
+        return pb.ServerReadyResponse(ready=self.backend.ready)
+
+    async def ModelReady(self, message, request):
+        return pb.ModelReadyResponse(ready=self.backend.model_ready(message.name))
+
+    async def ServerMetadata(self, message, request):
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=rsrv.__version__, extensions=self.backend.extensions
+        )
+
+    async def ModelMetadata(self, message, request):
+        served = self.backend.model(message.name)
+        sig = served.bundle.signature
+        return pb.ModelMetadataResponse(
+            name=served.name,
+            versions=["1"],
+            platform=self.backend.platform,
+            inputs=[codec.tensor_metadata(t) for t in sig.client_inputs],
+            outputs=[codec.tensor_metadata(t) for t in sig.client_outputs],
+        )
+
+    async def ModelConfig(self, message, request):
+        served = self.backend.model(message.name)
+        return pb.ModelConfigResponse(
+            config=model_config(
+                served.bundle, self.backend.platform, self.backend.max_batch_size(served.name)
+            )
+        )
+
+    # -- inference ------------------------------------------------------------------------
+
+    async def ModelInfer(self, message, request):
+        return await self._infer(message)
+
+    async def ModelStreamInfer(self, messages, request):
+        """Requests on one stream run concurrently, at most
+        ``endpoints.max_requests_per_stream`` at once (the stream is not read further
+        until one finishes); each answer (or its error_message) is sent as it completes,
+        and a failed request never ends the stream. The stream's grpc-timeout bounds the
+        whole stream (DEADLINE_EXCEEDED when it expires) and every request on it."""
+        async with self._stream_responses(messages, request.deadline) as responses:
+            async for response in responses:
+                yield response
+
+    @trio.as_safe_channel
+    async def _stream_responses(self, messages, deadline: float):
+        call_deadline.set(deadline)  # this task's context: inherited by the request tasks
+        send, receive = trio.open_memory_channel(0)
+        limit = self.backend.max_message_bytes
+        slots = trio.Semaphore(self.backend.max_requests_per_stream)
+
+        async def one(message):
+            try:
+                with self.backend.admission:  # each request on a stream is one call in flight
+                    result = await self._infer(message)
+                response = pb.ModelStreamInferResponse(infer_response=result)
+                size = response.ByteSize()  # in-band: a stream must outlive one big answer
+                if size > limit:
+                    raise ResourceExhausted(
+                        f"response of {size} bytes exceeds "
+                        f"the maximum {limit} (endpoints.max_message_bytes)"
+                    )
+            except Exception as e:
+                _, text = grpc_status(e)
+                response = pb.ModelStreamInferResponse(
+                    error_message=text,
+                    infer_response=pb.ModelInferResponse(
+                        model_name=message.model_name, id=message.id
+                    ),
+                )
+            try:
+                await send.send(response)
+            finally:
+                slots.release()
+
+        async def pump():
+            async with send:
+                async with trio.open_nursery() as requests:
+                    while True:
+                        await slots.acquire()
+                        message = await anext(messages, None)
+                        if message is None:
+                            break
+                        requests.start_soon(one, message)
+
+        async with trio.open_nursery() as nursery:  # the transport enforces the deadline
+            nursery.start_soon(pump)
+            async with receive:
+                async for response in receive:
+                    yield response
+
+    async def _infer(self, message) -> pb.ModelInferResponse:
+        if not message.model_name:
+            raise InvalidArgument("model_name is empty")
+        backend = self.backend
+        start = time.perf_counter()
+        served = backend.model(message.model_name)
+        name = served.name
+        try:
+            sig = served.bundle.signature
+            inputs = codec.decode_request(message, sig.client_inputs, backend.shm)
+            order = codec.requested_outputs(
+                message, [t.name for t in sig.client_outputs], backend.shm
+            )
+            deadline = min(
+                call_deadline.get(),
+                codec.request_deadline(message, trio.current_time()) or float("inf"),
+            )
+            codec.request_priority(message)  # validated; the scheduler has no priorities
+            outputs = await backend.infer(
+                name, inputs, None if deadline == float("inf") else deadline
+            )
+            response = codec.encode_response(message, name, "1", outputs, order, backend.shm)
+        except Exception as e:  # counted under the status the client receives
+            backend.record(name, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
+            raise
+        except BaseException:  # cancelled: grpc-timeout expired, or the call was abandoned
+            expired = trio.current_time() >= call_deadline.get()
+            status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            backend.record(name, False, time.perf_counter() - start, status, 0)
+            raise
+        rows = _rows(sig.client_inputs, inputs)
+        backend.record(name, True, time.perf_counter() - start, "OK", rows)
+        return response
+
+    async def ModelStatistics(self, message, request):
+        names = [message.name] if message.name else self.backend.statistics_names()
+        return pb.ModelStatisticsResponse(
+            model_stats=[model_statistics(self.backend.statistics(name)) for name in names]
+        )
+
+    # -- repository -----------------------------------------------------------------------
+
+    async def RepositoryIndex(self, message, request):
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=e.name, version=e.version, state=e.state, reason=e.reason
+                )
+                for e in self.backend.index()
+                if not message.ready or e.state == "READY"
+            ]
+        )
+
+    async def RepositoryModelLoad(self, message, request):
+        if message.parameters:  # Triton's override config and files
+            raise InvalidArgument(
+                f"RepositoryModelLoad parameters are not supported "
+                f"({', '.join(sorted(message.parameters))}): rsrv loads {message.model_name!r} "
+                "exactly as its bundle is in the repository"
+            )
+        await self.backend.load_model(message.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, message, request):
+        await self.backend.unload_model(message.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory ------------------------------------------------------------------
+
+    async def SystemSharedMemoryStatus(self, message, request):
+        regions = {
+            r.name: pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size
+            )
+            for r in self.backend.shm.status(message.name or None)
+        }
+        return pb.SystemSharedMemoryStatusResponse(regions=regions)
+
+    async def SystemSharedMemoryRegister(self, message, request):
+        await trio.to_thread.run_sync(
+            self.backend.shm.register, message.name, message.key, message.offset, message.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, message, request):
+        self.backend.shm.unregister(message.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, message, request):
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, message, request):
+        raise FailedPrecondition(
+            f"CUDA shared memory is not supported by this {self.backend.platform} worker; "
+            "use system shared memory (SystemSharedMemoryRegister)"
+        )
+
+    async def CudaSharedMemoryUnregister(self, message, request):
+        return pb.CudaSharedMemoryUnregisterResponse()  # nothing can be registered
+
+    # -- trace and log settings ---------------------------------------------------------
+
+    async def TraceSetting(self, message, request):
+        """Tracing is not implemented: settings are validated, kept and reported, and
+        trace_level can only be OFF. One set for the server; a model_name must exist."""
+        if message.model_name:
+            self.backend.model(message.model_name)  # NotFound for an unknown model
+        updated = dict(self._trace)
+        for key, setting in message.settings.items():
+            if key not in TRACE_DEFAULTS:
+                raise InvalidArgument(
+                    f"unknown trace setting {key!r} (known: {', '.join(TRACE_DEFAULTS)})"
+                )
+            value = list(setting.value) or TRACE_DEFAULTS[key]  # no value: back to default
+            if key == "trace_level" and value != ["OFF"]:
+                raise InvalidArgument(
+                    f"tracing is not supported: trace_level can only be OFF, got {value}"
+                )
+            if key in ("trace_rate", "trace_count", "log_frequency") and not (
+                len(value) == 1 and value[0].lstrip("-").isdigit()
+            ):
+                raise InvalidArgument(f"trace setting {key!r} takes one integer, got {value}")
+            if key == "trace_mode" and value not in (["triton"], ["opentelemetry"]):
+                raise InvalidArgument(f"trace_mode must be triton or opentelemetry, got {value}")
+            updated[key] = value
+        self._trace = updated
+        return pb.TraceSettingResponse(
+            settings={k: pb.TraceSettingResponse.SettingValue(value=v) for k, v in updated.items()}
+        )
+
+    async def LogSettings(self, message, request):
+        logs = self.backend.log_settings
+        for key, value in message.settings.items():
+            logs.update(key, value)
+        return pb.LogSettingsResponse(settings=logs.to_proto())
+
+
+def _rows(specs: tuple[Tensor, ...], inputs) -> int:
+    for spec in specs:
+        if spec.batch_axis is not None and spec.name in inputs:
+            return int(inputs[spec.name].shape[spec.batch_axis])
+    return 1
+
+
+def model_statistics(snapshot: ModelStatisticsSnapshot) -> pb.ModelStatistics:
+    """Triton's ModelStatistics message of one model."""
+
+    def duration(d) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+    return pb.ModelStatistics(
+        name=snapshot.name,
+        version=snapshot.version,
+        last_inference=snapshot.last_inference_ms,
+        inference_count=snapshot.inference_count,
+        execution_count=snapshot.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=duration(snapshot.success),
+            fail=duration(snapshot.fail),
+            queue=duration(snapshot.queue),
+            compute_input=duration(snapshot.compute_input),
+            compute_infer=duration(snapshot.compute_infer),
+            compute_output=duration(snapshot.compute_output),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=size, compute_infer=pb.StatisticDuration(count=count)
+            )
+            for size, count in sorted(snapshot.batch_executions.items())
+        ],
+    )
+
+
+def model_config(bundle, platform: str, max_batch_size: int) -> mc.ModelConfig:
+    """A Triton ModelConfig derived from the manifest.
+
+    Triton's config has an implicit *leading* batch axis: when every client tensor has
+    its batch letter first, ``max_batch_size`` is the effective maximum and dims omit that
+    axis; otherwise ``max_batch_size`` is 0 and dims show the batch axis as -1.
+    """
+    sig = bundle.signature
+    tensors = sig.client_inputs + sig.client_outputs
+    leading = bool(bundle.batch_sizes) and all(t.batch_axis == 0 for t in tensors)
+
+    def dims(t: Tensor) -> list[int]:
+        return list(t.shape[1:]) if leading else list(t.shape)
+
+    def dtype(t: Tensor) -> int:
+        name = "TYPE_STRING" if t.dtype.kserve == "BYTES" else f"TYPE_{t.dtype.kserve}"
+        return mc.DataType.Value(name)
+
+    config = mc.ModelConfig(
+        name=bundle.name,
+        platform=f"rsrv_stablehlo_{platform}",
+        backend="rsrv",
+        max_batch_size=max_batch_size if leading else 0,
+        input=[
+            mc.ModelInput(name=t.name, data_type=dtype(t), dims=dims(t)) for t in sig.client_inputs
+        ],
+        output=[
+            mc.ModelOutput(name=t.name, data_type=dtype(t), dims=dims(t))
+            for t in sig.client_outputs
+        ],
+    )
+    if bundle.batch_sizes:
+        config.dynamic_batching.preferred_batch_size.extend(bundle.batch_sizes)
+    return config

@@ -1,0 +1,315 @@
+"""The weight-transfer worker: the one trio task that moves weights onto the device.
+
+Every host-to-device copy happens here, one at a time, in a worker thread. The dispatch
+loop asks for a model's weights with :meth:`WeightManager.lease` (waiting only when they
+are not resident); the scheduler calls :meth:`WeightManager.prefetch` for the model it
+expects to run next, so that copy overlaps the current execution.
+
+Residency floors (``scheduler.models.<name>.residency``):
+
+* ``system``: staged in host RAM at load (the default while the cache is on); a device
+  load is one host-to-device copy of the staged buffer.
+* ``unpinned``: nothing kept in RAM; a device load reads the weights file.
+* ``device``: copied at load and kept on the device, outside the budget.
+
+With the cache off (no budget) every model is copied at load and never evicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import jax
+import trio
+
+from rsrv.bundle import WeightsFile
+from rsrv.errors import NotFound
+from rsrv.runtime._staging import HostWeights, free, pin, stage, to_device
+from rsrv.runtime._weight_cache import Resident, WeightCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class Placement:
+    file: WeightsFile | None
+    residency: str
+    host: HostWeights | None = None  # the staged floor of a "system" model
+    fd: int | None = None  # an "unpinned" model's weights file, open since load
+
+    def open(self) -> None:
+        """Hold the file open, so this version keeps reading its own weights even after
+        the bundle is replaced on disk (a rename; in-place overwrites are not safe)."""
+        if self.fd is None and self.file is not None:
+            self.fd = os.open(self.file.path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@dataclass(eq=False, slots=True)
+class _Transfer:
+    """One requested host-to-device copy; everyone waiting for it shares its outcome."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
+class WeightManager:
+    """Owns device weights for every model version, keyed by executable key."""
+
+    def __init__(
+        self,
+        budget: int | None,
+        device: jax.Device,
+        compaction_interval: int = 0,
+        *,
+        resize: Callable[[int], int | None] | None = None,
+    ):
+        """``resize(max_scratch)``, when given, re-derives the budget each time a larger
+        scratch is measured (a budget derived from the device limit)."""
+        self.cache = WeightCache(budget)
+        self._resize = resize
+        self.device = device
+        self.compaction_interval = compaction_interval
+        self.compactions = 0
+        self._loads_at_compaction = 0
+        self.max_scratch = 0  # bytes, largest measured at warm-up (0 where unreported)
+        self.placements: dict[str, Placement] = {}
+        self._limiter = trio.CapacityLimiter(1)  # one transfer at a time
+        self._send, self._receive = trio.open_memory_channel(math.inf)
+        self._transfers: dict[str, _Transfer] = {}  # requested, not finished
+        # demands (leases, loads) waiting per key: those keys are about to be used, so
+        # they are never evicted, and a transfer of one is never skipped
+        self._waiting: defaultdict[str, int] = defaultdict(int)
+
+    # -- registration (model load / unload, off the dispatch loop) --------------------
+
+    def residency_for(self, requested: str | None) -> str:
+        if requested is not None:
+            return requested
+        return "system" if self.cache.enabled else "device"
+
+    async def add(self, key: str, file: WeightsFile | None, residency: str) -> None:
+        """Register a model version: stage its host floor, or place it now if pinned."""
+        placement = Placement(file, residency)
+        if file is not None and residency == "system":
+            placement.host = await trio.to_thread.run_sync(self._stage_pinned, file)
+        elif residency == "unpinned":
+            placement.open()
+        self.placements[key] = placement
+        if residency == "device" or not self.cache.enabled:
+            await self._ensure(key)
+
+    def remove(self, key: str) -> None:
+        """Forget a retired version: free its device weights and host floor now."""
+        self.cache.drop(key)
+        placement = self.placements.pop(key, None)
+        if placement is not None:
+            placement.close()
+
+    def nbytes(self, key: str) -> int:
+        placement = self.placements.get(key)
+        return placement.file.nbytes if placement and placement.file else 0
+
+    # -- the dispatch path --------------------------------------------------------------
+
+    @asynccontextmanager
+    async def lease(self, key: str):
+        """Yield the device weights of ``key``; they cannot be evicted until exit."""
+        resident = await self._ensure(key)
+        resident.leases += 1  # no checkpoint since _ensure found it resident
+        try:
+            yield resident.arrays
+        finally:
+            resident.leases -= 1
+
+    async def prefetch(self, key: str) -> None:
+        """Move ``key``'s weights to the device ahead of its lease, if they fit.
+
+        Best effort: a prefetch never pushes resident bytes over the budget, so it is
+        skipped when the room is held by leased or demanded models (the lease loads the
+        weights later). Returns once the transfer is done or skipped.
+        """
+        if key not in self.placements or self.cache.get(key) is not None:
+            return  # (get marks it most recently used: it is about to run)
+        transfer = self._request(key)
+        await transfer.done.wait()
+        if transfer.error is not None:
+            raise transfer.error
+
+    async def _ensure(self, key: str) -> Resident:
+        """``key``'s device weights, transferred first if needed. A demand: while it
+        waits, ``key`` is protected from eviction and its transfer is never skipped."""
+        self._waiting[key] += 1
+        try:
+            while True:
+                resident = self.cache.get(key)
+                if resident is not None:
+                    return resident
+                if key not in self.placements:
+                    raise NotFound(f"model version {key!r} is not loaded")
+                transfer = self._request(key)
+                await transfer.done.wait()
+                if transfer.error is not None:
+                    raise transfer.error
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
+
+    def _request(self, key: str) -> _Transfer:
+        """The pending transfer of ``key``, queued for the transfer task if new."""
+        transfer = self._transfers.get(key)
+        if transfer is None:
+            transfer = self._transfers[key] = _Transfer()
+            self._send.send_nowait(key)
+        return transfer
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The transfer task: serve transfer requests in arrival order, forever."""
+        task_status.started()
+        async for key in self._receive:
+            transfer = self._transfers[key]
+            try:
+                await self._transfer(key)
+            except Exception as e:
+                log.error("weight transfer of %s failed: %s", key, e)
+                transfer.error = e
+            finally:
+                del self._transfers[key]
+                transfer.done.set()
+
+    async def _transfer(self, key: str) -> None:
+        placement = self.placements.get(key)
+        if placement is None or self.cache.is_resident(key):
+            return
+        pinned = placement.residency == "device"
+        nbytes = self.nbytes(key)
+        if not pinned and self.cache.enabled:
+            protected = frozenset(self._waiting)  # about to be used: never evict them
+            if key not in protected and not self.cache.fits(nbytes, protected):
+                log.debug(
+                    "prefetch of %s skipped: %d bytes do not fit beside the models in use",
+                    key,
+                    nbytes,
+                )
+                return
+            self.cache.make_room(nbytes, protected)
+        start = time.perf_counter()
+        arrays = await trio.to_thread.run_sync(self._copy, placement, limiter=self._limiter)
+        seconds = time.perf_counter() - start
+        if self.placements.get(key) is not placement:  # removed while it was copied
+            free(arrays)
+            return
+        self.cache.admit(key, arrays, nbytes, seconds, pinned=pinned)
+        log.debug("weights of %s on device: %d bytes in %.4f s", key, nbytes, seconds)
+
+    def _copy(self, placement: Placement) -> list[jax.Array]:
+        if placement.file is None:
+            return []
+        host = placement.host or stage(placement.file, placement.fd)  # unpinned: read now
+        return to_device(host, self.device)
+
+    def _stage_pinned(self, file: WeightsFile) -> HostWeights:
+        return pin(stage(file), self.device)
+
+    # -- control (CompactMemory, SetModelResidency) ---------------------------------------
+
+    def compact(self) -> int:
+        """Free every evictable device weight at once; returns how many models."""
+        self.compactions += 1
+        self._loads_at_compaction = self.cache.counters.loads
+        return self.cache.clear()
+
+    def after_execution(self) -> None:
+        """Auto-compaction: every ``compaction_interval`` loads (0 = never), free all
+        evictable weights at once so the device allocator can defragment."""
+        loads = self.cache.counters.loads
+        if (
+            self.compaction_interval
+            and loads - self._loads_at_compaction >= self.compaction_interval
+        ):
+            freed = self.compact()
+            log.info(
+                "auto-compaction after %d loads freed %d model(s)", self.compaction_interval, freed
+            )
+
+    def note_scratch(self, nbytes: int) -> None:
+        """Record device memory a model needed beyond its weights (measured at warm-up);
+        a larger scratch shrinks a budget derived from the device limit right away."""
+        if nbytes <= self.max_scratch:
+            return
+        self.max_scratch = nbytes
+        if self._resize is not None and self.cache.enabled:
+            self.cache.budget = self._resize(nbytes)
+            log.info(
+                "weight cache budget %s bytes (largest scratch %d bytes)", self.cache.budget, nbytes
+            )
+
+    async def compact_and_reload(self, keys: list[str]) -> int:
+        """CompactMemory: free every evictable weight, then load ``keys`` again."""
+        self.compact()
+        for key in keys:
+            await self._ensure(key)
+        return len(keys)
+
+    async def set_residency(self, key: str, residency: str) -> None:
+        """Change a version's floor now (SetModelResidency).
+
+        ``device`` places the weights and pins them (the host copy is dropped);
+        ``system`` stages a host copy and makes the device copy evictable;
+        ``unpinned`` drops the host copy and makes the device copy evictable.
+        """
+        placement = self.placements[key]
+        if residency == "system" and placement.host is None and placement.file is not None:
+            placement.host = await trio.to_thread.run_sync(self._stage_pinned, placement.file)
+        elif residency != "system":
+            placement.host = None
+        if residency == "unpinned":
+            placement.open()
+        else:
+            placement.close()
+        previous, placement.residency = placement.residency, residency
+        if residency == "device":
+            if not self.cache.pin(key) and key not in self.cache.pinned:
+                await self._ensure(key)
+        elif previous == "device" and self.cache.enabled:
+            self.cache.unpin(key)
+
+    def host_resident(self, key: str) -> bool:
+        placement = self.placements.get(key)
+        return placement is not None and placement.host is not None
+
+
+def weight_budget(runtime, device: jax.Device, max_scratch: int = 0) -> int | None:
+    """The device byte budget for evictable weights, or None when the cache is off.
+
+    ``weight_cache_bytes`` wins when set (specs/config.md). Otherwise
+    ``weight_cache_fraction: 0`` turns the cache off, and the device's allocator limit is
+    used: ``fraction x limit``, but never more than ``(1 - wiggle) x limit`` minus the
+    largest scratch a model needs. A backend that reports no limit (CPU) has no cache
+    unless ``weight_cache_bytes`` is set.
+    """
+    if runtime.weight_cache_bytes is not None:
+        return runtime.weight_cache_bytes
+    if runtime.weight_cache_fraction == 0:
+        return None
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return None
+    pool = min(
+        runtime.weight_cache_fraction * limit,
+        (1 - runtime.weight_cache_wiggle_fraction) * limit - max_scratch,
+    )
+    return max(0, int(pool))

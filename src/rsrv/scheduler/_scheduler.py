@@ -1,0 +1,551 @@
+"""The dispatch engine: admission, the model registry and the dispatch loop.
+
+Transport-agnostic: requests arrive as lists of numpy arrays through
+:meth:`Scheduler.submit`, batches leave through an :class:`Executor`. One task
+runs :meth:`Scheduler.run`, the only place that executes, so the device runs one
+batch at a time. See specs/scheduler.md for the formulas.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from rsrv.config import SchedulerConfig
+from rsrv.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RsrvError,
+    Unavailable,
+)
+from rsrv.scheduler._batching import assemble, rows_of, signature, split
+from rsrv.scheduler._costs import CostTable, DecayedSum
+from rsrv.scheduler._executor import Executor, Result
+from rsrv.scheduler._model import ScheduledModel
+from rsrv.scheduler._policy import make_policy
+from rsrv.scheduler._queue import Request, State, Version
+from rsrv.scheduler._spec import ModelSpec, check_weight
+from rsrv.scheduler._stats import SchedulingStats
+
+log = logging.getLogger("rsrv.scheduler")
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """A planned dispatch: requests of one model version, in order."""
+
+    model: ScheduledModel
+    version: Version
+    requests: list[Request]
+    rows: int  # real rows; size - rows are padding
+    size: int  # compiled batch size (0: unbatched)
+    estimate: float  # learned cost of `size` when planned
+
+
+class Scheduler:
+    """Queues requests per model and runs them on one executor, one batch at a time.
+
+    Guarantees:
+
+    * Every admitted request is answered exactly once: a :class:`Result`, or an
+      ``RsrvError`` raised from :meth:`submit` (DeadlineExceeded, NotFound,
+      Internal, Unavailable...). A submit cancelled while queued is withdrawn and
+      never executed; one cancelled while executing leaves its batch running for
+      the others.
+    * A request runs on the model version it was admitted for (see
+      :meth:`add_model`) and is never split across batches; padding never reaches it.
+    * Selection touches only backlogged models: O(log b) per decision for b
+      backlogged models, independent of how many are registered.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        executor: Executor,
+        *,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self._config = config
+        self._executor = executor
+        self._clock = clock
+        self._policy = make_policy(config.discipline, config.ema_halflife_seconds)
+        self._shed = config.discipline == "edf"  # shed requests that cannot finish in time
+        self._models: dict[str, ScheduledModel] = {}
+        self._seq = itertools.count()
+        self._index = itertools.count()
+        self._queued = 0  # requests queued over all models
+        self._running = False
+        self._draining = False
+        self._closed = False
+        self._wake = trio.Event()
+        self._drained = trio.Event()
+
+    # -- registry -------------------------------------------------------------------
+
+    def add_model(self, spec: ModelSpec) -> None:
+        """Register ``spec``, or make it the current version of an existing model.
+
+        On replacement, requests already queued keep the version they were admitted
+        for: each request is tagged with its version, batches never mix versions,
+        and the old version's executor key (``ModelSpec.key``) runs them. The queue,
+        statistics and fair-share position belong to the name and carry over; the
+        weight is the new spec's, costs start from the new version's (seed them with
+        :meth:`warm_costs`).
+        """
+        version = Version(spec, CostTable(self._config.cost_ema_alpha))
+        m = self._models.get(spec.name)
+        if m is None:
+            usage = DecayedSum(self._config.ema_halflife_seconds)
+            self._models[spec.name] = ScheduledModel(
+                spec.name, next(self._index), version, spec.weight, usage
+            )
+            return
+        old, m.version, m.weight = m.version, version, spec.weight
+        self._retire(old)
+        self._policy.update(m, self._clock())
+
+    def remove_model(self, name: str) -> None:
+        """Unregister ``name``; its queued requests fail with NotFound. A batch of it
+        that is executing finishes. Unknown names are ignored."""
+        m = self._models.pop(name, None)
+        if m is None:
+            return
+        self._policy.discard(m)
+        for req in m.queue.queued():
+            self._unqueue(req, State.DONE)
+            self._settle(req, error=NotFound(f"model {name!r} was unloaded"))
+        self._retire(m.version)
+
+    def set_weight(self, name: str, weight: float) -> None:
+        """Change a model's fair-share weight, effective from the next decision.
+        Service it received beyond (or short of) its share so far keeps its size in
+        device seconds. InvalidArgument outside [MIN_WEIGHT, MAX_WEIGHT]."""
+        m = self._model(name)
+        weight = check_weight(weight, f"model {name!r}")
+        now = self._clock()
+        self._policy.reweight(m, weight, now)
+        m.weight = weight
+        self._policy.update(m, now)
+
+    def warm_costs(self, name: str, costs: dict[int, float]) -> None:
+        """Seed the current version's per-size cost estimates (e.g. from warm-up runs)."""
+        m = self._model(name)
+        m.version.costs.seed(costs)
+        self._policy.update(m, self._clock())
+
+    def spec(self, name: str) -> ModelSpec:
+        """The current spec of ``name``; NotFound if unknown."""
+        return self._model(name).version.spec
+
+    def stats(self, name: str) -> SchedulingStats:
+        m = self._model(name)
+        s = m.stats
+        return SchedulingStats(
+            name=name,
+            weight=m.weight,
+            requests=s.requests,
+            rows=s.rows,
+            dispatches=s.dispatches,
+            compute_seconds=s.compute_seconds,
+            queue_depth=m.queue.live,
+            queued_rows=m.queue.rows,
+            batch_sizes=dict(sorted(s.batch_sizes.items())),
+            failures=dict(s.failures),
+            wait_samples=tuple(s.waits),
+            wait_percentiles=s.percentiles(),
+            usage_ema=m.usage.at(self._clock()),
+            costs=m.version.costs.snapshot(),
+            max_batch_size=m.version.spec.max_rows,
+        )
+
+    def _model(self, name: str) -> ScheduledModel:
+        m = self._models.get(name)
+        if m is None:
+            raise NotFound(f"unknown model {name!r}")
+        return m
+
+    # -- admission ------------------------------------------------------------------
+
+    async def submit(
+        self,
+        model: str,
+        inputs: Sequence[np.ndarray],
+        *,
+        deadline: float | None = None,
+        rows: int | None = None,
+        front: bool = False,
+    ) -> Result:
+        """Queue one request and wait for its answer.
+
+        ``inputs`` are the executable inputs in order; ``rows`` their extent along
+        the batch axis (computed when None; all inputs must agree). ``deadline`` is
+        absolute in the scheduler clock. ``front`` orders the request ahead of fresh
+        work (meta sub-calls). Raises NotFound (unknown model), InvalidArgument (bad
+        inputs, too many rows), ResourceExhausted (queue full), DeadlineExceeded
+        (deadline or dispatch timeout passed while queued, or shed under edf),
+        Unavailable (draining), or the batch's execution error.
+        """
+        req = self._admit(model, inputs, deadline, rows, front)
+        try:
+            with trio.move_on_at(self._trio_time(req.expiry)):
+                await req.done.wait()
+        except BaseException:
+            if req.state is State.QUEUED:  # cancelled before dispatch: withdraw
+                self._unqueue(req, State.DONE)
+                self._settle(req, code="CANCELLED")
+                self._refresh(req.model)
+            raise
+        if req.state is State.QUEUED:  # its expiry came first
+            self._fail_queued(req, self._expired(req, self._clock()))
+        elif not req.done.is_set():  # executing: the answer is on its way
+            await req.done.wait()
+        return req.outcome()
+
+    def _admit(
+        self,
+        model: str,
+        inputs: Sequence[np.ndarray],
+        deadline: float | None,
+        rows: int | None,
+        front: bool,
+    ) -> Request:
+        now = self._clock()
+        if self._draining or self._closed:
+            raise Unavailable("server is shutting down")
+        m = self._model(model)
+        try:
+            req = self._request(m, inputs, deadline, rows, front, now)
+        except RsrvError as e:
+            m.stats.failed(e.code)
+            raise
+        m.queue.push(req)
+        req.version.outstanding += 1
+        self._queued += 1
+        self._policy.update(m, now)
+        self._wake.set()
+        return req
+
+    def _request(
+        self,
+        m: ScheduledModel,
+        inputs: Sequence[np.ndarray],
+        deadline: float | None,
+        rows: int | None,
+        front: bool,
+        now: float,
+    ) -> Request:
+        """Validate one request against ``m``'s current version; not yet queued."""
+        version = m.version
+        spec = version.spec
+        name = m.name
+        arrays = [np.asarray(x) for x in inputs]
+        if len(arrays) != len(spec.input_axes):
+            raise InvalidArgument(
+                f"model {name!r} takes {len(spec.input_axes)} executable inputs, got {len(arrays)}"
+            )
+        sig = signature(arrays, spec.input_axes, name)
+        n = 0
+        if spec.batched:
+            n = rows_of(arrays, spec.input_axes, name)
+            if rows is not None and rows != n:
+                raise InvalidArgument(f"model {name!r}: rows={rows} but the inputs have {n} rows")
+            largest = spec.batch_sizes[-1]
+            if n > largest:
+                raise InvalidArgument(
+                    f"model {name!r}: a request of {n} rows exceeds the largest compiled "
+                    f"batch size {largest} (compiled sizes: {list(spec.batch_sizes)})"
+                )
+            if n > spec.max_rows:
+                raise InvalidArgument(
+                    f"model {name!r}: a request of {n} rows exceeds max_batch_size {spec.max_rows}"
+                )
+        depth = self._config.max_queue_depth
+        if m.queue.live >= depth:
+            raise ResourceExhausted(
+                f"model {name!r}: queue is full ({m.queue.live} requests "
+                f"queued, max_queue_depth {depth})"
+            )
+        if deadline is not None and now >= deadline:
+            raise DeadlineExceeded(f"model {name!r}: the request's deadline has already passed")
+        if self._shed and spec.latency_budget is not None:  # under edf the budget is a deadline
+            budget = now + spec.latency_budget
+            deadline = budget if deadline is None else min(deadline, budget)
+        timeout = now + self._config.dispatch_timeout_seconds
+        expiry = timeout if deadline is None else min(deadline, timeout)
+        order = self._policy.order(front, expiry, next(self._seq))
+        return Request(m, version, arrays, n, sig, now, deadline, expiry, order)
+
+    # -- the dispatch loop ------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The dispatch loop: select, plan, execute, answer; one batch at a time.
+
+        Returns after :meth:`drain` once nothing is queued. If cancelled or failing,
+        the executing batch and every queued request are answered Unavailable, and
+        the scheduler admits nothing more.
+        """
+        if self._running or self._closed:
+            raise RuntimeError("Scheduler.run runs once, in one task")
+        self._running = True
+        try:
+            async with trio.open_nursery() as background:  # prefetches
+                task_status.started()
+                while not (self._draining and self._queued == 0):
+                    await trio.lowlevel.checkpoint()
+                    batch = self._next_batch()
+                    if batch is None:
+                        await self._wake.wait()
+                        self._wake = trio.Event()
+                        continue
+                    self._prefetch(background, batch)
+                    await self._execute(batch)
+                background.cancel_scope.cancel()
+        finally:
+            self._running = False
+            self._stop()
+
+    def _next_batch(self) -> Batch | None:
+        """The decision: select a model, plan its batch. Requests found expired or
+        shed on the way are answered; no device work happens here."""
+        now = self._clock()
+        while (m := self._policy.select(now)) is not None:
+            batch = self._plan(m, now)
+            if batch is not None:
+                self._policy.dispatched(m, batch.estimate)
+            self._policy.update(m, now)
+            if batch is not None:
+                return batch
+        return None
+
+    def _plan(self, m: ScheduledModel, now: float) -> Batch | None:
+        """Take the longest prefix of ``m``'s queue that one batch can hold: same
+        version and input signature, at most ``max_rows`` rows, never splitting a
+        request. It runs at the smallest compiled size holding its rows."""
+        queue = m.queue
+        while True:
+            taken: list[Request] = []
+            rows = 0
+            while (req := queue.pop()) is not None:
+                if now >= req.expiry:
+                    self._fail_queued(req, self._expired(req, now), refresh=False)
+                    continue
+                if taken:
+                    head = taken[0]
+                    spec = head.version.spec
+                    if (
+                        not spec.batched
+                        or req.version is not head.version
+                        or req.signature != head.signature
+                        or rows + req.rows > spec.max_rows
+                    ):
+                        queue.restore(req)
+                        break
+                taken.append(req)
+                rows += req.rows
+            if not taken:
+                return None
+            version = taken[0].version
+            size = version.spec.size_for(rows)
+            estimate = version.costs.estimate(size)
+            if self._shed:
+                late = {
+                    id(r) for r in taken if r.deadline is not None and now + estimate > r.deadline
+                }
+                if late:  # shed those, then plan again without them
+                    for r in taken:
+                        if id(r) in late:
+                            self._fail_queued(
+                                r, self._shed_error(r, now, size, estimate), refresh=False
+                            )
+                        else:
+                            queue.restore(r)
+                    continue
+            for r in taken:
+                self._unqueue(r, State.RUNNING)
+            return Batch(m, version, taken, rows, size, estimate)
+
+    async def _execute(self, batch: Batch) -> None:
+        """Run ``batch`` and answer its requests."""
+        spec = batch.version.spec
+        start = self._clock()
+        waits = [start - r.enqueued for r in batch.requests]
+        batch.model.stats.dispatched(batch.size, waits)
+        outputs: list[list[np.ndarray]] = []
+        error: RsrvError | None = None
+        try:
+            if spec.batched:
+                inputs = assemble(
+                    [r.inputs for r in batch.requests], batch.rows, batch.size, spec.input_axes
+                )
+            else:
+                inputs = list(batch.requests[0].inputs)
+            raw = await self._executor.execute(spec.key, batch.size, inputs)
+            if spec.batched:
+                outputs = split(
+                    raw, [r.rows for r in batch.requests], batch.size, spec.output_axes, spec.name
+                )
+            else:
+                outputs = [list(raw)]
+        except Exception as exc:
+            if isinstance(exc, RsrvError):
+                error = exc
+            else:
+                log.warning("model %s: execution failed", spec.name, exc_info=True)
+                error = Internal(
+                    f"model {spec.name!r}: execution failed: {type(exc).__name__}: {exc}"
+                )
+        except BaseException:  # the loop is being cancelled
+            for r in batch.requests:
+                self._settle(r, error=Unavailable("scheduler stopped during execution"))
+            raise
+        elapsed = self._clock() - start
+        self._account(batch, elapsed, ok=error is None)
+        for i, r in enumerate(batch.requests):
+            if error is None:
+                self._settle(r, result=Result(outputs[i], waits[i], elapsed, batch.size))
+            else:  # a copy each: the waiters raise it concurrently
+                self._settle(r, error=copy.copy(error))
+
+    def _account(self, batch: Batch, elapsed: float, *, ok: bool) -> None:
+        now = self._clock()
+        m = batch.model
+        m.stats.compute_seconds += elapsed
+        m.usage.add(elapsed, now)
+        if ok:  # a failed run says little about the cost
+            batch.version.costs.observe(batch.size, elapsed)
+        self._policy.completed(m, batch.estimate, elapsed, now)
+        self._refresh(m)
+
+    def _prefetch(self, background: trio.Nursery, batch: Batch) -> None:
+        """Tell the executor which model is expected to run after ``batch``."""
+        prefetch = getattr(self._executor, "prefetch", None)
+        if prefetch is None:
+            return
+        nxt = self._policy.select(self._clock())
+        head = None if nxt is None else nxt.queue.peek()
+        if head is None or head.version.spec.key == batch.version.spec.key:
+            return
+
+        async def run_prefetch(key: str) -> None:
+            try:
+                await prefetch(key)
+            except Exception:
+                log.warning("prefetch of %s failed", key, exc_info=True)
+
+        background.start_soon(run_prefetch, head.version.spec.key)
+
+    # -- shutdown -------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Stop admitting (new submits get Unavailable) and return once every queued
+        request has been answered; :meth:`run` then returns. Needs :meth:`run`
+        running (or starting later) when requests are queued."""
+        self._draining = True
+        self._wake.set()
+        if not self._running and self._queued == 0:
+            self._closed = True
+            self._drained.set()
+        await self._drained.wait()
+
+    def _stop(self) -> None:
+        self._closed = True
+        for m in list(self._policy.backlogged()):
+            self._policy.discard(m)
+            for req in m.queue.queued():
+                self._unqueue(req, State.DONE)
+                self._settle(req, error=Unavailable("scheduler stopped"))
+        self._drained.set()
+
+    # -- bookkeeping ----------------------------------------------------------------
+
+    def _unqueue(self, req: Request, state: State) -> None:
+        req.model.queue.leave(req, state)
+        self._queued -= 1
+        if self._draining:
+            self._wake.set()
+
+    def _refresh(self, m: ScheduledModel) -> None:
+        """Re-key ``m`` in the policy, if it is still registered."""
+        if self._models.get(m.name) is m:
+            self._policy.update(m, self._clock())
+
+    def _fail_queued(self, req: Request, error: RsrvError, *, refresh: bool = True) -> None:
+        self._unqueue(req, State.DONE)
+        self._settle(req, error=error)
+        if refresh:
+            self._refresh(req.model)
+
+    def _settle(
+        self,
+        req: Request,
+        result: Result | None = None,
+        error: RsrvError | None = None,
+        code: str | None = None,
+    ) -> None:
+        """Answer ``req`` (once) and count it."""
+        if not req.answer(result, error):
+            return
+        stats = req.model.stats
+        if result is not None:
+            stats.requests += 1
+            stats.rows += req.rows or 1
+        else:
+            stats.failed(code or (error.code if error else "UNKNOWN"))
+        version = req.version
+        version.outstanding -= 1
+        if version.retired and version.outstanding == 0:
+            self._release(version)
+
+    def _retire(self, version: Version) -> None:
+        version.retired = True
+        if version.outstanding == 0:
+            self._release(version)
+
+    def _release(self, version: Version) -> None:
+        """Tell the executor a retired version's key is no longer needed."""
+        retire = getattr(self._executor, "retire", None)
+        key = version.spec.key
+        current = self._models.get(version.spec.name)
+        if retire is None or (current is not None and current.version.spec.key == key):
+            return
+        try:
+            retire(key)
+        except Exception:
+            log.warning("retire of %s failed", key, exc_info=True)
+
+    def _expired(self, req: Request, now: float) -> DeadlineExceeded:
+        waited = now - req.enqueued
+        name = req.model.name
+        if req.deadline is not None and now >= req.deadline:
+            return DeadlineExceeded(
+                f"model {name!r}: deadline exceeded after {waited:.3f}s in the queue"
+            )
+        return DeadlineExceeded(
+            f"model {name!r}: waited {waited:.3f}s in the queue, longer "
+            f"than dispatch_timeout_seconds "
+            f"({self._config.dispatch_timeout_seconds:g}s)"
+        )
+
+    def _shed_error(self, req: Request, now: float, size: int, estimate: float) -> DeadlineExceeded:
+        left = (req.deadline or now) - now
+        return DeadlineExceeded(
+            f"model {req.model.name!r}: cannot finish before its deadline "
+            f"(batch size {size} takes about {estimate:.3f}s, "
+            f"{left:.3f}s left); shed before execution"
+        )
+
+    def _trio_time(self, t: float) -> float:
+        """``t`` (scheduler clock) on trio's clock."""
+        if self._clock is trio.current_time or math.isinf(t):
+            return t
+        return trio.current_time() + (t - self._clock())

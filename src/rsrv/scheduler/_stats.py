@@ -1,0 +1,86 @@
+"""Per-model counters, and the snapshot that ``Scheduler.stats`` returns."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Queue waits kept per model for percentiles.
+WAIT_SAMPLES = 1024
+
+
+@dataclass(frozen=True)
+class SchedulingStats:
+    """A snapshot of one model's scheduling statistics (all versions together).
+
+    Counts are cumulative since the model was added: ``requests`` / ``rows`` were
+    answered with outputs, ``dispatches`` executions were started (``batch_sizes``
+    counts them per compiled size), ``compute_seconds`` is their summed execute()
+    wall time, and ``failures`` counts requests answered with an error, by status
+    code (``CANCELLED`` for withdrawn ones). ``wait_samples`` are the queue waits of
+    the last dispatched requests, oldest first, summarised in ``wait_percentiles``
+    (keys ``p50``, ``p90``, ``p99``, ``max``; empty before any dispatch).
+    ``usage_ema`` is the decayed sum of compute seconds (half-life
+    ``ema_halflife_seconds``) now, ``costs`` the learned seconds per compiled size
+    of the current version, ``max_batch_size`` its effective max batch size.
+    """
+
+    name: str
+    weight: float
+    requests: int
+    rows: int
+    dispatches: int
+    compute_seconds: float
+    queue_depth: int
+    queued_rows: int
+    batch_sizes: dict[int, int]
+    failures: dict[str, int]
+    wait_samples: tuple[float, ...]
+    wait_percentiles: dict[str, float]
+    usage_ema: float
+    costs: dict[int, float]
+    max_batch_size: int
+
+
+class StatsRecorder:
+    """Mutable counters behind :class:`SchedulingStats`."""
+
+    __slots__ = (
+        "requests",
+        "rows",
+        "dispatches",
+        "compute_seconds",
+        "batch_sizes",
+        "failures",
+        "waits",
+    )
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.rows = 0
+        self.dispatches = 0
+        self.compute_seconds = 0.0
+        self.batch_sizes: Counter[int] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
+
+    def dispatched(self, size: int, waits: list[float]) -> None:
+        self.dispatches += 1
+        self.batch_sizes[size] += 1
+        self.waits.extend(waits)
+
+    def failed(self, code: str) -> None:
+        self.failures[code] += 1
+
+    def percentiles(self) -> dict[str, float]:
+        if not self.waits:
+            return {}
+        p50, p90, p99 = np.percentile(np.fromiter(self.waits, float), [50, 90, 99])
+        return {
+            "p50": float(p50),
+            "p90": float(p90),
+            "p99": float(p99),
+            "max": float(max(self.waits)),
+        }

@@ -1,0 +1,72 @@
+"""Runs batches on the device for the scheduler: one execution at a time, in a thread."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import trio
+
+from rsrv.errors import NotFound
+from rsrv.runtime import WeightManager, zero_inputs
+from rsrv.worker._models import ServedModel
+
+
+class DeviceExecutor:
+    """The scheduler's :class:`~rsrv.scheduler.Executor` over compiled model versions.
+
+    ``versions`` maps executable keys (``name@version``) to loaded versions. A lock makes
+    warm-up runs and dispatches take turns, so the device never runs two executions at
+    once; the PJRT call itself runs in a trio worker thread. Weights are leased from the
+    :class:`WeightManager` for the duration of an execution, and only once the lock is
+    held: a run waiting for the device holds no weights, so at most one model is leased
+    at a time and the budget always has room for the model about to run.
+    """
+
+    def __init__(self, weights: WeightManager):
+        self.weights = weights
+        self.versions: dict[str, ServedModel] = {}
+        self._device = trio.Lock()
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def execute(
+        self, model: str, batch_size: int, inputs: list[np.ndarray]
+    ) -> list[np.ndarray]:
+        served = self.versions.get(model)
+        if served is None:
+            raise NotFound(f"model version {model!r} is not loaded")
+        return await self._run(served, batch_size, inputs)
+
+    async def prefetch(self, model: str) -> None:
+        await self.weights.prefetch(model)
+
+    def retire(self, model: str) -> None:
+        """A replaced or removed version has drained: free its weights now."""
+        self.versions.pop(model, None)
+        self.weights.remove(model)
+
+    async def warm_up(self, served: ServedModel) -> dict[int, float]:
+        """Run every compiled size once on zeros; return the measured seconds per size."""
+        costs = {}
+        device = self.weights.device
+        for size in sorted(served.compiled.executables):
+            before = device.memory_stats() or {}
+            start = time.perf_counter()
+            await self._run(served, size, zero_inputs(served.compiled, size))
+            costs[size] = max(time.perf_counter() - start, 1e-6)
+            after = device.memory_stats() or {}
+            if "peak_bytes_in_use" in after:  # accelerators; CPU reports no statistics
+                # The peak is monotonic, so this over- rather than under-estimates.
+                self.weights.note_scratch(
+                    after["peak_bytes_in_use"] - before.get("bytes_in_use", 0)
+                )
+        return costs
+
+    async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
+        async with self._device:
+            async with self.weights.lease(served.key) as weights:
+                outputs = await trio.to_thread.run_sync(
+                    served.compiled.run, size, inputs, weights, limiter=self._limiter
+                )
+            self.weights.after_execution()
+            return outputs

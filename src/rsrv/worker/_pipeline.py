@@ -1,0 +1,151 @@
+"""The inference path of one request, after decoding and before encoding:
+
+client inputs -> preprocess (thread) -> scheduler queue -> device -> postprocess (thread)
+-> client outputs. Hooks never run on the dispatch loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import trio
+
+from rsrv.bundle import Tensor
+from rsrv.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from rsrv.scheduler import Scheduler
+from rsrv.worker._meta import MetaRunner
+from rsrv.worker._models import ModelSet, ServedModel
+from rsrv.worker._statistics import RequestStatistics
+
+
+class Pipeline:
+    def __init__(self, models: ModelSet, scheduler: Scheduler, meta_concurrency: int = 4):
+        self.models = models
+        self.scheduler = scheduler
+        self.statistics: dict[str, RequestStatistics] = {}
+        self.meta = MetaRunner(self, meta_concurrency)
+
+    def stats(self, name: str) -> RequestStatistics:
+        stats = self.statistics.get(name)
+        if stats is None:
+            stats = self.statistics[name] = RequestStatistics()
+        return stats
+
+    async def infer(
+        self, name: str, inputs: Mapping[str, np.ndarray], *, deadline: float | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run one request on model ``name``; ``inputs`` are validated client inputs."""
+        served = self.models.get(name)
+        if served.bundle.kind == "meta":
+            waiting = [c for c in served.bundle.signature.calls if not self.models.ready(c)]
+            if waiting:
+                raise Unavailable(
+                    f"meta model {name!r} is not ready: waiting for model(s) {', '.join(waiting)}"
+                )
+            outputs, seconds = await self.meta.run(served, inputs, deadline)
+            _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
+            self.stats(name).compute_infer.add(seconds)  # the device time of its sub-calls
+            self.meta.stats[name].requests += 1
+            return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
+        return (await self._run_model(served, inputs, deadline, front=False))[0]
+
+    async def infer_sub(
+        self, name: str, inputs: Mapping[str, np.ndarray], deadline: float | None
+    ) -> tuple[dict[str, np.ndarray], float]:
+        """A meta model's call: checked like a client request, queued ahead of fresh
+        work; returns the outputs and the device seconds of its batch."""
+        try:
+            served = self.models.get(name)
+            if served.bundle.kind == "meta":
+                raise FailedPrecondition(f"meta models may not call other meta models ({name!r})")
+            check_inputs(served.bundle.signature.client_inputs, inputs, f"call to {name!r}")
+            return await self._run_model(served, inputs, deadline, front=True)
+        except NotFound as e:  # unloaded since the meta request started
+            raise Unavailable(f"call to {name!r}: {e}") from None
+
+    async def _run_model(
+        self,
+        served: ServedModel,
+        inputs: Mapping[str, np.ndarray],
+        deadline: float | None,
+        *,
+        front: bool,
+    ):
+        name = served.name
+        stats = self.stats(name)
+        hooks = served.bundle.hooks
+        start = trio.current_time()
+        exec_inputs = dict(inputs)
+        if hooks.preprocess:
+            made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
+            exec_inputs.update(made)
+            _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
+        stats.compute_input.add(trio.current_time() - start)
+
+        order = served.bundle.signature.executable_inputs
+        result = await self.scheduler.submit(
+            name, [exec_inputs[t.name] for t in order], deadline=deadline, front=front
+        )
+        stats.queue.add(result.queue_seconds)
+        stats.compute_infer.add(result.compute_seconds)
+
+        outputs = {
+            t.name: a
+            for t, a in zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)
+        }
+        if hooks.postprocess:
+            start = trio.current_time()
+            made = await trio.to_thread.run_sync(hooks.postprocess.run, name, outputs)
+            _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
+            outputs.update(made)
+            stats.compute_output.add(trio.current_time() - start)
+        client = {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
+        return client, result.compute_seconds
+
+
+def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], where: str):
+    """Tensors handed over in-process (a meta's call) must match the specs exactly."""
+    names = {t.name for t in specs}
+    extra = sorted(set(tensors) - names)
+    missing = sorted(names - set(tensors))
+    if extra or missing:
+        raise InvalidArgument(
+            f"{where}: inputs {sorted(tensors)} do not match the model's inputs {sorted(names)}"
+        )
+    for spec in specs:
+        array = tensors[spec.name]
+        if not isinstance(array, np.ndarray) or array.dtype != spec.dtype.numpy:
+            got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+            raise InvalidArgument(
+                f"{where}: input {spec.name!r} has dtype {got}, expected {spec.dtype.value}"
+            )
+        if not spec.accepts(array.shape):
+            raise InvalidArgument(
+                f"{where}: input {spec.name!r} has shape {list(array.shape)}, "
+                f"expected {list(spec.shape)} (-1: any extent)"
+            )
+        if spec.batch_axis is not None and array.shape[spec.batch_axis] == 0:
+            raise InvalidArgument(f"{where}: input {spec.name!r} has no rows (batch axis is 0)")
+
+
+def _check_made(
+    served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[str, np.ndarray], hook: str
+) -> None:
+    """A hook's outputs must match the manifest exactly (dtype, rank, fixed extents)."""
+    for spec in specs:
+        array = made.get(spec.name)
+        if array is None:
+            continue
+        where = f"model {served.name!r}: {hook} produced {spec.name!r}"
+        if array.dtype != spec.dtype.numpy:
+            raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
+        if not spec.accepts(array.shape):
+            expected = ["n" if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
+            raise Internal(f"{where} with shape {list(array.shape)}, expected {expected}")

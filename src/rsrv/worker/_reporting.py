@@ -1,0 +1,148 @@
+"""Snapshots of a worker's state in the shapes the protocol reports them.
+
+Read-only views over the model set, the pipeline's request statistics, the scheduler and
+the weight manager, built when an RPC asks (ModelStatistics, RepositoryIndex,
+ModelControlStatus); nothing here is on the request path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rsrv.protocol import ControlSnapshot, Duration, IndexEntry, ModelControl
+from rsrv.protocol import ModelStatisticsSnapshot as Snapshot
+
+if TYPE_CHECKING:
+    from rsrv.worker._models import ServedModel
+    from rsrv.worker._worker import Worker
+
+#: The residency floors, least resident first.
+FLOORS = ("unpinned", "system", "device")
+
+
+def statistics(worker: Worker, name: str) -> Snapshot:
+    """Triton's ModelStatistics of ``name`` (NotFound / Unavailable like a request)."""
+    served = worker.models.get(name)
+    stats = worker.pipeline.stats(name)
+    if served.bundle.kind == "meta":  # not scheduled itself: one execution per request
+        meta = worker.pipeline.meta.stats.get(name)
+        executions, batches = (meta.requests if meta else 0), {}
+    else:
+        sched = worker.scheduler.stats(name)
+        executions, batches = sched.dispatches, sched.batch_sizes
+
+    def duration(d) -> Duration:
+        return Duration(d.count, d.ns)
+
+    return Snapshot(
+        name=name,
+        version="1",
+        last_inference_ms=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=executions,
+        success=duration(stats.success),
+        fail=duration(stats.fail),
+        queue=duration(stats.queue),
+        compute_input=duration(stats.compute_input),
+        compute_infer=duration(stats.compute_infer),
+        compute_output=duration(stats.compute_output),
+        batch_executions=batches,
+    )
+
+
+def index(worker: Worker) -> list[IndexEntry]:
+    """RepositoryIndex: every model entry by name, except ready models that a loaded meta
+    model calls (they serve only their metas); a meta waiting for a callee is
+    UNAVAILABLE with the names it waits for."""
+    models = worker.models
+    hidden = {
+        c
+        for e in models.entries.values()
+        if e.model
+        for c in e.model.bundle.signature.calls
+        if models.ready(c)
+    }
+    out = []
+    for entry in sorted(models.entries.values(), key=lambda e: e.name):
+        if entry.name in hidden:
+            continue
+        state, reason = str(entry.state), entry.reason
+        if state == "READY" and not worker.model_ready(entry.name):
+            waiting = [c for c in entry.model.bundle.signature.calls if not models.ready(c)]
+            state, reason = "UNAVAILABLE", f"waiting for model(s) {', '.join(waiting)}"
+        out.append(IndexEntry(entry.name, "1" if entry.model else "", state, reason))
+    return out
+
+
+def control(worker: Worker) -> ControlSnapshot:
+    """ModelControlStatus: the scheduler, the weight cache and every model entry."""
+    cache = worker.weights.cache
+    return ControlSnapshot(
+        discipline=worker.config.scheduler.discipline,
+        control_mode=worker.config.model_control_mode,
+        weight_cache_budget_bytes=cache.budget or 0,
+        weight_cache_resident_bytes=cache.resident_bytes,
+        weight_cache_loads=cache.counters.loads,
+        weight_cache_evictions=cache.counters.evictions,
+        models=[_model(worker, name) for name in sorted(worker.models.entries)],
+    )
+
+
+def _model(worker: Worker, name: str) -> ModelControl:
+    entry = worker.models.entries[name]
+    served = entry.model
+    if served is None:
+        return ModelControl(name=name, state=str(entry.state))
+    if served.bundle.kind == "meta":
+        return _meta(worker, served, str(entry.state))
+    sched = worker.scheduler.stats(name)
+    batch_input, batch_axis = "", -1
+    for t in served.bundle.signature.client_inputs:
+        if t.batch_axis is not None:
+            batch_input, batch_axis = t.name, t.batch_axis
+            break
+    return ModelControl(
+        name=name,
+        state=str(entry.state),
+        kind=served.bundle.kind,
+        residency=served.residency,
+        device_resident=worker.weights.cache.is_resident(served.key),
+        host_resident=worker.weights.host_resident(served.key),
+        weight_bytes=served.bundle.weight_bytes,
+        weight=sched.weight,
+        queue_depth=sched.queue_depth,
+        compute_seconds=sched.compute_seconds,
+        requests_served=sched.requests,
+        rows_served=sched.rows,
+        dispatches=sched.dispatches,
+        max_batch_size=sched.max_batch_size,
+        batch_input_name=batch_input,
+        batch_axis=batch_axis,
+    )
+
+
+def _meta(worker: Worker, served: ServedModel, state: str) -> ModelControl:
+    """A meta reports its sub-models' footprint, its least-resident floor, and the device
+    time of its own sub-calls."""
+    entries = worker.models.entries
+    subs = [
+        entries[c].model
+        for c in served.bundle.signature.calls
+        if c in entries and entries[c].model is not None
+    ]
+    meta = worker.pipeline.meta.stats.get(served.name)
+    served_count = meta.requests if meta else 0
+    cache = worker.weights.cache
+    return ModelControl(
+        name=served.name,
+        state=state,
+        kind="meta",
+        residency=min((s.residency for s in subs), key=FLOORS.index) if subs else "",
+        device_resident=bool(subs) and all(cache.is_resident(s.key) for s in subs),
+        host_resident=bool(subs) and all(worker.weights.host_resident(s.key) for s in subs),
+        weight_bytes=sum(s.bundle.weight_bytes for s in subs),
+        compute_seconds=meta.compute_seconds if meta else 0.0,
+        requests_served=served_count,
+        rows_served=served_count,
+        dispatches=served_count,
+    )
