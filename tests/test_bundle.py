@@ -23,10 +23,10 @@ from safetensors.numpy import load_file, save_file
 from rsrv.bundle import Bundle, load_bundle, scan
 from rsrv.bundle._check import check_main
 from rsrv.bundle._manifest import Manifest, decode_manifest, resolve_manifest
+from rsrv.bundle._stablehlo import read_module
 from rsrv.errors import BundleError
 from rsrv.export import Input, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
-from rsrv.bundle._stablehlo import read_module
 
 TOKENS = (
     "('f16', 'f32', 'f64', 'bf16', 'i8', 'i16', 'i32', 'i64', 'u8', 'u16', 'u32', "

@@ -30,19 +30,21 @@ from rsrv.errors import (
     NotFound,
     ResourceExhausted,
 )
-from rsrv.protocol import _codec as codec
-from rsrv.protocol._codec import (
+from rsrv.protocol import (
+    MAX_MESSAGE_CHARS,
+    AlreadyExists,
+    SharedMemoryRegistry,
     ShmTarget,
+    _decode,
     decode_request,
     encode_response,
+    grpc_status,
     request_deadline,
     request_priority,
     requested_outputs,
     tensor_metadata,
 )
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
-from rsrv.protocol._shm import AlreadyExists, SharedMemoryRegistry
-from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
 
 MODEL = "m"
 ALL_FIXED = [d for d in DType if d is not DType.BYTES]
@@ -426,7 +428,7 @@ def test_malformed_bytes(payload, needle):
 def test_validation_precedes_materialization(monkeypatch):
     """A bad second input fails the request before the first input is decoded."""
     calls = []
-    monkeypatch.setattr(codec, "_materialize", lambda *a: calls.append(a))
+    monkeypatch.setattr(_decode, "_materialize", lambda *a: calls.append(a))
     good = infer_input("a", sample(DType.F32))
     bad = infer_input("b", sample(DType.I32))
     with raises(InvalidArgument, "'b'"):

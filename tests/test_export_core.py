@@ -13,10 +13,10 @@ import pytest
 from safetensors import safe_open
 
 from rsrv.bundle import UNBATCHED, TensorSpec, load_bundle
+from rsrv.bundle._stablehlo import read_module, read_signature
 from rsrv.dtypes import DType
 from rsrv.export import ExportError, Input, Output, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
-from rsrv.bundle._stablehlo import read_module, read_signature
 
 MAGIC = b"ML\xefR"  # StableHLO portable artifact (MLIR bytecode)
 

@@ -30,8 +30,8 @@ from rsrv.errors import (
     Unavailable,
 )
 from rsrv.scheduler import ModelSpec, Scheduler
-from rsrv.scheduler._heap import KeyedHeap
 from rsrv.scheduler._costs import CostTable, DecayedSum
+from rsrv.scheduler._heap import KeyedHeap
 
 # -- coalescing -----------------------------------------------------------------------
 

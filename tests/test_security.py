@@ -22,7 +22,7 @@ from test_kserve_support import cache_dir, infer_input, make_repo, raises_status
 
 from rsrv.client import ControlClient
 from rsrv.config import ConfigError
-from rsrv.worker._worker import restrictions_of
+from rsrv.worker import restrictions_of
 
 RESTRICTED = "This protocol is restricted, expecting header 'admin-key'"
 KEY = {"admin-key": "s3cret"}

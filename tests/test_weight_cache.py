@@ -20,14 +20,14 @@ import trio
 from safetensors.numpy import save_file
 from trio.testing import wait_all_tasks_blocked
 
+from rsrv.bundle._safetensors import ORDER_KEY, read_weights_header
 from rsrv.config._schema import RuntimeConfig
 from rsrv.errors import NotFound
 from rsrv.runtime import _staging as staging
 from rsrv.runtime._staging import ALIGN, free, stage, to_device
 from rsrv.runtime._weight_cache import WeightCache
-from rsrv.bundle._safetensors import ORDER_KEY, read_weights_header
-from rsrv.worker._executor import DeviceExecutor
 from rsrv.runtime._weight_manager import WeightManager, weight_budget
+from rsrv.worker._executor import DeviceExecutor
 
 W = 4096  # bytes of one test model's weights
 CPU = jax.devices("cpu")[0]

@@ -29,11 +29,11 @@ import tritonclient.grpc as tc
 from safetensors.numpy import save_file
 from serving import running, url, worker_config
 
+from rsrv.bundle._safetensors import ORDER_KEY
 from rsrv.config import load_worker
 from rsrv.export import Input, Output, export_jax
 from rsrv.runtime._staging import stage
 from rsrv.runtime._weight_cache import WeightCache
-from rsrv.bundle._safetensors import ORDER_KEY
 from rsrv.runtime._weight_manager import WeightManager
 
 D = 16  # input features of the small models

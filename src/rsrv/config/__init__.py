@@ -11,13 +11,8 @@ and the resolution rules.
 
 from ._env import ENV_PREFIX, apply_env, env_variables, parse_env_value
 from ._errors import ConfigError
-from ._load import (
-    DEFAULT_NODE_NAME,
-    effective_config_dict,
-    load_node,
-    load_worker,
-    resolve_worker,
-)
+from ._load import DEFAULT_NODE_NAME, load_node, load_worker
+from ._resolve import effective_config_dict, resolve_worker
 from ._schema import (
     MAX_WEIGHT,
     MIN_WEIGHT,

@@ -1,8 +1,18 @@
-"""The one exception the configuration package raises."""
+"""The one exception the configuration package raises, and how msgspec's validation
+messages become its messages (``$.path: problem``, every mapping key named)."""
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+import copy
+import json
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+__all__ = ["ConfigError", "convert", "key_segment"]
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -13,3 +23,86 @@ class ConfigError(ValueError):
     single field, its ``$.path`` or the environment variable's name. It is
     meant to be shown to the operator as is.
     """
+
+
+def key_segment(key: str) -> str:
+    """A mapping key as a path segment: `.name`, or `["odd key"]`."""
+    return f".{key}" if re.fullmatch(r"[A-Za-z_][\w-]*", key) else f"[{json.dumps(key)}]"
+
+
+_SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]|\[(\.\.\.)\]")
+
+
+def _split(message: str) -> tuple[str, str]:
+    """msgspec's message as (problem, `$.path`)."""
+    match = re.fullmatch(r"(?s)(.*) - at `(\$[^`]*)`", message)
+    return (match.group(1), match.group(2)) if match else (message, "$")
+
+
+def _name_keys(raw: Any, type_: type, message: str) -> str | None:
+    """The error's path with msgspec's `[...]` placeholders replaced by the keys.
+
+    msgspec does not say which mapping key an error is under. It reports
+    the first error in document order, so the culprit is the first key k
+    for which the mapping cut after k reproduces the same error. Returns
+    None when the path cannot be followed.
+    """
+    _, path = _split(message)
+    tokens: list[Any] = []
+    for match in _SEGMENT.finditer(path):
+        name, index, _ = match.groups()
+        tokens.append(name if name else int(index) if index else ...)
+    for pos, token in enumerate(tokens):
+        if token is not ...:
+            continue
+        if pos == 0:
+            return None
+        node = raw
+        for step in tokens[:pos]:
+            node = node[step]
+        if not isinstance(node, dict):
+            return None
+        keys = list(node)
+        for cut in range(1, len(keys) + 1):
+            trial = copy.deepcopy(raw)
+            parent = trial
+            for step in tokens[: pos - 1]:
+                parent = parent[step]
+            parent[tokens[pos - 1]] = {k: node[k] for k in keys[:cut]}
+            try:
+                msgspec.convert(trial, type=type_, strict=True)
+            except msgspec.ValidationError as exc:
+                if str(exc) == message:
+                    tokens[pos] = keys[cut - 1]
+                    break
+        else:
+            return None
+    rendered = "$"
+    for token in tokens:
+        rendered += f"[{token}]" if isinstance(token, int) else key_segment(token)
+    return rendered
+
+
+def _describe(exc: msgspec.ValidationError, raw: Any, type_: type) -> str:
+    """msgspec's message, reworded as `$.path: problem` with every key named.
+
+    msgspec reports an unknown field at its parent's path; appending the
+    field's name gives the operator the exact key to delete.
+    """
+    problem, path = _split(str(exc))
+    if "[...]" in path:
+        try:
+            path = _name_keys(raw, type_, str(exc)) or path
+        except (KeyError, IndexError, TypeError):
+            pass  # keep msgspec's own path
+    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", problem)
+    if unknown:
+        return f"{path}{key_segment(unknown.group(1))}: unknown field"
+    return f"{path}: {problem}"
+
+
+def convert(raw: Any, type_: type[_T], where: str) -> _T:
+    try:
+        return msgspec.convert(raw, type=type_, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{where}: {_describe(exc, raw, type_)}") from None

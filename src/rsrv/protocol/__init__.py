@@ -16,19 +16,12 @@ from rsrv.protocol._backend import (
     ServedModelView,
 )
 from rsrv.protocol._calls import PROTOCOLS, Admission, Restriction, call_deadline, guard
-from rsrv.protocol._codec import (
-    DEFAULT_MAX_TENSOR_BYTES,
-    ShmTarget,
-    decode_request,
-    encode_response,
-    request_deadline,
-    request_priority,
-    requested_outputs,
-    tensor_metadata,
-)
 from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
+from rsrv.protocol._decode import DEFAULT_MAX_TENSOR_BYTES, decode_request
+from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
 from rsrv.protocol._inference import InferenceService, model_config
 from rsrv.protocol._logs import LogSettings
+from rsrv.protocol._parameters import ShmTarget, request_deadline, request_priority
 from rsrv.protocol._shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
 from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
 

@@ -19,9 +19,11 @@ from rsrv.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from rsrv.protocol import _codec as codec
 from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
+from rsrv.protocol._decode import decode_request
+from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
+from rsrv.protocol._parameters import request_deadline, request_priority
 from rsrv.protocol._status import grpc_status
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2 as mc
@@ -67,8 +69,8 @@ class InferenceService(GRPCInferenceServiceServicer):
             name=served.name,
             versions=["1"],
             platform=self.backend.platform,
-            inputs=[codec.tensor_metadata(t) for t in sig.client_inputs],
-            outputs=[codec.tensor_metadata(t) for t in sig.client_outputs],
+            inputs=[tensor_metadata(t) for t in sig.client_inputs],
+            outputs=[tensor_metadata(t) for t in sig.client_outputs],
         )
 
     async def ModelConfig(self, message, request):
@@ -150,19 +152,17 @@ class InferenceService(GRPCInferenceServiceServicer):
         name = served.name
         try:
             sig = served.bundle.signature
-            inputs = codec.decode_request(message, sig.client_inputs, backend.shm)
-            order = codec.requested_outputs(
-                message, [t.name for t in sig.client_outputs], backend.shm
-            )
+            inputs = decode_request(message, sig.client_inputs, backend.shm)
+            order = requested_outputs(message, [t.name for t in sig.client_outputs], backend.shm)
             deadline = min(
                 call_deadline.get(),
-                codec.request_deadline(message, trio.current_time()) or float("inf"),
+                request_deadline(message, trio.current_time()) or float("inf"),
             )
-            codec.request_priority(message)  # validated; the scheduler has no priorities
+            request_priority(message)  # validated; the scheduler has no priorities
             outputs = await backend.infer(
                 name, inputs, None if deadline == float("inf") else deadline
             )
-            response = codec.encode_response(message, name, "1", outputs, order, backend.shm)
+            response = encode_response(message, name, "1", outputs, order, backend.shm)
         except Exception as e:  # counted under the status the client receives
             backend.record(name, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
             raise

@@ -8,7 +8,7 @@ Here every connection and call is a trio task with a defined lifetime (see
 is served by ``trio.SSLStream``.
 """
 
-from rsrv.transport._connection import ServerCall
+from rsrv.transport._call import ServerCall
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     GrpcServer,

@@ -24,7 +24,8 @@ from purerpc.grpclib.exceptions import RpcFailedError
 from purerpc.grpclib.status import StatusCode
 from purerpc.rpc import Cardinality
 
-from rsrv.transport._connection import ServerCall, ServerConnection
+from rsrv.transport._call import ServerCall
+from rsrv.transport._connection import ServerConnection
 from rsrv.transport._messages import MessageError
 
 log = logging.getLogger("rsrv.transport")

@@ -8,13 +8,12 @@ loads run in it too. Cancelling the nursery is shutdown; no task or thread outli
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import trio
 
 from rsrv.bundle import discover
-from rsrv.config import ConfigError, EndpointsConfig, ModelSchedConfig, WorkerConfig
+from rsrv.config import ModelSchedConfig, WorkerConfig
 from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol import (
     Admission,
@@ -24,7 +23,6 @@ from rsrv.protocol import (
     InferenceService,
     LogSettings,
     ModelStatisticsSnapshot,
-    Restriction,
     SharedMemoryRegistry,
     grpc_status,
     guard,
@@ -37,6 +35,7 @@ from rsrv.worker import _reporting as reporting
 from rsrv.worker._executor import DeviceExecutor
 from rsrv.worker._models import LoadState, ModelEntry, ModelSet, ServedModel, build_model
 from rsrv.worker._pipeline import Pipeline
+from rsrv.worker._restrictions import restrictions_of
 
 log = logging.getLogger(__name__)
 MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
@@ -421,28 +420,3 @@ class Worker:
 
     def _policy(self, name: str) -> ModelSchedConfig:
         return self.config.scheduler.models.get(name) or ModelSchedConfig()
-
-
-def restrictions_of(endpoints: EndpointsConfig) -> list[Restriction]:
-    """The restricted protocols of ``endpoints``, their values read from the file, the
-    environment or a file. Raises ConfigError when a value cannot be read or is empty."""
-    out = []
-    for i, block in enumerate(endpoints.restricted):
-        where = f"endpoints.restricted[{i}]"
-        if block.value_env is not None:
-            value = os.environ.get(block.value_env)
-            if value is None:
-                raise ConfigError(f"{where}: environment variable {block.value_env} is not set")
-        elif block.value_file is not None:
-            try:
-                value = Path(block.value_file).read_text().rstrip("\r\n")
-            except OSError as e:
-                raise ConfigError(
-                    f"{where}: cannot read value_file {block.value_file}: {e.strerror}"
-                ) from None
-        else:
-            value = block.value
-        if not value:
-            raise ConfigError(f"{where}: the header value is empty")
-        out.append(Restriction(frozenset(block.protocols), block.header, value))
-    return out

@@ -1,0 +1,280 @@
+"""Resolving one worker's configuration from a node.
+
+:func:`resolve_worker` picks a worker and builds its settings as plain dicts:
+``global``, deep-merged with the worker's override blocks, then the ``host``/``port``
+shorthands, then ``INFERENCE_SERVER_*`` variables, then the pin map. The result is
+validated once more and flattened into a frozen :class:`WorkerConfig`, with its ports
+derived, its device assigned and its paths made absolute. Every worker of the node is
+resolved together, so that collisions between workers are caught whichever starts first.
+
+Merging dicts rather than structs is what lets a worker override a single field: a
+struct would have filled every other field with its default.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import msgspec.json
+
+from ._devices import assign_gpu, device_ordinals
+from ._env import ENV_PREFIX, apply_env
+from ._errors import ConfigError, convert, key_segment
+from ._schema import (
+    SECTIONS,
+    EndpointsConfig,
+    GlobalConfig,
+    NodeConfig,
+    WorkerConfig,
+    WorkerEntry,
+)
+
+__all__ = ["IMPLICIT_WORKER", "check_all", "effective_config_dict", "resolve_worker"]
+
+#: The name of the implicit worker of a node file without `workers`.
+IMPLICIT_WORKER = "worker0"
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> None:
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+
+
+def _entries(node: NodeConfig) -> list[WorkerEntry]:
+    return list(node.workers) or [WorkerEntry(name=IMPLICIT_WORKER)]
+
+
+def _check_node(node: NodeConfig, where: str) -> None:
+    """Cross-field rules of the node file that do not depend on the environment."""
+    names = [entry.name for entry in _entries(node)]
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise ConfigError(f"{where}: $.workers[{i}].name: duplicate worker name {name!r}")
+        seen.add(name)
+    for model, targets in node.models.items():
+        for target in targets:
+            if target not in seen:
+                raise ConfigError(
+                    f"{where}: $.models{key_segment(model)}: pinned on unknown worker {target!r}; "
+                    f"workers: {', '.join(names)}"
+                )
+    for i, entry in enumerate(node.workers):
+        if entry.endpoints is None:
+            continue
+        for short in ("host", "port"):
+            if getattr(entry, short) is not None and (
+                getattr(entry.endpoints, short) is not msgspec.UNSET
+            ):
+                raise ConfigError(
+                    f"{where}: $.workers[{i}]: both {short} and endpoints.{short} are set"
+                )
+    device_ordinals(node, where)
+
+
+def _absolute(path: str, base: Path) -> str:
+    return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+
+def _derived_port(
+    explicit: int | None, base: int | None, index: int, what: str, where: str
+) -> int | None:
+    if explicit is not None:
+        return explicit
+    if base is None:
+        return None
+    port = base + index
+    if port > 65535:
+        raise ConfigError(f"{where}: {what} {base} + worker index {index} exceeds 65535")
+    return port
+
+
+def _resolve_one(
+    node: NodeConfig,
+    entry: WorkerEntry,
+    index: int,
+    env: Mapping[str, str],
+    base: Path,
+    where: str,
+) -> WorkerConfig:
+    settings: dict[str, Any] = msgspec.to_builtins(node.global_)
+    settings["model_repo"] = node.model_repo
+    for section in SECTIONS:
+        override = getattr(entry, section)
+        if override is not None:
+            # to_builtins drops UNSET fields: exactly the keys the file set.
+            _deep_merge(settings[section], msgspec.to_builtins(override))
+    for short in ("host", "port"):
+        if getattr(entry, short) is not None:
+            settings["endpoints"][short] = getattr(entry, short)
+    overrides = apply_env(settings, env)
+    for model, targets in node.models.items():
+        if entry.name in targets:
+            policy = settings["scheduler"]["models"].setdefault(model, {})
+            # An explicit residency is a deliberate choice; the pin map
+            # only fills in where none was made.
+            if policy.get("residency") is None:
+                policy["residency"] = "device"
+
+    here = f"{where}: worker {entry.name!r}"
+    from_env = {item.partition("=")[0] for item in overrides}
+    model_repo = settings.pop("model_repo")
+    merged = convert(settings, GlobalConfig, here)
+
+    endpoints = merged.endpoints
+    port = _derived_port(endpoints.port, node.base_port, index, "base_port", here)
+    metrics_port = _derived_port(
+        endpoints.metrics_port, node.metrics_base_port, index, "metrics_base_port", here
+    )
+    if metrics_port == port:
+        raise ConfigError(f"{here}: metrics port and gRPC port are both {port}")
+
+    gpu = assign_gpu(node, entry, index, merged.runtime.backend, here, where)
+
+    # Paths from the file are relative to the file; from the environment,
+    # relative to where the server was started.
+    cwd = Path.cwd()
+    endpoints = _resolve_security(endpoints, here, base, cwd, from_env)
+    return WorkerConfig(
+        name=entry.name,
+        index=index,
+        model_repo=_absolute(model_repo, cwd if f"{ENV_PREFIX}MODEL_REPO" in from_env else base),
+        cache_dir=_absolute(
+            merged.cache_dir, cwd if f"{ENV_PREFIX}CACHE_DIR" in from_env else base
+        ),
+        model_control_mode=merged.model_control_mode,
+        model_poll_seconds=merged.model_poll_seconds,
+        runtime=merged.runtime,
+        scheduler=merged.scheduler,
+        endpoints=msgspec.structs.replace(endpoints, port=port, metrics_port=metrics_port),
+        logging=merged.logging,
+        gpu=gpu,
+        overrides=overrides,
+    )
+
+
+def _resolve_security(
+    endpoints: EndpointsConfig, here: str, base: Path, cwd: Path, from_env: set[str]
+) -> EndpointsConfig:
+    """Check the TLS and restricted-protocol settings; make their paths absolute."""
+    tls = {}
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(endpoints, key)
+        if value is not None:
+            variable = f"{ENV_PREFIX}ENDPOINTS_{key.upper()}"
+            tls[key] = _absolute(value, cwd if variable in from_env else base)
+    if ("tls_cert_file" in tls) != ("tls_key_file" in tls):
+        raise ConfigError(f"{here}: endpoints.tls_cert_file and tls_key_file go together")
+    if "tls_client_ca_file" in tls and "tls_cert_file" not in tls:
+        raise ConfigError(
+            f"{here}: endpoints.tls_client_ca_file needs tls_cert_file and tls_key_file"
+        )
+    restricted = []
+    owner: dict[str, int] = {}
+    for i, block in enumerate(endpoints.restricted):
+        at = f"{here}: endpoints.restricted[{i}]"
+        sources = [k for k in ("value", "value_env", "value_file") if getattr(block, k) is not None]
+        if len(sources) != 1:
+            raise ConfigError(f"{at}: give exactly one of value, value_env, value_file")
+        for protocol in block.protocols:
+            if protocol in owner:
+                raise ConfigError(
+                    f"{at}: protocol {protocol!r} is already restricted by "
+                    f"endpoints.restricted[{owner[protocol]}]"
+                )
+            owner[protocol] = i
+        if block.value_file is not None:
+            block = msgspec.structs.replace(block, value_file=_absolute(block.value_file, base))
+        restricted.append(block)
+    return msgspec.structs.replace(endpoints, restricted=restricted, **tls)
+
+
+def _check_ports(workers: list[WorkerConfig], where: str) -> None:
+    grpc: dict[int, str] = {}
+    metrics: dict[int, str] = {}
+    for worker in workers:
+        port, metrics_port = worker.endpoints.port, worker.endpoints.metrics_port
+        assert port is not None  # resolved by _resolve_one
+        if port in grpc:
+            raise ConfigError(
+                f"{where}: workers {grpc[port]!r} and {worker.name!r} both use gRPC port {port}"
+            )
+        grpc[port] = worker.name
+        if metrics_port is not None:
+            if metrics_port in metrics:
+                raise ConfigError(
+                    f"{where}: workers {metrics[metrics_port]!r} and {worker.name!r} "
+                    f"both use metrics port {metrics_port}"
+                )
+            metrics[metrics_port] = worker.name
+    for port, name in grpc.items():
+        if port in metrics:
+            raise ConfigError(
+                f"{where}: gRPC port {port} of worker {name!r} is the metrics port "
+                f"of worker {metrics[port]!r}"
+            )
+
+
+def check_all(
+    node: NodeConfig, env: Mapping[str, str], base: Path, where: str
+) -> list[WorkerConfig]:
+    _check_node(node, where)
+    workers = [
+        _resolve_one(node, entry, index, env, base, where)
+        for index, entry in enumerate(_entries(node))
+    ]
+    _check_ports(workers, where)
+    return workers
+
+
+def resolve_worker(
+    node: NodeConfig,
+    name: str | None = None,
+    env: Mapping[str, str] = os.environ,
+    *,
+    source: Path | None = None,
+) -> WorkerConfig:
+    """The fully resolved configuration of worker `name` of `node`.
+
+    `name` may be omitted when the node has at most one worker; a node
+    without `workers` has one, named ``worker0``. `env` supplies the
+    ``INFERENCE_SERVER_*`` overrides. `source` is the node file `node` was
+    loaded from: errors name it, and relative paths in the node resolve
+    against its directory (against the working directory when None, as
+    for the embedded default).
+
+    Every worker of the node is resolved, with the same environment, so
+    that port collisions between workers are caught whichever worker
+    starts first. Raises ConfigError.
+    """
+    where = os.fspath(source) if source is not None else "<node config>"
+    base = Path(where).absolute().parent if source is not None else Path.cwd()
+    workers = check_all(node, env, base, where)
+    names = ", ".join(w.name for w in workers)
+    if name is None:
+        if len(workers) > 1:
+            raise ConfigError(f"{where}: the node has several workers ({names}); name one")
+        return workers[0]
+    for worker in workers:
+        if worker.name == name:
+            return worker
+    raise ConfigError(f"{where}: no worker named {name!r}; workers: {names}")
+
+
+def effective_config_dict(worker: WorkerConfig) -> dict[str, Any]:
+    """`worker` as plain JSON data (dicts, lists, str, numbers, None), for the startup log.
+    Restricted-protocol values written in the file are shown as ``"***"``."""
+    # Through JSON rather than to_builtins: tuples come back as lists.
+    data = msgspec.json.decode(msgspec.json.encode(worker))
+    for block in data["endpoints"]["restricted"]:
+        if block.get("value") is not None:
+            block["value"] = "***"
+    return data

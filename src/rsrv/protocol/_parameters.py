@@ -1,0 +1,131 @@
+"""Request and tensor parameters of the KServe V2 / Triton protocol.
+
+* ``timeout`` (request, int64 µs): a deadline enforced by the server; absent or 0: none;
+  negative or another type: INVALID_ARGUMENT.
+* ``priority`` (request): tritonclient sends ``uint64_param``; Triton also accepts
+  ``int64_param`` >= 0. Validated; not used by the scheduler.
+* ``shared_memory_region`` (string), ``shared_memory_byte_size`` (int64, required with a
+  region) and ``shared_memory_offset`` (int64, default 0) on a tensor: it lives in a
+  registered system shared memory region (:class:`ShmTarget`). A region named while
+  shared memory is disabled is FAILED_PRECONDITION; an unregistered one NOT_FOUND with
+  Triton's message (``Unable to find shared memory region: '<name>'``); a window past
+  the region INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rsrv.errors import FailedPrecondition, InvalidArgument, RsrvError
+from rsrv.protocol._shm import DISABLED_MESSAGE, SharedMemoryRegistry
+
+__all__ = ["ShmTarget", "request_deadline", "request_priority"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShmTarget:
+    """A tensor's place in a registered system shared memory region."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def _param(params: Any, key: str, kind: str, what: str) -> Any:
+    """The value of parameter ``key`` (None if absent), which must be of oneof ``kind``."""
+    if key not in params:  # `params[key]` would insert a default entry
+        return None
+    value = params[key]
+    if value.WhichOneof("parameter_choice") != kind:
+        raise InvalidArgument(
+            f"invalid value type for '{key}' parameter for {what}, expected {kind}"
+        )
+    return getattr(value, kind)
+
+
+def shm_target(tensor: Any, what: str) -> ShmTarget | None:
+    params = tensor.parameters
+    region = _param(params, "shared_memory_region", "string_param", what)
+    byte_size = _param(params, "shared_memory_byte_size", "int64_param", what)
+    offset = _param(params, "shared_memory_offset", "int64_param", what)
+    if region is None:
+        if byte_size is not None or offset is not None:
+            raise InvalidArgument(
+                f"'shared_memory_byte_size' and 'shared_memory_offset' can not be specified "
+                f"without 'shared_memory_region' parameter for {what}"
+            )
+        return None
+    if not region:
+        raise InvalidArgument(f"empty 'shared_memory_region' parameter for {what}")
+    if byte_size is None:
+        raise InvalidArgument(
+            f"'shared_memory_byte_size' parameter is required with 'shared_memory_region' "
+            f"'{region}' for {what}"
+        )
+    offset = offset or 0
+    if byte_size < 0 or offset < 0:
+        raise InvalidArgument(
+            f"negative shared memory byte size {byte_size} or offset {offset} in region "
+            f"'{region}' for {what}"
+        )
+    return ShmTarget(region, byte_size, offset)
+
+
+def registry(shm: SharedMemoryRegistry | None, target: ShmTarget, what: str):
+    if shm is None or not shm.enabled:
+        raise FailedPrecondition(
+            f"{what} uses shared memory region '{target.region}', but {DISABLED_MESSAGE}"
+        )
+    return shm
+
+
+def with_context(e: RsrvError, what: str) -> RsrvError:
+    return type(e)(f"{e} ({what})")
+
+
+def check_region(shm: SharedMemoryRegistry | None, target: ShmTarget, what: str) -> None:
+    found = registry(shm, target, what)
+    try:
+        found.check(target.region, target.offset, target.byte_size)
+    except RsrvError as e:
+        raise with_context(e, what) from None
+
+
+def request_deadline(request: Any, now: float) -> float | None:
+    """Absolute deadline (``now`` + the ``timeout`` parameter, in µs) or None.
+
+    tritonclient's ``infer(..., timeout=µs)`` sends ``parameters["timeout"].int64_param``.
+    Absent or 0 means no deadline; negative or a non-int64 value is INVALID_ARGUMENT.
+    ``now`` and the result are in seconds on the caller's clock (e.g. ``trio.current_time``).
+    """
+    value = _param(request.parameters, "timeout", "int64_param", "the request")
+    if not value:
+        return None
+    if value < 0:
+        raise InvalidArgument(
+            f"invalid value {value} for 'timeout' parameter: expected microseconds >= 0 "
+            "(0 means no timeout)"
+        )
+    return now + value / 1e6
+
+
+def request_priority(request: Any) -> int:
+    """The ``priority`` parameter (0, the default, if absent).
+
+    tritonclient sends ``uint64_param``; Triton also accepts ``int64_param`` >= 0.
+    """
+    params = request.parameters
+    if "priority" not in params:
+        return 0
+    value = params["priority"]
+    which = value.WhichOneof("parameter_choice")
+    if which == "uint64_param":
+        return value.uint64_param
+    if which == "int64_param":
+        if value.int64_param < 0:
+            raise InvalidArgument("invalid value for 'priority', expected value >= 0")
+        return value.int64_param
+    raise InvalidArgument(
+        "invalid value type for 'priority' parameter, expected uint64_param or int64_param"
+    )

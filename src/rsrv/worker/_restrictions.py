@@ -1,0 +1,36 @@
+"""The restricted protocols of a worker, their header values read at startup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rsrv.config import ConfigError, EndpointsConfig
+from rsrv.protocol import Restriction
+
+__all__ = ["restrictions_of"]
+
+
+def restrictions_of(endpoints: EndpointsConfig) -> list[Restriction]:
+    """The restricted protocols of ``endpoints``, their values read from the file, the
+    environment or a file. Raises ConfigError when a value cannot be read or is empty."""
+    out = []
+    for i, block in enumerate(endpoints.restricted):
+        where = f"endpoints.restricted[{i}]"
+        if block.value_env is not None:
+            value = os.environ.get(block.value_env)
+            if value is None:
+                raise ConfigError(f"{where}: environment variable {block.value_env} is not set")
+        elif block.value_file is not None:
+            try:
+                value = Path(block.value_file).read_text().rstrip("\r\n")
+            except OSError as e:
+                raise ConfigError(
+                    f"{where}: cannot read value_file {block.value_file}: {e.strerror}"
+                ) from None
+        else:
+            value = block.value
+        if not value:
+            raise ConfigError(f"{where}: the header value is empty")
+        out.append(Restriction(frozenset(block.protocols), block.header, value))
+    return out
