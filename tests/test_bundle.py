@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from rsrv.bundle import Bundle, load_bundle, scan
-from rsrv.bundle._check import check_main
+from rsrv.bundle_check import check_main
 from rsrv.bundle._manifest import Manifest, decode_manifest, resolve_manifest
 from rsrv.bundle._stablehlo import read_module
 from rsrv.errors import BundleError

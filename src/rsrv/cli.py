@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(args.node_file, args.worker)
     if args.command == "bundle":
-        from rsrv.bundle import check_main
+        from rsrv.bundle_check import check_main
 
         return check_main(args.dirs)
     if args.command == "export":

@@ -1,7 +1,6 @@
 """Bundles: the manifest schema, the model.py DSL, the file formats a bundle holds
 (StableHLO modules, safetensors weights), loading and repository discovery."""
 
-from rsrv.bundle._check import check_main
 from rsrv.bundle._dsl import Hook, meta, postprocess, preprocess
 from rsrv.bundle._loader import UNBATCHED, Bundle, Hooks, find_manifest, load_bundle
 from rsrv.bundle._manifest import (
@@ -23,7 +22,7 @@ from rsrv.bundle._stablehlo import ArgType, ModuleSignature, read_module, read_s
 __all__ = [
     "BATCH_LETTER", "FORMAT_VERSION", "MANIFEST_NAMES", "ORDER_KEY", "UNBATCHED", "ArgType",
     "Batching", "Bundle", "Hook", "Hooks", "Manifest", "ModuleSignature", "Signature", "Tensor",
-    "TensorSpec", "WeightInfo", "WeightsFile", "check_main", "decode_manifest", "discover",
+    "TensorSpec", "WeightInfo", "WeightsFile", "decode_manifest", "discover",
     "find_manifest", "load_bundle", "meta", "postprocess", "preprocess", "read_module",
     "read_signature", "read_weights_header", "resolve_manifest", "scan",
 ]  # fmt: skip

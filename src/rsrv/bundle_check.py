@@ -5,15 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rsrv.bundle._loader import Bundle, find_manifest, load_bundle
-from rsrv.bundle._repository import discover
+from rsrv.bundle import Bundle, discover, find_manifest, load_bundle
 from rsrv.errors import BundleError
+from rsrv.runtime import Compiler, compile_bundle, configure
 
 
 def check_main(dirs: list[Path], out=sys.stdout) -> int:
     """Check each bundle (a directory with a manifest, or each bundle of a repository)."""
-    from rsrv.runtime import Compiler, compile_bundle, configure
-
     configure("cpu")
     compiler = Compiler()
     paths = _expand(dirs)
