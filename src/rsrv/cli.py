@@ -15,8 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "node_file",
         nargs="?",
-        help="node file (YAML or TOML); "
-        "default: built-in CPU config serving ./bundles on 127.0.0.1:8001",
+        help="node file (YAML or TOML); default: the built-in CPU node serving ./bundles on "
+        "127.0.0.1:8001, or, when there is no ./bundles directory and rsrv runs from a "
+        "source checkout, that checkout's example bundles (the log says which)",
     )
     serve.add_argument("--worker", help="which worker of the node file to run")
 

@@ -42,6 +42,11 @@ class ServedModelView(Protocol):
     def name(self) -> str: ...
 
     @property
+    def version(self) -> str:
+        """The version the protocol reports."""
+        ...
+
+    @property
     def bundle(self) -> Bundle: ...
 
 

@@ -67,7 +67,7 @@ class InferenceService(GRPCInferenceServiceServicer):
         sig = served.bundle.signature
         return pb.ModelMetadataResponse(
             name=served.name,
-            versions=["1"],
+            versions=[served.version],
             platform=self.backend.platform,
             inputs=[tensor_metadata(t) for t in sig.client_inputs],
             outputs=[tensor_metadata(t) for t in sig.client_outputs],
@@ -162,7 +162,7 @@ class InferenceService(GRPCInferenceServiceServicer):
             outputs = await backend.infer(
                 name, inputs, None if deadline == float("inf") else deadline
             )
-            response = encode_response(message, name, "1", outputs, order, backend.shm)
+            response = encode_response(message, name, served.version, outputs, order, backend.shm)
         except Exception as e:  # counted under the status the client receives
             backend.record(name, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
             raise

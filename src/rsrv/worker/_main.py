@@ -64,13 +64,21 @@ def _raise_descriptor_limit() -> None:
 
 
 def _default_repo(config: WorkerConfig) -> WorkerConfig:
-    """The embedded default serves ./bundles; outside a checkout, the checkout's bundles/."""
+    """The embedded default serves ./bundles. When there is no such directory, no
+    INFERENCE_SERVER_MODEL_REPO, and rsrv runs from a source checkout (an editable
+    install), it serves that checkout's example bundles instead, and says so."""
     checkout = Path(__file__).resolve().parents[3] / "bundles"
     if (
         not Path(config.model_repo).is_dir()
         and checkout.is_dir()
         and "INFERENCE_SERVER_MODEL_REPO" not in " ".join(config.overrides)
     ):
+        log.info(
+            "no %s directory: serving the example bundles of the rsrv checkout, %s "
+            "(a node file or INFERENCE_SERVER_MODEL_REPO chooses the repository)",
+            config.model_repo,
+            checkout,
+        )
         return msgspec.structs.replace(config, model_repo=str(checkout))
     return config
 

@@ -21,6 +21,9 @@ from rsrv.scheduler import ModelSpec
 
 log = logging.getLogger(__name__)
 
+#: The one version every model reports (model versions: specs/protocol.md).
+SERVED_VERSION = "1"
+
 
 class LoadState(enum.StrEnum):
     """Where a model entry is in its life, as RepositoryIndex reports it."""
@@ -32,13 +35,19 @@ class LoadState(enum.StrEnum):
 
 @dataclass(eq=False, slots=True)
 class ServedModel:
-    """One loaded version of a model. Its device weights belong to the WeightManager,
-    under :attr:`key`, so they can be evicted and reloaded independently."""
+    """One load of a model. Its device weights belong to the WeightManager, under
+    :attr:`key`, so they can be evicted and reloaded independently.
+
+    ``version`` is the version the protocol reports (every model has one, "1");
+    ``generation`` counts loads in this process, so that a reload and the load it
+    replaces have distinct keys while both serve.
+    """
 
     bundle: Bundle
     compiled: CompiledModel | None  # None for a meta model
-    version: int
+    generation: int
     residency: str = "system"
+    version: str = SERVED_VERSION
 
     @property
     def name(self) -> str:
@@ -46,8 +55,8 @@ class ServedModel:
 
     @property
     def key(self) -> str:
-        """The executable key: this version's identity in the scheduler and weight cache."""
-        return f"{self.name}@{self.version}"
+        """The executable key: this load's identity in the scheduler and weight cache."""
+        return f"{self.name}@{self.generation}"
 
     def spec(self) -> ModelSpec:
         """What the scheduler needs of this version (lay the config over it with
@@ -78,7 +87,7 @@ class ModelSet:
 
     def __init__(self) -> None:
         self.entries: dict[str, ModelEntry] = {}
-        self._versions = 0
+        self._generations = 0
 
     def get(self, name: str) -> ServedModel:
         """The ready model called ``name``; NotFound / Unavailable otherwise."""
@@ -94,19 +103,19 @@ class ModelSet:
         entry = self.entries.get(name)
         return entry is not None and entry.state is LoadState.READY
 
-    def next_version(self) -> int:
-        self._versions += 1
-        return self._versions
+    def next_generation(self) -> int:
+        self._generations += 1
+        return self._generations
 
 
-async def build_model(path: Path, compiler: Compiler, version: int) -> ServedModel:
+async def build_model(path: Path, compiler: Compiler, generation: int) -> ServedModel:
     """Validate and compile one bundle (in worker threads); weights are placed later.
 
     Raises BundleError for an invalid bundle and for a module that fails to compile.
     """
     bundle = await trio.to_thread.run_sync(load_bundle, path)
     if bundle.kind == "meta":
-        return ServedModel(bundle, None, version)
+        return ServedModel(bundle, None, generation)
     try:
         compiled = await trio.to_thread.run_sync(compile_bundle, bundle, compiler)
     except Exception as e:
@@ -119,4 +128,4 @@ async def build_model(path: Path, compiler: Compiler, version: int) -> ServedMod
         compiled.cache_hits,
         bundle.weight_bytes,
     )
-    return ServedModel(bundle, compiled, version)
+    return ServedModel(bundle, compiled, generation)

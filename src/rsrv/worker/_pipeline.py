@@ -93,9 +93,6 @@ class Pipeline:
         result = await self.scheduler.submit(
             name, [exec_inputs[t.name] for t in order], deadline=deadline, front=front
         )
-        stats.queue.add(result.queue_seconds)
-        stats.compute_infer.add(result.compute_seconds)
-
         outputs = {
             t.name: a
             for t, a in zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)
@@ -106,6 +103,9 @@ class Pipeline:
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
             outputs.update(made)
             stats.compute_output.add(trio.current_time() - start)
+        # Recorded once the request has its outputs: per successful request, as Triton.
+        stats.queue.add(result.queue_seconds)
+        stats.compute_infer.add(result.compute_seconds)
         client = {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return client, result.compute_seconds
 

@@ -36,7 +36,7 @@ def statistics(worker: Worker, name: str) -> Snapshot:
 
     return Snapshot(
         name=name,
-        version="1",
+        version=served.version,
         last_inference_ms=stats.last_inference_ms,
         inference_count=stats.inference_count,
         execution_count=executions,
@@ -70,7 +70,8 @@ def index(worker: Worker) -> list[IndexEntry]:
         if state == "READY" and not worker.model_ready(entry.name):
             waiting = [c for c in entry.model.bundle.signature.calls if not models.ready(c)]
             state, reason = "UNAVAILABLE", f"waiting for model(s) {', '.join(waiting)}"
-        out.append(IndexEntry(entry.name, "1" if entry.model else "", state, reason))
+        version = entry.model.version if entry.model else ""
+        out.append(IndexEntry(entry.name, version, state, reason))
     return out
 
 

@@ -351,7 +351,7 @@ class Worker:
             policy = self._policy(name)
             served = None
             try:
-                served = await build_model(path, self.compiler, self.models.next_version())
+                served = await build_model(path, self.compiler, self.models.next_generation())
                 self._check_calls(served)
                 costs = {}
                 if served.compiled:
@@ -370,19 +370,21 @@ class Worker:
                     log.error("model %s unavailable: %s", name, e)
                 else:
                     log.error(
-                        "reload of model %s failed; version %d keeps serving: %s",
+                        "reload of model %s failed; version %s (load %d) keeps serving: %s",
                         name,
                         entry.model.version,
+                        entry.model.generation,
                         e,
                     )
                 return
             previous = entry.model
             entry.model, entry.state, entry.reason = served, LoadState.READY, ""
             log.info(
-                "model %s version %d ready%s: %d weight bytes, residency %s",
+                "model %s version %s ready (load %d%s): %d weight bytes, residency %s",
                 name,
                 served.version,
-                f" (replacing version {previous.version})" if previous else "",
+                served.generation,
+                f", replacing load {previous.generation}" if previous else "",
                 served.bundle.weight_bytes,
                 served.residency if served.compiled else "none (meta)",
             )
