@@ -26,22 +26,6 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-__all__ = [
-    "MAX_WEIGHT",
-    "MIN_WEIGHT",
-    "EndpointsConfig",
-    "GlobalConfig",
-    "LoggingConfig",
-    "ModelSchedConfig",
-    "NodeConfig",
-    "RestrictedConfig",
-    "RuntimeConfig",
-    "SchedulerConfig",
-    "WorkerConfig",
-    "WorkerEntry",
-    "node_json_schema",
-]
-
 
 def _doc(text: str) -> Meta:
     return Meta(description=text)

@@ -71,7 +71,7 @@ def export_model(model: Any, params: Any = None, *, out_dir: str | Path, **optio
 
     ``params`` is the parameter pytree of a JAX function or the variables of a Linen
     module; NNX, Equinox and torch modules carry their own. ``options`` are the adapter's
-    keywords: inputs, outputs, batch_sizes and export_jax's others.
+    keywords: inputs, outputs, batch_sizes and export_program's others.
     """
     kind = framework_of(model)
     if kind == "jax":

@@ -13,11 +13,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
+from jax.tree_util import tree_unflatten
 
-from rsrv.bundle import BATCH_LETTER
 from rsrv.export._errors import ExportError
-from rsrv.export._program import Input, Output, Program, export_program
+from rsrv.export._program import Input, Output, Program, export_program, flatten_weights
 
 
 def equinox_program(
@@ -33,12 +32,9 @@ def equinox_program(
 
     if not isinstance(model, eqx.Module):
         raise ExportError(f"export_equinox needs an equinox.Module, got {type(model).__name__}")
+    paths, leaves, _ = flatten_weights(model, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex))
     stateful = [
-        keystr(p, simple=True, separator=".")
-        for p, leaf in tree_flatten_with_path(
-            model, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex)
-        )[0]
-        if isinstance(leaf, eqx.nn.StateIndex)
+        p for p, leaf in zip(paths, leaves, strict=True) if isinstance(leaf, eqx.nn.StateIndex)
     ]
     if stateful:
         raise ExportError(
@@ -49,11 +45,8 @@ def equinox_program(
     if inference:
         model = eqx.nn.inference_mode(model)
     params, static = eqx.partition(model, eqx.is_array)
-    paths_leaves, treedef = tree_flatten_with_path(params)
-    names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
-    in_axes = tuple(
-        i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None for i in inputs
-    )
+    names, leaves, treedef = flatten_weights(params)
+    in_axes = tuple(i.batch_axis for i in inputs)
     out_axes = tuple(o.batch_axis if isinstance(o, Output) else 0 for o in outputs)
     batched = vmap and any(a is not None for a in in_axes)
 
@@ -71,14 +64,7 @@ def equinox_program(
     def reference(*xs):
         return source(model, *map(jnp.asarray, xs))
 
-    return Program(
-        call,
-        names,
-        [leaf for _, leaf in paths_leaves],
-        reference,
-        framework="equinox",
-        packages=("equinox",),
-    )
+    return Program(call, names, leaves, reference, framework="equinox", packages=("equinox",))
 
 
 def export_equinox(
@@ -96,7 +82,7 @@ def export_equinox(
     ``vmap`` (default True) maps the model over each input's batch axis (Equinox layers take
     one example); pass False for a model that takes the whole batch. ``inference``
     (default True) exports ``eqx.nn.inference_mode(model)`` (Dropout off). ``options`` are
-    :func:`export_jax`'s keywords (batch_sizes, description, ..., x64, parity).
+    :func:`export_program`'s keywords (batch_sizes, description, ..., x64, parity).
     """
     inputs, outputs = list(inputs), list(outputs)
     program = equinox_program(model, inputs, outputs, vmap=vmap, inference=inference)

@@ -21,10 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.tree_util import keystr, tree_flatten_with_path, tree_unflatten
+from jax.tree_util import tree_unflatten
 
 from rsrv.export._errors import ExportError
-from rsrv.export._program import Program, export_program
+from rsrv.export._program import Program, export_program, flatten_weights
 
 RNG_HINT = (
     "the forward pass draws random numbers from nnx RNG state (dropout or sampling "
@@ -79,7 +79,7 @@ def export_flax_nnx(
 
     ``eval`` (default True) exports a copy put in evaluation mode with ``.eval()``
     (Dropout deterministic, BatchNorm on running averages); the module itself is not
-    changed. ``options`` are :func:`export_jax`'s keywords (inputs, outputs, batch_sizes,
+    changed. ``options`` are :func:`export_program`'s keywords (inputs, outputs, batch_sizes,
     description, client_inputs, client_outputs, model_py, provenance, x64, parity).
     """
     return export_program(nnx_program(module, eval=eval), out_dir=out_dir, **options)
@@ -103,8 +103,7 @@ def linen_program(
                 "mutates collections; pass the deterministic / eval flag of the module "
                 "instead (e.g. apply_kwargs={'train': False})"
             )
-    paths_leaves, treedef = tree_flatten_with_path(variables)
-    names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
+    names, leaves, treedef = flatten_weights(variables)
 
     def apply(v, *xs):
         from flax.errors import FlaxError
@@ -126,14 +125,7 @@ def linen_program(
     def reference(*xs):
         return source(jax.tree.map(jnp.asarray, variables), *map(jnp.asarray, xs))
 
-    return Program(
-        call,
-        names,
-        [leaf for _, leaf in paths_leaves],
-        reference,
-        framework="flax.linen",
-        packages=("flax",),
-    )
+    return Program(call, names, leaves, reference, framework="flax.linen", packages=("flax",))
 
 
 def export_flax_linen(
@@ -148,7 +140,7 @@ def export_flax_linen(
 
     Put the module in inference mode through ``apply_kwargs`` (``{"train": False}``) or its
     attributes; RNG streams and mutable collections are refused. ``options`` are
-    :func:`export_jax`'s keywords.
+    :func:`export_program`'s keywords.
     """
     return export_program(
         linen_program(module, variables, apply_kwargs), out_dir=out_dir, **options
@@ -158,12 +150,11 @@ def export_flax_linen(
 def _leaves(state: Any, nnx: Any) -> tuple[list[str], list[str], list[Any], Any]:
     """Names (the variables' paths), variable kinds, array leaves and treedef of an
     ``nnx.State``; each variable holds exactly one leaf, its value."""
-    variables, _ = tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    names, variables, _ = flatten_weights(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     leaves, treedef = jax.tree.flatten(state)
     if len(variables) != len(leaves):
         raise ExportError(
             f"cannot map the module's {len(leaves)} state leaves onto its "
             f"{len(variables)} variables (a variable holding a pytree?)"
         )
-    names = [keystr(p, simple=True, separator=".") for p, _ in variables]
-    return names, [type(v).__name__ for _, v in variables], leaves, treedef
+    return names, [type(v).__name__ for v in variables], leaves, treedef

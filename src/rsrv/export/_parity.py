@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from rsrv.bundle import BATCH_LETTER
 from rsrv.export._errors import ExportError
 
 log = logging.getLogger("rsrv.export")
@@ -87,7 +86,7 @@ def draw_inputs(inputs, n: int, settings: Parity) -> list[np.ndarray]:
     low, high = settings.int_range
     arrays = []
     for spec in inputs:
-        shape = tuple(n if d == BATCH_LETTER else int(d) for d in spec.shape)
+        shape = spec.concrete(n)
         dtype = np.dtype(spec.dtype)
         if dtype == np.bool_:
             arrays.append(rng.integers(0, 2, shape).astype(np.bool_))
@@ -122,7 +121,7 @@ def check(
     model = compile_bundle(bundle, Compiler(settings.cache_dir and Path(settings.cache_dir)))
     weights = weights_to_device(bundle)
     names = [o.name for o in outputs]
-    in_axes = [i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None for i in inputs]
+    in_axes = [i.batch_axis for i in inputs]
     batched = any(a is not None for a in in_axes)
     axes = [o.batch_axis if batched else None for o in outputs]
     errors: list[OutputError] = []

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import msgspec
 import numpy as np
+from jax.tree_util import keystr, tree_flatten_with_path
 
 from rsrv.bundle import (
     BATCH_LETTER,
@@ -47,7 +48,7 @@ from rsrv.export._parity import Parity
 from rsrv.export._parity import check as parity_check
 from rsrv.export._provenance import collect_provenance
 
-__all__ = ["Input", "Output", "Program", "export_program"]
+__all__ = ["Input", "Output", "Program", "compiled_sizes", "export_program", "flatten_weights"]
 
 log = logging.getLogger("rsrv.export")
 _AUTO_LETTERS = "abcdefghijklmopqrstuvwxyz"  # every lowercase letter but the batch letter n
@@ -61,6 +62,34 @@ class Input:
     dtype: Any
     shape: tuple[int | str, ...]
     letters: str | None = None
+
+    @property
+    def batch_axis(self) -> int | None:
+        """The axis of ``"n"``, or None for an input without a batch axis."""
+        return self.shape.index(BATCH_LETTER) if BATCH_LETTER in self.shape else None
+
+    def concrete(self, n: int) -> tuple[int, ...]:
+        """The shape with ``n`` rows on the batch axis."""
+        return tuple(n if d == BATCH_LETTER else int(d) for d in self.shape)
+
+
+def compiled_sizes(inputs: Sequence[Input], batch_sizes: Sequence[int]) -> list[int]:
+    """The distinct batch sizes to compile, ascending; ``[0]`` when no input has a batch
+    axis. ExportError unless they are positive integers (before anything is traced)."""
+    if not any(i.batch_axis is not None for i in inputs):
+        return [0]
+    sizes = sorted(set(batch_sizes))
+    if not sizes or not all(isinstance(s, int) and s >= 1 for s in sizes):
+        raise ExportError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    return sizes
+
+
+def flatten_weights(tree: Any, **kwargs: Any) -> tuple[list[str], list[Any], Any]:
+    """The leaves of a parameter tree, named by their paths (``layers.0.w``), and its
+    treedef. ``kwargs`` go to ``tree_flatten_with_path`` (e.g. ``is_leaf``)."""
+    paths_leaves, treedef = tree_flatten_with_path(tree, **kwargs)
+    names = [keystr(p, simple=True, separator=".") for p, _ in paths_leaves]
+    return names, [leaf for _, leaf in paths_leaves], treedef
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +139,19 @@ def export_program(
     x64: bool | None = None,
     parity: bool | Parity = True,
 ) -> Path:
-    """Trace, gate and write ``program`` (the shared back end of every adapter)."""
+    """Trace, gate and write ``program`` (the shared back end of every adapter).
+
+    ``inputs`` are the executable inputs, ``outputs`` names (or :class:`Output`) of the
+    executable outputs, ``batch_sizes`` the sizes to compile (ignored when no input has
+    a batch axis), ``out_dir`` the bundle directory. ``description`` goes into the
+    manifest; ``client_inputs`` / ``client_outputs`` and ``model_py`` add a model.py
+    stage. ``provenance`` replaces the automatic record when given (pass
+    ``collect_provenance(...)`` plus your own keys to extend it). ``x64`` traces with
+    ``jax_enable_x64`` on or off; None: on exactly when an input or weight is 64-bit.
+    ``parity`` (default on) checks the written bundle against ``program.reference``
+    before it replaces ``out_dir``. Raises :class:`ExportError`, writing nothing, when
+    a gate refuses.
+    """
     out_dir = Path(out_dir)
     inputs = list(inputs)
     outputs = [o if isinstance(o, Output) else Output(o) for o in outputs]
@@ -120,10 +161,8 @@ def export_program(
         raise ExportError(f"weight names are not unique: {', '.join(dup)}")
     weights = [_weight_array(name, w) for name, w in zip(names, program.weights, strict=True)]
     x64 = _x64_setting(x64, inputs, names, weights)
-    batched = any(BATCH_LETTER in i.shape for i in inputs)
-    sizes = sorted(set(batch_sizes)) if batched else [0]
-    if batched and (not sizes or sizes[0] < 1):
-        raise ExportError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    sizes = compiled_sizes(inputs, batch_sizes)
+    batched = sizes != [0]
     record = (
         dict(provenance)
         if provenance is not None
@@ -182,7 +221,7 @@ def _trace(
     state = list(program.state)
 
     def avals_for(n):
-        xs = [jax.ShapeDtypeStruct(_concrete(i.shape, n), np.dtype(i.dtype)) for i in inputs]
+        xs = [jax.ShapeDtypeStruct(i.concrete(n), np.dtype(i.dtype)) for i in inputs]
         return xs, [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
 
     lifted = _used_state(program, state, *avals_for(sizes[0])) if state else []
@@ -298,10 +337,6 @@ def _x64_setting(
     return bool(x64)
 
 
-def _concrete(shape: tuple[int | str, ...], n: int) -> tuple[int, ...]:
-    return tuple(n if d == BATCH_LETTER else int(d) for d in shape)
-
-
 def _letters(given: str | None, rank: int, batch_axis: int | None) -> str:
     if given is not None:
         if len(given) != rank:
@@ -312,8 +347,7 @@ def _letters(given: str | None, rank: int, batch_axis: int | None) -> str:
 
 
 def _input_spec(i: Input) -> TensorSpec:
-    axis = i.shape.index(BATCH_LETTER) if BATCH_LETTER in i.shape else None
-    letters = _letters(i.letters, len(i.shape), axis)
+    letters = _letters(i.letters, len(i.shape), i.batch_axis)
     dims = {ch: int(d) for ch, d in zip(letters, i.shape, strict=True) if ch != BATCH_LETTER}
     return TensorSpec(
         name=i.name, dtype=DType.from_numpy(np.dtype(i.dtype)).value, shape=letters, dims=dims

@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from rsrv.bundle import BATCH_LETTER
 from rsrv.export._errors import ExportError
-from rsrv.export._program import Input, Program, export_program
+from rsrv.export._program import Input, Program, compiled_sizes, export_program
 
 # What the torch extra installs (pyproject.toml) and what was seen to work (specs/export.md
 # §7). torchax 0.0.13 and older do not import with torch >= 2.13, which removed the
@@ -111,7 +110,7 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
         functions, names, weights = {}, None, None
         for n in sizes:
             example = tuple(
-                torch.from_numpy(np.zeros(_shape(i, n), np.dtype(i.dtype))) for i in inputs
+                torch.from_numpy(np.zeros(i.concrete(n), np.dtype(i.dtype))) for i in inputs
             )
             try:
                 with _without_pytree_deprecations():
@@ -137,10 +136,10 @@ def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program
             functions[n] = fn
     finally:
         module.train(was_training)
-    axis = next((k for k, i in enumerate(inputs) if BATCH_LETTER in i.shape), None)
+    axis = next((k for k, i in enumerate(inputs) if i.batch_axis is not None), None)
 
     def call(ws, _state, *xs):
-        n = xs[axis].shape[inputs[axis].shape.index(BATCH_LETTER)] if axis is not None else 0
+        n = xs[axis].shape[inputs[axis].batch_axis] if axis is not None else 0
         return tuple(functions[n](list(ws), xs))
 
     def reference(*xs):
@@ -204,20 +203,14 @@ def export_torch(
     """Export a ``torch.nn.Module`` called as ``module(*inputs)`` (run in eval mode).
 
     The example tensors ``torch.export`` traces with are built from ``inputs`` at each
-    compiled batch size. ``options`` are :func:`export_jax`'s keywords (description, ...,
+    compiled batch size. ``options`` are :func:`export_program`'s keywords (description, ...,
     x64, parity). Raises :class:`ExportError` when torchax cannot run with this torch.
     """
     inputs = list(inputs)
-    batched = any(BATCH_LETTER in i.shape for i in inputs)
-    sizes = sorted(set(batch_sizes)) if batched else [0]
-    program = torch_program(module, inputs, sizes)
+    program = torch_program(module, inputs, compiled_sizes(inputs, batch_sizes))
     return export_program(
         program, inputs=inputs, outputs=outputs, batch_sizes=batch_sizes, out_dir=out_dir, **options
     )
-
-
-def _shape(spec: Input, n: int) -> tuple[int, ...]:
-    return tuple(n if d == BATCH_LETTER else int(d) for d in spec.shape)
 
 
 def _numpy(value: Any) -> np.ndarray:

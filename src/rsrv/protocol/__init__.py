@@ -6,6 +6,7 @@ service modules live in ``rsrv.protocol.generated``.
 """
 
 from rsrv.protocol._backend import (
+    DURATIONS,
     ControlBackend,
     ControlSnapshot,
     Duration,
@@ -27,6 +28,7 @@ from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",
+    "DURATIONS",
     "DISABLED_MESSAGE",
     "FROM_RESIDENCY",
     "MAX_MESSAGE_CHARS",

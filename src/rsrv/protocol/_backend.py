@@ -24,6 +24,7 @@ from rsrv.protocol._logs import LogSettings
 from rsrv.protocol._shm import SharedMemoryRegistry
 
 __all__ = [
+    "DURATIONS",
     "ControlBackend",
     "ControlSnapshot",
     "Duration",
@@ -60,27 +61,28 @@ class IndexEntry:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class Duration:
-    count: int = 0
-    ns: int = 0
+class Duration(Protocol):
+    """A count of events and their total nanoseconds."""
+
+    count: int
+    ns: int
+
+
+#: The durations of Triton's InferStatistics, by field name (specs/protocol.md §2).
+DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelStatisticsSnapshot:
-    """Triton's ModelStatistics of one model, as plain numbers (specs/protocol.md §2)."""
+    """Triton's ModelStatistics of one model (specs/protocol.md §2). ``durations`` has
+    one entry per name of :data:`DURATIONS`."""
 
     name: str
     version: str
     last_inference_ms: int
     inference_count: int
     execution_count: int
-    success: Duration
-    fail: Duration
-    queue: Duration
-    compute_input: Duration
-    compute_infer: Duration
-    compute_output: Duration
+    durations: Mapping[str, Duration]
     batch_executions: Mapping[int, int] = field(default_factory=dict)  # size -> count
 
 

@@ -7,6 +7,8 @@ Served on the same gRPC port as inference, over a :class:`~rsrv.protocol.Control
 
 from __future__ import annotations
 
+import dataclasses
+
 from rsrv.errors import InvalidArgument
 from rsrv.protocol._backend import ControlBackend
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
@@ -26,36 +28,15 @@ class ControlService(ControlServiceServicer):
         self.backend = backend
 
     async def ModelControlStatus(self, message, request):
+        """The snapshot's fields carry the message's names: copied over one to one, the
+        residency name mapped to the wire enum."""
         snapshot = self.backend.control_status()
-        return pb.ModelControlStatusResponse(
-            discipline=snapshot.discipline,
-            control_mode=snapshot.control_mode,
-            weight_cache_budget_bytes=snapshot.weight_cache_budget_bytes,
-            weight_cache_resident_bytes=snapshot.weight_cache_resident_bytes,
-            weight_cache_loads=snapshot.weight_cache_loads,
-            weight_cache_evictions=snapshot.weight_cache_evictions,
-            models=[
-                pb.ModelStatus(
-                    name=m.name,
-                    state=m.state,
-                    kind=m.kind,
-                    residency=RESIDENCY.get(m.residency, pb.RESIDENCY_UNSPECIFIED),
-                    device_resident=m.device_resident,
-                    host_resident=m.host_resident,
-                    weight_bytes=m.weight_bytes,
-                    weight=m.weight,
-                    queue_depth=m.queue_depth,
-                    compute_seconds=m.compute_seconds,
-                    requests_served=m.requests_served,
-                    rows_served=m.rows_served,
-                    dispatches=m.dispatches,
-                    max_batch_size=m.max_batch_size,
-                    batch_input_name=m.batch_input_name,
-                    batch_axis=m.batch_axis,
-                )
-                for m in snapshot.models
-            ],
-        )
+        models = []
+        for m in snapshot.models:
+            fields = _fields(m)
+            fields["residency"] = RESIDENCY.get(m.residency, pb.RESIDENCY_UNSPECIFIED)
+            models.append(pb.ModelStatus(**fields))
+        return pb.ModelControlStatusResponse(**{**_fields(snapshot), "models": models})
 
     async def SetModelResidency(self, message, request):
         residency = FROM_RESIDENCY.get(message.residency)
@@ -76,3 +57,7 @@ class ControlService(ControlServiceServicer):
     async def CompactMemory(self, message, request):
         reloaded, resident = await self.backend.compact_memory(list(message.reload_models))
         return pb.CompactMemoryResponse(reloaded_models=reloaded, resident_bytes_after=resident)
+
+
+def _fields(snapshot) -> dict:
+    return {f.name: getattr(snapshot, f.name) for f in dataclasses.fields(snapshot)}

@@ -288,9 +288,6 @@ def _rows(specs: tuple[Tensor, ...], inputs) -> int:
 def model_statistics(snapshot: ModelStatisticsSnapshot) -> pb.ModelStatistics:
     """Triton's ModelStatistics message of one model."""
 
-    def duration(d) -> pb.StatisticDuration:
-        return pb.StatisticDuration(count=d.count, ns=d.ns)
-
     return pb.ModelStatistics(
         name=snapshot.name,
         version=snapshot.version,
@@ -298,12 +295,10 @@ def model_statistics(snapshot: ModelStatisticsSnapshot) -> pb.ModelStatistics:
         inference_count=snapshot.inference_count,
         execution_count=snapshot.execution_count,
         inference_stats=pb.InferStatistics(
-            success=duration(snapshot.success),
-            fail=duration(snapshot.fail),
-            queue=duration(snapshot.queue),
-            compute_input=duration(snapshot.compute_input),
-            compute_infer=duration(snapshot.compute_infer),
-            compute_output=duration(snapshot.compute_output),
+            **{
+                name: pb.StatisticDuration(count=d.count, ns=d.ns)
+                for name, d in snapshot.durations.items()
+            }
         ),
         batch_stats=[
             pb.InferBatchStatistics(

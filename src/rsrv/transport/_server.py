@@ -307,14 +307,3 @@ def server_tls_context(
         context.load_verify_locations(client_ca_file)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
-
-
-__all__ = [
-    "GrpcServer",
-    "Method",
-    "ServerCall",
-    "TransportLimits",
-    "default_status",
-    "methods_of",
-    "server_tls_context",
-]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rsrv.protocol import ControlSnapshot, Duration, IndexEntry, ModelControl
+from rsrv.protocol import DURATIONS, ControlSnapshot, IndexEntry, ModelControl
 from rsrv.protocol import ModelStatisticsSnapshot as Snapshot
 
 if TYPE_CHECKING:
@@ -31,21 +31,13 @@ def statistics(worker: Worker, name: str) -> Snapshot:
         sched = worker.scheduler.stats(name)
         executions, batches = sched.dispatches, sched.batch_sizes
 
-    def duration(d) -> Duration:
-        return Duration(d.count, d.ns)
-
     return Snapshot(
         name=name,
         version=served.version,
         last_inference_ms=stats.last_inference_ms,
         inference_count=stats.inference_count,
         execution_count=executions,
-        success=duration(stats.success),
-        fail=duration(stats.fail),
-        queue=duration(stats.queue),
-        compute_input=duration(stats.compute_input),
-        compute_infer=duration(stats.compute_infer),
-        compute_output=duration(stats.compute_output),
+        durations={d: getattr(stats, d) for d in DURATIONS},  # live: read at once
         batch_executions=batches,
     )
 

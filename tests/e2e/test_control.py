@@ -1,0 +1,374 @@
+"""Explicit model control and the control service, against a running worker.
+
+RepositoryModelLoad / Unload go through tritonclient; ModelControlStatus,
+SetModelResidency, SetModelPolicy and CompactMemory through our own ControlClient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+import numpy as np
+import purerpc
+import pytest
+import trio
+import tritonclient.grpc as tc
+from support.bundles import (
+    WEIGHT_BYTES,
+    X,
+    expected,
+    export_linear,
+    infer_y,
+    linear_params,
+    matches,
+    x_input,
+)
+from support.clients import connect, index, status_of
+from support.serving import running, worker_config
+
+from rsrv.client import ControlClient
+from rsrv.config import ModelSchedConfig
+from rsrv.export import Input, Output, export_jax
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
+from rsrv.worker import Worker
+
+
+@pytest.fixture
+def repo(tmp_path):
+    path = tmp_path / "repo"
+    path.mkdir()
+    for name, seed in (("a", 0), ("b", 1), ("c", 2)):
+        export_linear(path / name, seed)
+    return path
+
+
+def export_columns(out_dir, seed: int):
+    """Like the linear bundle, but the batch runs along axis 1 of x f32[3,n]."""
+    return export_jax(
+        lambda p, x: x.T @ p["w"] + p["b"],
+        linear_params(seed),
+        inputs=[Input("x", np.float32, (3, "n"), letters="fn")],
+        outputs=[Output("y", letters="nk")],
+        batch_sizes=[1, 2, 4],
+        out_dir=out_dir,
+    )
+
+
+@asynccontextmanager
+async def serving(config) -> AsyncIterator[tuple[Worker, tc.InferenceServerClient]]:
+    """:func:`support.serving.running` for async tests (started and stopped off the test's trio
+    loop), with a tritonclient connected to it."""
+    manager = running(config)
+    worker = await trio.to_thread.run_sync(manager.__enter__)
+    try:
+        with connect(worker) as client:
+            yield worker, client
+    finally:
+        await trio.to_thread.run_sync(manager.__exit__, None, None, None)
+
+
+async def statuses(client: ControlClient) -> dict[str, pb.ModelStatus]:
+    return {m.name: m for m in (await client.status()).models}
+
+
+# -- explicit mode: RepositoryModelLoad / Unload ------------------------------------------
+
+
+def test_explicit_mode_loads_and_unloads_only_on_request(repo, cache_dir):
+    (repo / "broken").mkdir()
+    (repo / "broken" / "manifest.yaml").write_text("kind: model\n")
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit", MODEL_POLL_SECONDS=0.05)
+    with running(config) as worker, connect(worker) as client:
+        assert index(client) == {}  # nothing loads at startup
+        assert client.is_server_ready()
+        assert status_of(lambda: infer_y(client, "a", X)) == "StatusCode.NOT_FOUND"
+        export_linear(repo / "d", seed=3)
+        time.sleep(0.3)  # six poll intervals: the worker never loads on its own
+        assert index(client) == {}
+
+        client.load_model("a")
+        assert index(client) == {"a": ("READY", "")}
+        assert client.is_model_ready("a")
+        assert matches(infer_y(client, "a", X), 0, X)
+        client.load_model("d")
+        assert matches(infer_y(client, "d", X), 3, X)
+
+        assert status_of(lambda: client.load_model("nope")) == "StatusCode.NOT_FOUND"
+        assert status_of(lambda: client.load_model("broken")) == "StatusCode.FAILED_PRECONDITION"
+        state, reason = index(client)["broken"]
+        assert state == "UNAVAILABLE" and "manifest.yaml" in reason
+
+        export_linear(repo / "a", seed=5)  # a load of a loaded model reloads it
+        client.load_model("a")
+        assert matches(infer_y(client, "a", X), 5, X)
+
+        (repo / "a" / "model.b2.mlir").write_text("garbage")  # a failed reload...
+        assert status_of(lambda: client.load_model("a")) == "StatusCode.FAILED_PRECONDITION"
+        state, reason = index(client)["a"]
+        assert state == "READY" and "model.b2.mlir" in reason  # ...keeps the old version
+        assert matches(infer_y(client, "a", X), 5, X)
+
+        client.unload_model("a")
+        assert "a" not in index(client)
+        assert status_of(lambda: infer_y(client, "a", X)) == "StatusCode.NOT_FOUND"
+        assert status_of(lambda: client.unload_model("a")) == "StatusCode.NOT_FOUND"
+        client.unload_model("broken")
+        assert index(client) == {"d": ("READY", "")}
+        assert matches(infer_y(client, "d", X), 3, X)
+
+        export_linear(repo / "a", seed=5)  # repaired
+        client.load_model("a")  # loaded afresh: its statistics start from zero
+        stats = client.get_inference_statistics("a").model_stats[0]
+        assert (stats.inference_stats.success.count, stats.execution_count) == (0, 0)
+        assert matches(infer_y(client, "a", X), 5, X)
+
+
+def test_repository_load_and_unload_need_explicit_mode(repo, cache_dir):
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
+    with running(config) as worker, connect(worker) as client:
+        assert status_of(lambda: client.load_model("a")) == "StatusCode.FAILED_PRECONDITION"
+        assert status_of(lambda: client.unload_model("a")) == "StatusCode.FAILED_PRECONDITION"
+        assert set(index(client)) == {"a", "b", "c"}
+
+
+# -- ModelControlStatus ----------------------------------------------------------------------
+
+
+async def test_model_control_status_reports_every_field(repo, cache_dir):
+    export_columns(repo / "cols", seed=4)
+    (repo / "broken").mkdir()
+    (repo / "broken" / "manifest.yaml").write_text("kind: model\n")
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
+    config = msgspec.structs.replace(
+        config,
+        scheduler=msgspec.structs.replace(
+            config.scheduler, models={"cols": ModelSchedConfig(weight=2.5, max_batch_size=2)}
+        ),
+    )
+    async with serving(config) as (worker, client):
+        for rows in (1, 1, 1, 2, 2):  # one at a time: one dispatch each
+            infer_y(client, "a", X[:rows])
+        y = client.infer("cols", [x_input(X.T)]).as_numpy("y")
+        assert np.allclose(y, expected(4, X), rtol=1e-5)
+
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            response = await control.status()
+            models = await statuses(control)
+
+    assert response.discipline == "fair"
+    assert response.control_mode == "dynamic"
+    assert response.weight_cache_budget_bytes == 0  # CPU, no weight_cache_bytes: cache off
+    assert response.weight_cache_resident_bytes == 0  # nothing evictable: all pinned
+    assert response.weight_cache_loads == 4  # each model copied once, at load
+    assert response.weight_cache_evictions == 0
+    assert list(models) == ["a", "b", "broken", "c", "cols"]
+
+    a = models["a"]
+    assert (a.kind, a.state) == ("model", "READY")
+    assert a.residency == pb.RESIDENCY_DEVICE  # the cache is off: everything on the device
+    assert a.device_resident and not a.host_resident
+    assert a.weight_bytes == WEIGHT_BYTES
+    assert a.weight == 1.0
+    assert a.queue_depth == 0
+    assert (a.requests_served, a.rows_served, a.dispatches) == (5, 7, 5)
+    assert a.compute_seconds > 0
+    assert a.max_batch_size == 4  # the largest compiled size
+    assert (a.batch_input_name, a.batch_axis) == ("x", 0)
+
+    cols = models["cols"]
+    assert cols.weight == 2.5
+    assert cols.max_batch_size == 2  # capped by scheduler.models.cols.max_batch_size
+    assert (cols.batch_input_name, cols.batch_axis) == ("x", 1)
+    assert (cols.requests_served, cols.rows_served, cols.dispatches) == (1, 2, 1)
+
+    b = models["b"]
+    assert (b.requests_served, b.dispatches, b.compute_seconds) == (0, 0, 0.0)
+
+    broken = models["broken"]
+    assert broken.state == "UNAVAILABLE"
+    assert (broken.kind, broken.weight_bytes, broken.batch_axis) == ("", 0, -1)
+
+
+# -- SetModelResidency -----------------------------------------------------------------------
+
+
+async def test_set_model_residency_in_explicit_mode(repo, cache_dir):
+    """A budget for one model's weights: b and c evict each other, a pinned on the
+    device never leaves it; system keeps a host copy, unpinned does not."""
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8
+    )
+    async with serving(config) as (worker, client):
+        for name in ("a", "b", "c"):
+            client.load_model(name)
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            response = await control.status()
+            assert response.weight_cache_budget_bytes == WEIGHT_BYTES + 8
+            models = await statuses(control)
+            for m in models.values():  # the default floor while the cache is on
+                assert m.residency == pb.RESIDENCY_SYSTEM and m.host_resident
+
+            assert await control.set_residency("a", "device") == "device"
+            a = (await statuses(control))["a"]
+            assert a.residency == pb.RESIDENCY_DEVICE
+            assert a.device_resident and not a.host_resident
+
+            evictions = response.weight_cache_evictions
+            for name in ("b", "c", "b", "c", "a", "b", "c"):
+                seed = "abc".index(name)
+                assert matches(infer_y(client, name, X), seed, X)
+                models = await statuses(control)
+                assert models["a"].device_resident  # never evicted
+                assert models[name].device_resident
+                assert sum(m.device_resident for m in models.values()) == 2
+            response = await control.status()
+            assert response.weight_cache_evictions >= evictions + 5
+            assert response.weight_cache_resident_bytes <= WEIGHT_BYTES + 8
+
+            assert await control.set_residency("b", "unpinned") == "unpinned"
+            b = (await statuses(control))["b"]
+            assert b.residency == pb.RESIDENCY_UNPINNED and not b.host_resident
+            assert matches(infer_y(client, "b", X), 1, X)  # read from the weights file
+
+            assert await control.set_residency("b", "system") == "system"
+            b = (await statuses(control))["b"]
+            assert b.residency == pb.RESIDENCY_SYSTEM and b.host_resident
+
+            assert await control.set_residency("a", "system") == "system"
+            infer_y(client, "b", X)
+            infer_y(client, "c", X)
+            a = (await statuses(control))["a"]
+            assert a.residency == pb.RESIDENCY_SYSTEM and a.host_resident
+            assert not a.device_resident  # evictable again, and evicted
+            assert matches(infer_y(client, "a", X), 0, X)
+
+            # the floor set over RPC survives a reload of the model
+            await control.set_residency("c", "device")
+            client.load_model("c")
+            c = (await statuses(control))["c"]
+            assert c.residency == pb.RESIDENCY_DEVICE and c.device_resident
+
+
+async def test_set_model_residency_needs_explicit_mode(repo, cache_dir):
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
+    async with serving(config) as (worker, _):
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            with pytest.raises(purerpc.FailedPreconditionError, match="explicit"):
+                await control.set_residency("a", "device")
+            with pytest.raises(purerpc.NotFoundError):
+                await control.set_residency("nope", "device")
+
+
+async def test_unknown_models_are_not_found_for_every_control_rpc(repo, cache_dir):
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    async with serving(config) as (worker, client):
+        client.load_model("a")
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            with pytest.raises(purerpc.NotFoundError, match="nope"):
+                await control.set_residency("nope", "system")
+            with pytest.raises(purerpc.NotFoundError, match="nope"):
+                await control.set_policy("nope", weight=2.0)
+            with pytest.raises(purerpc.NotFoundError, match="nope"):
+                await control.compact_memory(["a", "nope"])
+            with pytest.raises(purerpc.NotFoundError, match="b"):  # in the repo, not loaded
+                await control.set_policy("b", weight=2.0)
+            assert [m.name for m in (await control.status()).models] == ["a"]
+
+
+# -- SetModelPolicy --------------------------------------------------------------------------
+
+
+async def test_set_model_policy_changes_the_weight_live(repo, cache_dir):
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
+    async with serving(config) as (worker, client):
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            assert (await statuses(control))["a"].weight == 1.0
+            assert await control.set_policy("a", weight=3.5) == 3.5
+            models = await statuses(control)
+            assert (models["a"].weight, models["b"].weight) == (3.5, 1.0)
+            assert await control.set_policy("a") == 3.5  # nothing set: unchanged
+            for bad in (0.0, -1.0):
+                with pytest.raises(purerpc.InvalidArgumentError, match="weight"):
+                    await control.set_policy("a", weight=bad)
+            assert (await statuses(control))["a"].weight == 3.5
+            assert matches(infer_y(client, "a", X), 0, X)
+
+
+# -- CompactMemory ---------------------------------------------------------------------------
+
+
+async def test_compact_memory_frees_evictable_weights_and_reloads_the_listed(repo, cache_dir):
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=10 * WEIGHT_BYTES
+    )
+    async with serving(config) as (worker, client):
+        for name in ("a", "b", "c"):
+            client.load_model(name)
+            infer_y(client, name, X)
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            await control.set_residency("c", "device")
+            before = await control.status()
+            assert before.weight_cache_resident_bytes == 2 * WEIGHT_BYTES  # a, b (c pinned)
+            assert all(m.device_resident for m in before.models)
+
+            response = await control.compact_memory(["b"])
+            assert response.reloaded_models == 1
+            assert response.resident_bytes_after == WEIGHT_BYTES
+            after = await control.status()
+            assert after.weight_cache_resident_bytes == WEIGHT_BYTES
+            assert after.weight_cache_evictions == before.weight_cache_evictions + 2
+            assert after.weight_cache_loads == before.weight_cache_loads + 1
+            models = await statuses(control)
+            assert not models["a"].device_resident and models["a"].host_resident
+            assert models["b"].device_resident
+            assert models["c"].device_resident  # pinned weights are not evictable
+
+            response = await control.compact_memory()
+            assert (response.reloaded_models, response.resident_bytes_after) == (0, 0)
+            assert matches(infer_y(client, "a", X), 0, X)  # loaded again on demand
+            assert (await statuses(control))["a"].device_resident
+
+
+# -- meta models -----------------------------------------------------------------------------
+
+
+async def test_control_rpcs_on_a_meta_model(tmp_path, cache_dir):
+    """A meta model has no weights or policy of its own: residency and compaction act on
+    the models it calls; a policy change is refused, not NOT_FOUND."""
+    import shutil
+
+    from support import BUNDLES
+
+    repo = tmp_path / "repo"
+    for name in ("region_pipeline", "region_scorer", "patch_classifier"):
+        shutil.copytree(BUNDLES / name, repo / name)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=1 << 20
+    )
+    async with serving(config) as (worker, client):
+        for name in ("region_scorer", "patch_classifier", "region_pipeline"):
+            client.load_model(name)
+        subs = ("region_scorer", "patch_classifier")
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            models = await statuses(control)
+            meta = models["region_pipeline"]
+            assert (meta.kind, meta.state) == ("meta", "READY")
+            assert meta.weight_bytes == sum(models[s].weight_bytes for s in subs)
+
+            with pytest.raises(purerpc.FailedPreconditionError, match="meta model"):
+                await control.set_policy("region_pipeline", weight=2.0)
+
+            assert await control.set_residency("region_pipeline", "device") == "device"
+            models = await statuses(control)
+            for name in ("region_pipeline", *subs):
+                assert models[name].residency == pb.RESIDENCY_DEVICE, name
+                assert models[name].device_resident, name
+
+            await control.set_residency("region_pipeline", "system")
+            response = await control.compact_memory(["region_pipeline"])
+            assert response.reloaded_models == 2
+            assert response.resident_bytes_after == meta.weight_bytes
+            assert all(m.device_resident for m in (await statuses(control)).values())

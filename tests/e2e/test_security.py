@@ -1,0 +1,253 @@
+"""Restricted protocols and TLS, end to end through tritonclient and the control client.
+
+With a restricted block, the shared-memory, model-repository and control RPCs are refused
+without the header (UNAVAILABLE, Triton's message) and work with it, while inference,
+health and metadata stay open. The gRPC endpoint serves TLS and mutual TLS, checked with
+tritonclient's ``ssl=True`` options and a CA made for the test (trustme).
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import numpy as np
+import purerpc
+import pytest
+import trio
+import trustme
+from support.assertions import raises
+from support.bundles import make_repo
+from support.clients import connect, infer_input, raises_status
+from support.serving import node_config, running
+
+from rsrv.client import ControlClient
+from rsrv.config import ConfigError
+from rsrv.worker import restrictions_of
+
+RESTRICTED = "This protocol is restricted, expecting header 'admin-key'"
+KEY = {"admin-key": "s3cret"}
+
+
+@pytest.fixture(scope="module")
+def node(cache_dir):
+    """``node(repo, endpoints=..., restricted=...)``: the text of a node file serving
+    ``repo`` in explicit mode, with these [global.endpoints] lines and restricted blocks."""
+
+    def text(repo, *, endpoints: str = "", restricted: str = "") -> str:
+        return f"""
+model_repo = "{repo}"
+
+[global]
+cache_dir = "{cache_dir}"
+model_control_mode = "explicit"
+
+[global.endpoints]
+{endpoints}
+
+{restricted}
+"""
+
+    return text
+
+
+ADMIN = """
+[[global.endpoints.restricted]]
+protocols = ["shared-memory", "model-repository", "control"]
+header = "admin-key"
+value = "s3cret"
+"""
+
+
+@pytest.fixture(scope="module")
+def restricted_worker(tmp_path_factory, node):
+    root = tmp_path_factory.mktemp("restricted")
+    repo = make_repo(root / "repo", "classifier")
+    with running(node_config(root, node(repo, restricted=ADMIN))) as w:
+        yield w
+
+
+def test_restricted_protocols_need_the_header(restricted_worker):
+    with connect(restricted_worker) as triton:
+        for call in (
+            lambda: triton.load_model("classifier"),
+            lambda: triton.unload_model("classifier"),
+            lambda: triton.get_model_repository_index(),
+            lambda: triton.register_system_shared_memory("r", "/nothing", 64),
+            lambda: triton.get_system_shared_memory_status(),
+            lambda: triton.unregister_system_shared_memory(),
+        ):
+            with raises_status("UNAVAILABLE", RESTRICTED):
+                call()
+        with raises_status("UNAVAILABLE", RESTRICTED):
+            triton.load_model("classifier", headers={"admin-key": "wrong"})
+        # with the header: served
+        triton.load_model("classifier", headers=KEY)
+        assert triton.get_model_repository_index(headers=KEY).models[0].state == "READY"
+        assert triton.get_system_shared_memory_status(headers=KEY).regions == {}
+        # open protocols need nothing
+        assert triton.is_server_live() and triton.is_model_ready("classifier")
+        assert triton.get_model_metadata("classifier").name == "classifier"
+        x = np.ones((1, 256), np.float32)
+        assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == (
+            1,
+            10,
+        )
+
+
+async def test_restricted_control_service(restricted_worker):
+    async with ControlClient("127.0.0.1", restricted_worker.port) as control:
+        with pytest.raises(purerpc.UnavailableError, match="expecting header 'admin-key'"):
+            await control.status()
+    async with ControlClient("127.0.0.1", restricted_worker.port, headers=KEY) as control:
+        assert (await control.status()).control_mode == "explicit"
+
+
+def test_value_from_environment_or_file(tmp_path, monkeypatch, node):
+    (tmp_path / "secret").write_text("from-file\n")
+    text = node(
+        tmp_path,
+        restricted="""
+[[global.endpoints.restricted]]
+protocols = ["control"]
+header = "a"
+value_env = "RSRV_TEST_SECRET"
+
+[[global.endpoints.restricted]]
+protocols = ["model-repository"]
+header = "b"
+value_file = "secret"
+""",
+    )
+    config = node_config(tmp_path, text)
+    monkeypatch.setenv("RSRV_TEST_SECRET", "from-env")
+    a, b = restrictions_of(config.endpoints)
+    assert (a.protocols, a.header, a.value) == ({"control"}, "a", "from-env")
+    assert (b.protocols, b.header, b.value) == ({"model-repository"}, "b", "from-file")
+    monkeypatch.delenv("RSRV_TEST_SECRET")
+    with raises(ConfigError, "RSRV_TEST_SECRET is not set"):
+        restrictions_of(config.endpoints)
+
+
+@pytest.mark.parametrize(
+    ("block", "needle"),
+    [
+        ('protocols = ["control"]\nheader = "k"', "exactly one of value"),
+        ('protocols = ["control"]\nheader = "k"\nvalue = "x"\nvalue_env = "E"', "exactly one"),
+        ('protocols = []\nheader = "k"\nvalue = "x"', "length >= 1"),
+        ('protocols = ["inference", "everything"]\nheader = "k"\nvalue = "x"', "everything"),
+        ('protocols = ["control"]\nheader = "Admin Key"\nvalue = "x"', "header"),
+    ],
+)
+def test_bad_restricted_blocks(tmp_path, node, block, needle):
+    with raises(ConfigError, needle):
+        node_config(
+            tmp_path, node(tmp_path, restricted=f"[[global.endpoints.restricted]]\n{block}")
+        )
+
+
+def test_a_protocol_restricted_twice(tmp_path, node):
+    block = '[[global.endpoints.restricted]]\nprotocols = ["control"]\nheader = "k"\nvalue = "x"\n'
+    with raises(ConfigError, "'control' is already restricted by endpoints.restricted[0]"):
+        node_config(tmp_path, node(tmp_path, restricted=block + "\n" + block))
+
+
+def test_effective_configuration_hides_the_value(tmp_path, node):
+    from rsrv.config import effective_config_dict
+
+    config = node_config(tmp_path, node(tmp_path, restricted=ADMIN))
+    shown = effective_config_dict(config)["endpoints"]["restricted"][0]
+    assert shown["value"] == "***" and "s3cret" not in str(effective_config_dict(config))
+
+
+# -- TLS -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("client@rsrv.test")
+    files = {
+        "ca": root / "ca.pem",
+        "cert": root / "server.pem",
+        "key": root / "server.key",
+        "client_cert": root / "client.pem",
+        "client_key": root / "client.key",
+    }
+    ca.cert_pem.write_to_path(files["ca"])
+    server.cert_chain_pems[0].write_to_path(files["cert"])
+    server.private_key_pem.write_to_path(files["key"])
+    client.cert_chain_pems[0].write_to_path(files["client_cert"])
+    client.private_key_pem.write_to_path(files["client_key"])
+    return files
+
+
+@pytest.fixture
+def tls_config(tmp_path, pki, node):
+    """``tls_config(mutual)``: a worker serving the classifier over TLS (``mutual``: to
+    clients with a certificate of the test CA only)."""
+
+    def config(mutual: bool):
+        endpoints = f'tls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\n'
+        if mutual:
+            endpoints += f'tls_client_ca_file = "{pki["ca"]}"\n'
+        repo = make_repo(tmp_path / "repo", "classifier")
+        return node_config(tmp_path, node(repo, endpoints=endpoints))
+
+    return config
+
+
+def _client(worker, pki, *, cert: bool = False, ssl_on: bool = True):
+    options = {}
+    if ssl_on:
+        options = {"ssl": True, "root_certificates": str(pki["ca"])}
+        if cert:
+            options.update(
+                private_key=str(pki["client_key"]), certificate_chain=str(pki["client_cert"])
+            )
+    return connect(worker, **options)
+
+
+def test_tls(pki, tls_config):
+    with running(tls_config(mutual=False)) as w:
+        with _client(w, pki) as triton:
+            triton.load_model("classifier")
+            x = np.ones((2, 256), np.float32)
+            assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == (
+                2,
+                10,
+            )
+        with _client(w, pki, ssl_on=False) as plain:  # plaintext HTTP/2 is not spoken
+            with raises_status("UNAVAILABLE"):
+                plain.is_server_live(client_timeout=5)
+        assert w.server.connections is not None
+
+
+def test_mutual_tls(pki, tls_config):
+    with running(tls_config(mutual=True)) as w:
+        with _client(w, pki, cert=True) as triton:
+            assert triton.is_server_live()
+        with _client(w, pki, cert=False) as anonymous:
+            with raises_status("UNAVAILABLE"):
+                anonymous.is_server_live(client_timeout=5)
+
+
+def test_control_client_over_mutual_tls(pki, tls_config):
+    config = tls_config(mutual=True)
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    context.load_cert_chain(str(pki["client_cert"]), str(pki["client_key"]))
+
+    async def status(port: int) -> str:
+        async with ControlClient("127.0.0.1", port, ssl_context=context) as control:
+            return (await control.status()).control_mode
+
+    with running(config) as w:
+        assert trio.run(status, w.port) == "explicit"
+
+
+def test_tls_files_must_pair(tmp_path, pki, node):
+    with raises(ConfigError, "tls_cert_file and tls_key_file go together"):
+        node_config(tmp_path, node(tmp_path, endpoints=f'tls_cert_file = "{pki["cert"]}"'))
+    with raises(ConfigError, "tls_client_ca_file needs"):
+        node_config(tmp_path, node(tmp_path, endpoints=f'tls_client_ca_file = "{pki["ca"]}"'))

@@ -1,0 +1,27 @@
+"""Helpers shared by the tests (no tests here; pytest finds this package through
+``pythonpath = ["tests"]``, so every test module imports ``support.<module>``).
+
+* :mod:`support.serving`: a worker in this process (:func:`~support.serving.running`) or
+  a real ``rsrv serve`` process (:class:`~support.serving.ServerProcess`), and handles on
+  a running worker (its loop, its scheduler, its device);
+* :mod:`support.clients`: the tritonclient client factory, inputs, status assertions,
+  the control client from synchronous code, a raw purerpc channel;
+* :mod:`support.bundles`: the test bundles (exported once per session and copied),
+  model repositories, weights files;
+* :mod:`support.references`: numpy references of the example bundles in bundles/;
+* :mod:`support.metrics`: the admin HTTP endpoint and a parsed /metrics scrape;
+* :mod:`support.procfs`: this process's TCP sockets, from /proc;
+* :mod:`support.rawh2`: an ill-behaved HTTP/2 gRPC client, frame by frame;
+* :mod:`support.scheduler`: a fake executor and submit helpers for the scheduler tests;
+* :mod:`support.waiting`: :func:`~support.waiting.wait_until`, the one polling loop;
+* :mod:`support.assertions`: ``pytest.raises`` that also checks the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: The repository's root (the directory holding src/, tests/, bundles/).
+ROOT = Path(__file__).resolve().parents[2]
+#: The committed example model repository.
+BUNDLES = ROOT / "bundles"

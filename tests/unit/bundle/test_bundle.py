@@ -1,0 +1,793 @@
+"""Bundle loading and validation: one test per broken-bundle case, each with its exact message.
+
+Every broken bundle starts as a valid copy of a tiny exported model (``tiny_bundle``:
+x f32[n,3] -> y f32[n,2], batch sizes 1 and 2, weights b and w) with one thing broken.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import msgspec
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from support.bundles import write_weights
+
+from rsrv.bundle import Bundle, load_bundle, scan
+from rsrv.bundle._manifest import Manifest, decode_manifest, resolve_manifest
+from rsrv.bundle._stablehlo import read_module
+from rsrv.bundle_check import check_main
+from rsrv.errors import BundleError
+from rsrv.export import Input, export_jax
+from rsrv.runtime import Compiler, compile_bundle, weights_to_device
+
+TOKENS = (
+    "('f16', 'f32', 'f64', 'bf16', 'i8', 'i16', 'i32', 'i64', 'u8', 'u16', 'u32', "
+    "'u64', 'bool', 'bytes')"
+)
+
+TINY_TOML = """\
+format_version = "2.0"
+kind = "model"
+description = ""
+
+[[executable_inputs]]
+name = "x"
+dtype = "f32"
+shape = "nf"
+dims = { f = 3 }
+
+[[executable_outputs]]
+name = "y"
+dtype = "f32"
+shape = "nk"
+dims = { k = 2 }
+
+[batching]
+compiled_batch_sizes = [1, 2]
+"""
+
+META_MANIFEST = {
+    "format_version": "2.0",
+    "kind": "meta",
+    "client_inputs": [{"name": "x", "dtype": "f32", "shape": "nf", "dims": {"f": 3}}],
+    "client_outputs": [{"name": "y", "dtype": "f32", "shape": "nk", "dims": {"k": 2}}],
+    "meta": {"calls": ["tiny"]},
+}
+
+META_MODEL_PY = """\
+import rsrv
+
+
+@rsrv.meta(inputs=["x"], outputs=["y"])
+def run(call, x):
+    return call("tiny", {"x": x})["y"]
+"""
+
+GRADE_MODEL_PY = """\
+import numpy as np
+
+import rsrv
+
+
+@rsrv.postprocess(inputs=["{input}"], outputs=["label"])
+def label(y):
+    return np.argmax(y, axis=-1)
+"""
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def edit(bundle: Path, change) -> None:
+    """Apply ``change(doc)`` to the bundle's manifest.yaml, a plain dict."""
+    path = bundle / "manifest.yaml"
+    doc = msgspec.yaml.decode(path.read_bytes())
+    change(doc)
+    path.write_bytes(msgspec.yaml.encode(doc))
+
+
+def error(bundle: Path) -> str:
+    with pytest.raises(BundleError) as info:
+        load_bundle(bundle)
+    return str(info.value)
+
+
+def write_meta(
+    repo: Path, manifest: dict, model_py: str | None = META_MODEL_PY, name: str = "ensemble"
+) -> Path:
+    bundle = repo / name
+    bundle.mkdir(parents=True)
+    (bundle / "manifest.yaml").write_bytes(msgspec.yaml.encode(manifest))
+    if model_py is not None:
+        (bundle / "model.py").write_text(model_py)
+    return bundle
+
+
+def tiny_weights(bundle: Path) -> dict[str, np.ndarray]:
+    return load_file(str(bundle / "weights.safetensors"))
+
+
+# -- the valid bundle ------------------------------------------------------------------------
+
+
+def test_tiny_bundle_loads(tiny_bundle):
+    b = load_bundle(tiny_bundle)
+    assert b.name == "tiny" and b.kind == "model"
+    assert b.batch_sizes == (1, 2)
+    assert b.modules == {1: tiny_bundle / "model.b1.mlir", 2: tiny_bundle / "model.b2.mlir"}
+    assert [w.name for w in b.weights.weights] == ["b", "w"]
+    assert b.weight_bytes == (2 + 6) * 4
+    sig = b.signature
+    assert [t.describe() for t in sig.executable_inputs] == ["x: f32[n,3]"]
+    assert [t.describe() for t in sig.executable_outputs] == ["y: f32[n,2]"]
+    assert sig.client_inputs == sig.executable_inputs and sig.batched
+
+
+# -- manifest syntax and structure -----------------------------------------------------------
+
+
+def test_bad_yaml_syntax(tiny_bundle):
+    (tiny_bundle / "manifest.yaml").write_text("format_version: '2.0'\nexecutable_inputs: [\n")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: cannot parse: while parsing a flow node did not find "
+        "expected node content (at line 3, column 1)"
+    )
+
+
+def test_bad_toml_syntax(tiny_bundle):
+    (tiny_bundle / "manifest.yaml").unlink()
+    (tiny_bundle / "manifest.toml").write_text('format_version = "2.0"\nkind = model\n')
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.toml: cannot parse: Invalid value (at line 2, column 8)"
+    )
+
+
+def test_unknown_top_level_field(tiny_bundle):
+    edit(tiny_bundle, lambda d: d.update(max_batch=8))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: Object contains unknown field `max_batch`"
+    )
+
+
+def test_unknown_nested_field(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(layout="NHWC"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0]: Object contains unknown field `layout`"
+    )
+
+
+def test_wrong_field_type(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["batching"].update(compiled_batch_sizes=[1, "two"]))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: batching.compiled_batch_sizes[1]: Expected `int`, got `str`"
+    )
+
+
+def test_missing_manifest(tiny_bundle):
+    (tiny_bundle / "manifest.yaml").unlink()
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}: no manifest (manifest.yaml or manifest.yml or manifest.toml)"
+    )
+
+
+def test_yaml_next_to_toml(tiny_bundle):
+    (tiny_bundle / "manifest.toml").write_text(TINY_TOML)
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}: more than one manifest (manifest.yaml, manifest.toml)"
+    )
+
+
+# -- tensor specs ----------------------------------------------------------------------------
+
+
+def test_bad_dtype(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(dtype="float32"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].dtype: unknown dtype 'float32' "
+        f"(expected one of {TOKENS})"
+    )
+
+
+def test_bytes_on_executable_tensor(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_outputs"][0].update(dtype="bytes"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_outputs[0].dtype: 'bytes' is only allowed on "
+        "client_inputs/client_outputs (model.py converts it; a compiled module cannot take "
+        "strings)"
+    )
+
+
+def test_duplicate_letters(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(shape="nff"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].shape: 'nff': letter 'f' appears twice"
+    )
+
+
+def test_non_letter_in_shape(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(shape="n3"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].shape: 'n3': '3' is not an ASCII letter"
+    )
+
+
+def test_reserved_batch_letter_in_dims(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0]["dims"].update(n=4))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].dims: letter 'n' is reserved for the "
+        "batch axis and takes no size"
+    )
+
+
+def test_letter_without_size(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(shape="nhw", dims={"h": 3}))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].dims: letter 'w' of shape 'nhw' "
+        "has no size"
+    )
+
+
+def test_orphan_dims_key(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_outputs"][0]["dims"].update(c=5))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_outputs[0].dims.c: letter 'c' does not appear "
+        "in shape 'nk'"
+    )
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_non_positive_dim(tiny_bundle, size):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0]["dims"].update(f=size))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[0].dims.f: size must be positive or -1 "
+        f"(variable), got {size}"
+    )
+
+
+def test_wrong_format_version(tiny_bundle):
+    edit(tiny_bundle, lambda d: d.update(format_version="1.0"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: format_version: unsupported version '1.0' (expected \"2.0\")"
+    )
+
+
+def test_duplicate_tensor_names(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"].append(dict(d["executable_inputs"][0])))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs[1].name: duplicate tensor name 'x'"
+    )
+
+
+def test_mixed_batched_and_unbatched_inputs(tiny_bundle):
+    extra = {"name": "scale", "dtype": "f32", "shape": "f", "dims": {"f": 3}}
+    edit(tiny_bundle, lambda d: d["executable_inputs"].append(extra))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_inputs: mixes batched and unbatched inputs; "
+        "every input needs the batch letter 'n' or none does (unbatched: scale)"
+    )
+
+
+def test_batched_inputs_with_unbatched_output(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_outputs"][0].update(shape="k"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_outputs: inputs are batched, so every output "
+        "needs the batch letter 'n' (missing in: y)"
+    )
+
+
+def test_non_positive_batch_size(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["batching"].update(compiled_batch_sizes=[1, 0]))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: batching.compiled_batch_sizes[1]: must be positive, got 0"
+    )
+
+
+# -- module files ----------------------------------------------------------------------------
+
+
+def test_missing_module_for_declared_batch_size(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["batching"].update(compiled_batch_sizes=[1, 2, 4]))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b4.mlir: missing (declared by manifest.yaml "
+        "batching.compiled_batch_sizes)"
+    )
+
+
+def test_undeclared_extra_module(tiny_bundle):
+    shutil.copy(tiny_bundle / "model.b1.mlir", tiny_bundle / "model.b3.mlir")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b3.mlir: batch size 3 is not in manifest.yaml "
+        "batching.compiled_batch_sizes"
+    )
+
+
+def test_single_model_mlir_next_to_batch_sizes(tiny_bundle):
+    shutil.copy(tiny_bundle / "model.b1.mlir", tiny_bundle / "model.mlir")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.mlir: ambiguous next to batching.compiled_batch_sizes [1, 2]; "
+        "use only model.b<N>.mlir files"
+    )
+
+
+def test_module_that_is_not_stablehlo(tiny_bundle):
+    (tiny_bundle / "model.b2.mlir").write_text("this is not MLIR\n")
+    assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.b2.mlir: not a StableHLO module: ")
+
+
+def test_module_argument_count(tiny_bundle, tmp_path):
+    """A module traced with one more input than the manifest declares."""
+    other = export_jax(
+        lambda p, x, t: x @ p["w"] + p["b"] + t,
+        {"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)},
+        inputs=[Input("x", np.float32, ("n", 3)), Input("t", np.float32, ("n", 2))],
+        outputs=["y"],
+        batch_sizes=[1, 2],
+        out_dir=tmp_path / "other",
+    )
+    for name in ("model.b1.mlir", "model.b2.mlir"):
+        shutil.copy(other / name, tiny_bundle / name)
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: main takes 4 arguments, expected 3 "
+        "(1 executable_inputs + 2 weights in argument_order)"
+    )
+
+
+def test_module_argument_dtype(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0].update(dtype="f64"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: argument 0 ('x') has dtype f32, expected f64"
+    )
+
+
+def test_module_argument_shape(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0]["dims"].update(f=4))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: argument 0 ('x') has shape [1, 3], expected [1, 4]"
+    )
+
+
+def test_module_weight_argument_shape(tiny_bundle):
+    w = tiny_weights(tiny_bundle)
+    write_weights(
+        tiny_bundle / "weights.safetensors",
+        {"b": w["b"], "w": np.zeros((4, 2), np.float32)},
+        ["b", "w"],
+    )
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: argument 2 (weight 'w') has shape [3, 2], expected [4, 2]"
+    )
+
+
+def test_module_weight_argument_order(tiny_bundle):
+    write_weights(tiny_bundle / "weights.safetensors", tiny_weights(tiny_bundle), ["w", "b"])
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: argument 1 (weight 'w') has shape [2], expected [3, 2]"
+    )
+
+
+def test_module_output_count(tiny_bundle):
+    extra = {"name": "z", "dtype": "f32", "shape": "nk", "dims": {"k": 2}}
+    edit(tiny_bundle, lambda d: d["executable_outputs"].append(extra))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: main returns 1 results, expected 2 (executable_outputs)"
+    )
+
+
+def test_module_output_dtype(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_outputs"][0].update(dtype="f16"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: result 0 ('y') has dtype f32, expected f16"
+    )
+
+
+def test_module_output_shape(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_outputs"][0]["dims"].update(k=3))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b1.mlir: result 0 ('y') has shape [1, 2], expected [1, 3]"
+    )
+
+
+def test_variable_extent_matches_any_size(tiny_bundle):
+    edit(tiny_bundle, lambda d: d["executable_inputs"][0]["dims"].update(f=-1))
+    assert load_bundle(tiny_bundle).signature.executable_inputs[0].shape == (-1, -1)
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def test_missing_weights(tiny_bundle):
+    (tiny_bundle / "weights.safetensors").unlink()
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/weights.safetensors: missing (every model bundle has a weights file)"
+    )
+
+
+def test_argument_order_names_absent_tensor(tiny_bundle):
+    write_weights(
+        tiny_bundle / "weights.safetensors", tiny_weights(tiny_bundle), ["b", "w", "scale"]
+    )
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/weights.safetensors: argument_order names tensor 'scale', which the "
+        "file does not contain"
+    )
+
+
+def test_safetensors_without_argument_order(tiny_bundle):
+    write_weights(tiny_bundle / "weights.safetensors", tiny_weights(tiny_bundle), metadata=False)
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/weights.safetensors: has tensors but no 'argument_order' metadata (a "
+        "JSON list of tensor names giving the executable's weight argument order)"
+    )
+
+
+def test_argument_order_not_a_list(tiny_bundle):
+    save_file(
+        tiny_weights(tiny_bundle),
+        str(tiny_bundle / "weights.safetensors"),
+        metadata={"argument_order": "b,w"},
+    )
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/weights.safetensors: metadata 'argument_order' must be a JSON list of "
+        "tensor names"
+    )
+
+
+def test_weights_not_safetensors(tiny_bundle):
+    (tiny_bundle / "weights.safetensors").write_bytes(b"abc")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/weights.safetensors: not a safetensors file (shorter than its 8-byte "
+        "header length)"
+    )
+
+
+# -- model.py --------------------------------------------------------------------------------
+
+
+def test_model_py_failing_to_import(tiny_bundle):
+    (tiny_bundle / "model.py").write_text("import rsrv\n\nraise RuntimeError('boom')\n")
+    assert error(tiny_bundle) == (f"{tiny_bundle}/model.py: failed to import: RuntimeError: boom")
+
+
+def test_model_py_syntax_error(tiny_bundle):
+    (tiny_bundle / "model.py").write_text("def broken(:\n")
+    assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.py: failed to import: SyntaxError: ")
+
+
+def test_hook_naming_unknown_tensor(tiny_bundle):
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
+    (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "logits"))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.py: @rsrv.postprocess 'label' inputs names 'logits', which is not "
+        "one of the executable_outputs (y)"
+    )
+
+
+def test_hook_binding_known_tensor_loads(tiny_bundle):
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
+    (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "y"))
+    b = load_bundle(tiny_bundle)
+    hook = b.hooks.postprocess
+    assert (hook.inputs, hook.outputs) == (("y",), ("label",))
+    got = hook.apply({"y": np.array([[0.0, 1.0], [2.0, 1.0]], np.float32)})
+    np.testing.assert_array_equal(got["label"], [1, 0])
+    assert [t.describe() for t in b.signature.client_outputs] == ["label: i64[n]"]
+
+
+def test_client_output_not_produced(tiny_bundle):
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
+    (tiny_bundle / "model.py").write_text("import rsrv\n")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.py: client output 'label' is neither produced by "
+        "@rsrv.postprocess nor passed through under the same name"
+    )
+
+
+def test_client_inputs_without_model_py(tiny_bundle):
+    edit(tiny_bundle, lambda d: d.update(client_inputs=d["executable_inputs"]))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: client_inputs: only valid when model.py transforms I/O, "
+        "and tiny has no model.py"
+    )
+
+
+def test_loading_model_py_writes_nothing_into_the_bundle(tiny_bundle, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    edit(
+        tiny_bundle,
+        lambda d: d.update(client_outputs=[{"name": "label", "dtype": "i64", "shape": "n"}]),
+    )
+    (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "y"))
+    before = sorted(p.name for p in tiny_bundle.iterdir())
+    load_bundle(tiny_bundle)
+    assert sorted(p.name for p in tiny_bundle.iterdir()) == before
+
+
+# -- meta bundles ----------------------------------------------------------------------------
+
+
+def test_meta_bundle_loads(tmp_path):
+    b = load_bundle(write_meta(tmp_path, META_MANIFEST))
+    assert b.kind == "meta" and b.modules == {} and b.weights is None
+    assert b.signature.calls == ("tiny",) and b.hooks.meta.outputs == ("y",)
+
+
+def test_meta_without_model_py(tmp_path):
+    bundle = write_meta(tmp_path, META_MANIFEST, model_py=None)
+    assert error(bundle) == (
+        f"{bundle}/manifest.yaml: kind: a meta bundle needs a model.py declaring @rsrv.meta, "
+        "and ensemble has no model.py"
+    )
+
+
+@pytest.mark.parametrize("missing", ["client_inputs", "client_outputs"])
+def test_meta_missing_client_io(tmp_path, missing):
+    manifest = {k: v for k, v in META_MANIFEST.items() if k != missing}
+    bundle = write_meta(tmp_path, manifest)
+    assert error(bundle) == (
+        f"{bundle}/manifest.yaml: kind: a meta bundle must declare client_inputs and client_outputs"
+    )
+
+
+def test_meta_calls_itself(tmp_path):
+    bundle = write_meta(tmp_path, {**META_MANIFEST, "meta": {"calls": ["tiny", "ensemble"]}})
+    assert error(bundle) == (
+        f"{bundle}/manifest.yaml: meta.calls: a meta model may not call itself ('ensemble')"
+    )
+
+
+def test_meta_duplicate_calls(tmp_path):
+    bundle = write_meta(tmp_path, {**META_MANIFEST, "meta": {"calls": ["tiny", "tiny"]}})
+    assert error(bundle) == f"{bundle}/manifest.yaml: meta.calls: duplicate model(s) tiny"
+
+
+def test_meta_without_calls(tmp_path):
+    manifest = {k: v for k, v in META_MANIFEST.items() if k != "meta"}
+    bundle = write_meta(tmp_path, manifest)
+    assert error(bundle) == f"{bundle}/manifest.yaml: meta: a meta bundle must declare meta.calls"
+
+
+def test_meta_with_executable_tensors(tmp_path):
+    manifest = {**META_MANIFEST, "executable_inputs": META_MANIFEST["client_inputs"]}
+    bundle = write_meta(tmp_path, manifest)
+    assert error(bundle) == (
+        f"{bundle}/manifest.yaml: kind: a meta bundle has no executable_inputs, "
+        "executable_outputs or batching (it runs no module of its own)"
+    )
+
+
+def test_meta_hook_not_producing_client_output(tmp_path):
+    manifest = {
+        **META_MANIFEST,
+        "client_outputs": [
+            *META_MANIFEST["client_outputs"],
+            {"name": "z", "dtype": "f32", "shape": "n"},
+        ],
+    }
+    bundle = write_meta(tmp_path, manifest)
+    assert error(bundle) == f"{bundle}/model.py: @rsrv.meta does not produce client output(s) z"
+
+
+def test_meta_calls_on_a_model(tiny_bundle):
+    edit(tiny_bundle, lambda d: d.update(meta={"calls": ["other"]}))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: meta: only a meta bundle (kind: meta) may declare meta.calls"
+    )
+
+
+# -- equivalences ----------------------------------------------------------------------------
+
+
+def test_yaml_and_toml_manifests_load_the_same(tiny_bundle):
+    from_yaml = load_bundle(tiny_bundle)
+    (tiny_bundle / "manifest.yaml").unlink()
+    (tiny_bundle / "manifest.toml").write_text(TINY_TOML)
+    from_toml = load_bundle(tiny_bundle)
+    assert from_toml.manifest_path.name == "manifest.toml"
+    assert from_toml.signature == from_yaml.signature
+    # TINY_TOML carries no provenance; everything else must be identical
+    without = {"provenance": {}}
+    assert msgspec.structs.replace(from_toml.manifest, **without) == msgspec.structs.replace(
+        from_yaml.manifest, **without
+    )
+
+
+def spec_examples(repo_root: Path) -> dict[tuple[str, str], str]:
+    """The code blocks of specs/bundle.md whose first line is ``# <something>-example``."""
+    text = (repo_root / "specs" / "bundle.md").read_text()
+    return {
+        (lang, marker): body
+        for lang, marker, body in re.findall(r"```(\w+)\n# ([\w-]+-example)\n(.*?)```", text, re.S)
+    }
+
+
+def test_spec_yaml_and_toml_examples_agree(repo_root, tmp_path):
+    """specs/bundle.md shows one manifest in YAML and in TOML: both parse to the same thing."""
+    blocks = spec_examples(repo_root)
+    resolved = []
+    for ext in ("yaml", "toml"):
+        path = tmp_path / ext / "severity_grader" / f"manifest.{ext}"
+        path.parent.mkdir(parents=True)
+        path.write_text(blocks[ext, "manifest-example"])
+        manifest = decode_manifest(path)
+        assert isinstance(manifest, Manifest)
+        resolved.append((manifest, resolve_manifest(manifest, path)))
+    assert resolved[0] == resolved[1]
+
+
+def test_spec_examples_load_as_bundles(repo_root, examples_dir, tmp_path):
+    """The spec's manifest + model.py, with the example grader's modules, is a valid bundle;
+    the spec's meta example is a valid meta bundle."""
+    blocks = spec_examples(repo_root)
+    bundle = Path(shutil.copytree(examples_dir / "severity_grader", tmp_path / "grader"))
+    (bundle / "manifest.yaml").write_text(blocks["yaml", "manifest-example"])
+    (bundle / "model.py").write_text(blocks["python", "model-example"])
+    b = load_bundle(bundle)
+    assert [t.describe() for t in b.signature.client_inputs] == ["photo: u8[n,?,?,3]"]
+    photo = np.zeros((2, 50, 70, 3), np.uint8)
+    image = b.hooks.preprocess.apply({"photo": photo})["image"]
+    assert image.shape == (2, 32, 32, 3) and image.dtype == np.uint8
+    grade = b.hooks.postprocess.apply({"logits": np.array([[1, -1, 1, 1, 1, 1]], np.float32)})
+    assert grade["grade"].tolist() == [1]
+
+    meta = write_meta(
+        tmp_path,
+        msgspec.yaml.decode(blocks["yaml", "meta-example"].encode()),
+        blocks["python", "meta-model-example"],
+        name="grade_and_label",
+    )
+    m = load_bundle(meta)
+    assert m.signature.calls == ("severity_grader", "classifier")
+
+    def call(model, tensors):
+        assert model in m.signature.calls
+        if model == "severity_grader":
+            return {"grade": np.full(len(tensors["image"]), 3, np.int64)}
+        return {"logits": np.eye(10, dtype=np.float32)[[4] * len(tensors["x"])]}
+
+    out = m.hooks.meta.apply({"image": np.zeros((2, 32, 32, 3), np.uint8)}, call)
+    assert out["grade"].tolist() == [3, 3] and out["label"].tolist() == [4, 4]
+
+
+def _export_text(x_shape: tuple[int, ...]) -> str:
+    """The tiny model as jax.export's StableHLO text: main(x, b, w) in argument_order."""
+
+    def entry(x, b, w):
+        return (x @ w + b,)
+
+    f32 = np.float32
+    exported = jax.export.export(jax.jit(entry))(
+        jax.ShapeDtypeStruct(x_shape, f32),
+        jax.ShapeDtypeStruct((2,), f32),
+        jax.ShapeDtypeStruct((3, 2), f32),
+    )
+    return exported.mlir_module()
+
+
+def test_text_and_bytecode_modules_load_and_run_the_same(tiny_bundle, tmp_path):
+    text_bundle = Path(shutil.copytree(tiny_bundle, tmp_path / "text" / "tiny"))
+    for n in (1, 2):
+        (text_bundle / f"model.b{n}.mlir").write_text(_export_text((n, 3)))
+    assert isinstance(read_module(text_bundle / "model.b1.mlir"), str)
+    assert isinstance(read_module(tiny_bundle / "model.b1.mlir"), bytes)
+
+    compiler = Compiler()
+    weights = tiny_weights(tiny_bundle)
+    rng = np.random.default_rng(7)
+    xs = {n: rng.standard_normal((n, 3)).astype(np.float32) for n in (1, 2)}
+    results = {}
+    for bundle in (tiny_bundle, text_bundle):
+        b = load_bundle(bundle)
+        model = compile_bundle(b, compiler)
+        dev_weights = weights_to_device(b)
+        results[bundle] = {n: model.run(n, [xs[n]], dev_weights)[0] for n in (1, 2)}
+    for n in (1, 2):
+        np.testing.assert_array_equal(results[tiny_bundle][n], results[text_bundle][n])
+        np.testing.assert_allclose(
+            results[tiny_bundle][n], xs[n] @ weights["w"] + weights["b"], rtol=1e-6, atol=1e-6
+        )
+
+
+# -- repositories and `rsrv bundle check` ----------------------------------------------------
+
+
+def test_broken_bundle_does_not_stop_the_others(tiny_bundle):
+    repo = tiny_bundle.parent
+    broken = Path(shutil.copytree(tiny_bundle, repo / "broken"))
+    (broken / "weights.safetensors").unlink()
+    write_meta(repo, META_MANIFEST)
+    (repo / "notes").mkdir()  # a directory without a manifest is not a bundle
+    found = scan(repo)
+    assert sorted(found) == ["broken", "ensemble", "tiny"]
+    assert isinstance(found["tiny"], Bundle) and isinstance(found["ensemble"], Bundle)
+    assert isinstance(found["broken"], BundleError)
+    assert str(found["broken"]) == (
+        f"{broken}/weights.safetensors: missing (every model bundle has a weights file)"
+    )
+
+
+def test_check_examples(examples_dir):
+    out = io.StringIO()
+    assert check_main([examples_dir], out=out) == 0
+    text = out.getvalue()
+    for line in [
+        f"OK   classifier (model)  {examples_dir / 'classifier'}",
+        "  inputs:  x: f32[n,256]",
+        "  outputs: logits: f32[n,10]",
+        "  weights: 4 tensors, 66.8 KiB",
+        f"OK   severity_grader (model)  {examples_dir / 'severity_grader'}",
+        "  inputs:  image: u8[n,32,32,3]",
+        "  outputs: grade: i64[n]",
+        "  weights: 7 tensors, 1.5 KiB",
+        "  model.py: postprocess grade",
+        "5 ok, 0 failed",
+    ]:
+        assert line in text.splitlines(), line
+    assert (
+        len(re.findall(r"^  batch sizes: 1, 4, 8  \(compiled in \d+\.\d\d s\)$", text, re.M)) == 2
+    )
+
+
+def test_check_broken(tiny_bundle):
+    repo = tiny_bundle.parent
+    broken = Path(shutil.copytree(tiny_bundle, repo / "broken"))
+    edit(broken, lambda d: d["executable_inputs"][0].update(shape="nhw", dims={"h": 3}))
+    out = io.StringIO()
+    assert check_main([repo], out=out) == 1
+    text = out.getvalue()
+    assert (
+        f"FAIL broken\n  {broken}/manifest.yaml: executable_inputs[0].dims: letter 'w' of "
+        "shape 'nhw' has no size\n"
+    ) in text
+    assert "OK   tiny (model)" in text
+    assert text.endswith("1 ok, 1 failed\n")
+    # A bundle directory given directly is checked as one bundle.
+    out = io.StringIO()
+    assert check_main([tiny_bundle], out=out) == 0
+    assert out.getvalue().endswith("1 ok, 0 failed\n")
+
+
+def _rsrv_command() -> list[str]:
+    script = Path(sys.executable).parent / "rsrv"
+    found = script if script.is_file() else shutil.which("rsrv")
+    assert found, "the rsrv console script is not installed (pip install -e .)"
+    return [str(found)]
+
+
+def test_check_console_script(repo_root, tiny_bundle):
+    ok = subprocess.run(
+        [*_rsrv_command(), "bundle", "check", "bundles"],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "OK   classifier (model)" in ok.stdout and "OK   severity_grader (model)" in ok.stdout
+    assert ok.stdout.endswith("5 ok, 0 failed\n")
+
+    (tiny_bundle / "weights.safetensors").unlink()
+    bad = subprocess.run(
+        [*_rsrv_command(), "bundle", "check", str(tiny_bundle)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0
+    assert f"{tiny_bundle}/weights.safetensors: missing" in bad.stdout

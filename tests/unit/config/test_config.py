@@ -1,0 +1,575 @@
+"""Node configuration: schema, file formats, worker resolution, env overrides."""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+from support import ROOT
+
+from rsrv.config import (
+    ConfigError,
+    NodeConfig,
+    WorkerConfig,
+    effective_config_dict,
+    load_node,
+    load_worker,
+    node_json_schema,
+    resolve_worker,
+)
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def worker_of(tmp_path: Path, yaml: str, name: str | None = None, env=None) -> WorkerConfig:
+    path = write(tmp_path, "node.yaml", yaml)
+    return resolve_worker(load_node(path), name, env or {}, source=path)
+
+
+TWO_WORKERS = """
+    base_port: 9000
+    workers:
+      - name: a
+      - name: b
+"""
+
+
+# --- defaults ---
+
+
+def test_embedded_default_is_the_schema_default(tmp_path, monkeypatch):
+    node = load_node(None)
+    assert node == NodeConfig()
+    assert node.model_repo == "bundles"
+    assert node.base_port == 8001
+    assert node.global_.runtime.backend == "cpu"
+    assert node.global_.endpoints.host == "127.0.0.1"
+
+    monkeypatch.chdir(tmp_path)
+    worker = resolve_worker(node, env={})
+    assert worker.name == "worker0" and worker.index == 0
+    assert worker.model_repo == str(tmp_path / "bundles")
+    assert worker.cache_dir == os.path.expanduser("~/.cache/rsrv")
+    assert worker.endpoints.port == 8001
+    assert worker.endpoints.metrics_port is None
+    assert worker.gpu is None
+    assert worker.overrides == ()
+
+
+def test_empty_yaml_file_is_all_defaults(tmp_path):
+    assert load_node(write(tmp_path, "node.yaml", "")) == NodeConfig()
+
+
+# --- formats ---
+
+
+YAML_NODE = """
+    model_repo: models
+    base_port: 9000
+    metrics_base_port: 9100
+    gpus: [0, "cuda:1"]
+    global:
+      cache_dir: cache
+      model_control_mode: explicit
+      runtime:
+        backend: cuda
+        mem_fraction: 0.5
+        weight_cache_bytes: 1048576
+      scheduler:
+        discipline: edf
+        models:
+          resnet: {weight: 2.0, latency_budget_seconds: 0.05}
+      endpoints:
+        host: 0.0.0.0
+        max_message_bytes: 4194304
+      logging: {level: debug, format: json}
+    workers:
+      - name: a
+        runtime: {mem_fraction: 0.7}
+      - name: b
+        gpu: 0
+        scheduler:
+          models:
+            resnet: {weight: 3.0}
+    models:
+      resnet: [a]
+"""
+
+TOML_NODE = """
+    model_repo = "models"
+    base_port = 9000
+    metrics_base_port = 9100
+    gpus = [0, "cuda:1"]
+
+    [global]
+    cache_dir = "cache"
+    model_control_mode = "explicit"
+
+    [global.runtime]
+    backend = "cuda"
+    mem_fraction = 0.5
+    weight_cache_bytes = 1048576
+
+    [global.scheduler]
+    discipline = "edf"
+    models.resnet = { weight = 2.0, latency_budget_seconds = 0.05 }
+
+    [global.endpoints]
+    host = "0.0.0.0"
+    max_message_bytes = 4194304
+
+    [global.logging]
+    level = "debug"
+    format = "json"
+
+    [[workers]]
+    name = "a"
+    runtime = { mem_fraction = 0.7 }
+
+    [[workers]]
+    name = "b"
+    gpu = 0
+    [workers.scheduler.models.resnet]
+    weight = 3.0
+
+    [models]
+    resnet = ["a"]
+"""
+
+
+def test_yaml_and_toml_load_to_the_same_config(tmp_path):
+    from_yaml = load_node(write(tmp_path, "node.yaml", YAML_NODE))
+    from_toml = load_node(write(tmp_path, "node.toml", TOML_NODE))
+    assert from_yaml == from_toml
+    assert from_yaml.global_.runtime.mem_fraction == 0.5
+    assert from_yaml.workers[1].gpu == 0
+
+
+def test_yml_extension_and_unsupported_extension(tmp_path):
+    assert load_node(write(tmp_path, "node.yml", "base_port: 9000")).base_port == 9000
+    with pytest.raises(ConfigError, match=r"node\.json: unsupported extension"):
+        load_node(write(tmp_path, "node.json", "{}"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"absent\.yaml: cannot read"):
+        load_node(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("bad.yaml", "global:\n  runtime: [1,\n  x: 2\n"),
+        ("bad.toml", "[global\nmodel_repo = 1\n"),
+        ("dup.toml", "base_port = 1\nbase_port = 2\n"),
+    ],
+)
+def test_syntax_errors_name_the_file(tmp_path, name, text):
+    path = write(tmp_path, name, text)
+    kind = "YAML" if name.endswith(".yaml") else "TOML"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: invalid {kind}"):
+        load_node(path)
+
+
+# --- schema validation ---
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("bogus: 1", r"$.bogus"),
+        ("global:\n  runtime:\n    bogus: 1", r"$.global.runtime.bogus"),
+        (
+            "global:\n  scheduler:\n    models:\n      m: {bogus: 1}",
+            r"$.global.scheduler.models.m.bogus",
+        ),
+        (
+            "workers:\n  - name: a\n  - name: b\n    runtime:\n      bogus: 1",
+            r"$.workers[1].runtime.bogus",
+        ),
+        (
+            "workers:\n  - name: a\n    scheduler:\n      models:\n        m: {bogus: 1}",
+            r"$.workers[0].scheduler.models.m.bogus",
+        ),
+    ],
+)
+def test_unknown_field_rejected_with_its_path(tmp_path, text, path):
+    node = write(tmp_path, "node.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_node(node)
+    assert str(info.value) == f"{node}: {path}: unknown field"
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("global:\n  runtime: {mem_fraction: 1.5}", "$.global.runtime.mem_fraction"),
+        ("global:\n  runtime: {mem_fraction: 0}", "$.global.runtime.mem_fraction"),
+        (
+            "global:\n  runtime: {weight_cache_wiggle_fraction: 1.0}",
+            "$.global.runtime.weight_cache_wiggle_fraction",
+        ),
+        (
+            "global:\n  scheduler:\n    models:\n      m: {weight: 0}",
+            "$.global.scheduler.models.m.weight",
+        ),
+        (
+            "global:\n  scheduler:\n    models:\n      m: {max_batch_size: 0}",
+            "$.global.scheduler.models.m.max_batch_size",
+        ),
+        ("base_port: 99999", "$.base_port"),
+        ("global:\n  endpoints: {port: 99999}", "$.global.endpoints.port"),
+        ("global:\n  endpoints: {max_message_bytes: 1000}", "$.global.endpoints.max_message_bytes"),
+        ("global:\n  runtime: {backend: tpu}", "$.global.runtime.backend"),
+        ("global:\n  model_poll_seconds: 0", "$.global.model_poll_seconds"),
+        ("base_port: '8001'", "$.base_port"),
+        (
+            "global:\n  scheduler:\n    models:\n      a: {weight: 1}\n      b: {weight: -1}",
+            "$.global.scheduler.models.b.weight",
+        ),
+        (
+            "global:\n  scheduler:\n    models:\n      'resnet 50': {weight: 0}",
+            '$.global.scheduler.models["resnet 50"].weight',
+        ),
+        (
+            "workers:\n  - name: a\n    runtime: {weight_cache_wiggle_fraction: 1.0}",
+            "$.workers[0].runtime.weight_cache_wiggle_fraction",
+        ),
+        ("workers:\n  - {port: 9000}", "$.workers[0]"),
+    ],
+)
+def test_invalid_values_rejected_with_their_path(tmp_path, text, path):
+    node = write(tmp_path, "node.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_node(node)
+    assert str(info.value).startswith(f"{node}: {path}: ")
+
+
+def test_json_schema_carries_names_and_ranges():
+    schema = node_json_schema()
+    defs = schema["$defs"]
+    assert "global" in defs["NodeConfig"]["properties"]
+    assert defs["NodeConfig"]["additionalProperties"] is False
+    mem_fraction = defs["RuntimeConfig"]["properties"]["mem_fraction"]
+    assert mem_fraction["exclusiveMinimum"] == 0 and mem_fraction["maximum"] == 1
+    assert "RuntimeOverride" in defs
+
+
+# --- environment overrides ---
+
+
+def test_env_overrides_apply(tmp_path):
+    env = {
+        "INFERENCE_SERVER_ENDPOINTS_PORT": "9100",
+        "INFERENCE_SERVER_RUNTIME_BACKEND": "cpu",
+        "INFERENCE_SERVER_RUNTIME_WEIGHT_CACHE_BYTES": "1048576",
+        "INFERENCE_SERVER_RUNTIME_PREALLOCATE": "Off",
+        "INFERENCE_SERVER_ENDPOINTS_SYSTEM_SHARED_MEMORY": "no",
+        "INFERENCE_SERVER_RUNTIME_ALLOW_CPU_FALLBACK": "YES",
+        "INFERENCE_SERVER_LOGGING_LEVEL": "WARNING",
+        "INFERENCE_SERVER_MODEL_POLL_SECONDS": "2.5",
+        "UNRELATED": "ignored",
+    }
+    worker = worker_of(tmp_path, "global:\n  runtime: {backend: cuda}", env=env)
+    assert worker.endpoints.port == 9100
+    assert worker.runtime.backend == "cpu"
+    assert worker.gpu is None
+    assert worker.runtime.weight_cache_bytes == 1048576
+    assert worker.runtime.preallocate is False
+    assert worker.runtime.allow_cpu_fallback is True
+    assert worker.endpoints.system_shared_memory is False
+    assert worker.logging.level == "warning"
+    assert worker.model_poll_seconds == 2.5
+    assert "INFERENCE_SERVER_ENDPOINTS_PORT=9100" in worker.overrides
+    assert len(worker.overrides) == 8
+
+
+@pytest.mark.parametrize("text", ["none", "None", ""])
+def test_env_none_for_optional_fields(tmp_path, text):
+    yaml = "global:\n  runtime: {weight_cache_bytes: 5}\n  endpoints: {port: 9000}"
+    worker = worker_of(
+        tmp_path,
+        yaml,
+        env={
+            "INFERENCE_SERVER_RUNTIME_WEIGHT_CACHE_BYTES": text,
+            "INFERENCE_SERVER_ENDPOINTS_PORT": text,
+        },
+    )
+    assert worker.runtime.weight_cache_bytes is None
+    assert worker.endpoints.port == 8001  # back to base_port + index
+
+
+def test_env_overrides_beat_worker_overrides(tmp_path):
+    yaml = "workers:\n  - name: a\n    runtime: {mem_fraction: 0.3}"
+    worker = worker_of(tmp_path, yaml, env={"INFERENCE_SERVER_RUNTIME_MEM_FRACTION": "0.6"})
+    assert worker.runtime.mem_fraction == 0.6
+
+
+def test_env_unknown_variable_named(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^INFERENCE_SERVER_RUNTIME_BAKEND: unknown.*RUNTIME_BACKEND"
+    ):
+        worker_of(tmp_path, "", env={"INFERENCE_SERVER_RUNTIME_BAKEND": "cpu"})
+    # Sections and dict fields have no single-string spelling.
+    with pytest.raises(ConfigError, match=r"^INFERENCE_SERVER_SCHEDULER_MODELS: unknown"):
+        worker_of(tmp_path, "", env={"INFERENCE_SERVER_SCHEDULER_MODELS": "x"})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("INFERENCE_SERVER_ENDPOINTS_PORT", "99999"),
+        ("INFERENCE_SERVER_ENDPOINTS_PORT", "http"),
+        ("INFERENCE_SERVER_RUNTIME_MEM_FRACTION", "1.5"),
+        ("INFERENCE_SERVER_RUNTIME_MEM_FRACTION", "nan"),
+        ("INFERENCE_SERVER_RUNTIME_PREALLOCATE", "maybe"),
+        ("INFERENCE_SERVER_RUNTIME_BACKEND", "tpu"),
+        ("INFERENCE_SERVER_SCHEDULER_MAX_QUEUE_DEPTH", ""),
+        ("INFERENCE_SERVER_SCHEDULER_MAX_QUEUE_DEPTH", "none"),
+    ],
+)
+def test_env_invalid_value_named(tmp_path, var, value):
+    with pytest.raises(ConfigError, match=rf"^{var}="):
+        worker_of(tmp_path, "", env={var: value})
+
+
+def test_env_model_repo_is_relative_to_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path, "conf/node.yaml", "model_repo: repo")
+    monkeypatch.chdir(tmp_path)
+    worker = load_worker(path, env={"INFERENCE_SERVER_MODEL_REPO": "elsewhere"})
+    assert worker.model_repo == str(tmp_path / "elsewhere")
+    assert load_worker(path, env={}).model_repo == str(tmp_path / "conf" / "repo")
+
+
+# --- workers ---
+
+
+def test_two_workers_get_consecutive_ports(tmp_path):
+    path = write(tmp_path, "node.yaml", TWO_WORKERS)
+    node = load_node(path)
+    a = resolve_worker(node, "a", {}, source=path)
+    b = resolve_worker(node, "b", {}, source=path)
+    assert (a.index, a.endpoints.port) == (0, 9000)
+    assert (b.index, b.endpoints.port) == (1, 9001)
+    assert a.endpoints.metrics_port is None and b.endpoints.metrics_port is None
+
+
+def test_worker_name_required_and_checked(tmp_path):
+    path = write(tmp_path, "node.yaml", TWO_WORKERS)
+    node = load_node(path)
+    with pytest.raises(ConfigError, match=r"several workers \(a, b\)"):
+        resolve_worker(node, None, {}, source=path)
+    with pytest.raises(ConfigError, match=r"no worker named 'c'; workers: a, b"):
+        resolve_worker(node, "c", {}, source=path)
+    # A single worker, named or implicit, need not be named.
+    assert worker_of(tmp_path, "workers: [{name: only}]").name == "only"
+    assert worker_of(tmp_path, "", name="worker0").name == "worker0"
+
+
+def test_duplicate_worker_names_rejected(tmp_path):
+    with pytest.raises(ConfigError, match=r"\$\.workers\[1\]\.name: duplicate worker name 'a'"):
+        load_node(write(tmp_path, "node.yaml", "workers: [{name: a}, {name: a}]"))
+
+
+def test_worker_override_of_one_field_keeps_the_rest(tmp_path):
+    yaml = """
+        global:
+          runtime: {backend: cpu, mem_fraction: 0.5, preallocate: false}
+          scheduler:
+            models:
+              m: {weight: 2.0, max_batch_size: 8}
+        workers:
+          - name: a
+            runtime: {mem_fraction: 0.8}
+            scheduler:
+              models:
+                m: {weight: 4.0}
+          - name: b
+    """
+    a = worker_of(tmp_path, yaml, "a")
+    b = worker_of(tmp_path, yaml, "b")
+    assert a.runtime.mem_fraction == 0.8
+    assert a.runtime.preallocate is False and a.runtime.backend == "cpu"
+    assert a.scheduler.models["m"].weight == 4.0
+    assert a.scheduler.models["m"].max_batch_size == 8
+    assert b.runtime.mem_fraction == 0.5
+    assert b.scheduler.models["m"].weight == 2.0
+
+
+def test_worker_shorthands(tmp_path):
+    yaml = """
+        workers:
+          - {name: a, host: 0.0.0.0, port: 7000}
+          - {name: b}
+    """
+    a = worker_of(tmp_path, yaml, "a")
+    assert (a.endpoints.host, a.endpoints.port) == ("0.0.0.0", 7000)
+    assert worker_of(tmp_path, yaml, "b").endpoints.port == 8002
+    with pytest.raises(ConfigError, match=r"both port and endpoints.port"):
+        worker_of(tmp_path, "workers: [{name: a, port: 7000, endpoints: {port: 7001}}]")
+
+
+# --- pin map ---
+
+
+PINNED = """
+    global:
+      scheduler:
+        models:
+          explicit: {weight: 3.0, residency: system}
+          weighted: {weight: 2.0}
+    workers:
+      - name: a
+      - name: b
+    models:
+      explicit: [a]
+      weighted: [a]
+      plain: [a, b]
+"""
+
+
+def test_pin_map_sets_device_residency_on_listed_workers(tmp_path):
+    a = worker_of(tmp_path, PINNED, "a").scheduler.models
+    b = worker_of(tmp_path, PINNED, "b").scheduler.models
+    assert a["weighted"].residency == "device" and a["weighted"].weight == 2.0
+    assert b["weighted"].residency is None and b["weighted"].weight == 2.0
+    assert a["plain"].residency == "device" and b["plain"].residency == "device"
+    # An explicit residency wins over the pin map, and keeps its weight.
+    assert a["explicit"].residency == "system" and a["explicit"].weight == 3.0
+
+
+def test_pin_map_without_workers_targets_worker0(tmp_path):
+    worker = worker_of(tmp_path, "models: {m: [worker0]}")
+    assert worker.scheduler.models["m"].residency == "device"
+
+
+@pytest.mark.parametrize(
+    ("yaml", "names"),
+    [
+        ("workers: [{name: a}]\nmodels: {m: [a, ghost]}", "a"),
+        ("models: {m: [a]}", "worker0"),
+    ],
+)
+def test_pin_map_naming_undefined_worker_rejected(tmp_path, yaml, names):
+    path = write(tmp_path, "node.yaml", yaml)
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: \$\.models\.m: .*unknown worker.*{names}$"
+    ):
+        load_node(path)
+
+
+# --- ports ---
+
+
+@pytest.mark.parametrize(
+    ("yaml", "message"),
+    [
+        # b's explicit port is a's derived one.
+        ("workers: [{name: a}, {name: b, port: 8001}]", "both use gRPC port 8001"),
+        # A global port is shared by every worker.
+        (
+            "global: {endpoints: {port: 7000}}\nworkers: [{name: a}, {name: b}]",
+            "both use gRPC port 7000",
+        ),
+        # a's metrics port is b's gRPC port.
+        (
+            "workers:\n  - {name: a, endpoints: {metrics_port: 8002}}\n  - {name: b}",
+            "gRPC port 8002 of worker 'b' is the metrics port of worker 'a'",
+        ),
+        ("metrics_base_port: 8001", "metrics port and gRPC port are both 8001"),
+        ("global: {endpoints: {metrics_port: 8001}}", "metrics port and gRPC port are both 8001"),
+        (
+            "global: {endpoints: {metrics_port: 9000}}\nworkers: [{name: a}, {name: b}]",
+            "both use metrics port 9000",
+        ),
+        ("base_port: 65535\nworkers: [{name: a}, {name: b}]", "exceeds 65535"),
+    ],
+)
+def test_port_collisions_rejected(tmp_path, yaml, message):
+    path = write(tmp_path, "node.yaml", yaml)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: .*{re.escape(message)}"):
+        load_node(path)
+
+
+def test_env_port_collision_rejected(tmp_path):
+    # The environment applies to every worker of the node, so one port
+    # for all of them is a collision.
+    path = write(tmp_path, "node.yaml", TWO_WORKERS)
+    with pytest.raises(ConfigError, match=r"both use gRPC port 7000"):
+        load_worker(path, "a", env={"INFERENCE_SERVER_ENDPOINTS_PORT": "7000"})
+
+
+def test_metrics_ports_derived_from_metrics_base_port(tmp_path):
+    yaml = "metrics_base_port: 9100\nworkers: [{name: a}, {name: b}, {name: c}]"
+    ports = [worker_of(tmp_path, yaml, n).endpoints for n in "abc"]
+    assert [(e.port, e.metrics_port) for e in ports] == [(8001, 9100), (8002, 9101), (8003, 9102)]
+
+
+# --- paths, devices, output ---
+
+
+def test_paths_resolved_relative_to_the_node_file(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    path = write(
+        tmp_path, "conf/node.toml", 'model_repo = "../models"\n[global]\ncache_dir = "c"\n'
+    )
+    monkeypatch.chdir("/")
+    worker = load_worker(path, env={})
+    assert worker.model_repo == str(tmp_path / "models")
+    assert worker.cache_dir == str(tmp_path / "conf" / "c")
+    absolute = write(tmp_path, "abs.yaml", f"model_repo: {tmp_path / 'x'}")
+    assert load_worker(absolute, env={}).model_repo == str(tmp_path / "x")
+
+
+def test_gpu_assignment(tmp_path):
+    cuda = "global: {runtime: {backend: cuda}}\n"
+    three = "workers: [{name: a}, {name: b}, {name: c, gpu: 1}]\n"
+    assert [worker_of(tmp_path, cuda + three, n).gpu for n in "abc"] == [0, 1, 1]
+    listed = cuda + three + 'gpus: [3, "cuda:1"]\n'
+    assert [worker_of(tmp_path, listed, n).gpu for n in "abc"] == [3, 1, 1]
+    two = "workers: [{name: a}, {name: b}]\n"
+    assert [worker_of(tmp_path, cuda + two + "gpus: 1\n", n).gpu for n in "ab"] == [0, 0]
+    with pytest.raises(ConfigError, match=r"worker 'c': gpu 1 is not among gpus \[0\]"):
+        worker_of(tmp_path, cuda + three + "gpus: 1\n")
+    # The CPU backend uses no device, whatever the file says.
+    assert worker_of(tmp_path, three + "gpus: 1\n", "c").gpu is None
+    with pytest.raises(ConfigError, match=r"\$\.gpus\[0\]: 'GPU-abc' is not a device ordinal"):
+        worker_of(tmp_path, "gpus: [GPU-abc]")
+
+
+def test_effective_config_dict_round_trips(tmp_path):
+    worker = worker_of(tmp_path, PINNED, "a", env={"INFERENCE_SERVER_LOGGING_FORMAT": "json"})
+    data = effective_config_dict(worker)
+    assert data["endpoints"]["port"] == 8001
+    assert data["overrides"] == ["INFERENCE_SERVER_LOGGING_FORMAT=json"]
+    assert msgspec.convert(data, WorkerConfig) == worker
+
+
+def test_configs_are_immutable(tmp_path):
+    worker = worker_of(tmp_path, "")
+    with pytest.raises(AttributeError):
+        worker.runtime.backend = "cuda"  # type: ignore[misc]
+
+
+def test_spec_examples_agree_with_each_other_and_the_code(tmp_path):
+    spec = (ROOT / "specs" / "config.md").read_text()
+    blocks = dict(re.findall(r"```(yaml|toml)\n(.*?)```", spec, re.S)[-2:])
+    from_yaml = write(tmp_path, "node.yaml", blocks["yaml"])
+    from_toml = write(tmp_path, "node.toml", blocks["toml"])
+    assert load_node(from_yaml) == load_node(from_toml)
+    gpu1 = load_worker(from_toml, "gpu1", env={})
+    assert (gpu1.index, gpu1.gpu) == (1, 1)
+    assert (gpu1.endpoints.port, gpu1.endpoints.metrics_port) == (8002, 9002)
+    assert gpu1.runtime.mem_fraction == 0.8 and gpu1.runtime.backend == "cuda"
+    resnet = gpu1.scheduler.models["resnet50"]
+    assert (resnet.weight, resnet.residency, resnet.max_batch_size) == (4.0, "device", 32)
+    assert gpu1.scheduler.models["bert"].residency == "system"

@@ -1,0 +1,134 @@
+"""Scheduler ordering: fifo and edf across models, deadlines, dispatch timeout, shedding."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from support.scheduler import FakeExecutor, config, queued, rows, spec
+
+from rsrv.errors import DeadlineExceeded
+from rsrv.scheduler import Scheduler
+
+
+async def test_fifo_serves_the_oldest_front_request_first(autojump_clock):
+    ex = FakeExecutor(cost=1.0)
+    sched = Scheduler(config(discipline="fifo"), ex)
+    for name in "xyz":
+        sched.add_model(spec(name, (1,)))
+    async with trio.open_nursery() as nursery:
+        for name in "xyxzyx":
+            await queued(nursery, sched, name, [rows(1, 1)])
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert ex.order() == list("xyxzyx")
+
+
+async def test_front_requests_go_ahead_of_fresh_work(autojump_clock):
+    ex = FakeExecutor(cost=1.0)
+    sched = Scheduler(config(discipline="fifo"), ex)
+    sched.add_model(spec("x", (1,)))
+    sched.add_model(spec("y", (1,)))
+    async with trio.open_nursery() as nursery:
+        fresh = [await queued(nursery, sched, "x", [rows(i + 1, 1)]) for i in range(2)]
+        sub = await queued(nursery, sched, "y", [rows(9, 1)], front=True)
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert ex.order() == ["y", "x", "x"]
+    assert sub.result.queue_seconds == 0.0 and fresh[1].result.queue_seconds == 2.0
+
+
+async def test_edf_serves_the_earliest_deadline_first(autojump_clock):
+    ex = FakeExecutor(cost=1.0)
+    sched = Scheduler(config(discipline="edf", dispatch_timeout_seconds=100.0), ex)
+    for name in "wxyz":
+        sched.add_model(spec(name, (1,)))
+    async with trio.open_nursery() as nursery:
+        await queued(nursery, sched, "x", [rows(1, 1)], deadline=50.0)
+        await queued(nursery, sched, "y", [rows(1, 1)], deadline=10.0)
+        await queued(nursery, sched, "w", [rows(1, 1)])  # no deadline: ordered by its timeout, 100
+        await queued(nursery, sched, "z", [rows(1, 1)], deadline=20.0)
+        await queued(nursery, sched, "y", [rows(1, 1)], deadline=40.0)
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert ex.order() == ["y", "z", "y", "x", "w"]
+
+
+async def test_edf_sheds_what_cannot_finish_before_its_deadline(autojump_clock):
+    ex = FakeExecutor(cost=2.0)
+    sched = Scheduler(config(discipline="edf"), ex)
+    sched.add_model(spec("m", (1, 2)))
+    sched.warm_costs("m", {1: 2.0, 2: 2.0})
+    async with trio.open_nursery() as nursery:
+        doomed = await queued(nursery, sched, "m", [rows(1, 1)], deadline=1.5)
+        fine = await queued(nursery, sched, "m", [rows(2, 1)], deadline=2.5)
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert isinstance(doomed.error, DeadlineExceeded)
+    assert "cannot finish before its deadline" in str(doomed.error)
+    assert doomed.finished_at == 0.0, "shed before any device work"
+    assert len(ex.calls) == 1 and ex.calls[0].size == 1  # re-planned without it
+    assert fine.result is not None and fine.finished_at == 2.0
+
+
+async def test_edf_treats_the_latency_budget_as_a_deadline(autojump_clock):
+    ex = FakeExecutor(cost=2.0)
+    sched = Scheduler(config(discipline="edf"), ex)
+    sched.add_model(spec("m", (1,), latency_budget=1.0))
+    sched.warm_costs("m", {1: 2.0})
+    async with trio.open_nursery() as nursery:
+        out = await queued(nursery, sched, "m", [rows(1, 1)])
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert isinstance(out.error, DeadlineExceeded) and ex.calls == []
+
+
+@pytest.mark.parametrize("discipline", ["fair", "fifo", "edf"])
+async def test_deadline_passing_in_the_queue_fails_without_device_work(autojump_clock, discipline):
+    ex = FakeExecutor(cost=5.0)
+    sched = Scheduler(config(discipline=discipline), ex)
+    sched.add_model(spec("a"))
+    sched.add_model(spec("b"))
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(DeadlineExceeded, match="already passed"):
+            await sched.submit("a", [rows(1, 1)], deadline=0.0)
+        busy = await queued(nursery, sched, "a", [rows(1, 1)], deadline=100.0)
+        await nursery.start(sched.run)
+        late = await queued(nursery, sched, "b", [rows(1, 1)], deadline=3.0)
+        await sched.drain()
+    assert busy.result is not None
+    assert isinstance(late.error, DeadlineExceeded) and late.finished_at == 3.0
+    assert ex.order() == ["a"]
+    assert sched.stats("b").failures == {"DEADLINE_EXCEEDED": 1}
+
+
+@pytest.mark.parametrize("discipline", ["fair", "fifo", "edf"])
+async def test_dispatch_timeout_is_enforced(autojump_clock, discipline):
+    ex = FakeExecutor(cost=5.0)
+    sched = Scheduler(config(discipline=discipline, dispatch_timeout_seconds=1.0), ex)
+    sched.add_model(spec("a"))
+    sched.add_model(spec("b"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        busy = await queued(nursery, sched, "a", [rows(1, 1)])
+        late = await queued(nursery, sched, "b", [rows(1, 1)])
+        await sched.drain()
+    assert busy.result is not None
+    assert isinstance(late.error, DeadlineExceeded) and late.finished_at == 1.0
+    assert "longer than dispatch_timeout_seconds (1s)" in str(late.error)
+    assert ex.order() == ["a"]
+
+
+async def test_expired_requests_are_dropped_at_dispatch_too(autojump_clock):
+    # a non-trio clock: the waiters' timers and the dispatcher must agree
+    now = [0.0]
+    ex = FakeExecutor(cost=0.0)
+    sched = Scheduler(config(dispatch_timeout_seconds=1.0), ex, clock=lambda: now[0])
+    sched.add_model(spec("a"))
+    async with trio.open_nursery() as nursery:
+        stale = await queued(nursery, sched, "a", [rows(1, 1)])
+        now[0] = 5.0  # time passes for the scheduler only
+        fresh = await queued(nursery, sched, "a", [rows(2, 1)])
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert isinstance(stale.error, DeadlineExceeded)
+    assert fresh.result is not None and len(ex.calls) == 1 and ex.calls[0].size == 1
