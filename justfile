@@ -32,7 +32,7 @@ fmt:
     ruff check --fix src tests scripts benchmarks
     ruff format src tests scripts benchmarks
 
-# The PyTorch export end to end (tests/test_export_torch.py) in its own environment,
+# The PyTorch export end to end (tests/unit/export/test_export_torch.py) in its own environment,
 # .venv-torch, installed as specs/export.md §8 says: torch first, then the torch extra.
 # TORCH_INDEX=<the PyTorch CPU index> keeps a CUDA build of torch off a CPU machine (here
 # `torch==2.13.0` finds the CPU wheel on disk); TORCH=<requirement> picks another torch.
@@ -40,7 +40,7 @@ test-torch *args:
     test -x .venv-torch/bin/python || python -m venv .venv-torch
     .venv-torch/bin/python -m pip install -q "${TORCH:-torch==2.13.0}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
     .venv-torch/bin/python -m pip install -q -e '.[dev,torch]'
-    .venv-torch/bin/python -m pytest -q tests/test_export_torch.py {{args}}
+    .venv-torch/bin/python -m pytest -q tests/unit/export/test_export_torch.py {{args}}
 
 # Figures (needs the bench extra) under results/: `just bench` full (< 15 min), `just bench quick` (< 3 min).
 bench *args:

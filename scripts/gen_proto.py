@@ -21,7 +21,7 @@ post-processes the output deterministically (same input -> byte-identical files)
   (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python) still registers every generated
   class in the default pool and cannot hold both sets of modules in one process.
 
-tests/test_proto.py regenerates into a temporary directory and fails if the committed
+tests/unit/protocol/test_proto.py regenerates into a temporary directory and fails if the committed
 tree differs, so run this (`just proto`) after every .proto change.
 """
 

@@ -8,7 +8,7 @@
 
 Output is deterministic (sorted keys, two-space indent, trailing newline), so the
 committed files change only when the types do. ``--check`` writes nothing and exits 1
-when a committed file is stale; tests/test_schemas.py does the same check.
+when a committed file is stale; tests/unit/test_schemas.py does the same check.
 Editors validate a YAML manifest with e.g. a first line
 ``# yaml-language-server: $schema=<path to specs/manifest.schema.json>``.
 """
