@@ -43,5 +43,7 @@ test-torch *args:
     .venv-torch/bin/python -m pytest -q tests/unit/export/test_export_torch.py {{args}}
 
 # Figures (needs the bench extra) under results/: `just bench` full (< 15 min), `just bench quick` (< 3 min).
+# `just bench gpu` measures the accelerator weight path (benchmarks/gpu.py); without a GPU it
+# says so and exits 0 (`just bench gpu --cpu-smoke` checks the script on the CPU).
 bench *args:
     python benchmarks/run.py {{args}}

@@ -9,7 +9,8 @@ the unaligned offsets safetensors gives them), then measured side by side:
   memcpy     ``np.copyto`` of the same number of bytes into a preallocated buffer: the
              bound a host-to-device copy is compared with.
   system     a cold device load from the staged ``system`` host floor:
-             ``staging.to_device`` of ``pin(stage(file))``, what the transfer task runs.
+             ``to_device`` of ``place(stage(file), route)``, what the transfer task runs
+             (``route``: the device's default staging route, pageable on CPU).
   system/WM  the same through the real ``WeightManager.lease`` (trio task, worker thread,
              cache bookkeeping), the weights evicted before each lease.
   unpinned   a cold load of an ``unpinned`` model: ``staging.stage`` (read the file into
@@ -63,9 +64,9 @@ import trio
 from safetensors.numpy import load_file, save_file
 from trio.testing import wait_all_tasks_blocked
 
-from rsrv.config._schema import SchedulerConfig
-from rsrv.runtime._staging import free, pin, stage, to_device
 from rsrv.bundle._safetensors import ORDER_KEY, read_weights_header
+from rsrv.config._schema import SchedulerConfig
+from rsrv.runtime._staging import free, place, stage, staging_route, to_device
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -159,11 +160,11 @@ def memcpy(nbytes: int, reps: int) -> float:
 def system(wf, device, reps: int) -> dict:
     """The staged host floor of a ``system`` model (made once, at model load) to device."""
     start = time.perf_counter()
-    host = pin(stage(wf), device)
+    host = place(stage(wf), staging_route(device), device)
     staged = time.perf_counter() - start
     probe = to_device(host, device)
     zero_copy = all(
-        d.unsafe_buffer_pointer() == h.ctypes.data for h, d in zip(host.arrays, probe, strict=True)
+        d.unsafe_buffer_pointer() == pointer(h) for h, d in zip(host.arrays, probe, strict=True)
     )
     free(probe)
     return {
@@ -171,6 +172,11 @@ def system(wf, device, reps: int) -> dict:
         "zero_copy": zero_copy,
         "system_s": best(lambda: to_device(host, device), reps),
     }
+
+
+def pointer(a) -> int:
+    """Where a host array's bytes are: a numpy buffer, or a pinned_host jax array."""
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.unsafe_buffer_pointer()
 
 
 def naive(wf, device, reps: int) -> dict:
@@ -237,9 +243,9 @@ def export_models(workdir: Path, count: int, k: int, rows: int) -> list[Path]:
 async def serve_sequence(served, budget: int, prefetch: bool, requests: int, x: np.ndarray) -> dict:
     """Run ``requests`` requests cycling through ``served`` on a fresh WeightManager,
     DeviceExecutor (with or without prefetch) and Scheduler; all weights cold."""
+    from rsrv.runtime._weight_manager import WeightManager
     from rsrv.scheduler import Scheduler
     from rsrv.worker._executor import DeviceExecutor
-    from rsrv.runtime._weight_manager import WeightManager
 
     class NoPrefetch(DeviceExecutor):
         prefetch = None  # the scheduler looks the hook up and skips it when None
@@ -434,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="sizes up to 64 MiB (< 60 s)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "cold_load.json")
     args = parser.parse_args(argv)
-    from rsrv.runtime import configure, device as device_of
+    from rsrv.runtime import configure
+    from rsrv.runtime import device as device_of
 
     configure("cpu")
     device = device_of()

@@ -1,6 +1,7 @@
 """rsrv benchmarks: `just bench` (full, < 15 min on 2 cores) or `just bench quick` (< 3 min).
 
     python benchmarks/run.py [quick] [--only 1,2,...]
+    python benchmarks/run.py gpu [--quick] ...   # benchmarks/gpu.py: the GPU weight path
 
 Each figure is a ratio measured side by side in this one run: the servers compared run at
 the same time, each in its own process on 127.0.0.1, and the load alternates between
@@ -1068,6 +1069,11 @@ def machine_info() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:  # `just bench gpu`: the accelerator weight path, on its own
+        import gpu
+
+        return gpu.main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", default="full", choices=["full", "quick"])
     parser.add_argument(

@@ -14,7 +14,9 @@
 * :mod:`support.rawh2`: an ill-behaved HTTP/2 gRPC client, frame by frame;
 * :mod:`support.scheduler`: a fake executor and submit helpers for the scheduler tests;
 * :mod:`support.waiting`: :func:`~support.waiting.wait_until`, the one polling loop;
-* :mod:`support.assertions`: ``pytest.raises`` that also checks the message.
+* :mod:`support.assertions`: ``pytest.raises`` that also checks the message;
+* :mod:`support.allocator`: GPU-shaped allocator statistics, replayed in order, for the
+  weight budget and the scratch measurement.
 """
 
 from __future__ import annotations

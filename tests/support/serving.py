@@ -82,11 +82,12 @@ _loops: dict[int, _Loop] = {}  # id(worker) -> its loop, while running
 
 
 @contextmanager
-def running(config) -> Iterator[Worker]:
+def running(config, **options) -> Iterator[Worker]:
     """Start a worker in a background thread; yield it once ready; stop it on exit
-    (unless :func:`shut_down` stopped it already)."""
+    (unless :func:`shut_down` stopped it already). ``options``: keyword arguments of
+    :class:`Worker` (``allocator``)."""
     configure("cpu")
-    worker = Worker(config)
+    worker = Worker(config, **options)
     started = threading.Event()
 
     async def main():

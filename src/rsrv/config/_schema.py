@@ -40,6 +40,7 @@ MIN_WEIGHT = 1e-3
 MAX_WEIGHT = 1e3
 Backend = Literal["cpu", "cuda"]
 Residency = Literal["unpinned", "system", "device"]
+WeightStaging = Literal["auto", "pageable", "pinned"]
 Discipline = Literal["fair", "fifo", "edf"]
 ControlMode = Literal["dynamic", "static", "explicit"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -99,6 +100,15 @@ class RuntimeConfig(_Strict):
         Annotated[int, Meta(ge=0)] | None,
         _doc("Explicit weight cache budget in bytes; overrides weight_cache_fraction."),
     ] = None
+    weight_staging: Annotated[
+        WeightStaging,
+        _doc(
+            "Where system-floor weights are staged in host memory: pinned (page-locked "
+            "pinned_host memory; every device load is a copy into device memory), "
+            "pageable (an aligned host buffer; the CPU device adopts it without a copy), "
+            "or auto: pageable on the cpu backend, pinned on an accelerator."
+        ),
+    ] = "auto"
 
 
 class ModelSchedConfig(_Strict):

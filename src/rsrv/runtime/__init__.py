@@ -1,17 +1,30 @@
 """The PJRT runtime: backend set-up, compilation with a persistent cache, execution, and
 the device weights of every model (host staging, the weight cache under a byte budget,
-the weight manager that moves weights on and off the device)."""
+the weight manager that moves weights on and off the device, the staging route, and the
+allocator statistics the budget and the scratch measurement read)."""
 
+from rsrv.runtime._allocator import AllocatorStats, allocator_limit, measured_scratch
 from rsrv.runtime._backend import configure, device, platform
 from rsrv.runtime._compiler import Compiler, CompileResult
 from rsrv.runtime._model import CompiledModel, compile_bundle, weights_to_device, zero_inputs
-from rsrv.runtime._staging import ALIGN, HostWeights, free, pin, stage, to_device
+from rsrv.runtime._staging import (
+    ALIGN,
+    HostWeights,
+    Staging,
+    free,
+    pin,
+    place,
+    stage,
+    staging_route,
+    to_device,
+)
 from rsrv.runtime._weight_cache import CacheCounters, Resident, WeightCache
 from rsrv.runtime._weight_manager import Placement, WeightManager, weight_budget
 
 __all__ = [
-    "ALIGN", "CacheCounters", "CompileResult", "CompiledModel", "Compiler", "HostWeights",
-    "Placement", "Resident", "WeightCache", "WeightManager", "compile_bundle", "configure",
-    "device", "free", "pin", "platform", "stage", "to_device", "weight_budget",
+    "ALIGN", "AllocatorStats", "CacheCounters", "CompileResult", "CompiledModel", "Compiler",
+    "HostWeights", "Placement", "Resident", "Staging", "WeightCache", "WeightManager",
+    "allocator_limit", "compile_bundle", "configure", "device", "free", "measured_scratch",
+    "pin", "place", "platform", "stage", "staging_route", "to_device", "weight_budget",
     "weights_to_device", "zero_inputs",
 ]  # fmt: skip

@@ -110,6 +110,22 @@ class WeightCache:
             )
         return evicted
 
+    def trim(self, protected: frozenset[str] = frozenset()) -> list[str]:
+        """Evict least recently used, unleased, unprotected models until the resident
+        bytes are within the budget again (the budget shrank); returns their names."""
+        evicted = []
+        if self.budget is None:
+            return evicted
+        resident = self.resident_bytes
+        for name in list(self.lru):
+            if resident <= self.budget:
+                break
+            if self.lru[name].leases == 0 and name not in protected:
+                resident -= self.lru[name].nbytes
+                self.evict(name)
+                evicted.append(name)
+        return evicted
+
     def admit(
         self,
         name: str,

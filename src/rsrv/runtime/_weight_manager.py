@@ -7,12 +7,17 @@ expects to run next, so that copy overlaps the current execution.
 
 Residency floors (``scheduler.models.<name>.residency``):
 
-* ``system``: staged in host RAM at load (the default while the cache is on); a device
-  load is one host-to-device copy of the staged buffer.
+* ``system``: staged in host RAM at load (the default while the cache is on), where the
+  staging route keeps it (``pageable``, or ``pinned_host`` memory on the ``pinned``
+  route); a device load is one host-to-device copy of the staged floor.
 * ``unpinned``: nothing kept in RAM; a device load reads the weights file.
 * ``device``: copied at load and kept on the device, outside the budget.
 
 With the cache off (no budget) every model is copied at load and never evicted.
+
+The budget itself comes from :func:`weight_budget`; the scratch it leaves room for is
+measured around warm-up runs (:meth:`WeightManager.measure_scratch`) from the allocator's
+statistics (``rsrv.runtime._allocator``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import trio
 
 from rsrv.bundle import WeightsFile
 from rsrv.errors import NotFound
-from rsrv.runtime._staging import HostWeights, free, pin, stage, to_device
+from rsrv.runtime._allocator import AllocatorStats, measured_scratch
+from rsrv.runtime._staging import HostWeights, Staging, free, place, stage, staging_route, to_device
 from rsrv.runtime._weight_cache import Resident, WeightCache
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,14 @@ class Placement:
 
 
 @dataclass(eq=False, slots=True)
+class _Probe:
+    """Allocator statistics read when the next lease of a key was granted."""
+
+    at_lease: dict | None = None
+    taken: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class _Transfer:
     """One requested host-to-device copy; everyone waiting for it shares its outcome."""
 
@@ -74,12 +88,20 @@ class WeightManager:
         compaction_interval: int = 0,
         *,
         resize: Callable[[int], int | None] | None = None,
+        staging: Staging | None = None,
+        allocator: AllocatorStats | None = None,
     ):
         """``resize(max_scratch)``, when given, re-derives the budget each time a larger
-        scratch is measured (a budget derived from the device limit)."""
+        scratch is measured (a budget derived from the device limit). ``staging`` is the
+        route of ``system`` floors (None: :func:`staging_route` of ``device``);
+        ``allocator`` the allocator statistics scratch is measured from (None: the
+        device's own)."""
         self.cache = WeightCache(budget)
         self._resize = resize
         self.device = device
+        self.staging = staging_route(device) if staging is None else staging
+        self.allocator: AllocatorStats = device if allocator is None else allocator
+        self._probes: dict[str, _Probe] = {}  # keys whose next lease reads the allocator
         self.compaction_interval = compaction_interval
         self.compactions = 0
         self._loads_at_compaction = 0
@@ -103,7 +125,7 @@ class WeightManager:
         """Register a model version: stage its host floor, or place it now if pinned."""
         placement = Placement(file, residency)
         if file is not None and residency == "system":
-            placement.host = await trio.to_thread.run_sync(self._stage_pinned, file)
+            placement.host = await trio.to_thread.run_sync(self._stage_floor, file)
         elif residency == "unpinned":
             placement.open()
         self.placements[key] = placement
@@ -128,6 +150,9 @@ class WeightManager:
         """Yield the device weights of ``key``; they cannot be evicted until exit."""
         resident = await self._ensure(key)
         resident.leases += 1  # no checkpoint since _ensure found it resident
+        probe = self._probes.get(key)
+        if probe is not None and not probe.taken:  # a warm-up measuring its scratch
+            probe.at_lease, probe.taken = self.allocator.memory_stats(), True
         try:
             yield resident.arrays
         finally:
@@ -220,8 +245,9 @@ class WeightManager:
         host = placement.host or stage(placement.file, placement.fd)  # unpinned: read now
         return to_device(host, self.device)
 
-    def _stage_pinned(self, file: WeightsFile) -> HostWeights:
-        return pin(stage(file), self.device)
+    def _stage_floor(self, file: WeightsFile) -> HostWeights:
+        """A ``system`` model's host floor: staged, and placed where the route says."""
+        return place(stage(file), self.staging, self.device)
 
     # -- control (CompactMemory, SetModelResidency) ---------------------------------------
 
@@ -244,16 +270,38 @@ class WeightManager:
                 "auto-compaction after %d loads freed %d model(s)", self.compaction_interval, freed
             )
 
+    @asynccontextmanager
+    async def measure_scratch(self, key: str):
+        """Around one execution of ``key`` (a warm-up run): read the allocator's
+        statistics when the execution's lease is granted and again as soon as the block
+        exits, and note the scratch they show (:func:`measured_scratch`; nothing where
+        the backend reports no statistics or the block raised)."""
+        probe = self._probes[key] = _Probe()
+        try:
+            yield
+        finally:
+            del self._probes[key]
+        if probe.at_lease:
+            scratch = measured_scratch(probe.at_lease, self.allocator.memory_stats())
+            log.debug("warm-up of %s: scratch %s bytes", key, scratch)
+            if scratch is not None:
+                self.note_scratch(scratch)
+
     def note_scratch(self, nbytes: int) -> None:
-        """Record device memory a model needed beyond its weights (measured at warm-up);
-        a larger scratch shrinks a budget derived from the device limit right away."""
+        """Record device memory a model needed beyond its weights (measured at warm-up).
+        A larger scratch shrinks a budget derived from the device limit right away, and
+        idle models are evicted until the resident weights fit the new budget."""
         if nbytes <= self.max_scratch:
             return
         self.max_scratch = nbytes
         if self._resize is not None and self.cache.enabled:
             self.cache.budget = self._resize(nbytes)
+            evicted = self.cache.trim(frozenset(self._waiting))
             log.info(
-                "weight cache budget %s bytes (largest scratch %d bytes)", self.cache.budget, nbytes
+                "weight cache budget %s bytes (largest scratch %d bytes)%s",
+                self.cache.budget,
+                nbytes,
+                f"; evicted {len(evicted)} model(s) to fit it" if evicted else "",
             )
 
     async def compact_and_reload(self, keys: list[str]) -> int:
@@ -272,7 +320,7 @@ class WeightManager:
         """
         placement = self.placements[key]
         if residency == "system" and placement.host is None and placement.file is not None:
-            placement.host = await trio.to_thread.run_sync(self._stage_pinned, placement.file)
+            placement.host = await trio.to_thread.run_sync(self._stage_floor, placement.file)
         elif residency != "system":
             placement.host = None
         if residency == "unpinned":
@@ -291,22 +339,19 @@ class WeightManager:
         return placement is not None and placement.host is not None
 
 
-def weight_budget(runtime, device: jax.Device, max_scratch: int = 0) -> int | None:
+def weight_budget(runtime, limit: int | None, max_scratch: int = 0) -> int | None:
     """The device byte budget for evictable weights, or None when the cache is off.
 
     ``weight_cache_bytes`` wins when set (specs/config.md). Otherwise
-    ``weight_cache_fraction: 0`` turns the cache off, and the device's allocator limit is
-    used: ``fraction x limit``, but never more than ``(1 - wiggle) x limit`` minus the
-    largest scratch a model needs. A backend that reports no limit (CPU) has no cache
-    unless ``weight_cache_bytes`` is set.
+    ``weight_cache_fraction: 0`` turns the cache off, and the allocator's byte ``limit``
+    (:func:`~rsrv.runtime._allocator.allocator_limit`) is used: ``fraction x limit``, but
+    never more than ``(1 - wiggle) x limit`` minus the largest scratch a model needs,
+    and never below 0. No limit (CPU reports none): no cache unless
+    ``weight_cache_bytes`` is set.
     """
     if runtime.weight_cache_bytes is not None:
         return runtime.weight_cache_bytes
-    if runtime.weight_cache_fraction == 0:
-        return None
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
+    if runtime.weight_cache_fraction == 0 or not limit:
         return None
     pool = min(
         runtime.weight_cache_fraction * limit,

@@ -46,20 +46,19 @@ class DeviceExecutor:
         self.weights.remove(model)
 
     async def warm_up(self, served: ServedModel) -> dict[int, float]:
-        """Run every compiled size once on zeros; return the measured seconds per size."""
+        """Run every compiled size once on zeros; return the measured seconds per size.
+
+        Each run also measures the model's scratch memory from the allocator's
+        statistics, read when its weights are leased and again when it returns
+        (:meth:`WeightManager.measure_scratch`); CPU reports none, so there it is 0.
+        """
         costs = {}
-        device = self.weights.device
         for size in sorted(served.compiled.executables):
-            before = device.memory_stats() or {}
+            inputs = zero_inputs(served.compiled, size)
             start = time.perf_counter()
-            await self._run(served, size, zero_inputs(served.compiled, size))
+            async with self.weights.measure_scratch(served.key):
+                await self._run(served, size, inputs)
             costs[size] = max(time.perf_counter() - start, 1e-6)
-            after = device.memory_stats() or {}
-            if "peak_bytes_in_use" in after:  # accelerators; CPU reports no statistics
-                # The peak is monotonic, so this over- rather than under-estimates.
-                self.weights.note_scratch(
-                    after["peak_bytes_in_use"] - before.get("bytes_in_use", 0)
-                )
         return costs
 
     async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):

@@ -13,7 +13,7 @@ from pathlib import Path
 import trio
 
 from rsrv.bundle import discover
-from rsrv.config import ModelSchedConfig, WorkerConfig
+from rsrv.config import ConfigError, ModelSchedConfig, WorkerConfig
 from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol import (
     Admission,
@@ -27,7 +27,15 @@ from rsrv.protocol import (
     grpc_status,
     guard,
 )
-from rsrv.runtime import Compiler, WeightManager, platform, weight_budget
+from rsrv.runtime import (
+    AllocatorStats,
+    Compiler,
+    WeightManager,
+    allocator_limit,
+    platform,
+    staging_route,
+    weight_budget,
+)
 from rsrv.runtime import device as default_device
 from rsrv.scheduler import Scheduler
 from rsrv.transport import GrpcServer, TransportLimits, methods_of, server_tls_context
@@ -44,20 +52,40 @@ MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
 class Worker:
     """Everything one ``rsrv serve`` process serves. Start it with :meth:`run`."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, *, allocator: AllocatorStats | None = None):
+        """``allocator``: where the weight budget and the warm-up scratch measurement
+        read the allocator's statistics; None (always, outside tests) reads the device's
+        own. Raises ConfigError when ``runtime.weight_staging`` names a route the device
+        cannot take."""
         self.config = config
         self.models = ModelSet()
         device = default_device()
         runtime = config.runtime
+        try:
+            staging = staging_route(device, runtime.weight_staging)
+        except ValueError as e:
+            raise ConfigError(f"runtime.weight_staging = {runtime.weight_staging!r}: {e}") from None
+        allocator = device if allocator is None else allocator
+        limit = allocator_limit(allocator)
         self.weights = WeightManager(
-            weight_budget(runtime, device),
+            weight_budget(runtime, limit),
             device,
             config.scheduler.compaction_interval,
             # An explicit byte budget is kept as given; a derived one leaves room for the
             # largest scratch measured while warming models up.
             resize=None
             if runtime.weight_cache_bytes is not None
-            else (lambda scratch: weight_budget(runtime, device, scratch)),
+            else (lambda scratch: weight_budget(runtime, limit, scratch)),
+            staging=staging,
+            allocator=allocator,
+        )
+        log.info("weight staging %s", staging.describe())
+        log.info(
+            "weight cache budget: %s (allocator limit: %s)",
+            "off, every model resident"
+            if self.weights.cache.budget is None
+            else f"{self.weights.cache.budget} bytes",
+            "none reported" if limit is None else f"{limit} bytes",
         )
         self.executor = DeviceExecutor(self.weights)
         self.scheduler = Scheduler(config.scheduler, self.executor)

@@ -229,6 +229,7 @@ def test_unknown_field_rejected_with_its_path(tmp_path, text, path):
         ("global:\n  endpoints: {port: 99999}", "$.global.endpoints.port"),
         ("global:\n  endpoints: {max_message_bytes: 1000}", "$.global.endpoints.max_message_bytes"),
         ("global:\n  runtime: {backend: tpu}", "$.global.runtime.backend"),
+        ("global:\n  runtime: {weight_staging: zero_copy}", "$.global.runtime.weight_staging"),
         ("global:\n  model_poll_seconds: 0", "$.global.model_poll_seconds"),
         ("base_port: '8001'", "$.base_port"),
         (
@@ -276,6 +277,7 @@ def test_env_overrides_apply(tmp_path):
         "INFERENCE_SERVER_RUNTIME_ALLOW_CPU_FALLBACK": "YES",
         "INFERENCE_SERVER_LOGGING_LEVEL": "WARNING",
         "INFERENCE_SERVER_MODEL_POLL_SECONDS": "2.5",
+        "INFERENCE_SERVER_RUNTIME_WEIGHT_STAGING": "pinned",
         "UNRELATED": "ignored",
     }
     worker = worker_of(tmp_path, "global:\n  runtime: {backend: cuda}", env=env)
@@ -288,8 +290,9 @@ def test_env_overrides_apply(tmp_path):
     assert worker.endpoints.system_shared_memory is False
     assert worker.logging.level == "warning"
     assert worker.model_poll_seconds == 2.5
+    assert worker.runtime.weight_staging == "pinned"
     assert "INFERENCE_SERVER_ENDPOINTS_PORT=9100" in worker.overrides
-    assert len(worker.overrides) == 8
+    assert len(worker.overrides) == 9
 
 
 @pytest.mark.parametrize("text", ["none", "None", ""])

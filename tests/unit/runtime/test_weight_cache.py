@@ -1,6 +1,8 @@
-"""The device weight cache (LRU bookkeeping), host staging, the weight budget, and the
-WeightManager's transfer task with leases and prefetch. Real jax arrays on the CPU
-device; no worker. The end-to-end behaviour is in test_weights_e2e.py; specs/weights.md.
+"""The device weight cache (LRU bookkeeping), host staging and the staging routes, the
+weight budget and the scratch measurement (driven by GPU-shaped allocator statistics),
+and the WeightManager's transfer task with leases and prefetch, on both staging routes.
+Real jax arrays on the CPU device; no worker. The end-to-end behaviour is in
+test_weights_e2e.py; specs/weights.md.
 """
 
 from __future__ import annotations
@@ -16,19 +18,32 @@ import ml_dtypes
 import numpy as np
 import pytest
 import trio
+from support.allocator import GIB, H100_LIMIT, MIB, RecordedAllocator, Recording
 from support.bundles import write_weights
+from support.staging import ROUTE_IDS, ROUTES, assert_staged
 from trio.testing import wait_all_tasks_blocked
 
 from rsrv.bundle._safetensors import read_weights_header
 from rsrv.config._schema import RuntimeConfig
 from rsrv.errors import NotFound
-from rsrv.runtime import _staging as staging
-from rsrv.runtime._staging import ALIGN, free, stage, to_device
+from rsrv.runtime import configure
+from rsrv.runtime._allocator import allocator_limit, measured_scratch
+from rsrv.runtime._staging import (
+    ALIGN,
+    Staging,
+    free,
+    pin,
+    place,
+    stage,
+    staging_route,
+    to_device,
+)
 from rsrv.runtime._weight_cache import WeightCache
 from rsrv.runtime._weight_manager import WeightManager, weight_budget
 from rsrv.worker._executor import DeviceExecutor
 
 W = 4096  # bytes of one test model's weights
+configure("cpu")  # as a worker runs: 64-bit tensors stay 64-bit on the device
 CPU = jax.devices("cpu")[0]
 
 
@@ -227,48 +242,171 @@ def test_stage_rejects_a_truncated_file(tmp_path):
         stage(wf)
 
 
-def test_pin_on_cpu_keeps_the_staged_buffer(tmp_path):
-    host = stage(weights_file(tmp_path / "w.safetensors", {"w": np.ones(8, np.float32)}))
-    assert staging.pin(host, CPU) is host
+def memories(*kinds: str) -> list:
+    return [SimpleNamespace(kind=k) for k in kinds]
 
 
-# -- weight_budget ----------------------------------------------------------------------
+def test_the_staging_route_is_decided_from_the_device_and_the_setting():
+    assert {m.kind for m in CPU.addressable_memories()} >= {"device", "pinned_host"}
+    assert staging_route(CPU) is Staging.PAGEABLE  # auto on CPU: zero-copy adoption
+    assert staging_route(CPU, "pageable") is Staging.PAGEABLE
+    assert staging_route(CPU, "pinned") is Staging.PINNED  # the accelerator route on CPU
+    # what auto decides on an accelerator, by its platform and its memory spaces
+    gpu = SimpleNamespace(
+        platform="gpu", addressable_memories=lambda: memories("device", "pinned_host")
+    )
+    assert staging_route(gpu) is Staging.PINNED
+    assert staging_route(gpu, "pageable") is Staging.PAGEABLE
+    bare = SimpleNamespace(platform="gpu", addressable_memories=lambda: memories("device"))
+    assert staging_route(bare) is Staging.PAGEABLE
+    with pytest.raises(ValueError, match="pinned staging needs a pinned_host memory space"):
+        staging_route(bare, "pinned")
+    with pytest.raises(ValueError):
+        staging_route(CPU, "zero_copy")
 
 
-class FakeDevice:
-    def __init__(self, limit: int | None):
-        self.limit = limit
+def test_the_pageable_route_keeps_the_staged_buffer(tmp_path):
+    host = stage(weights_file(tmp_path / "w.safetensors", MIXED))
+    assert place(host, Staging.PAGEABLE, CPU) is host
+    on_device = to_device(host, CPU)
+    assert_staged(Staging.PAGEABLE, host.arrays, on_device)  # adopted, not copied
+    free(on_device)
 
-    def memory_stats(self):
-        return None if self.limit is None else {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+def test_the_pinned_route_copies_out_of_pinned_host_memory(tmp_path):
+    order = ["w", "odd", "bf", "scalar", "empty", "h", "flag"]
+    host = stage(weights_file(tmp_path / "w.safetensors", MIXED, order))
+    floor = place(host, Staging.PINNED, CPU)
+    assert floor.nbytes == host.nbytes
+    assert [a.sharding.memory_kind for a in floor.arrays] == ["pinned_host"] * len(order)
+    first = to_device(floor, CPU)
+    assert_staged(Staging.PINNED, floor.arrays, first)  # a copy in device memory
+    for name, a in zip(order, first, strict=True):
+        assert a.dtype == MIXED[name].dtype
+        np.testing.assert_array_equal(np.asarray(a), MIXED[name])
+    free(first)  # eviction: the device copy goes, the pinned floor stays
+    assert all(a.is_deleted() for a in first)
+    assert not any(a.is_deleted() for a in floor.arrays)
+    second = to_device(floor, CPU)  # the next load copies again, from the same floor
+    assert_staged(Staging.PINNED, floor.arrays, second)
+    for name, a in zip(order, second, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), MIXED[name])
+    assert pin(host, CPU).arrays[0].sharding.memory_kind == "pinned_host"
+    free(second)
+
+
+# -- weight_budget and the scratch measurement, from GPU-shaped statistics -------------
+
+BUDGET_0 = 69_271_855_948  # int(0.9 x H100_LIMIT): the wiggle binds at fraction 1.0
+
+
+def test_the_allocator_limit_is_the_reported_bytes_limit():
+    assert allocator_limit(RecordedAllocator([Recording().now()])) == H100_LIMIT
+    assert CPU.memory_stats() is None or not CPU.memory_stats().get("bytes_limit")
+    assert allocator_limit(CPU) is None  # CPU reports no statistics
+    assert allocator_limit(RecordedAllocator([{"bytes_limit": -1}])) is None  # unset
 
 
 def test_weight_budget_explicit_bytes_win():
     rt = RuntimeConfig(weight_cache_bytes=12345)
-    assert weight_budget(rt, CPU) == 12345
-    assert weight_budget(rt, FakeDevice(10**9), max_scratch=10**6) == 12345
+    assert weight_budget(rt, None) == 12345
+    assert weight_budget(rt, H100_LIMIT, max_scratch=10**6) == 12345
 
 
 def test_weight_budget_fraction_zero_turns_the_cache_off():
-    assert weight_budget(RuntimeConfig(weight_cache_fraction=0), FakeDevice(10**9)) is None
+    assert weight_budget(RuntimeConfig(weight_cache_fraction=0), H100_LIMIT) is None
     rt = RuntimeConfig(weight_cache_fraction=0, weight_cache_bytes=12345)
-    assert weight_budget(rt, CPU) == 12345  # an explicit budget takes precedence
+    assert weight_budget(rt, None) == 12345  # an explicit budget takes precedence
 
 
-def test_weight_budget_cpu_has_no_limit_so_no_cache():
-    assert CPU.memory_stats() is None or not CPU.memory_stats().get("bytes_limit")
-    assert weight_budget(RuntimeConfig(), CPU) is None
-    assert weight_budget(RuntimeConfig(), FakeDevice(None)) is None
+def test_weight_budget_without_a_limit_has_no_cache():
+    assert weight_budget(RuntimeConfig(), allocator_limit(CPU)) is None
+    assert weight_budget(RuntimeConfig(), None) is None
 
 
 def test_weight_budget_from_the_device_limit():
-    limit = 1000 * 2**20
-    rt = RuntimeConfig(weight_cache_fraction=0.5, weight_cache_wiggle_fraction=0.1)
-    assert weight_budget(rt, FakeDevice(limit)) == limit // 2  # fraction binds
-    rt = RuntimeConfig(weight_cache_fraction=1.0, weight_cache_wiggle_fraction=0.1)
-    scratch = 50 * 2**20
-    assert weight_budget(rt, FakeDevice(limit), scratch) == int(0.9 * limit) - scratch
-    assert weight_budget(rt, FakeDevice(limit), 2 * limit) == 0  # never negative
+    rt = RuntimeConfig()  # fraction 1.0, wiggle 0.1
+    assert weight_budget(rt, H100_LIMIT) == BUDGET_0
+    assert weight_budget(rt, H100_LIMIT, 1536 * MIB) == BUDGET_0 - 1536 * MIB
+    half = RuntimeConfig(weight_cache_fraction=0.5, weight_cache_wiggle_fraction=0.1)
+    assert weight_budget(half, H100_LIMIT) == H100_LIMIT // 2  # the fraction binds
+    assert weight_budget(half, H100_LIMIT, 30 * GIB) == BUDGET_0 - 30 * GIB  # the scratch
+    assert weight_budget(rt, H100_LIMIT, 2 * H100_LIMIT) == 0  # never negative
+
+
+def test_measured_scratch_counts_only_an_execution_that_raised_the_peak():
+    rec = Recording().weights(350 * MIB).execution(96 * MIB)  # model a
+    at_lease, after = rec.snapshots
+    assert measured_scratch(at_lease, after) == 96 * MIB
+    rec.weights(-350 * MIB).weights(350 * MIB).execution(64 * MIB)  # b replaces a
+    assert rec.snapshots[3]["peak_bytes_in_use"] == rec.snapshots[2]["peak_bytes_in_use"]
+    assert measured_scratch(*rec.snapshots[2:4]) is None  # it stayed under a's peak
+    rec.weights(2 * 350 * MIB).execution(1536 * MIB)  # c beside b and a: a new peak
+    assert measured_scratch(*rec.snapshots[4:6]) == 1536 * MIB
+    rec.weights(-3 * 350 * MIB).weights(350 * MIB).execution(512 * MIB)  # compacted
+    at_lease = rec.snapshots[6]  # peak - in_use would call 2.2 GiB this model's scratch,
+    assert at_lease["peak_bytes_in_use"] - at_lease["bytes_in_use"] == (700 + 1536) * MIB
+    assert measured_scratch(*rec.snapshots[6:8]) is None  # and shrink the budget by it
+    assert measured_scratch(None, after) is None and measured_scratch(at_lease, None) is None
+    assert measured_scratch({"bytes_in_use": 0}, after) is None  # no peak reported
+
+
+async def test_a_larger_scratch_rederives_the_budget_and_trims_the_cache(files, caplog):
+    """Three models lease in turn inside measure_scratch, as warm-ups do, against a
+    recorded sequence: each execution's scratch is read from the statistics at its lease
+    and after it, the budget is re-derived from the device limit whenever the largest
+    scratch grows, and idle models are evicted at once to fit a smaller budget. The last
+    scratch leaves no room at all: the next model is oversized, loaded anyway."""
+    model = 350 * MIB  # what each model's weights would occupy on the GPU
+    rec = Recording().start()
+    for scratch in (96 * MIB, 64 * MIB, 1536 * MIB):  # a, b, c: measured, smaller, larger
+        rec.weights(model).execution(scratch)
+    rec.execution(BUDGET_0)  # a's second size: activations beyond (1 - wiggle) x limit
+    allocator = RecordedAllocator(rec.snapshots)
+    rt = RuntimeConfig()
+    limit = allocator_limit(allocator)
+    budgets = []
+    async with trio.open_nursery() as nursery:
+        m = WeightManager(
+            weight_budget(rt, limit),
+            CPU,
+            resize=lambda scratch: weight_budget(rt, limit, scratch),
+            allocator=allocator,
+        )
+        await nursery.start(m.run)
+        for name, wf in files.items():
+            await m.add(name, wf, "system")
+        budgets.append(m.cache.budget)
+        for name in "abca":
+            async with m.measure_scratch(name), m.lease(name):
+                pass
+            budgets.append((m.max_scratch, m.cache.budget, list(m.cache.lru)))
+        assert allocator.left == 0  # one read at the start, two per execution
+        with caplog.at_level(logging.WARNING, logger="rsrv.runtime._weight_cache"):
+            async with m.lease("b") as weights:  # leased outside a warm-up: no read
+                assert float(weights[0][0]) == 2
+        assert m.cache.counters.oversized_loads == 1
+        nursery.cancel_scope.cancel()
+    assert budgets == [
+        BUDGET_0,
+        (96 * MIB, BUDGET_0 - 96 * MIB, ["a"]),
+        (96 * MIB, BUDGET_0 - 96 * MIB, ["a", "b"]),  # a smaller scratch: unchanged
+        (1536 * MIB, BUDGET_0 - 1536 * MIB, ["a", "b", "c"]),
+        (BUDGET_0, 0, []),  # no room left: every idle model evicted at once
+    ]
+    assert "exceed the whole weight cache budget" in caplog.text
+
+
+async def test_no_statistics_no_scratch(files):
+    """CPU reports no statistics: the measurement reads nothing more and notes nothing."""
+    async with trio.open_nursery() as nursery:
+        m = WeightManager(2 * W, CPU)
+        await nursery.start(m.run)
+        await m.add("a", files["a"], "system")
+        async with m.measure_scratch("a"), m.lease("a"):
+            pass
+        assert m.max_scratch == 0 and m.cache.budget == 2 * W and not m._probes
+        nursery.cancel_scope.cancel()
 
 
 # -- WeightManager: transfer task, leases, prefetch -------------------------------------
@@ -285,8 +423,15 @@ def files(tmp_path) -> dict[str, object]:
     }
 
 
-async def manager(nursery, budget, files, residency="system") -> WeightManager:
-    m = WeightManager(budget, CPU)
+@pytest.fixture(params=ROUTES, ids=ROUTE_IDS)
+def route(request) -> Staging:
+    """The staging route of the WeightManager under test: every test using it runs on
+    both (``pinned`` is the accelerator route, selected on the CPU device)."""
+    return request.param
+
+
+async def manager(nursery, budget, files, residency="system", route=None) -> WeightManager:
+    m = WeightManager(budget, CPU, staging=route)
     await nursery.start(m.run)
     for name, wf in files.items():
         await m.add(name, wf, residency)
@@ -308,25 +453,32 @@ def record_peaks(monkeypatch, m: WeightManager) -> list[int]:
     return peaks
 
 
-async def test_lease_loads_on_demand_and_returns_the_right_weights(files):
+async def test_lease_loads_on_demand_and_returns_the_right_weights(files, route):
     async with trio.open_nursery() as nursery:
-        m = await manager(nursery, 2 * W, files)
+        m = await manager(nursery, 2 * W, files, route=route)
+        assert m.staging is route
         assert m.cache.resident_bytes == 0 and all(m.host_resident(k) for k in "abc")
+        leased = []
         for name, value in [("a", 1), ("b", 2), ("c", 3), ("a", 1)]:
             async with m.lease(name) as weights:
                 assert float(weights[0][0]) == value
                 assert m.cache.lru[name].leases == 1
+                assert_staged(route, m.placements[name].host.arrays, weights)
+                leased.append(weights)
             assert m.cache.lru[name].leases == 0
         assert list(m.cache.lru) == ["c", "a"] and m.cache.counters.loads == 4
+        # a and b were evicted: their device arrays are freed, their floors kept
+        assert all(w[0].is_deleted() for w in leased[:2]) and not leased[3][0].is_deleted()
+        assert_staged(route, m.placements["a"].host.arrays, leased[3])
         with pytest.raises(NotFound):
             async with m.lease("nope"):
                 pass
         nursery.cancel_scope.cancel()
 
 
-async def test_prefetch_fills_free_room_but_never_exceeds_the_budget(files, monkeypatch):
+async def test_prefetch_fills_free_room_but_never_exceeds_the_budget(files, monkeypatch, route):
     async with trio.open_nursery() as nursery:
-        m = await manager(nursery, W, files)
+        m = await manager(nursery, W, files, route=route)
         peaks = record_peaks(monkeypatch, m)
         async with m.lease("a"):
             await m.prefetch("b")  # only room for a, which is in use: skipped
@@ -338,9 +490,9 @@ async def test_prefetch_fills_free_room_but_never_exceeds_the_budget(files, monk
         nursery.cancel_scope.cancel()
 
 
-async def test_prefetch_of_a_resident_model_marks_it_recently_used(files):
+async def test_prefetch_of_a_resident_model_marks_it_recently_used(files, route):
     async with trio.open_nursery() as nursery:
-        m = await manager(nursery, 2 * W, files)
+        m = await manager(nursery, 2 * W, files, route=route)
         for name in "ab":
             async with m.lease(name):
                 pass
@@ -351,11 +503,11 @@ async def test_prefetch_of_a_resident_model_marks_it_recently_used(files):
         nursery.cancel_scope.cancel()
 
 
-async def test_a_demanded_model_is_not_evicted_for_a_prefetch(files):
+async def test_a_demanded_model_is_not_evicted_for_a_prefetch(files, route):
     """a's lease waits for a's transfer; c's prefetch is queued behind it. When c's turn
     comes, a is resident and demanded (or already leased): c must not evict it."""
     async with trio.open_nursery() as nursery:
-        m = await manager(nursery, W, files)
+        m = await manager(nursery, W, files, route=route)
         release = threading.Event()
         copy = m._copy
         m._copy = lambda placement: (release.wait(), copy(placement))[1]
@@ -377,11 +529,11 @@ async def test_a_demanded_model_is_not_evicted_for_a_prefetch(files):
         nursery.cancel_scope.cancel()
 
 
-async def test_lock_before_lease_keeps_concurrent_runs_within_the_budget(files, monkeypatch):
+async def test_lock_before_lease_keeps_concurrent_runs_within_the_budget(files, monkeypatch, route):
     """Two runs at once (a dispatch and a warm-up): the waiting one must not hold weights.
     Leasing before taking the device lock loaded b beside the executing a: 2W > budget."""
     async with trio.open_nursery() as nursery:
-        m = await manager(nursery, W, files)
+        m = await manager(nursery, W, files, route=route)
         peaks = record_peaks(monkeypatch, m)
         executor = DeviceExecutor(m)
         running, release = threading.Event(), threading.Event()
@@ -436,38 +588,46 @@ async def test_a_failed_transfer_fails_its_lease_and_a_later_one_retries(files):
         nursery.cancel_scope.cancel()
 
 
-async def test_unpinned_reads_the_file_on_every_load(files, monkeypatch):
+async def test_unpinned_reads_the_file_on_every_load(files, monkeypatch, route):
     opened = []
     monkeypatch.setattr(
         "rsrv.runtime._weight_manager.stage",
         lambda wf, fd=None: (opened.append(wf.path.stem), stage(wf, fd))[1],
     )
     async with trio.open_nursery() as nursery:
-        m = WeightManager(W, CPU)
+        m = WeightManager(W, CPU, staging=route)
         await nursery.start(m.run)
         await m.add("a", files["a"], "unpinned")
         await m.add("b", files["b"], "system")
         assert opened == ["b"] and m.host_resident("b") and not m.host_resident("a")
         for name in "abab":
-            async with m.lease(name):
-                pass
+            async with m.lease(name) as weights:
+                assert weights[0].sharding.memory_kind == "device"
         assert opened == ["b", "a", "a"]  # system staged once at add; unpinned per load
+        assert_staged(route, m.placements["b"].host.arrays, m.cache.lru["b"].arrays)
         nursery.cancel_scope.cancel()
 
 
-async def test_device_residency_is_placed_at_add_and_outside_the_budget(files):
+async def test_device_residency_is_placed_at_add_and_outside_the_budget(files, route):
     async with trio.open_nursery() as nursery:
-        m = WeightManager(W, CPU)
+        m = WeightManager(W, CPU, staging=route)
         await nursery.start(m.run)
         await m.add("p", files["a"], "device")
         assert "p" in m.cache.pinned and m.cache.resident_bytes == 0
         pinned = m.cache.pinned["p"]
+        assert pinned.arrays[0].sharding.memory_kind == "device"
         for name, wf in [("b", files["b"]), ("c", files["c"])]:
             await m.add(name, wf, "system")
             async with m.lease(name):
                 pass
+        before = m.cache.lru["c"].arrays
         assert m.compact() == 1
         assert m.cache.pinned["p"] is pinned and not pinned.arrays[0].is_deleted()
+        assert before[0].is_deleted() and not m.cache.is_resident("c")  # freed at once
+        assert await m.compact_and_reload(["c"]) == 1  # loaded again, from its floor
+        after = m.cache.lru["c"].arrays
+        assert after is not before and float(after[0][0]) == 3
+        assert_staged(route, m.placements["c"].host.arrays, after)
         nursery.cancel_scope.cancel()
 
 
@@ -482,9 +642,9 @@ async def test_cache_off_places_every_model_at_add(files):
         nursery.cancel_scope.cancel()
 
 
-async def test_remove_during_a_transfer_frees_what_was_copied(files):
+async def test_remove_during_a_transfer_frees_what_was_copied(files, route):
     async with trio.open_nursery() as nursery:
-        m = await manager(nursery, 2 * W, files)
+        m = await manager(nursery, 2 * W, files, route=route)
         release, copied = threading.Event(), []
         copy = m._copy
 
