@@ -109,6 +109,15 @@ class RuntimeConfig(_Strict):
             "or auto: pageable on the cpu backend, pinned on an accelerator."
         ),
     ] = "auto"
+    inline_execution_seconds: Annotated[
+        float,
+        Meta(ge=0, le=0.01),
+        _doc(
+            "An execution measured shorter than this runs on the event loop's thread "
+            "(saving two thread hand-offs); longer ones run in the device thread; 0: "
+            "always the device thread."
+        ),
+    ] = 0.0005
 
 
 class ModelSchedConfig(_Strict):

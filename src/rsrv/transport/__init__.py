@@ -3,9 +3,10 @@
 purerpc supplies the service definitions (generated servicers and stubs) and status
 types; this package replaces its connection layer, which has no way to cancel a call
 whose client reset the stream or went away, flushes once per frame, and runs on anyio.
-Here every connection and call is a trio task with a defined lifetime (see
-``_connection``), limits bound what one client can hold (``TransportLimits``), and TLS
-is served by ``trio.SSLStream``.
+Here HTTP/2 is spoken directly (``_frames``; header decoding by ``hpack``), every
+connection and call is a trio task with a defined lifetime (see ``_connection``), limits
+bound what one client can hold (``TransportLimits``), and TLS is served by
+``trio.SSLStream``.
 """
 
 from rsrv.transport._call import ServerCall

@@ -8,22 +8,23 @@ import math
 import urllib.parse
 from typing import TYPE_CHECKING
 
-import h2.exceptions
 import trio
-from h2.errors import ErrorCodes
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.transport._frames import CANCEL, header_block
 from rsrv.transport._messages import MessageError, MessageReader, frame
 
 if TYPE_CHECKING:
     from rsrv.transport._connection import ServerConnection
 
 INBOX_LIMIT = 4  # complete messages a stream may hold unread before flow control stops
-RESPONSE_HEADERS = [
+_RESPONSE = [
     (b":status", b"200"),
     (b"content-type", b"application/grpc"),
     (b"grpc-accept-encoding", b"identity,gzip,deflate"),
 ]
+_RESPONSE_BLOCK = header_block(_RESPONSE)  # the same bytes for every response
+_OK_BLOCK = header_block([(b"grpc-status", b"0")])
 
 
 class ServerCall:
@@ -54,6 +55,9 @@ class ServerCall:
         "_since",
         "_received",
         "_stalled",
+        "recv_window",
+        "recv_unacked",
+        "send_window",
     )
 
     def __init__(self, conn: ServerConnection, stream_id: int, path: str, metadata, deadline):
@@ -76,12 +80,15 @@ class ServerCall:
         self._since = trio.current_time()  # headers, or the first byte of a partial message
         self._received = False
         self._stalled = False  # the request did not arrive in time
+        self.recv_window = 0  # HTTP/2 flow control, kept by the connection
+        self.recv_unacked = 0
+        self.send_window = 0
 
     # -- inbound, called by the connection's reader -----------------------------------
 
     def _on_data(self, data: bytes, flow: int) -> None:
         if self._closed:
-            self.conn.acknowledge(self.id, flow)
+            self.conn.acknowledge(None, flow)
             return
         reader = self._reader
         was_partial = reader.partial
@@ -92,7 +99,7 @@ class ServerCall:
         if reader.partial and (messages or not was_partial):
             self._since = trio.current_time()
         if len(self._inbox) <= INBOX_LIMIT:
-            self.conn.acknowledge(self.id, flow)
+            self.conn.acknowledge(self, flow)
         else:
             self._deferred += flow
 
@@ -144,70 +151,64 @@ class ServerCall:
         message = self._inbox.popleft()
         self._received = True
         if self._deferred and len(self._inbox) < INBOX_LIMIT:
-            self.conn.acknowledge(self.id, self._deferred)
+            self.conn.acknowledge(self, self._deferred)
             self._deferred = 0
-            self.conn.wake_writer()
+            self.conn.flush()
         if isinstance(message, MessageError):
             raise message
         return message
 
-    async def send(self, payload: bytes) -> None:
-        """Send one response message (already serialized)."""
+    async def send(self, payload: bytes, *, flush: bool = True) -> None:
+        """Send one response message (already serialized). ``flush`` False leaves it
+        queued for the next flush (a unary call's answer leaves with its trailers)."""
         if self._closed:
             return
         conn = self.conn
-        h2conn = conn.h2
-        sid = self.id
-        try:
-            if not self._started:
-                h2conn.send_headers(sid, RESPONSE_HEADERS)
-                self._started = True
-            data = memoryview(frame(payload))
-            pos, end = 0, len(data)
-            while pos < end:
-                window = h2conn.local_flow_control_window(sid)
-                if window <= 0:
-                    conn.wake_writer()
-                    waiter = self._window = trio.Event()
-                    await waiter.wait()
-                    if self._closed:
-                        return
-                    continue
-                size = min(window, h2conn.max_outbound_frame_size, end - pos)
-                h2conn.send_data(sid, data[pos : pos + size])
-                pos += size
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self._closed = True  # reset or closed under us: nothing more to send
-            return
-        conn.wake_writer()
+        if not self._started:
+            conn.write_headers(self.id, _RESPONSE_BLOCK)
+            self._started = True
+        data = memoryview(frame(payload))
+        while data:
+            sent = conn.write_data(self, data)
+            if not sent:  # out of window: wait for the peer's WINDOW_UPDATE
+                conn.flush()
+                waiter = self._window = trio.Event()
+                await waiter.wait()
+                if self._closed:
+                    return  # reset meanwhile
+                continue
+            data = data[sent:]
+        if flush:
+            conn.flush()
 
     def finish(self, code: StatusCode, message: str = "") -> None:
         """End the call with its status (trailers); a no-op once closed."""
         if self._closed:
             return
         self._closed = True
-        trailers = [] if self._started else [(b":status", b"200"), *RESPONSE_HEADERS[1:]]
-        trailers.append((b"grpc-status", b"%d" % code.value))
-        if message:
-            trailers.append((b"grpc-message", urllib.parse.quote(message, safe="").encode()))
-        h2conn = self.conn.h2
-        try:
-            # A client still sending may finish: what it sends is acknowledged and
-            # dropped (some clients fail on the RST_STREAM that would stop it); one
-            # that stalled mid-message is reset.
-            h2conn.send_headers(self.id, trailers, end_stream=True)
-            if self._stalled and not self._ended:
-                h2conn.reset_stream(self.id, ErrorCodes.CANCEL)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            pass
-        self.conn.wake_writer()
+        if code is StatusCode.OK and not message and self._started:
+            block = _OK_BLOCK
+        else:
+            trailers = [] if self._started else list(_RESPONSE)
+            trailers.append((b"grpc-status", b"%d" % code.value))
+            if message:
+                trailers.append((b"grpc-message", urllib.parse.quote(message, safe="").encode()))
+            block = header_block(trailers)
+        conn = self.conn
+        conn.write_headers(self.id, block, end_stream=True)
+        # A client still sending may finish: what it sends is acknowledged and dropped
+        # (some clients fail on the RST_STREAM that would stop it); one that stalled
+        # mid-message is reset.
+        if self._stalled and not self._ended:
+            conn.reset_stream(self.id, CANCEL)
+        conn.flush()
 
     def release(self) -> None:
         """Forget the call (its task ended): free its buffers and inflate budget."""
         self._closed = True
         self._inbox.clear()
         if self._deferred:
-            self.conn.acknowledge(self.id, self._deferred)
+            self.conn.acknowledge(None, self._deferred)
             self._deferred = 0
         if self._reader is not None:
             self._reader.release()

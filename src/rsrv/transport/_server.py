@@ -236,7 +236,8 @@ class GrpcServer:
                 async for response in responses:
                     await call.send(_encode(method, response, limit))
         else:
-            await call.send(_encode(method, await method.handler(request, call), limit))
+            response = await method.handler(request, call)
+            await call.send(_encode(method, response, limit), flush=False)  # with the trailers
 
 
 async def _requests(method: Method, call: ServerCall):

@@ -1,4 +1,4 @@
-"""Runs batches on the device for the scheduler: one execution at a time, in a thread."""
+"""Runs batches on the device for the scheduler: one execution at a time."""
 
 from __future__ import annotations
 
@@ -15,19 +15,26 @@ from rsrv.worker._models import ServedModel
 class DeviceExecutor:
     """The scheduler's :class:`~rsrv.scheduler.Executor` over compiled model versions.
 
-    ``versions`` maps executable keys (``name@version``) to loaded versions. A lock makes
-    warm-up runs and dispatches take turns, so the device never runs two executions at
-    once; the PJRT call itself runs in a trio worker thread. Weights are leased from the
+    ``versions`` maps executable keys (``name@generation``) to loaded versions. A lock
+    makes warm-up runs and dispatches take turns, so the device never runs two executions
+    at once. The PJRT call runs in a trio worker thread (the device thread), except that
+    an execution whose last measured duration was under ``inline_below`` seconds runs on
+    the event loop's own thread: for a model that executes in tens of microseconds the
+    two thread hand-offs cost more than the execution, while a longer one must not stall
+    the loop. Every run is timed inside its thread, so a model that becomes slower moves
+    back to the device thread at its next run. Weights are leased from the
     :class:`WeightManager` for the duration of an execution, and only once the lock is
     held: a run waiting for the device holds no weights, so at most one model is leased
     at a time and the budget always has room for the model about to run.
     """
 
-    def __init__(self, weights: WeightManager):
+    def __init__(self, weights: WeightManager, inline_below: float = 0.0):
         self.weights = weights
+        self.inline_below = inline_below
         self.versions: dict[str, ServedModel] = {}
         self._device = trio.Lock()
         self._limiter = trio.CapacityLimiter(1)
+        self._seconds: dict[tuple[str, int], float] = {}  # last run, per version and size
 
     async def execute(
         self, model: str, batch_size: int, inputs: list[np.ndarray]
@@ -44,6 +51,8 @@ class DeviceExecutor:
         """A replaced or removed version has drained: free its weights now."""
         self.versions.pop(model, None)
         self.weights.remove(model)
+        for key in [k for k in self._seconds if k[0] == model]:
+            del self._seconds[key]
 
     async def warm_up(self, served: ServedModel) -> dict[int, float]:
         """Run every compiled size once on zeros; return the measured seconds per size.
@@ -64,8 +73,19 @@ class DeviceExecutor:
     async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
         async with self._device:
             async with self.weights.lease(served.key) as weights:
-                outputs = await trio.to_thread.run_sync(
-                    served.compiled.run, size, inputs, weights, limiter=self._limiter
-                )
+                key = (served.key, size)
+                last = self._seconds.get(key)
+                if last is not None and last < self.inline_below:
+                    outputs, self._seconds[key] = _timed(served, size, inputs, weights)
+                else:
+                    outputs, self._seconds[key] = await trio.to_thread.run_sync(
+                        _timed, served, size, inputs, weights, limiter=self._limiter
+                    )
             self.weights.after_execution()
             return outputs
+
+
+def _timed(served: ServedModel, size: int, inputs, weights) -> tuple[list[np.ndarray], float]:
+    start = time.perf_counter()
+    outputs = served.compiled.run(size, inputs, weights)
+    return outputs, time.perf_counter() - start

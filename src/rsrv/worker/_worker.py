@@ -87,7 +87,7 @@ class Worker:
             else f"{self.weights.cache.budget} bytes",
             "none reported" if limit is None else f"{limit} bytes",
         )
-        self.executor = DeviceExecutor(self.weights)
+        self.executor = DeviceExecutor(self.weights, runtime.inline_execution_seconds)
         self.scheduler = Scheduler(config.scheduler, self.executor)
         self.pipeline = Pipeline(self.models, self.scheduler, config.scheduler.meta_concurrency)
         self.shm = SharedMemoryRegistry(

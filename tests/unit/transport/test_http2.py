@@ -1,0 +1,309 @@
+"""The server side of HTTP/2 (RFC 9113) as rsrv speaks it, frame by frame.
+
+A :class:`ServerConnection` is fed bytes as a client would send them and the frames it
+queues in answer are read back; calls it starts are recorded instead of run. The same
+connection code serves every end-to-end test (tritonclient, grpcio, purerpc clients);
+these tests cover what polite clients never send.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import hpack
+import pytest
+
+from rsrv.transport import TransportLimits
+from rsrv.transport import _frames as F
+from rsrv.transport._connection import ServerConnection
+
+PATH = b"/inference.GRPCInferenceService/ModelInfer"
+
+
+class _Server:
+    def __init__(self, **limits):
+        self.limits = TransportLimits(**limits)
+        self.started = []
+
+    async def _run_call(self, call):  # pragma: no cover - never awaited here
+        raise AssertionError
+
+
+class _Nursery:
+    def __init__(self, server):
+        self.server = server
+
+    def start_soon(self, fn, call):
+        self.server.started.append(call)
+
+
+class Client:
+    """Bytes in, frames out, against one ServerConnection."""
+
+    def __init__(self, **limits):
+        self.server = _Server(**limits)
+        self.conn = ServerConnection(object(), self.server, "test")
+        self.conn._nursery = _Nursery(self.server)
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.conn._out.clear()  # (run() would have queued the server preface)
+
+    def send(self, data: bytes) -> list[tuple[int, int, int, bytes]]:
+        """Feed ``data``; the frames the server queued in answer."""
+        self.conn._receive(data)
+        out = b"".join(bytes(b) for b in self.conn._out)
+        self.conn._out.clear()
+        return F.FrameReader(F.MAX_WINDOW).feed(out)
+
+    def start(self, settings: dict | None = None):
+        return self.send(F.PREFACE + F.settings(settings or {}))
+
+    def headers(self, sid: int, extra=(), *, flags=F.END_HEADERS, method=b"POST"):
+        block = self.encoder.encode(
+            [
+                (b":method", method),
+                (b":scheme", b"http"),
+                (b":path", PATH),
+                (b":authority", b"x"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+                *extra,
+            ]
+        )
+        return F.frame(F.HEADERS, flags, sid, block)
+
+    @property
+    def calls(self):
+        return self.server.started
+
+
+def goaway(frames) -> int | None:
+    for kind, _, _, payload in frames:
+        if kind == F.GOAWAY:
+            return struct.unpack(">I", payload[4:8])[0]
+    return None
+
+
+def rst(frames, sid) -> int | None:
+    for kind, _, stream, payload in frames:
+        if kind == F.RST_STREAM and stream == sid:
+            return struct.unpack(">I", payload)[0]
+    return None
+
+
+def protocol_error(client: Client, data: bytes) -> int:
+    with pytest.raises(F.ConnectionError_) as info:
+        client.send(data)
+    return info.value.code
+
+
+# -- frames and header blocks --------------------------------------------------------
+
+
+async def test_frame_reader_splits_and_joins():
+    data = F.frame(F.PING, 0, 0, b"12345678") + F.frame(F.DATA, 1, 3, b"abc")
+    reader = F.FrameReader(100)
+    got = []
+    for i in range(len(data)):
+        got += reader.feed(data[i : i + 1])
+    assert got == [(F.PING, 0, 0, b"12345678"), (F.DATA, 1, 3, b"abc")]
+    with pytest.raises(F.ConnectionError_) as info:
+        F.FrameReader(10).feed(F.frame(F.DATA, 0, 1, bytes(11)))
+    assert info.value.code == F.FRAME_SIZE_ERROR
+
+
+async def test_header_blocks_decode_with_any_table_size():
+    headers = [
+        (b":status", b"200"),
+        (b"content-type", b"application/grpc"),
+        (b"grpc-status", b"3"),
+        (b"grpc-message", b"x" * 300),  # a length beyond one prefix byte
+    ]
+    for table_size in (0, 4096):
+        decoder = hpack.Decoder()
+        decoder.max_allowed_table_size = table_size
+        assert decoder.decode(F.header_block(headers), raw=True) == headers
+
+
+# -- the connection ------------------------------------------------------------------
+
+
+async def test_preface_must_open_the_connection():
+    assert protocol_error(Client(), b"GET / HTTP/1.1\r\n\r\n" + bytes(10)) == F.PROTOCOL_ERROR
+    assert protocol_error(Client(), F.PREFACE + F.frame(F.PING, 0, 0, bytes(8))) == (
+        F.PROTOCOL_ERROR
+    )
+
+
+async def test_settings_are_acknowledged_and_ping_answered():
+    client = Client()
+    frames = client.start({F.INITIAL_WINDOW_SIZE: 100, F.MAX_FRAME_SIZE: 20000})
+    assert (F.SETTINGS, F.ACK, 0, b"") in frames
+    assert client.conn.peer_initial_window == 100 and client.conn.peer_max_frame == 20000
+    assert client.send(F.frame(F.PING, 0, 0, b"pingpong")) == [(F.PING, F.ACK, 0, b"pingpong")]
+    assert client.send(F.frame(F.PING, F.ACK, 0, b"pingpong")) == []  # an answer: none
+
+
+@pytest.mark.parametrize(
+    ("settings", "code"),
+    [
+        ({F.INITIAL_WINDOW_SIZE: 2**31}, F.FLOW_CONTROL_ERROR),
+        ({F.MAX_FRAME_SIZE: 100}, F.PROTOCOL_ERROR),
+        ({F.ENABLE_PUSH: 2}, F.PROTOCOL_ERROR),
+    ],
+)
+async def test_bad_settings_end_the_connection(settings, code):
+    assert protocol_error(Client(), F.PREFACE + F.settings(settings)) == code
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (F.window_update(0, 0), F.PROTOCOL_ERROR),
+        (F.window_update(0, 2**31 - 1), F.FLOW_CONTROL_ERROR),  # overflow
+        (F.frame(F.DATA, 0, 1, b"x"), F.PROTOCOL_ERROR),  # never opened
+        (F.frame(F.HEADERS, F.END_HEADERS, 2, b""), F.PROTOCOL_ERROR),  # even id
+        (F.frame(F.PUSH_PROMISE, 0, 1, bytes(4)), F.PROTOCOL_ERROR),
+        (F.frame(F.RST_STREAM, 0, 0, bytes(4)), F.PROTOCOL_ERROR),
+        (F.frame(F.RST_STREAM, 0, 9, bytes(4)), F.PROTOCOL_ERROR),  # idle stream
+        (F.window_update(9, 1), F.PROTOCOL_ERROR),  # idle stream
+        (F.frame(F.PING, 0, 0, b"short"), F.PROTOCOL_ERROR),
+        (F.frame(F.SETTINGS, 0, 1, b""), F.PROTOCOL_ERROR),
+        (F.frame(F.CONTINUATION, F.END_HEADERS, 1, b""), F.PROTOCOL_ERROR),
+        (F.frame(F.HEADERS, F.END_HEADERS, 1, b"\xff\xff\xff\xff"), F.COMPRESSION_ERROR),
+    ],
+)
+async def test_protocol_errors_end_the_connection(frame, code):
+    client = Client()
+    client.start()
+    assert protocol_error(client, frame) == code
+
+
+async def test_unknown_frames_and_priority_are_ignored():
+    client = Client()
+    client.start()
+    assert client.send(F.frame(0x42, 0xFF, 7, b"whatever")) == []
+    assert client.send(F.frame(F.PRIORITY, 0, 5, bytes(5))) == []
+
+
+async def test_a_request_starts_a_call_and_its_data_reaches_it():
+    client = Client()
+    client.start()
+    client.send(client.headers(1))
+    (call,) = client.calls
+    assert call.path == PATH.decode() and call.id == 1
+    payload = struct.pack(">?I", False, 3) + b"abc"
+    client.send(F.frame(F.DATA, F.END_STREAM, 1, payload))
+    assert list(call._inbox) == [b"abc"] and call._ended
+
+
+async def test_continuation_padding_and_priority():
+    client = Client()
+    client.start()
+    block = client.encoder.encode(
+        [(b":method", b"POST"), (b":path", PATH), (b"content-type", b"application/grpc")]
+    )
+    padded = bytes([3]) + bytes(5) + block[:4] + bytes(3)  # pad length, priority, data, pad
+    client.send(F.frame(F.HEADERS, F.PADDED | F.PRIORITY_FLAG, 1, padded))
+    assert client.calls == []  # the block is not complete
+    client.send(F.frame(F.CONTINUATION, F.END_HEADERS, 1, block[4:]))
+    assert len(client.calls) == 1
+    payload = struct.pack(">?I", False, 2) + b"hi"
+    client.send(F.frame(F.DATA, F.PADDED, 1, bytes([4]) + payload + bytes(4)))
+    assert list(client.calls[0]._inbox) == [b"hi"]
+
+
+async def test_an_interrupted_header_block_is_an_error():
+    client = Client()
+    client.start()
+    client.send(client.headers(1, flags=0))
+    assert protocol_error(client, F.frame(F.PING, 0, 0, bytes(8))) == F.PROTOCOL_ERROR
+
+
+async def test_streams_beyond_the_limit_are_refused():
+    client = Client(max_streams_per_connection=2)
+    client.start()
+    client.send(client.headers(1) + client.headers(3))
+    assert rst(client.send(client.headers(5)), 5) == F.REFUSED_STREAM
+    assert len(client.calls) == 2
+
+
+async def test_malformed_requests_end_their_stream_only():
+    client = Client()
+    client.start()
+    assert rst(client.send(client.headers(1, [(b"Upper", b"x")])), 1) == F.PROTOCOL_ERROR
+    assert rst(client.send(client.headers(3, [(b"connection", b"close")])), 3) == (F.PROTOCOL_ERROR)
+    statuses = {}
+    for sid, frames in (
+        (5, client.send(client.headers(5, method=b"GET"))),
+        (7, client.send(client.headers(7, [(b"content-type", b"text/plain")]))),
+    ):
+        for kind, _, stream, payload in frames:
+            if kind == F.HEADERS and stream == sid:
+                statuses[sid] = dict(client.decoder.decode(payload))[":status"]
+    assert statuses == {5: "405", 7: "415"}
+    assert client.calls == []
+    client.send(client.headers(9))  # the connection carries on
+    assert [c.id for c in client.calls] == [9]
+
+
+async def test_response_respects_the_peer_window_and_frame_size():
+    client = Client()
+    client.start({F.INITIAL_WINDOW_SIZE: 10})
+    client.send(client.headers(1))
+    (call,) = client.calls
+    sent = client.conn.write_data(call, memoryview(bytes(25)))
+    assert sent == 10  # the stream window
+    assert client.conn.write_data(call, memoryview(bytes(15))) == 0
+    client.send(F.window_update(1, 40_000))
+    assert client.conn.write_data(call, memoryview(bytes(15))) == 15
+    big = Client()
+    big.start({F.INITIAL_WINDOW_SIZE: 2**20})
+    big.send(F.window_update(0, 2**20))
+    big.send(big.headers(1))
+    (call,) = big.calls
+    assert big.conn.write_data(call, memoryview(bytes(50_000))) == 50_000
+    frames = F.FrameReader(F.MAX_WINDOW).feed(b"".join(bytes(b) for b in big.conn._out))
+    assert [len(p) for k, _, _, p in frames if k == F.DATA] == [16_384, 16_384, 16_384, 848]
+
+
+async def test_window_settings_change_open_streams():
+    client = Client()
+    client.start({F.INITIAL_WINDOW_SIZE: 100})
+    client.send(client.headers(1))
+    (call,) = client.calls
+    client.send(F.settings({F.INITIAL_WINDOW_SIZE: 40}))
+    assert call.send_window == 40
+
+
+async def test_headers_on_a_closed_stream_and_oversized_header_lists():
+    client = Client()
+    client.start()
+    client.send(client.headers(3))
+    assert rst(client.send(client.headers(1)), 1) == F.STREAM_CLOSED  # a lower id
+    assert protocol_error(client, client.headers(5, [(b"x-big", b"v" * 20_000)])) == (
+        F.ENHANCE_YOUR_CALM
+    )
+
+
+async def test_reset_and_trailers_from_the_client():
+    client = Client()
+    client.start()
+    client.send(client.headers(1) + client.headers(3))
+    one, three = client.calls
+    client.send(F.frame(F.RST_STREAM, 0, 1, struct.pack(">I", F.CANCEL)))
+    assert one._closed and one.scope.cancel_called
+    trailers = client.encoder.encode([(b"x-trailer", b"1")])
+    client.send(F.frame(F.HEADERS, F.END_HEADERS | F.END_STREAM, 3, trailers))
+    assert three._ended
+
+
+async def test_data_for_a_finished_stream_is_counted_and_dropped():
+    client = Client()
+    client.start()
+    client.send(client.headers(1))
+    (call,) = client.calls
+    call.release()  # the call ended; the client still sends
+    before = client.conn._recv_window
+    assert client.send(F.frame(F.DATA, 0, 1, bytes(100))) == []
+    assert client.conn._recv_window == before - 100
