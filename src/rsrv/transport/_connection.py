@@ -86,6 +86,7 @@ class ServerConnection:
         self.peer_max_frame = F.DEFAULT_FRAME
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = MAX_HEADER_LIST
+        self._decoded: dict[bytes, tuple] = {}  # block -> (table state, headers)
         self._frames = F.FrameReader(MAX_FRAME)
         self._preface = b""  # the client preface received so far (24 bytes in all)
         self._settled = False  # the preface and first SETTINGS arrived
@@ -100,10 +101,9 @@ class ServerConnection:
         self._closing = False
         self._writer_done = trio.Event()
         self._opened = trio.current_time()
-        self._idle_since = self._opened
         self._nursery: trio.Nursery | None = None
-        self._read_scope = trio.CancelScope()
-        self._timer: trio.CancelScope | None = None  # around the reader's receive
+        self._read_scope = trio.CancelScope()  # the reader's; its deadline: see _reader
+        self._goaway_sent = False
 
     async def run(self) -> None:
         """Serve the connection until it ends; every call on it ends with it."""
@@ -124,8 +124,13 @@ class ServerConnection:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
                 self.flush()
+                self._read_scope.deadline = self._opened + self.server.limits.handshake_timeout
                 with self._read_scope:
                     await self._reader()
+                if self._read_scope.cancelled_caught and not self._goaway_sent:
+                    why = "an idle" if self._settled else "a silent (no HTTP/2 preface)"
+                    log.debug("closing %s connection from %s", why, self.peer)
+                    self._send_goaway(F.NO_ERROR)
                 # Let the writer flush what is queued (a GOAWAY, the last trailers).
                 self._closing = True
                 self.wake_writer()
@@ -147,35 +152,22 @@ class ServerConnection:
         self._read_scope.cancel()
 
     def _send_goaway(self, code: int, why: str = "") -> None:
+        self._goaway_sent = True
         self._out.append(F.goaway(self._last_stream, code, why.encode()[:256]))
         self.flush()
 
     # -- reading ------------------------------------------------------------------------
 
-    def _read_deadline(self) -> float:
-        limits = self.server.limits
-        if not self._settled:
-            return self._opened + limits.handshake_timeout
-        if not self.calls and limits.idle_timeout:
-            return self._idle_since + limits.idle_timeout
-        return math.inf
-
     async def _reader(self) -> None:
+        """Read until the peer closes, breaks the protocol, or ``_read_scope`` ends:
+        its deadline is the handshake's, then the idle timeout's while no call is open
+        (set by ``_on_request`` and ``forget``), and :meth:`goaway` cancels it."""
         receive = self.stream.receive_some
         while not self._closing:
-            # The deadline moves when the last call ends (forget) while this waits.
-            with trio.CancelScope(deadline=self._read_deadline()) as timer:
-                self._timer = timer
-                try:
-                    data = await receive(RECEIVE_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return  # reset by the peer, or a TLS stream cut short
-            self._timer = None
-            if timer.cancelled_caught:
-                why = "an idle" if self._settled else "a silent (no HTTP/2 preface)"
-                log.debug("closing %s connection from %s", why, self.peer)
-                self._send_goaway(F.NO_ERROR)
-                return
+            try:
+                data = await receive(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # reset by the peer, or a TLS stream cut short
             if not data:
                 return  # the peer closed the connection
             try:
@@ -200,6 +192,8 @@ class ServerConnection:
                 if kind != F.SETTINGS or flags & F.ACK:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "the preface must be SETTINGS")
                 self._settled = True
+                idle = self.server.limits.idle_timeout
+                self._read_scope.deadline = trio.current_time() + idle if idle else math.inf
             if self._continuing is not None and kind != F.CONTINUATION:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "a header block was interrupted")
             if kind == F.DATA:
@@ -280,7 +274,7 @@ class ServerConnection:
 
     def _headers_complete(self, sid: int, flags: int, block: bytes) -> None:
         try:  # the decoder's state must follow every block, whatever becomes of it
-            headers = self._decoder.decode(block, raw=True)
+            headers = self._decode(block)
         except hpack.exceptions.OversizedHeaderListError:
             # hpack stops mid-block, so its table may no longer match the peer's
             raise F.ConnectionError_(F.ENHANCE_YOUR_CALM, "header list too large") from None
@@ -300,6 +294,31 @@ class ServerConnection:
             self._out.append(F.rst_stream(sid, F.REFUSED_STREAM))
             return
         self._on_request(sid, flags, headers)
+
+    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The headers of ``block``, decoded once per dynamic-table state.
+
+        Clients send the same block over and over (every field indexed, the table
+        unchanged by it); decoding it again would give the same list. The table's state
+        is named by its newest entry (each insertion makes a new object, kept alive by
+        the table) and its length; a block that changed the table is never reused.
+        """
+        table = self._decoder.header_table
+        state = self._table_state(table)
+        hit = self._decoded.get(block)
+        if hit is not None and hit[0] == state and hit[0][0] is state[0]:
+            return hit[1]
+        headers = self._decoder.decode(block, raw=True)
+        if self._table_state(table) == state:
+            if len(self._decoded) >= 64:
+                self._decoded.clear()
+            self._decoded[block] = (state, headers)
+        return headers
+
+    @staticmethod
+    def _table_state(table) -> tuple:
+        entries = table.dynamic_entries
+        return (entries[0] if entries else None, len(entries), table.maxsize)
 
     def _on_request(self, sid: int, flags: int, headers) -> None:
         method = path = content_type = encoding = timeout = None
@@ -344,14 +363,15 @@ class ServerConnection:
             self.budget,
         )
         self.calls[sid] = call
-        self._idle_since = math.inf
+        if len(self.calls) == 1:
+            self._read_scope.deadline = math.inf  # not idle
         if timeout is not None:
             seconds = _parse_timeout(timeout)
             if seconds is None:
                 call.finish(StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {timeout!r}")
                 call.release()
                 return
-            call.deadline = trio.current_time() + seconds
+            call.deadline = call.scope.deadline = trio.current_time() + seconds
         if end:
             call._on_end()
         self._nursery.start_soon(self.server._run_call, call)
@@ -500,10 +520,8 @@ class ServerConnection:
     def forget(self, call: ServerCall) -> None:
         if self.calls.get(call.id) is call:
             del self.calls[call.id]
-            if not self.calls:
-                self._idle_since = trio.current_time()
-                if self._timer is not None:
-                    self._timer.deadline = self._read_deadline()
+            if not self.calls and self.server.limits.idle_timeout:
+                self._read_scope.deadline = trio.current_time() + self.server.limits.idle_timeout
 
     async def _writer(self) -> None:
         send = self.stream.send_all

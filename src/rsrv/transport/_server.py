@@ -199,26 +199,27 @@ class GrpcServer:
         code, message = StatusCode.OK, ""
         method = self.methods.get(call.path)
         try:
-            with call.scope:  # cancelled by RST_STREAM: the client is gone
-                with trio.move_on_at(call.deadline) as timer:
-                    try:
-                        if method is None:
-                            service, _, name = call.path.lstrip("/").rpartition("/")
-                            raise MessageError(
-                                StatusCode.UNIMPLEMENTED,
-                                f"Method {name} is not implemented in service {service}",
-                            )
-                        call.unary_request = not method.client_streaming
-                        await self._invoke(method, call)
-                    except Exception as e:
-                        code, message = self.status_of(e)
-                if timer.cancelled_caught:
-                    code = StatusCode.DEADLINE_EXCEEDED
-                    streaming = method.client_streaming or method.server_streaming
-                    message = "deadline (grpc-timeout) expired before the " + (
-                        "stream ended" if streaming else "call finished"
-                    )
-                call.finish(code, message)
+            # One scope: RST_STREAM cancels it (the call is then closed: nothing to
+            # answer), and it carries the grpc-timeout deadline.
+            with call.scope:
+                try:
+                    if method is None:
+                        service, _, name = call.path.lstrip("/").rpartition("/")
+                        raise MessageError(
+                            StatusCode.UNIMPLEMENTED,
+                            f"Method {name} is not implemented in service {service}",
+                        )
+                    call.unary_request = not method.client_streaming
+                    await self._invoke(method, call)
+                except Exception as e:
+                    code, message = self.status_of(e)
+            if call.scope.cancelled_caught:  # a reset, or the deadline
+                code = StatusCode.DEADLINE_EXCEEDED
+                streaming = method.client_streaming or method.server_streaming
+                message = "deadline (grpc-timeout) expired before the " + (
+                    "stream ended" if streaming else "call finished"
+                )
+            call.finish(code, message)  # a no-op after a reset
         finally:
             call.release()
 

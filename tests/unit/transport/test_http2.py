@@ -307,3 +307,21 @@ async def test_data_for_a_finished_stream_is_counted_and_dropped():
     before = client.conn._recv_window
     assert client.send(F.frame(F.DATA, 0, 1, bytes(100))) == []
     assert client.conn._recv_window == before - 100
+
+
+async def test_repeated_header_blocks_decode_as_the_table_says():
+    """A block decoded before is reused only while the dynamic table is as it was: the
+    same bytes (index 62, the newest entry) mean another header once the table grew."""
+    client = Client()
+    client.start()
+    base = F.header_block(
+        [(b":method", b"POST"), (b":path", PATH), (b"content-type", b"application/grpc")]
+    )[1:]  # without its table size update: this block must not shrink the table
+    add_a = base + b"\x40" + bytes([4]) + b"x-id" + bytes([1]) + b"a"  # with indexing
+    add_b = base + b"\x40" + bytes([4]) + b"x-id" + bytes([1]) + b"b"
+    newest = base + b"\xbe"  # indexed: dynamic entry 62
+    sid = 1
+    for block, want in ((add_a, "a"), (newest, "a"), (newest, "a"), (add_b, "b"), (newest, "b")):
+        client.send(F.frame(F.HEADERS, F.END_HEADERS, sid, block))
+        assert client.calls[-1].metadata["x-id"] == want, (sid, want)
+        sid += 2
