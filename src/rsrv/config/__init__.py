@@ -9,10 +9,18 @@ See ``specs/config.md`` for the file format, the environment overrides
 and the resolution rules.
 """
 
-from ._env import ENV_PREFIX, apply_env, env_variables, parse_env_value
+from ._devices import detect_devices
+from ._env import (
+    CPU_WORKERS_VARIABLE,
+    ENV_PREFIX,
+    GPUS_VARIABLE,
+    apply_env,
+    env_variables,
+    parse_env_value,
+)
 from ._errors import ConfigError
 from ._load import DEFAULT_NODE_NAME, load_node, load_worker
-from ._resolve import effective_config_dict, resolve_worker
+from ._resolve import NodePlan, effective_config_dict, plan_node, resolve_worker
 from ._schema import (
     MAX_WEIGHT,
     MIN_WEIGHT,
@@ -24,14 +32,17 @@ from ._schema import (
     RestrictedConfig,
     RuntimeConfig,
     SchedulerConfig,
+    SupervisorConfig,
     WorkerConfig,
     WorkerEntry,
     node_json_schema,
 )
 
 __all__ = [
+    "CPU_WORKERS_VARIABLE",
     "DEFAULT_NODE_NAME",
     "ENV_PREFIX",
+    "GPUS_VARIABLE",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
     "ConfigError",
@@ -40,17 +51,21 @@ __all__ = [
     "LoggingConfig",
     "ModelSchedConfig",
     "NodeConfig",
+    "NodePlan",
     "RestrictedConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "SupervisorConfig",
     "WorkerConfig",
     "WorkerEntry",
     "apply_env",
+    "detect_devices",
     "effective_config_dict",
     "env_variables",
     "load_node",
     "load_worker",
     "node_json_schema",
     "parse_env_value",
+    "plan_node",
     "resolve_worker",
 ]

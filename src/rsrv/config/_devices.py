@@ -1,49 +1,146 @@
-"""Which device each worker of a node uses (specs/config.md, Devices)."""
+"""Which devices a node has, and which one each worker uses (specs/node.md, Devices).
+
+A device is named as ``CUDA_VISIBLE_DEVICES`` names it: an ordinal (``"3"``) or a UUID
+(``"GPU-..."``, ``"MIG-..."``). The node's devices come from the first of:
+
+1. ``INFERENCE_SERVER_GPUS``: a count (``"2"``: ordinals 0 and 1; ``"0"``: none) or a
+   comma-separated list of ordinals and UUIDs;
+2. the node file's ``gpus`` when it is not ``auto``: a count or a list;
+3. an existing ``CUDA_VISIBLE_DEVICES`` (the devices this process was given);
+4. ``nvidia-smi --query-gpu=index --format=csv,noheader``;
+5. ``/dev/nvidia<N>`` device files.
+
+Worker i uses device i, or device ``gpu`` when its entry sets one. Two workers on one
+device, a ``gpu`` beyond the list, and more workers than devices are errors naming the
+workers. A cpu backend uses no device.
+"""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
 
+from ._env import GPUS_VARIABLE
 from ._errors import ConfigError
-from ._schema import NodeConfig, WorkerEntry
+from ._schema import NodeConfig
 
-__all__ = ["assign_gpu", "device_ordinals"]
+__all__ = ["assign_devices", "detect_devices", "file_devices", "parse_device"]
+
+_ORDINAL = re.compile(r"(?:cuda:)?(\d+)")
+_UUID = re.compile(r"(?:GPU|MIG)-[0-9A-Za-z/.-]+")
+_DEVFS = re.compile(r"nvidia(\d+)")
 
 
-def device_ordinals(node: NodeConfig, where: str) -> list[int] | None:
-    """`gpus` as device ordinals; None for "auto" (every visible device)."""
+def parse_device(item: int | str) -> str | None:
+    """``item`` as a device name (``"3"``, ``"GPU-..."``), or None if it names none."""
+    if isinstance(item, int):
+        return str(item) if item >= 0 else None
+    text = item.strip()
+    if match := _ORDINAL.fullmatch(text):
+        return str(int(match.group(1)))
+    if _UUID.fullmatch(text):
+        return text
+    return None
+
+
+def _listed(items: Sequence[int | str], what: str) -> list[str]:
+    devices = []
+    for i, item in enumerate(items):
+        device = parse_device(item)
+        if device is None:
+            raise ConfigError(
+                f"{what}[{i}]: {item!r} is not a device (an ordinal N or cuda:N, or a "
+                "GPU-/MIG- UUID)"
+            )
+        devices.append(device)
+    if len(set(devices)) != len(devices):
+        raise ConfigError(f"{what}: a device appears twice in {list(items)}")
+    return devices
+
+
+def file_devices(node: NodeConfig, where: str) -> list[str]:
+    """The node file's ``gpus`` list as device names (ConfigError when malformed)."""
+    assert isinstance(node.gpus, list)
+    return _listed(node.gpus, f"{where}: $.gpus")
+
+
+def detect_devices(
+    node: NodeConfig, env: Mapping[str, str], where: str, *, devfs: str = "/dev"
+) -> tuple[list[str], str]:
+    """The node's devices and where they came from (the module docstring's order).
+
+    ``env`` supplies INFERENCE_SERVER_GPUS, CUDA_VISIBLE_DEVICES and the PATH searched
+    for nvidia-smi. Raises ConfigError for a malformed list.
+    """
+    text = env.get(GPUS_VARIABLE)
+    if text is not None:
+        text = text.strip()
+        if text.isdigit():
+            return [str(i) for i in range(int(text))], GPUS_VARIABLE
+        if not text:
+            raise ConfigError(f"{GPUS_VARIABLE} is empty: give a count or a list of devices")
+        return _listed(text.split(","), GPUS_VARIABLE), GPUS_VARIABLE
     gpus = node.gpus
-    if gpus == "auto":
-        return None
     if isinstance(gpus, int):
-        return list(range(gpus))
-    ordinals = []
-    for i, item in enumerate(gpus):
-        if isinstance(item, str):
-            match = re.fullmatch(r"\s*(?:cuda:)?(\d+)\s*", item)
-            if match is None:
-                raise ConfigError(
-                    f"{where}: $.gpus[{i}]: {item!r} is not a device ordinal (N or cuda:N)"
-                )
-            item = int(match.group(1))
-        ordinals.append(item)
-    return ordinals
+        return [str(i) for i in range(gpus)], "gpus"
+    if isinstance(gpus, list):
+        return file_devices(node, where), "gpus"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        items = [v for v in visible.split(",") if v.strip()]
+        return _listed(items, "CUDA_VISIBLE_DEVICES"), "CUDA_VISIBLE_DEVICES"
+    smi = shutil.which("nvidia-smi", path=env.get("PATH", os.defpath))
+    if smi is not None:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=index", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            ).stdout
+            return [line.strip() for line in out.splitlines() if line.strip()], "nvidia-smi"
+        except (OSError, subprocess.SubprocessError):
+            pass  # a broken nvidia-smi: try the device files
+    try:
+        names = os.listdir(devfs)
+    except OSError:
+        names = []
+    ordinals = sorted(int(m.group(1)) for n in names if (m := _DEVFS.fullmatch(n)))
+    return [str(i) for i in ordinals], f"{devfs}/nvidia*"
 
 
-def assign_gpu(
-    node: NodeConfig, entry: WorkerEntry, index: int, backend: str, here: str, where: str
-) -> int | None:
-    """The device ordinal worker ``entry`` (number ``index``) uses; None on CPU."""
-    if backend == "cpu":
-        return None
-    ordinals = device_ordinals(node, where)
-    if entry.gpu is not None:
-        if ordinals is not None and entry.gpu not in ordinals:
-            raise ConfigError(f"{here}: gpu {entry.gpu} is not among gpus {ordinals}")
-        return entry.gpu
-    if ordinals is None:
-        return index
-    if not ordinals:
-        raise ConfigError(f"{here}: backend {backend!r} but gpus is 0")
-    # More workers than devices: they share devices round-robin.
-    return ordinals[index % len(ordinals)]
+def assign_devices(
+    names: Sequence[str], gpus: Sequence[int | None], devices: Sequence[str], where: str
+) -> list[str]:
+    """The device of each worker: ``devices[gpu]``, or ``devices[i]`` for worker i.
+
+    Raises ConfigError naming the workers when two share a device, a ``gpu`` is out of
+    range, or there are more workers than devices.
+    """
+    if len(names) > len(devices) and any(g is None for g in gpus):
+        raise ConfigError(
+            f"{where}: {len(names)} workers ({', '.join(names)}) but {len(devices)} "
+            f"device(s) ({', '.join(devices) or 'none'}): one worker per device"
+        )
+    assigned: list[str] = []
+    owner: dict[str, str] = {}
+    for i, (name, gpu) in enumerate(zip(names, gpus, strict=True)):
+        index = i if gpu is None else gpu
+        if index >= len(devices):
+            raise ConfigError(
+                f"{where}: worker {name!r}: gpu {index} is out of range: the node has "
+                f"{len(devices)} device(s) ({', '.join(devices) or 'none'})"
+            )
+        device = devices[index]
+        if device in owner:
+            raise ConfigError(
+                f"{where}: workers {owner[device]!r} and {name!r} are both on device "
+                f"{device}: one worker per device"
+            )
+        owner[device] = name
+        assigned.append(device)
+    return assigned

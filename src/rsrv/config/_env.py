@@ -28,9 +28,22 @@ import msgspec
 from ._errors import ConfigError
 from ._schema import SECTIONS, GlobalConfig, NodeConfig
 
-__all__ = ["ENV_PREFIX", "apply_env", "env_variables", "parse_env_value"]
+__all__ = [
+    "CPU_WORKERS_VARIABLE",
+    "ENV_PREFIX",
+    "GPUS_VARIABLE",
+    "apply_env",
+    "env_variables",
+    "parse_env_value",
+]
 
 ENV_PREFIX = "INFERENCE_SERVER_"
+#: The node's devices (a count or a list), before the node file's ``gpus``.
+GPUS_VARIABLE = ENV_PREFIX + "GPUS"
+#: The worker count of a cpu node without a ``workers`` list (``cpu_workers``).
+CPU_WORKERS_VARIABLE = ENV_PREFIX + "CPU_WORKERS"
+#: Variables that shape the node rather than a worker's settings.
+_NODE_VARIABLES = frozenset({GPUS_VARIABLE, CPU_WORKERS_VARIABLE})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -140,15 +153,19 @@ def apply_env(settings: dict[str, Any], env: Mapping[str, str]) -> tuple[str, ..
     """Apply every ``INFERENCE_SERVER_*`` variable in `env` to `settings`, in place.
 
     Returns the applied overrides as ``NAME=value`` strings, sorted by name,
-    for the startup log. Raises ConfigError naming the variable when it is
-    unknown or its value is invalid for its field.
+    for the startup log. The node-level variables (``INFERENCE_SERVER_GPUS``,
+    ``INFERENCE_SERVER_CPU_WORKERS``) are left to :func:`plan_node`. Raises
+    ConfigError naming the variable when it is unknown or its value is invalid for
+    its field.
     """
     table = env_variables()
     applied = []
     for var in sorted(k for k in env if k.startswith(ENV_PREFIX)):
         text = env[var]
+        if var in _NODE_VARIABLES:
+            continue  # read when the node is planned (_resolve.plan_node)
         if var not in table:
-            close = difflib.get_close_matches(var, table, n=3)
+            close = difflib.get_close_matches(var, [*table, *_NODE_VARIABLES], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise ConfigError(f"{var}: unknown configuration variable{hint}")
         path, tp = table[var]

@@ -17,7 +17,7 @@ import msgspec.toml
 import msgspec.yaml
 
 from ._errors import ConfigError, convert
-from ._resolve import check_all, resolve_worker
+from ._resolve import plan_node, resolve_worker
 from ._schema import NodeConfig, WorkerConfig
 
 __all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker"]
@@ -66,9 +66,9 @@ def load_node(path: str | os.PathLike[str] | None = None) -> NodeConfig:
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
     node = convert(_decode(data, fmt, where), NodeConfig, where)
-    # Resolve every worker with no environment: a file that cannot yield a
-    # worker is rejected now rather than when its worker starts.
-    check_all(node, {}, Path.cwd() if path is None else Path(where).parent, where)
+    # Resolve every worker with no environment and no device detection: a file
+    # that cannot yield a worker is rejected now rather than when its worker starts.
+    plan_node(node, {}, source=None if path is None else Path(where), detect=False)
     return node
 
 

@@ -1,11 +1,13 @@
-"""Resolving one worker's configuration from a node.
+"""Resolving a node into its workers, and one worker's configuration.
 
-:func:`resolve_worker` picks a worker and builds its settings as plain dicts:
-``global``, deep-merged with the worker's override blocks, then the ``host``/``port``
-shorthands, then ``INFERENCE_SERVER_*`` variables, then the pin map. The result is
-validated once more and flattened into a frozen :class:`WorkerConfig`, with its ports
-derived, its device assigned and its paths made absolute. Every worker of the node is
-resolved together, so that collisions between workers are caught whichever starts first.
+:func:`plan_node` decides the node's workers (the file's ``workers``, or one per device,
+or ``cpu_workers`` on a cpu node), their devices (``_devices``) and ports, and resolves
+each: ``global``, deep-merged with the worker's override blocks, then the
+``host``/``port`` shorthands, then ``INFERENCE_SERVER_*`` variables, then the pin map;
+the result is validated once more and flattened into a frozen :class:`WorkerConfig`,
+with its ports derived, its device assigned and its paths made absolute. Every worker of
+the node is resolved together, so that collisions between workers are caught whichever
+starts first; :func:`resolve_worker` picks one.
 
 Merging dicts rather than structs is what lets a worker override a single field: a
 struct would have filled every other field with its default.
@@ -16,28 +18,48 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import msgspec.json
 
-from ._devices import assign_gpu, device_ordinals
-from ._env import ENV_PREFIX, apply_env
+from ._devices import assign_devices, detect_devices, file_devices
+from ._env import CPU_WORKERS_VARIABLE, ENV_PREFIX, apply_env, env_variables, parse_env_value
 from ._errors import ConfigError, convert, key_segment
 from ._schema import (
     SECTIONS,
     EndpointsConfig,
     GlobalConfig,
     NodeConfig,
+    SupervisorConfig,
     WorkerConfig,
     WorkerEntry,
 )
 
-__all__ = ["IMPLICIT_WORKER", "check_all", "effective_config_dict", "resolve_worker"]
+__all__ = ["NodePlan", "effective_config_dict", "plan_node", "resolve_worker"]
 
-#: The name of the implicit worker of a node file without `workers`.
-IMPLICIT_WORKER = "worker0"
+#: With base_port unset, worker i of a node of two or more listens on port + 100 + i.
+_WORKER_PORT_OFFSET = 100
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """A node resolved: its workers, devices and public ports.
+
+    ``port`` is the node's public gRPC port: the only worker's, or the gateway's;
+    ``metrics_port`` the node's admin port (served by ``rsrv node``);
+    ``devices`` the devices found and ``device_source`` where they were found (empty on
+    a cpu node, or when ``detect`` was off and ``gpus`` is auto).
+    """
+
+    workers: list[WorkerConfig]
+    port: int
+    metrics_port: int
+    devices: list[str]
+    device_source: str
+    supervisor: SupervisorConfig
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> None:
@@ -48,13 +70,42 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> None:
             base[key] = copy.deepcopy(value)
 
 
-def _entries(node: NodeConfig) -> list[WorkerEntry]:
-    return list(node.workers) or [WorkerEntry(name=IMPLICIT_WORKER)]
+def _backend(node: NodeConfig, env: Mapping[str, str]) -> str:
+    """The node's backend: global.runtime.backend, or its environment override (a
+    malformed override is reported later by apply_env, naming the variable)."""
+    variable = f"{ENV_PREFIX}RUNTIME_BACKEND"
+    if variable in env:
+        _, tp = env_variables()[variable]
+        try:
+            return parse_env_value(env[variable], tp)
+        except ValueError:
+            pass
+    return node.global_.runtime.backend
 
 
-def _check_node(node: NodeConfig, where: str) -> None:
-    """Cross-field rules of the node file that do not depend on the environment."""
-    names = [entry.name for entry in _entries(node)]
+def _entries(
+    node: NodeConfig, backend: str, devices: list[str] | None, env: Mapping[str, str]
+) -> list[WorkerEntry]:
+    """The file's workers, else worker0..N-1: one per device, or ``cpu_workers``."""
+    if node.workers:
+        return list(node.workers)
+    if backend == "cpu":
+        count = node.cpu_workers
+        text = env.get(CPU_WORKERS_VARIABLE)
+        if text is not None:
+            if not text.strip().isdigit() or int(text) < 1:
+                raise ConfigError(f"{CPU_WORKERS_VARIABLE}={text!r}: expected an integer >= 1")
+            count = int(text)
+    else:
+        count = max(1, len(devices or ()))
+    return [WorkerEntry(name=f"worker{i}") for i in range(count)]
+
+
+def _check_node(node: NodeConfig, entries: list[WorkerEntry], where: str) -> None:
+    """Cross-field rules of the node's workers that do not depend on their settings."""
+    if isinstance(node.gpus, list):
+        file_devices(node, where)  # well formed, whatever the backend
+    names = [entry.name for entry in entries]
     seen: set[str] = set()
     for i, name in enumerate(names):
         if name in seen:
@@ -77,7 +128,6 @@ def _check_node(node: NodeConfig, where: str) -> None:
                 raise ConfigError(
                     f"{where}: $.workers[{i}]: both {short} and endpoints.{short} are set"
                 )
-    device_ordinals(node, where)
 
 
 def _absolute(path: str, base: Path) -> str:
@@ -104,6 +154,10 @@ def _resolve_one(
     env: Mapping[str, str],
     base: Path,
     where: str,
+    *,
+    base_port: int,
+    device: str | None,
+    workers: int,
 ) -> WorkerConfig:
     settings: dict[str, Any] = msgspec.to_builtins(node.global_)
     settings["model_repo"] = node.model_repo
@@ -130,14 +184,14 @@ def _resolve_one(
     merged = convert(settings, GlobalConfig, here)
 
     endpoints = merged.endpoints
-    port = _derived_port(endpoints.port, node.base_port, index, "base_port", here)
+    port = _derived_port(endpoints.port, base_port, index, "base_port", here)
     metrics_port = _derived_port(
         endpoints.metrics_port, node.metrics_base_port, index, "metrics_base_port", here
     )
     if metrics_port == port:
         raise ConfigError(f"{here}: metrics port and gRPC port are both {port}")
 
-    gpu = assign_gpu(node, entry, index, merged.runtime.backend, here, where)
+    gpu = device if merged.runtime.backend != "cpu" else None
 
     # Paths from the file are relative to the file; from the environment,
     # relative to where the server was started.
@@ -157,6 +211,7 @@ def _resolve_one(
         endpoints=msgspec.structs.replace(endpoints, port=port, metrics_port=metrics_port),
         logging=merged.logging,
         gpu=gpu,
+        workers=workers,
         overrides=overrides,
     )
 
@@ -223,16 +278,54 @@ def _check_ports(workers: list[WorkerConfig], where: str) -> None:
             )
 
 
-def check_all(
-    node: NodeConfig, env: Mapping[str, str], base: Path, where: str
-) -> list[WorkerConfig]:
-    _check_node(node, where)
+def plan_node(
+    node: NodeConfig,
+    env: Mapping[str, str] = os.environ,
+    *,
+    source: Path | None = None,
+    detect: bool = True,
+) -> NodePlan:
+    """Every worker of ``node``, resolved with ``env`` (see the module docstring).
+
+    ``detect`` False leaves ``gpus: auto`` undetected (a file checked away from the
+    machine it is for): workers then get no device. Raises ConfigError naming the file
+    and the worker at fault.
+    """
+    where = os.fspath(source) if source is not None else "<node config>"
+    base = Path(where).absolute().parent if source is not None else Path.cwd()
+    backend = _backend(node, env)
+    devices, found = [], ""
+    if backend != "cpu" and (detect or node.gpus != "auto"):
+        devices, found = detect_devices(node, env, where)
+    entries = _entries(node, backend, devices if found else None, env)
+    _check_node(node, entries, where)
+    assigned: list[str | None] = [None] * len(entries)
+    if devices:
+        names = [e.name for e in entries]
+        assigned = list(assign_devices(names, [e.gpu for e in entries], devices, where))
+    # No device found on a cuda node: each worker starts on none and fails with one
+    # line, or falls back to the CPU where allow_cpu_fallback says so (the worker's call).
+    base_port = node.base_port
+    if base_port is None:
+        base_port = node.port if len(entries) == 1 else node.port + _WORKER_PORT_OFFSET
     workers = [
-        _resolve_one(node, entry, index, env, base, where)
-        for index, entry in enumerate(_entries(node))
+        _resolve_one(
+            node,
+            entry,
+            index,
+            env,
+            base,
+            where,
+            base_port=base_port,
+            device=assigned[index],
+            workers=len(entries),
+        )
+        for index, entry in enumerate(entries)
     ]
     _check_ports(workers, where)
-    return workers
+    public = workers[0].endpoints.port if len(workers) == 1 else node.port
+    assert public is not None  # resolved by _resolve_one
+    return NodePlan(workers, public, node.metrics_port, devices, found, node.supervisor)
 
 
 def resolve_worker(
@@ -244,8 +337,8 @@ def resolve_worker(
 ) -> WorkerConfig:
     """The fully resolved configuration of worker `name` of `node`.
 
-    `name` may be omitted when the node has at most one worker; a node
-    without `workers` has one, named ``worker0``. `env` supplies the
+    `name` may be omitted when the node has one worker; a node without
+    `workers` has worker0, worker1, ... (see :func:`plan_node`). `env` supplies the
     ``INFERENCE_SERVER_*`` overrides. `source` is the node file `node` was
     loaded from: errors name it, and relative paths in the node resolve
     against its directory (against the working directory when None, as
@@ -256,8 +349,7 @@ def resolve_worker(
     starts first. Raises ConfigError.
     """
     where = os.fspath(source) if source is not None else "<node config>"
-    base = Path(where).absolute().parent if source is not None else Path.cwd()
-    workers = check_all(node, env, base, where)
+    workers = plan_node(node, env, source=source).workers
     names = ", ".join(w.name for w in workers)
     if name is None:
         if len(workers) > 1:

@@ -26,6 +26,8 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from rsrv.versions import VersionPolicy
+
 
 def _doc(text: str) -> Meta:
     return Meta(description=text)
@@ -140,6 +142,20 @@ class ModelSchedConfig(_Strict):
         Annotated[float, Meta(gt=0)] | None,
         _doc("Target latency per request, the deadline under edf; null means none."),
     ] = None
+    version_policy: Annotated[
+        VersionPolicy | None,
+        _doc(
+            "Versions served: {latest: N}, {all: true} or {specific: [...]}; null: the "
+            "policy of the newest version's manifest, else {latest: 1}."
+        ),
+    ] = None
+    allow_file_overrides: Annotated[
+        bool,
+        _doc(
+            "Let RepositoryModelLoad write its file: parameters into this model's "
+            "directory in the repository (explicit mode); off: they are refused."
+        ),
+    ] = False
 
 
 class SchedulerConfig(_Strict):
@@ -351,6 +367,34 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
 }
 
 
+class SupervisorConfig(_Strict):
+    """How `rsrv node` keeps its child processes running (specs/node.md)."""
+
+    max_restarts: Annotated[
+        int,
+        Meta(ge=0),
+        _doc(
+            "Restarts of one child in a row (each after less than stable_seconds of "
+            "uptime) before the node gives up and exits non-zero; 0: never restart."
+        ),
+    ] = 5
+    backoff_seconds: Annotated[
+        float, Meta(gt=0), _doc("Wait before the first restart; doubled for each next one.")
+    ] = 1.0
+    max_backoff_seconds: Annotated[float, Meta(gt=0), _doc("Longest wait between restarts.")] = 30.0
+    stable_seconds: Annotated[
+        float, Meta(gt=0), _doc("A child up this long has its restart count reset.")
+    ] = 60.0
+    kill_after_seconds: Annotated[
+        float,
+        Meta(ge=0),
+        _doc(
+            "After SIGTERM, how long beyond its own shutdown_grace_seconds a child may "
+            "take before SIGKILL."
+        ),
+    ] = 5.0
+
+
 class WorkerEntry(_Strict):
     """One worker process on the node (an item of `workers`)."""
 
@@ -358,7 +402,11 @@ class WorkerEntry(_Strict):
     host: Annotated[str | None, _doc("Shorthand for endpoints.host.")] = None
     port: Annotated[Port | None, _doc("Shorthand for endpoints.port.")] = None
     gpu: Annotated[
-        Annotated[int, Meta(ge=0)] | None, _doc("Device ordinal; null assigns one by index.")
+        Annotated[int, Meta(ge=0)] | None,
+        _doc(
+            "Index into the node's device list (gpus); null: the worker's own index. "
+            "With gpus auto or a count it is the device ordinal."
+        ),
     ] = None
     runtime: RuntimeOverride | None = None  # type: ignore[valid-type]
     scheduler: SchedulerOverride | None = None  # type: ignore[valid-type]
@@ -372,20 +420,48 @@ class NodeConfig(_Strict):
     model_repo: Annotated[str, _doc("Model repository directory; relative to the node file.")] = (
         "bundles"
     )
-    base_port: Annotated[Port, _doc("gRPC port of worker 0; worker i gets base_port + i.")] = 8001
+    port: Annotated[
+        Port,
+        _doc(
+            "The node's public gRPC port: the gateway's when the node has two or more "
+            "workers, the only worker's when it has one."
+        ),
+    ] = 8001
+    metrics_port: Annotated[
+        Port, _doc("The node's admin HTTP port under `rsrv node` (/healthz, /readyz, /metrics).")
+    ] = 8002
+    base_port: Annotated[
+        Port | None,
+        _doc(
+            "gRPC port of worker 0; worker i gets base_port + i. Null: `port` for a "
+            "one-worker node, `port` + 1 for a larger one."
+        ),
+    ] = None
     metrics_base_port: Annotated[
         Port | None, _doc("Admin HTTP port of worker 0; null disables derived admin ports.")
     ] = None
     gpus: Annotated[
         Literal["auto"] | Annotated[int, Meta(ge=0)] | list[int | str],
         _doc(
-            "Devices the node uses: auto (all visible), a count (ordinals 0..n-1), or a list "
-            'of ordinals (`3` or `"cuda:3"`) handed out to workers by index.'
+            "Devices the node uses (backend cuda): auto (detected: INFERENCE_SERVER_GPUS, "
+            "CUDA_VISIBLE_DEVICES, nvidia-smi, /dev/nvidia*), a count (ordinals 0..n-1), "
+            'or a list of ordinals (`3`, `"cuda:3"`) or UUIDs (`"GPU-..."`); worker i '
+            "gets the i-th unless its `gpu` says otherwise."
         ),
     ] = "auto"
+    cpu_workers: Annotated[
+        int,
+        Meta(ge=1),
+        _doc("Workers of a cpu node without a `workers` list (worker0, worker1, ...)."),
+    ] = 1
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     global_: GlobalConfig = msgspec.field(default_factory=GlobalConfig, name="global")
     workers: Annotated[
-        list[WorkerEntry], _doc("Worker processes; empty means one worker named worker0.")
+        list[WorkerEntry],
+        _doc(
+            "Worker processes; empty: one per device (cuda), or cpu_workers (cpu), named "
+            "worker0, worker1, ..."
+        ),
     ] = []
     models: Annotated[
         dict[str, list[str]],
@@ -413,7 +489,8 @@ class WorkerConfig(_Strict):
     scheduler: SchedulerConfig
     endpoints: EndpointsConfig
     logging: LoggingConfig
-    gpu: int | None = None
+    gpu: str | None = None  # the device (ordinal or UUID, as CUDA_VISIBLE_DEVICES takes it)
+    workers: int = 1  # workers in the node
     overrides: tuple[str, ...] = ()
 
 
