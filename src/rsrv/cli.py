@@ -1,4 +1,4 @@
-"""The ``rsrv`` command line: ``serve``, ``bundle check`` and ``export``."""
+"""The ``rsrv`` command line: ``serve``, ``node``, ``bundle check`` and ``export``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument("--worker", help="which worker of the node file to run")
 
+    node = sub.add_parser(
+        "node",
+        help="run every worker of a node, one process per device (specs/node.md); "
+        "`rsrv node status [NODE_FILE]` asks a running node how it is",
+    )
+    node.add_argument(
+        "node_args",
+        nargs="*",
+        metavar="[status] [NODE_FILE]",
+        help="node file (YAML or TOML); default: the built-in node, as for serve",
+    )
+
     bundle = sub.add_parser("bundle", help="bundle tools")
     bundle_sub = bundle.add_subparsers(dest="bundle_command", required=True)
     check = bundle_sub.add_parser("check", help="validate and compile bundles")
@@ -36,6 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(export)
 
     args = parser.parse_args(argv)
+    if args.command == "node":
+        from rsrv.node import node_main, status_main
+
+        rest = list(args.node_args)
+        command = node_main
+        if rest and rest[0] == "status":
+            command = status_main
+            rest.pop(0)
+        if len(rest) > 1:
+            parser.error("node: give at most one node file")
+        return command(rest[0] if rest else None)
     if args.command == "serve":
         from rsrv.worker import serve_main
 

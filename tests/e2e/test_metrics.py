@@ -109,10 +109,12 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
     assert info.labels == {
         "worker": "worker0",
         "platform": "cpu",
+        "device": "cpu device 0, cpu",
         "discipline": "fair",
         "control_mode": "dynamic",
     }
     assert info.value == 1
+    assert after.samples("rsrv_device_fallback")[0].value == 0
 
     assert after.type("rsrv_requests") == "counter"
     assert after.total("rsrv_requests", model="a", status="OK") == n_ok

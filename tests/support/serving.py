@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -147,6 +148,12 @@ def in_loop(worker: Worker, fn, *args):
     return trio.from_thread.run_sync(fn, *args, trio_token=_loops[id(worker)].token)
 
 
+def rsrv_command() -> list[str]:
+    """The ``rsrv`` command of this environment."""
+    script = Path(sys.executable).parent / "rsrv"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,25 +161,33 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A ``rsrv serve NODE_FILE`` subprocess; stderr is collected line by line.
+    """A ``rsrv serve NODE_FILE`` (or ``rsrv node NODE_FILE``: ``command="node"``)
+    subprocess; stderr is collected line by line.
 
-    ``node`` is the node file's TOML; ``{port}`` and ``{metrics_port}`` in it are
-    replaced by free ports (``self.port``, ``self.metrics_port``). Runs in ``workdir``
-    with no ``INFERENCE_SERVER_*`` variables but those in ``env``.
+    ``node`` is the node file's TOML; every ``{...port...}`` placeholder in it (``{port}``,
+    ``{metrics_port}``, ``{port_b}``, ...) is replaced by a free port, found in
+    ``self.ports`` (``self.port`` and ``self.metrics_port`` for the first two). Runs in
+    ``workdir`` with no ``INFERENCE_SERVER_*`` variables but those in ``env``.
     """
 
-    def __init__(self, workdir: Path, node: str, env: Mapping[str, str] | None = None):
-        self.port, self.metrics_port = free_port(), free_port()
-        path = workdir / "node.toml"
-        path.write_text(
-            node.replace("{port}", str(self.port)).replace("{metrics_port}", str(self.metrics_port))
-        )
+    def __init__(
+        self,
+        workdir: Path,
+        node: str,
+        env: Mapping[str, str] | None = None,
+        command: str = "serve",
+    ):
+        names = dict.fromkeys(["port", "metrics_port", *re.findall(r"\{(\w*port\w*)\}", node)])
+        self.ports = {name: free_port() for name in names}
+        self.port, self.metrics_port = self.ports["port"], self.ports["metrics_port"]
+        for name, port in self.ports.items():
+            node = node.replace("{" + name + "}", str(port))
+        self.path = workdir / "node.toml"
+        self.path.write_text(node)
         environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
         environ.update(env or {})
-        script = Path(sys.executable).parent / "rsrv"
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
         self.process = subprocess.Popen(
-            [*command, "serve", str(path)],
+            [*rsrv_command(), command, str(self.path)],
             cwd=workdir,
             env=environ,
             stdout=subprocess.DEVNULL,

@@ -4,7 +4,14 @@ the weight manager that moves weights on and off the device, the staging route, 
 allocator statistics the budget and the scratch measurement read)."""
 
 from rsrv.runtime._allocator import AllocatorStats, allocator_limit, measured_scratch
-from rsrv.runtime._backend import configure, device, platform
+from rsrv.runtime._backend import (
+    DeviceInfo,
+    DeviceUnavailable,
+    configure,
+    device,
+    open_device,
+    platform,
+)
 from rsrv.runtime._compiler import Compiler, CompileResult
 from rsrv.runtime._model import CompiledModel, compile_bundle, weights_to_device, zero_inputs
 from rsrv.runtime._staging import (
@@ -23,8 +30,8 @@ from rsrv.runtime._weight_manager import Placement, WeightManager, weight_budget
 
 __all__ = [
     "ALIGN", "AllocatorStats", "CacheCounters", "CompileResult", "CompiledModel", "Compiler",
-    "HostWeights", "Placement", "Resident", "Staging", "WeightCache", "WeightManager",
-    "allocator_limit", "compile_bundle", "configure", "device", "free", "measured_scratch",
-    "pin", "place", "platform", "stage", "staging_route", "to_device", "weight_budget",
-    "weights_to_device", "zero_inputs",
+    "DeviceInfo", "DeviceUnavailable", "HostWeights", "Placement", "Resident", "Staging",
+    "WeightCache", "WeightManager", "allocator_limit", "compile_bundle", "configure",
+    "device", "free", "measured_scratch", "open_device", "pin", "place", "platform", "stage",
+    "staging_route", "to_device", "weight_budget", "weights_to_device", "zero_inputs",
 ]  # fmt: skip

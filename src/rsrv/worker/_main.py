@@ -1,4 +1,8 @@
-"""The ``rsrv serve`` process: configuration, logging, signals, then the worker.
+"""The ``rsrv serve`` process: configuration, logging, the device, signals, then the worker.
+
+Exit status: 0 after a graceful shutdown; 1 when the gRPC or admin port cannot be
+bound; 2 when the configuration is invalid or the backend has no usable device (a fault
+a restart cannot mend, which ``rsrv node`` reads as such).
 
 SIGINT and SIGTERM start a graceful shutdown (:meth:`Worker.shutdown`); the process
 exits 0 once every accepted request has been answered.
@@ -6,6 +10,7 @@ exits 0 once every accepted request has been answered.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import resource
@@ -17,10 +22,14 @@ import msgspec
 import trio
 
 from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
-from rsrv.runtime import configure
+from rsrv.lifeline import ChildStatus, SupervisorLink
+from rsrv.logsetup import configure_logging
+from rsrv.runtime import DeviceUnavailable, configure, open_device
 from rsrv.worker._worker import Worker
 
 log = logging.getLogger("rsrv.worker")
+
+_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
 
 
 def serve_main(node_file: str | None, worker_name: str | None) -> int:
@@ -32,7 +41,7 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    _configure_logging(config)
+    configure_logging(config.name, config.logging.level, config.logging.format)
     log.info("effective configuration: %s", json.dumps(effective_config_dict(config)))
     rt = config.runtime
     configure(
@@ -40,14 +49,41 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
         mem_fraction=rt.mem_fraction,
         preallocate=rt.preallocate,
         allow_cpu_fallback=rt.allow_cpu_fallback,
+        visible_device=config.gpu,
     )
+    try:
+        device = open_device()
+    except DeviceUnavailable as e:
+        print(f"rsrv: worker {config.name}: {e}", file=sys.stderr)
+        return 2
+    if device.fallback:
+        log.warning(
+            "backend 'cuda' found no usable GPU: running on the CPU "
+            "(runtime.allow_cpu_fallback); %s",
+            device.describe(),
+        )
+    else:
+        log.info("device: %s", device.describe())
     _raise_descriptor_limit()
     try:
-        worker = Worker(config)
+        worker = Worker(config, device=device)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    trio.run(_serve_until_signal, worker)
+    unbound = None
+    try:
+        trio.run(_serve_until_signal, worker)
+    except* OSError as group:
+        unbound, rest = group.split(lambda e: getattr(e, "errno", None) in _LISTEN_ERRORS)
+        if rest is not None:
+            raise
+    if unbound is not None:
+        # One line, and an exit status a supervisor restarts after (the port may free up).
+        first = unbound
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"rsrv: worker {config.name}: cannot listen: {first}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -84,44 +120,18 @@ def _default_repo(config: WorkerConfig) -> WorkerConfig:
 
 
 async def _serve_until_signal(worker: Worker) -> None:
+    stopping = False
+
+    def status() -> ChildStatus:  # what a supervising `rsrv node` is told
+        return ChildStatus(ready=worker.ready and not stopping, port=worker.port)
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(worker.run)
+            nursery.start_soon(SupervisorLink(status).run)
             async for signum in signals:
                 log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
+                stopping = True
                 await worker.shutdown()
                 nursery.cancel_scope.cancel()
                 return
-
-
-def _configure_logging(config: WorkerConfig) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if config.logging.format == "json":
-        handler.setFormatter(_JsonFormatter(config.name))
-    else:
-        handler.setFormatter(
-            logging.Formatter(f"%(asctime)s %(levelname)s [{config.name}] %(name)s: %(message)s")
-        )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(config.logging.level.upper())
-
-
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, worker, logger, message[, exception]."""
-
-    def __init__(self, worker: str):
-        super().__init__()
-        self.worker = worker
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record),
-            "level": record.levelname,
-            "worker": self.worker,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)

@@ -33,13 +33,24 @@ class WorkerCollector:
         info = GaugeMetricFamily(
             "rsrv_worker_info",
             "Worker identity and policy (always 1)",
-            labels=["worker", "platform", "discipline", "control_mode"],
+            labels=["worker", "platform", "device", "discipline", "control_mode"],
         )
         info.add_metric(
-            [w.config.name, w.platform, w.config.scheduler.discipline, w.config.model_control_mode],
+            [
+                w.config.name,
+                w.platform,
+                w.device.describe(),
+                w.config.scheduler.discipline,
+                w.config.model_control_mode,
+            ],
             1,
         )
         yield info
+        yield GaugeMetricFamily(
+            "rsrv_device_fallback",
+            "1 when backend cuda found no usable GPU and runs on the CPU (allow_cpu_fallback)",
+            value=int(w.device.fallback),
+        )
 
         requests = CounterMetricFamily(
             "rsrv_requests", "Inference requests answered, by status", labels=["model", "status"]

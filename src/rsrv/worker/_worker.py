@@ -30,8 +30,10 @@ from rsrv.protocol import (
 from rsrv.runtime import (
     AllocatorStats,
     Compiler,
+    DeviceInfo,
     WeightManager,
     allocator_limit,
+    open_device,
     platform,
     staging_route,
     weight_budget,
@@ -52,13 +54,21 @@ MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
 class Worker:
     """Everything one ``rsrv serve`` process serves. Start it with :meth:`run`."""
 
-    def __init__(self, config: WorkerConfig, *, allocator: AllocatorStats | None = None):
-        """``allocator``: where the weight budget and the warm-up scratch measurement
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        device: DeviceInfo | None = None,
+        allocator: AllocatorStats | None = None,
+    ):
+        """``device``: what :func:`rsrv.runtime.open_device` reported (opened here when
+        None). ``allocator``: where the weight budget and the warm-up scratch measurement
         read the allocator's statistics; None (always, outside tests) reads the device's
         own. Raises ConfigError when ``runtime.weight_staging`` names a route the device
         cannot take."""
         self.config = config
         self.models = ModelSet()
+        self.device = open_device() if device is None else device
         device = default_device()
         runtime = config.runtime
         try:

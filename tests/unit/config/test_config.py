@@ -556,7 +556,7 @@ def test_spec_examples_agree_with_each_other_and_the_code(tmp_path):
     assert load_node(from_yaml) == load_node(from_toml)
     gpu1 = load_worker(from_toml, "gpu1", env={})
     assert (gpu1.index, gpu1.gpu) == (1, "1")
-    assert (gpu1.endpoints.port, gpu1.endpoints.metrics_port) == (8002, 9002)
+    assert (gpu1.endpoints.port, gpu1.endpoints.metrics_port) == (8102, 9002)
     assert gpu1.runtime.mem_fraction == 0.8 and gpu1.runtime.backend == "cuda"
     resnet = gpu1.scheduler.models["resnet50"]
     assert (resnet.weight, resnet.residency, resnet.max_batch_size) == (4.0, "device", 32)

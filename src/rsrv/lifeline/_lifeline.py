@@ -1,0 +1,86 @@
+"""The supervisor link: one socket pair between ``rsrv node`` and each child.
+
+The child writes its status on it as JSON lines (``{"ready": true, "port": 8101}``),
+one whenever the state changes, so the supervisor knows a child serves without speaking
+its protocol (TLS, restricted protocols and all). The supervisor never writes: the
+child reads end-of-file when the supervisor is gone, however it died (SIGKILL
+included), and stops gracefully as if it had received SIGTERM. (Linux's parent-death
+signal cannot do this: it fires when the *thread* that started the child exits, and
+trio starts processes from worker threads that come and go.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+
+import msgspec
+import trio
+
+__all__ = ["LINK_FD_VARIABLE", "ChildStatus", "SupervisorLink", "read_status"]
+
+LINK_FD_VARIABLE = "RSRV_SUPERVISOR_FD"
+
+log = logging.getLogger("rsrv.lifeline")
+
+
+class ChildStatus(msgspec.Struct, frozen=True):
+    """What a child reports: serving (``ready``) and the gRPC port it listens on."""
+
+    ready: bool = False
+    port: int | None = None
+
+
+class SupervisorLink:
+    """The child's end: reports ``current()`` (polled every ``interval`` seconds)
+    whenever it changes, and sends this process SIGTERM when the supervisor goes.
+
+    Outside a supervisor (no ``RSRV_SUPERVISOR_FD``) :meth:`run` returns at once.
+    """
+
+    def __init__(self, current: Callable[[], ChildStatus], interval: float = 0.2):
+        self.current = current
+        self.interval = interval
+        text = os.environ.get(LINK_FD_VARIABLE)
+        self.fd = int(text) if text is not None and text.isdigit() else None
+
+    async def run(self) -> None:
+        if self.fd is None:
+            return
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=self.fd))
+        async with trio.SocketStream(sock) as stream, trio.open_nursery() as nursery:
+            nursery.start_soon(self._report, stream)
+            with suppress(trio.BrokenResourceError, OSError):
+                while await stream.receive_some():
+                    pass  # the supervisor writes nothing; end of file means it is gone
+            log.warning("the supervisor is gone: stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+            nursery.cancel_scope.cancel()
+
+    async def _report(self, stream: trio.SocketStream) -> None:
+        last = None
+        while True:
+            status = self.current()
+            if status != last:
+                try:
+                    await stream.send_all(msgspec.json.encode(status) + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    return
+                last = status
+            await trio.sleep(self.interval)
+
+
+async def read_status(stream: trio.abc.ReceiveStream) -> AsyncIterator[ChildStatus]:
+    """The supervisor's end: every status a child writes on ``stream``, until it
+    closes (the child exited). A malformed line is skipped."""
+    pending = b""
+    while chunk := await stream.receive_some():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            with suppress(msgspec.ValidationError, msgspec.DecodeError):
+                yield msgspec.json.decode(line, type=ChildStatus)

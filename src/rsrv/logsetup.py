@@ -1,0 +1,45 @@
+"""Process log set-up shared by every rsrv process: one line per record on stderr,
+as text naming the process (``[worker0]``) or as one JSON object with a ``worker``
+field, so a supervisor can forward and tag lines without reformatting them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+__all__ = ["configure_logging"]
+
+
+def configure_logging(name: str, level: str, format: str) -> None:
+    """Send every log record to stderr, as ``format`` (``text`` or ``json``) says."""
+    handler = logging.StreamHandler(sys.stderr)
+    if format == "json":
+        handler.setFormatter(_JsonFormatter(name))
+    else:
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, worker, logger, message[, exception]."""
+
+    def __init__(self, worker: str):
+        super().__init__()
+        self.worker = worker
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "worker": self.worker,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)

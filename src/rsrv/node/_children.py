@@ -1,0 +1,209 @@
+"""One supervised child process: started, watched, restarted with backoff, stopped.
+
+A :class:`Child` runs as one trio task (:meth:`Child.run`) for the life of the node.
+Each incarnation is a process in its own session (a terminal's Ctrl-C reaches the
+supervisor alone, which stops the children in order) whose stdout and stderr are
+forwarded line by line and whose supervisor link (``rsrv.lifeline``) says when it
+serves, and tells it when the supervisor is gone. The process is never left behind:
+a task cancelled for any reason kills what it started.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import socket
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from rsrv.config import SupervisorConfig
+from rsrv.lifeline import LINK_FD_VARIABLE, read_status
+from rsrv.node._output import forward_lines
+
+__all__ = ["FATAL_EXIT", "Child", "ChildSpec", "ChildState", "restart_delay"]
+
+log = logging.getLogger("rsrv.node")
+
+#: The exit status of a child whose configuration or device is unusable: restarting
+#: cannot help, so the node stops (``rsrv serve`` exits 2 for these).
+FATAL_EXIT = 2
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to run one child. ``grace``: seconds from SIGTERM to SIGKILL."""
+
+    name: str
+    kind: str  # "worker" or "gateway"
+    argv: list[str]
+    env: dict[str, str]
+    grace: float
+    port: int
+    device: str | None = None
+
+
+class ChildState(enum.Enum):
+    STARTING = "starting"  # started, not serving yet
+    SERVING = "serving"
+    BACKOFF = "backoff"  # exited; waiting to be restarted
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"  # will not be restarted
+
+
+def restart_delay(restarts: int, policy: SupervisorConfig) -> float:
+    """Seconds before restart number ``restarts`` (1, 2, ...) of a run of crashes:
+    backoff_seconds doubled each time, at most max_backoff_seconds."""
+    return min(policy.backoff_seconds * 2.0 ** (restarts - 1), policy.max_backoff_seconds)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+@dataclass
+class Child:
+    """The live state of one child; :meth:`run` supervises it until :meth:`stop`.
+
+    ``on_give_up(reason)`` is called once when the child will not be restarted (the
+    restart limit, or a fatal exit); the supervisor then stops the node.
+    """
+
+    spec: ChildSpec
+    policy: SupervisorConfig
+    on_give_up: Callable[[str], None]
+    state: ChildState = ChildState.STARTING
+    pid: int | None = None
+    ready: bool = False
+    restarts: int = 0  # in the current run of crashes
+    restarts_total: int = 0
+    last_exit: str | None = None
+    killed: bool = False  # SIGKILLed because it outlived its grace period
+    started_at: float = 0.0
+    _stop: trio.Event = field(default_factory=trio.Event)
+    _process: trio.Process | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def alive(self) -> bool:
+        """A process of this child is running."""
+        return self._process is not None
+
+    async def run(self) -> None:
+        """Start the child and keep it running until :meth:`stop` (or giving up)."""
+        while not self._stop.is_set():
+            code = await self._run_once()
+            if self._stop.is_set():
+                break
+            uptime = trio.current_time() - self.started_at
+            if code == FATAL_EXIT:
+                self._give_up(
+                    f"{self.name} cannot start ({self.last_exit}: its configuration or device "
+                    "is unusable; see its last lines above); not restarting"
+                )
+                return
+            if uptime >= self.policy.stable_seconds:
+                self.restarts = 0
+            self.restarts += 1
+            if self.restarts > self.policy.max_restarts:
+                self._give_up(
+                    f"{self.name} exited {self.restarts} time(s) in a row, each within "
+                    f"{self.policy.stable_seconds:g} s of starting (limit "
+                    f"supervisor.max_restarts = {self.policy.max_restarts}); giving up"
+                )
+                return
+            delay = restart_delay(self.restarts, self.policy)
+            log.warning("restarting %s in %.1f s (restart %d)", self.name, delay, self.restarts)
+            self.state = ChildState.BACKOFF
+            with trio.move_on_after(delay):
+                await self._stop.wait()
+            if not self._stop.is_set():
+                self.restarts_total += 1
+        self.state = ChildState.STOPPED
+
+    def _give_up(self, reason: str) -> None:
+        log.error("%s", reason)
+        self.state = ChildState.FAILED
+        self.on_give_up(reason)
+
+    async def _run_once(self) -> int:
+        """One incarnation: start, forward output and status, wait for the exit."""
+        link, child_end = socket.socketpair()
+        env = {**self.spec.env, LINK_FD_VARIABLE: str(child_end.fileno())}
+        try:
+            process = await trio.lowlevel.open_process(
+                self.spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                pass_fds=(child_end.fileno(),),
+                start_new_session=True,
+            )
+        except BaseException:
+            link.close()
+            raise
+        finally:
+            child_end.close()
+        self._process, self.pid = process, process.pid
+        self.state, self.ready = ChildState.STARTING, False
+        self.started_at = trio.current_time()
+        log.info("started %s %s (pid %d)", self.spec.kind, self.name, process.pid)
+        try:
+            async with trio.open_nursery() as nursery:
+                assert process.stdout is not None and process.stderr is not None
+                nursery.start_soon(forward_lines, self.name, process.stdout, 1)
+                nursery.start_soon(forward_lines, self.name, process.stderr, 2)
+                nursery.start_soon(self._follow_status, link)
+                await process.wait()
+                # Output still in the pipes is forwarded; a descendant holding them
+                # open does not hold the supervisor up for long.
+                nursery.cancel_scope.deadline = trio.current_time() + 2.0
+        finally:
+            if process.returncode is None:  # cancelled: never leave the process behind
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+            self._process, self.ready = None, False
+        uptime = trio.current_time() - self.started_at
+        self.last_exit = describe_exit(process.returncode)
+        log_exit = log.info if self._stop.is_set() and not self.killed else log.warning
+        log_exit("%s exited (%s) after %.1f s", self.name, self.last_exit, uptime)
+        return process.returncode
+
+    async def _follow_status(self, link: socket.socket) -> None:
+        async with trio.SocketStream(trio.socket.from_stdlib_socket(link)) as stream:
+            async for status in read_status(stream):
+                self.ready = status.ready
+                if status.ready and self.state is ChildState.STARTING:
+                    self.state = ChildState.SERVING
+                    log.info("%s is serving on port %s", self.name, status.port)
+
+    async def stop(self) -> None:
+        """Stop for good: SIGTERM (the child's graceful shutdown), then SIGKILL once
+        ``spec.grace`` has passed. Returns when the process is gone."""
+        self._stop.set()
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        self.state = ChildState.STOPPING
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(self.spec.grace):
+            await process.wait()
+            return
+        log.warning("%s still running %.1f s after SIGTERM: killing it", self.name, self.spec.grace)
+        self.killed = True
+        process.kill()
+        await process.wait()

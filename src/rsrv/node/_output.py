@@ -1,0 +1,54 @@
+"""Forwarding a child's output, line by line, tagged with the child's name."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import trio
+
+__all__ = ["forward_lines", "tag_line"]
+
+#: A line longer than this is forwarded in pieces rather than held whole.
+MAX_LINE_BYTES = 64 * 1024
+
+
+def tag_line(name: str, line: bytes) -> bytes:
+    """``line`` (without its newline) as the supervisor prints it: a JSON object keeps
+    its form and gains a ``worker`` field if it has none; anything else is prefixed
+    with ``[name] ``. Returns the line with a newline."""
+    if line.startswith(b"{"):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if isinstance(entry, dict):
+            entry.setdefault("worker", name)
+            return json.dumps(entry).encode() + b"\n"
+    return b"[" + name.encode() + b"] " + line + b"\n"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+async def forward_lines(name: str, stream: trio.abc.ReceiveStream, fd: int) -> None:
+    """Copy ``stream`` to ``fd`` one whole tagged line at a time, until end of file
+    (a last line without a newline is forwarded too). Each line is written in one
+    piece from this thread, so lines of different children never interleave."""
+    pending = b""
+    while True:
+        chunk = await stream.receive_some(MAX_LINE_BYTES)
+        if not chunk:
+            break
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) >= MAX_LINE_BYTES:
+            lines.append(pending)
+            pending = b""
+        if lines:
+            _write_all(fd, b"".join(tag_line(name, line) for line in lines))
+    if pending:
+        _write_all(fd, tag_line(name, pending))

@@ -1,0 +1,59 @@
+"""``rsrv node status``: what a running node reports about itself, as a table."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+from rsrv.config import ConfigError, load_node
+
+__all__ = ["status_main"]
+
+
+def status_main(node_file: str | None, timeout: float = 5.0) -> int:
+    """Print the node's children from its ``/healthz``. Exit status: 0 when the node
+    is ready, 1 when it runs but is not ready, 2 when it cannot be reached."""
+    try:
+        node = load_node(node_file)
+    except ConfigError as e:
+        print(f"rsrv: {e}", file=sys.stderr)
+        return 2
+    host = node.global_.endpoints.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    url = f"http://{host}:{node.metrics_port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            report = json.load(answer)
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        print(f"rsrv: no node answers at {url}: {reason}", file=sys.stderr)
+        return 2
+    state = "stopping" if report["stopping"] else "ready" if report["ready"] else "not ready"
+    print(
+        f"node pid {report['pid']}: {state}, public port {report['port']}, "
+        f"up {report['uptime_seconds']:.0f} s"
+    )
+    rows = [("NAME", "KIND", "STATE", "READY", "PID", "PORT", "DEVICE", "RESTARTS", "LAST EXIT")]
+    for c in report["children"]:
+        rows.append(
+            (
+                c["name"],
+                c["kind"],
+                c["state"],
+                "yes" if c["ready"] else "no",
+                str(c["pid"] or "-"),
+                str(c["port"]),
+                c["device"] or "-",
+                str(c["restarts"]),
+                c["last_exit"] or "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+    return 0 if report["ready"] else 1

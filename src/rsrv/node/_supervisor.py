@@ -1,0 +1,179 @@
+"""``rsrv node``: one process per worker of the node, kept running, stopped in order.
+
+The process tree::
+
+    rsrv node                      the supervisor: this module, admin HTTP on metrics_port
+    ├── rsrv serve --worker worker0   one per worker, CUDA_VISIBLE_DEVICES = its device
+    ├── rsrv serve --worker worker1
+    └── ...
+
+A one-worker node's worker listens on the node's public port itself. Stopping
+(SIGTERM or SIGINT): the front door first, then every worker drains and exits, each
+within its grace period, after which it is killed. Exit status: 0 when every child
+stopped by itself, 1 when the node gave up on a child or had to kill one, 2 for an
+invalid configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from rsrv.config import (
+    GPUS_VARIABLE,
+    ConfigError,
+    NodePlan,
+    WorkerConfig,
+    load_node,
+    plan_node,
+)
+from rsrv.logsetup import configure_logging
+from rsrv.node._admin import serve_node_admin
+from rsrv.node._children import Child, ChildSpec
+
+__all__ = ["Supervisor", "node_main"]
+
+log = logging.getLogger("rsrv.node")
+
+
+def worker_spec(
+    plan: NodePlan, worker: WorkerConfig, node_file: str | None, base_env: dict[str, str]
+) -> ChildSpec:
+    """How to run ``worker`` of ``plan``: ``rsrv serve`` with the node's own file and
+    environment, plus the device it may see."""
+    argv = [sys.executable, "-m", "rsrv.cli", "serve"]
+    if node_file is not None:
+        argv.append(os.path.abspath(node_file))
+    argv += ["--worker", worker.name]
+    env = {**base_env, "PYTHONUNBUFFERED": "1"}
+    if plan.device_source:
+        # The child plans the node again: it must find the same devices (its own
+        # CUDA_VISIBLE_DEVICES would show it one) and so the same workers.
+        env[GPUS_VARIABLE] = ",".join(plan.devices) or "0"
+    if worker.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = worker.gpu
+    assert worker.endpoints.port is not None
+    return ChildSpec(
+        name=worker.name,
+        kind="worker",
+        argv=argv,
+        env=env,
+        grace=worker.endpoints.shutdown_grace_seconds + plan.supervisor.kill_after_seconds,
+        port=worker.endpoints.port,
+        device=worker.gpu,
+    )
+
+
+def check_node_ports(plan: NodePlan) -> None:
+    """The node's admin port (and, with two or more workers, its public port) must
+    not be a port of any worker. Raises ConfigError."""
+    taken: dict[int, str] = {}
+    for worker in plan.workers:
+        assert worker.endpoints.port is not None
+        taken[worker.endpoints.port] = f"the gRPC port of worker {worker.name!r}"
+        if worker.endpoints.metrics_port is not None:
+            taken[worker.endpoints.metrics_port] = f"the metrics port of worker {worker.name!r}"
+    if plan.metrics_port in taken:
+        raise ConfigError(f"metrics_port {plan.metrics_port} is {taken[plan.metrics_port]}")
+    if len(plan.workers) > 1 and plan.port in taken:
+        raise ConfigError(f"port {plan.port} (the node's public port) is {taken[plan.port]}")
+
+
+class Supervisor:
+    """Runs the children of one node; see the module docstring."""
+
+    def __init__(self, plan: NodePlan, specs: list[ChildSpec], host: str):
+        self.plan = plan
+        self.host = host
+        self.children = [Child(spec, plan.supervisor, self._give_up) for spec in specs]
+        self.stopping = False
+        self.failure: str | None = None
+        self.started_at = 0.0
+        self._stop_requested = trio.Event()
+
+    @property
+    def front_door(self) -> list[Child]:
+        """The children clients connect to: the gateway when there is one, else the
+        workers (with one worker, the node's public port is its own)."""
+        gateways = [c for c in self.children if c.spec.kind == "gateway"]
+        return gateways or self.children
+
+    @property
+    def ready(self) -> bool:
+        return not self.stopping and all(c.ready for c in self.front_door)
+
+    def _give_up(self, reason: str) -> None:
+        self.failure = self.failure or reason
+        self._stop_requested.set()
+
+    async def run(self) -> int:
+        """Supervise until a signal or a failure; returns the exit status."""
+        self.started_at = trio.current_time()
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve_node_admin, self, self.host, self.plan.metrics_port)
+                log.info("node admin HTTP on %s:%d", self.host, self.plan.metrics_port)
+                for child in self.children:
+                    nursery.start_soon(child.run)
+                nursery.start_soon(self._watch_signals, signals)
+                await self._stop_requested.wait()
+                await self._stop_children()
+                nursery.cancel_scope.cancel()
+        if self.failure is not None:
+            log.error("node stopped: %s", self.failure)
+            return 1
+        killed = [c.name for c in self.children if c.killed]
+        if killed:
+            log.error("node stopped; killed after their grace period: %s", ", ".join(killed))
+            return 1
+        log.info("node stopped: every child drained and exited")
+        return 0
+
+    async def _watch_signals(self, signals) -> None:
+        async for signum in signals:
+            log.info("received %s: stopping the node", signal.Signals(signum).name)
+            self._stop_requested.set()
+
+    async def _stop_children(self) -> None:
+        """The front door stops first (it stops accepting); then the rest, together."""
+        self.stopping = True
+        front = [c for c in self.children if c.spec.kind == "gateway"]
+        for group in (front, [c for c in self.children if c not in front]):
+            async with trio.open_nursery() as nursery:
+                for child in group:
+                    nursery.start_soon(child.stop)
+
+
+def node_main(node_file: str | None) -> int:
+    """Entry point of ``rsrv node``: plan the node, then supervise it under trio."""
+    try:
+        node = load_node(node_file)
+        plan = plan_node(node, os.environ, source=None if node_file is None else Path(node_file))
+        check_node_ports(plan)
+    except ConfigError as e:
+        print(f"rsrv: {e}", file=sys.stderr)
+        return 2
+    logging_config = node.global_.logging
+    configure_logging("node", logging_config.level, logging_config.format)
+    if plan.device_source:
+        log.info("devices: %s (from %s)", ", ".join(plan.devices) or "none", plan.device_source)
+    env = dict(os.environ)
+    specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
+    for spec in specs:
+        log.info(
+            "%s %s: port %d, device %s",
+            spec.kind,
+            spec.name,
+            spec.port,
+            spec.device or "none",
+        )
+    if len(specs) > 1:
+        log.warning(
+            "%d workers and no gateway yet: clients connect to each worker's port", len(specs)
+        )
+    return trio.run(Supervisor(plan, specs, node.global_.endpoints.host).run)

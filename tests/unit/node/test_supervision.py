@@ -1,0 +1,145 @@
+"""The supervisor's parts on their own: output tagging, the restart policy with real
+short-lived child processes, and the supervisor link between two ends of a socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+import pytest
+import trio
+
+from rsrv.config import SupervisorConfig
+from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
+from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
+from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
+
+
+def test_lines_are_tagged_and_json_stays_json():
+    assert tag_line("worker1", b"hello") == b"[worker1] hello\n"
+    tagged = json.loads(tag_line("worker1", b'{"message": "hi", "level": "INFO"}'))
+    assert tagged == {"message": "hi", "level": "INFO", "worker": "worker1"}
+    # A JSON line that names its worker keeps it; a line that only looks like JSON is text.
+    assert json.loads(tag_line("w", b'{"worker": "gpu3"}'))["worker"] == "gpu3"
+    assert tag_line("w", b"{not json") == b"[w] {not json\n"
+    assert tag_line("w", b"[1, 2]") == b"[w] [1, 2]\n"
+
+
+async def test_output_is_forwarded_in_whole_lines(tmp_path):
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    out = tmp_path / "out"
+    with open(out, "wb") as sink:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(forward_lines, "w", receive, sink.fileno())
+            for piece in (b"one\ntw", b"o\n", b"x" * (MAX_LINE_BYTES + 10), b"\nlast"):
+                await send.send_all(piece)
+                await trio.testing.wait_all_tasks_blocked()
+            await send.aclose()
+    lines = out.read_bytes().split(b"\n")
+    assert lines[:2] == [b"[w] one", b"[w] two"]
+    assert lines[2] == b"[w] " + b"x" * MAX_LINE_BYTES  # an overlong line comes in pieces
+    assert lines[3:] == [b"[w] " + b"x" * 10, b"[w] last", b""]
+
+
+def test_restart_delays_double_up_to_the_limit():
+    policy = SupervisorConfig(backoff_seconds=0.5, max_backoff_seconds=3)
+    assert [restart_delay(n, policy) for n in range(1, 6)] == [0.5, 1, 2, 3, 3]
+
+
+def child(script: str, policy: SupervisorConfig, failures: list[str], grace=5.0) -> Child:
+    spec = ChildSpec(
+        name="c",
+        kind="worker",
+        argv=[sys.executable, "-c", script],
+        env=dict(os.environ),
+        grace=grace,
+        port=0,
+    )
+    return Child(spec, policy, failures.append)
+
+
+async def test_a_crashing_child_is_restarted_until_the_limit(tmp_path):
+    policy = SupervisorConfig(max_restarts=2, backoff_seconds=0.01, stable_seconds=60)
+    count = tmp_path / "count"
+    script = f"open({str(count)!r}, 'a').write('x'); raise SystemExit(3)"
+    failures: list[str] = []
+    c = child(script, policy, failures)
+    with trio.fail_after(60):
+        await c.run()
+    assert count.read_text() == "xxx"  # the first start and two restarts
+    assert c.state is ChildState.FAILED and c.last_exit == "code 3"
+    assert c.restarts_total == 2
+    assert len(failures) == 1 and "exited 3 time(s) in a row" in failures[0]
+
+
+async def test_a_fatal_exit_is_not_restarted(tmp_path):
+    failures: list[str] = []
+    c = child("raise SystemExit(2)", SupervisorConfig(backoff_seconds=0.01), failures)
+    with trio.fail_after(60):
+        await c.run()
+    assert c.restarts_total == 0 and c.state is ChildState.FAILED
+    assert "configuration or device is unusable" in failures[0]
+
+
+async def test_a_stable_child_has_its_count_reset(tmp_path):
+    # Each run lives longer than stable_seconds: however often it exits, it never
+    # reaches the limit of one restart in a row.
+    policy = SupervisorConfig(max_restarts=1, backoff_seconds=0.01, stable_seconds=0.2)
+    count = tmp_path / "count"
+    script = f"import time; open({str(count)!r}, 'a').write('x'); time.sleep(0.3)"
+    failures: list[str] = []
+    c = child(script, policy, failures)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        with trio.fail_after(60):
+            while len(count.read_text() if count.exists() else "") < 4:
+                await trio.sleep(0.05)
+        await c.stop()
+    assert not failures and c.state is ChildState.STOPPED
+
+
+async def test_stop_escalates_to_sigkill_after_the_grace_period():
+    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    c = child(script, SupervisorConfig(), [], grace=0.5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        with trio.fail_after(30):
+            while c.pid is None:
+                await trio.sleep(0.01)
+            await trio.sleep(0.5)  # the child has installed its handler
+            await c.stop()
+    assert c.killed and c.last_exit == "signal SIGKILL" and c.state is ChildState.STOPPED
+
+
+async def test_the_link_reports_status_and_notices_the_supervisor_go(monkeypatch):
+    supervisor_end, child_end = socket.socketpair()
+    monkeypatch.setenv(LINK_FD_VARIABLE, str(child_end.fileno()))
+    ready = False
+    link = SupervisorLink(lambda: ChildStatus(ready=ready, port=8101), interval=0.01)
+    terminated = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+
+        async def on_sigterm():
+            async for _ in signals:
+                terminated.set()
+                return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_sigterm)
+            nursery.start_soon(link.run)
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(supervisor_end))
+            statuses = read_status(stream)
+            assert await statuses.__anext__() == ChildStatus(False, 8101)
+            ready = True
+            assert await statuses.__anext__() == ChildStatus(True, 8101)
+            await stream.aclose()  # the supervisor is gone
+            with trio.fail_after(10):
+                await terminated.wait()
+
+
+def test_outside_a_supervisor_the_link_does_nothing(monkeypatch):
+    monkeypatch.delenv(LINK_FD_VARIABLE, raising=False)
+    trio.run(SupervisorLink(lambda: pytest.fail("polled")).run)
