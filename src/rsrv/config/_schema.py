@@ -26,8 +26,6 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from rsrv.versions import VersionPolicy
-
 
 def _doc(text: str) -> Meta:
     return Meta(description=text)
@@ -142,20 +140,6 @@ class ModelSchedConfig(_Strict):
         Annotated[float, Meta(gt=0)] | None,
         _doc("Target latency per request, the deadline under edf; null means none."),
     ] = None
-    version_policy: Annotated[
-        VersionPolicy | None,
-        _doc(
-            "Versions served: {latest: N}, {all: true} or {specific: [...]}; null: the "
-            "policy of the newest version's manifest, else {latest: 1}."
-        ),
-    ] = None
-    allow_file_overrides: Annotated[
-        bool,
-        _doc(
-            "Let RepositoryModelLoad write its file: parameters into this model's "
-            "directory in the repository (explicit mode); off: they are refused."
-        ),
-    ] = False
 
 
 class SchedulerConfig(_Strict):
