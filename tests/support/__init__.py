@@ -12,6 +12,10 @@
 * :mod:`support.metrics`: the admin HTTP endpoint and a parsed /metrics scrape;
 * :mod:`support.procfs`: this process's TCP sockets, from /proc;
 * :mod:`support.rawh2`: an ill-behaved HTTP/2 gRPC client, frame by frame;
+* :mod:`support.echo`: rsrv's own ``GrpcServer`` with raw-bytes test methods in the
+  test's trio loop (for the transport's client), and ``wait_for``, its trio polling loop;
+* :mod:`support.channel_bench`: the paired benchmark of rsrv's channel against
+  purerpc's client (a script, not a fixture);
 * :mod:`support.scheduler`: a fake executor and submit helpers for the scheduler tests;
 * :mod:`support.waiting`: :func:`~support.waiting.wait_until`, the one polling loop;
 * :mod:`support.assertions`: ``pytest.raises`` that also checks the message;

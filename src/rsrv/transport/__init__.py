@@ -7,9 +7,23 @@ Here HTTP/2 is spoken directly (``_frames``; header decoding by ``hpack``), ever
 connection and call is a trio task with a defined lifetime (see ``_connection``), limits
 bound what one client can hold (``TransportLimits``), and TLS is served by
 ``trio.SSLStream``.
+
+The client side (``_client``, ``_channel``) shares the HTTP/2 endpoint code
+(``_endpoint``) and the message framing: a :class:`Channel` pools connections to one
+endpoint and makes unary and bidirectional-streaming calls on raw message bytes
+(``open_channel``, ``UnaryResult``, ``StreamingCall``, ``ClientLimits``).
 """
 
 from rsrv.transport._call import ServerCall
+from rsrv.transport._channel import (
+    Channel,
+    ClientLimits,
+    StreamingCall,
+    UnaryResult,
+    grpc_timeout,
+    open_channel,
+)
+from rsrv.transport._client import CallEnded
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     GrpcServer,
@@ -21,12 +35,19 @@ from rsrv.transport._server import (
 )
 
 __all__ = [
+    "CallEnded",
+    "Channel",
+    "ClientLimits",
     "GrpcServer",
     "MessageError",
     "Method",
     "ServerCall",
+    "StreamingCall",
     "TransportLimits",
+    "UnaryResult",
     "default_status",
+    "grpc_timeout",
     "methods_of",
+    "open_channel",
     "server_tls_context",
 ]

@@ -107,7 +107,7 @@ class ServerCall:
         self._ended = True
         self._wake()
 
-    def _on_reset(self) -> None:
+    def _on_reset(self, code: int = CANCEL) -> None:
         self._closed = True
         self.scope.cancel()
         self._wake()

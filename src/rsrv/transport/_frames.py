@@ -4,12 +4,19 @@ Reading is :class:`FrameReader` (bytes in, ``(type, flags, stream_id, payload)``
 the frame size limit enforced); writing is a handful of functions returning one frame's
 bytes each. Header blocks are HPACK-encoded without the dynamic table
 (:func:`header_block`: indexed static entries and literals "without indexing"), so the
-encoder keeps no state and a response's headers can be prebuilt once.
+encoder keeps no state and a response's (or a request's) headers can be prebuilt once;
+the peer's blocks are decoded by :class:`HeaderDecoder` (``hpack``), each distinct block
+once per dynamic-table state.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any
+
+import hpack
+import hpack.exceptions
 
 # frame types
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
@@ -151,16 +158,34 @@ def _string(value: bytes) -> bytes:
 
 #: Static-table entries used here (RFC 7541 Appendix A): name -> index, and full
 #: (name, value) -> index.
-_STATIC_NAME = {b":status": 8, b"content-type": 31}
-_STATIC_FULL = {(b":status", b"200"): 8}
+_STATIC_NAME = {
+    b":authority": 1,
+    b":path": 4,
+    b":status": 8,
+    b"content-type": 31,
+    b"user-agent": 58,
+}
+_STATIC_FULL = {
+    (b":method", b"POST"): 3,
+    (b":scheme", b"http"): 6,
+    (b":scheme", b"https"): 7,
+    (b":status", b"200"): 8,
+}
 
 
 def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
     """An HPACK block that touches no dynamic table: indexed static entries, else
     literals without indexing (static name index where there is one). It opens with a
     dynamic table size update to 0, so it stays valid whatever table size the peer's
-    SETTINGS_HEADER_TABLE_SIZE allows (RFC 7541 §4.2, §6.3)."""
-    out = [b"\x20"]
+    SETTINGS_HEADER_TABLE_SIZE allows (RFC 7541 §4.2, §6.3). :func:`header_fields`
+    of more headers may be appended to it."""
+    return b"\x20" + header_fields(headers)
+
+
+def header_fields(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The HPACK representations of ``headers`` (as in :func:`header_block`), without
+    the table size update that opens a block: what is appended to a prebuilt block."""
+    out = []
     for name, value in headers:
         full = _STATIC_FULL.get((name, value))
         if full is not None:
@@ -172,3 +197,52 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
         else:
             out.append(b"\x00" + _string(name) + _string(value))
     return b"".join(out)
+
+
+class HeaderDecoder:
+    """The peer's header blocks, decoded (``hpack``) once per dynamic-table state.
+
+    Peers send the same block over and over (every field indexed, the table unchanged
+    by it); decoding it again would give the same list. The table's state is named by
+    its newest entry (each insertion makes a new object, kept alive by the table) and
+    its length; a block that changed the table is never reused. ``parse`` turns a
+    decoded list into what the connection keeps (cached with it, so it must not be
+    mutated); by default the list itself.
+
+    :meth:`decode` raises :class:`ConnectionError_` (ENHANCE_YOUR_CALM for a header
+    list above ``max_header_list_size``, COMPRESSION_ERROR for a malformed block): the
+    decoder's state no longer matches the peer's, so the connection must end.
+    """
+
+    __slots__ = ("_decoder", "_decoded", "_parse")
+
+    def __init__(self, max_header_list_size: int, parse: Callable[[list], Any] | None = None):
+        self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = max_header_list_size
+        self._decoded: dict[bytes, tuple] = {}  # block -> (table state, parsed)
+        self._parse = parse
+
+    def decode(self, block: bytes) -> Any:
+        table = self._decoder.header_table
+        state = _table_state(table)
+        hit = self._decoded.get(block)
+        if hit is not None and hit[0] == state and hit[0][0] is state[0]:
+            return hit[1]
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except hpack.exceptions.OversizedHeaderListError:
+            # hpack stops mid-block, so its table may no longer match the peer's
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "header list too large") from None
+        except hpack.exceptions.HPACKError as e:
+            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {e}") from None
+        parsed = headers if self._parse is None else self._parse(headers)
+        if _table_state(table) == state:
+            if len(self._decoded) >= 64:
+                self._decoded.clear()
+            self._decoded[block] = (state, parsed)
+        return parsed
+
+
+def _table_state(table) -> tuple:
+    entries = table.dynamic_entries
+    return (entries[0] if entries else None, len(entries), table.maxsize)

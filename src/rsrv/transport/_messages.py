@@ -68,10 +68,17 @@ class MessageReader:
         "_encoding",
         "_limit",
         "_budget",
+        "_setting",
         "inflated",
     )
 
-    def __init__(self, encoding: str | None, limit: int, budget: InflateBudget):
+    def __init__(
+        self,
+        encoding: str | None,
+        limit: int,
+        budget: InflateBudget,
+        setting: str = "endpoints.max_message_bytes",
+    ):
         self._buf = bytearray()
         self._length: int | None = None  # payload length of the message being read
         self._compressed = False
@@ -79,6 +86,7 @@ class MessageReader:
         self._encoding = encoding
         self._limit = limit
         self._budget = budget
+        self._setting = setting  # what sets ``limit``, named when a message exceeds it
         self.inflated = 0  # bytes charged to the budget by this stream
 
     @property
@@ -108,7 +116,7 @@ class MessageReader:
                 self._compressed, self._length = _HEADER.unpack_from(buf)
                 del buf[:5]
                 if self._length > self._limit:
-                    out.append(_too_large(self._length, self._limit))
+                    out.append(_too_large(self._length, self._limit, self._setting))
                     take = min(self._length, len(buf))
                     del buf[:take]
                     self._skip = self._length - take
@@ -158,7 +166,7 @@ class MessageReader:
                     f"decompressed messages of this connection's calls in flight would "
                     f"exceed {budget.limit} bytes; send fewer compressed messages at once",
                 )
-            return _too_large(f"more than {self._limit} (decompressed)", self._limit)
+            return _too_large(f"more than {self._limit} (decompressed)", self._limit, self._setting)
         budget.used += len(out)
         self.inflated += len(out)
         return out
@@ -169,9 +177,8 @@ class MessageReader:
         self._buf = bytearray()
 
 
-def _too_large(size: int | str, limit: int) -> MessageError:
+def _too_large(size: int | str, limit: int, setting: str) -> MessageError:
     return MessageError(
         StatusCode.RESOURCE_EXHAUSTED,
-        f"received message of {size} bytes, larger than the maximum {limit} "
-        "(endpoints.max_message_bytes)",
+        f"received message of {size} bytes, larger than the maximum {limit} ({setting})",
     )

@@ -1,0 +1,468 @@
+"""A gRPC client channel to one endpoint: pooled HTTP/2 connections, a cap on calls in
+flight, unary and bidirectional-streaming calls on raw message bytes.
+
+Messages are bytes in and bytes out (no protobuf here): the gateway forwards them
+untouched, and ``rsrv.client`` encodes and decodes them. Calls never raise for a
+status: a unary call returns a :class:`UnaryResult`, a streaming call carries its
+status once it has ended. Transport failures are ``UNAVAILABLE``, with
+``reached_server`` False when the server certainly did not process the call (so a
+caller may retry it or send it elsewhere).
+
+Usage, with a nursery of the channel's own::
+
+    async with open_channel("127.0.0.1", 8001) as channel:
+        result = await channel.unary("/inference.GRPCInferenceService/ServerLive", b"")
+
+or bound to a nursery the caller owns, for as long as that nursery lives::
+
+    channel = Channel("127.0.0.1", 8001)
+    await nursery.start(channel.run)
+    ...
+    await channel.aclose()
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.transport import _frames as F
+from rsrv.transport._client import CallEnded, ClientConnection, ClientStream, connect
+
+__all__ = ["Channel", "ClientLimits", "StreamingCall", "UnaryResult", "open_channel"]
+
+Metadata = Sequence[tuple[str, str]]
+_USER_AGENT = b"rsrv-channel/1"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """What a :class:`Channel` may hold and how it spreads its calls.
+
+    ``max_concurrent_streams``: calls in flight on the channel at once; further calls
+    wait, first come first served (their deadline runs while they wait).
+    ``max_connections``: HTTP/2 connections to the endpoint, opened lazily; a new one
+    is opened when every open one carries ``streams_per_connection`` calls, or the
+    server's SETTINGS_MAX_CONCURRENT_STREAMS, or is closing. Messages above
+    ``max_send_message_bytes`` fail RESOURCE_EXHAUSTED without being sent, received
+    ones above ``max_receive_message_bytes`` (decompressed) RESOURCE_EXHAUSTED.
+    ``connect_timeout``: a connection (TCP and TLS) must be up within this.
+    ``accept_compressed``: ask the server to compress its responses (gzip, deflate);
+    compressed responses are inflated either way.
+    """
+
+    max_concurrent_streams: int = 256
+    max_connections: int = 4
+    streams_per_connection: int = 64
+    max_send_message_bytes: int = 1 << 28
+    max_receive_message_bytes: int = 1 << 28
+    connect_timeout: float = 10.0
+    accept_compressed: bool = False
+
+
+@dataclass(slots=True)
+class UnaryResult:
+    """The outcome of a unary call. ``response`` is the message's bytes when ``status``
+    is OK (None otherwise); ``message`` is grpc-message, percent-decoded;
+    ``initial_metadata`` and ``trailers`` are the server's custom headers (name, value).
+    ``reached_server`` is False only when the server certainly did not process the
+    call (connection refused, GOAWAY below the call's stream, REFUSED_STREAM)."""
+
+    status: StatusCode
+    message: str = ""
+    response: bytes | None = None
+    initial_metadata: tuple[tuple[str, str], ...] = ()
+    trailers: tuple[tuple[str, str], ...] = ()
+    reached_server: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.status is StatusCode.OK
+
+
+class _Unreachable(Exception):
+    """No connection to the server could be had (the call never left)."""
+
+
+class Channel:
+    """Calls to one gRPC endpoint over pooled HTTP/2 connections (see the module doc).
+
+    ``tls``: a client ``ssl.SSLContext`` (e.g. ``ssl.create_default_context(cafile=...)``;
+    ``load_cert_chain`` for mutual TLS), verified against ``server_hostname`` or
+    ``host``; None for plaintext HTTP/2. The channel's connections run as tasks of
+    :meth:`run`; a call made before ``run`` started fails UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
+    ):
+        self.host, self.port = host, port
+        self.tls = tls
+        self.server_hostname = server_hostname
+        self.limits = limits
+        self.connections: list[ClientConnection] = []
+        self._slots = trio.Semaphore(limits.max_concurrent_streams)
+        self._opening = 0
+        self._changed = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+        self._blocks: dict[str, bytes] = {}  # path -> its prebuilt request header block
+        authority = host if ":" not in host else f"[{host}]"
+        self._common = [
+            (b":authority", f"{authority}:{port}".encode()),
+            (b"te", b"trailers"),
+            (b"content-type", b"application/grpc"),
+            (b"user-agent", _USER_AGENT),
+        ]
+        if limits.accept_compressed:
+            self._common.append((b"grpc-accept-encoding", b"identity,gzip,deflate"))
+        self._scheme = b"https" if tls is not None else b"http"
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the channel's connections until cancelled or :meth:`aclose`; meant for
+        ``await nursery.start(channel.run)``."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def aclose(self) -> None:
+        """Close every connection (GOAWAY) and stop :meth:`run`; calls still in flight
+        end UNAVAILABLE, later calls fail UNAVAILABLE (never sent)."""
+        self._closed = True
+        for conn in list(self.connections):
+            conn.close()
+        with trio.move_on_after(1):  # idle ones send GOAWAY and close
+            for conn in list(self.connections):
+                if not conn.streams:
+                    await conn.finished.wait()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # -- calls ----------------------------------------------------------------------------
+
+    async def unary(
+        self,
+        path: str,
+        request: bytes,
+        *,
+        metadata: Metadata = (),
+        timeout: float | None = None,
+    ) -> UnaryResult:
+        """Call ``path`` ("/package.Service/Method") with one request message; never
+        raises for a status. ``timeout`` (seconds) is sent as grpc-timeout and enforced
+        here too: past it the stream is reset (RST_STREAM CANCEL) and the result is
+        DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well."""
+        if timeout is None:
+            return await self._unary(path, request, metadata, math.inf, None)
+        deadline = trio.current_time() + timeout
+        opened: list[ClientStream] = []
+        with trio.move_on_at(deadline):
+            return await self._unary(path, request, metadata, deadline, opened)
+        return UnaryResult(
+            StatusCode.DEADLINE_EXCEEDED,
+            "deadline exceeded (client timeout)",
+            reached_server=bool(opened),
+        )
+
+    async def _unary(self, path, request, metadata, deadline, opened) -> UnaryResult:
+        if len(request) > self.limits.max_send_message_bytes:
+            return UnaryResult(
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(request)} bytes is larger than the channel's maximum "
+                f"{self.limits.max_send_message_bytes} (ClientLimits.max_send_message_bytes)",
+                reached_server=False,
+            )
+        stream = None
+        async with self._slots:
+            try:
+                try:
+                    conn = await self._connection()
+                except _Unreachable as e:
+                    return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
+                stream = conn.open_stream(self._block(path, metadata, deadline))
+                if opened is not None:
+                    opened.append(stream)
+                try:
+                    await stream.send(request, end=True)
+                except CallEnded:
+                    pass
+                await stream.wait_done()
+            finally:
+                if stream is not None and not stream.done:
+                    stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel
+        return _unary_result(stream)
+
+    @asynccontextmanager
+    async def stream(
+        self,
+        path: str,
+        *,
+        metadata: Metadata = (),
+        timeout: float | None = None,
+    ) -> AsyncIterator[StreamingCall]:
+        """A bidirectional-streaming call: ``send``, ``end`` (half-close), ``async for``
+        the responses; its status once the iteration ends. Leaving the block before
+        the call has ended cancels it (RST_STREAM CANCEL, status CANCELLED). The
+        deadline (``timeout``) covers the whole call, waiting for a slot included."""
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        call = StreamingCall(deadline)
+        acquired = False
+        try:
+            with trio.move_on_at(deadline):
+                await self._slots.acquire()
+                acquired = True
+                conn = await self._connection()
+                call._stream = conn.open_stream(self._block(path, metadata, deadline))
+                conn.flush()
+            if call._stream is None:
+                call._failed(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+        except _Unreachable as e:
+            call._failed(StatusCode.UNAVAILABLE, str(e), reached_server=False)
+        try:
+            yield call
+        finally:
+            if call._stream is not None:
+                call._stream.cancel()
+            if acquired:
+                self._slots.release()
+
+    # -- the pool -------------------------------------------------------------------------
+
+    async def _connection(self) -> ClientConnection:
+        """A connection with room for one more stream: the least loaded, or a new one
+        (see ClientLimits); waits while every connection is full. Raises _Unreachable."""
+        limits = self.limits
+        while True:
+            if self._closed or self._nursery is None:
+                raise _Unreachable(
+                    "the channel is closed" if self._closed else "the channel is not running"
+                )
+            best = None
+            for conn in self.connections:
+                if conn.available and (best is None or conn.load < best.load):
+                    best = conn
+            if best is not None and best.load < limits.streams_per_connection:
+                return best
+            if len(self.connections) + self._opening < limits.max_connections:
+                return await self._open()
+            if best is not None and not self._opening:
+                return best  # every connection is busy and no more may be opened
+            await self._changed.park()  # for the connection being opened, or a free stream
+
+    async def _open(self) -> ClientConnection:
+        """A new connection, once the server's SETTINGS arrived (so its stream limit
+        and windows are known before streams are opened on it)."""
+        limits = self.limits
+        where = f"{self.host}:{self.port}"
+        self._opening += 1
+        conn = None
+        try:
+            with trio.move_on_after(limits.connect_timeout) as timer:
+                try:
+                    stream = await connect(self.host, self.port, self.tls, self.server_hostname)
+                except (OSError, ssl.SSLError, trio.BrokenResourceError) as e:
+                    raise _Unreachable(f"cannot connect to {where}: {_why(e)}") from None
+                conn = ClientConnection(
+                    stream,
+                    stream_window=min(2 * limits.max_receive_message_bytes, F.MAX_WINDOW),
+                    max_send=limits.max_send_message_bytes,
+                    max_receive=limits.max_receive_message_bytes,
+                    on_change=self._on_change,
+                )
+                self._nursery.start_soon(conn.run)
+                await conn.ready.wait()
+            if timer.cancelled_caught:
+                raise _Unreachable(
+                    f"cannot connect to {where} within {limits.connect_timeout:g} s "
+                    "(ClientLimits.connect_timeout)"
+                )
+            if conn.closed:
+                raise _Unreachable(f"the connection to {where} ended before HTTP/2 settings")
+        except BaseException:
+            if conn is not None:
+                conn.close()  # it never served: GOAWAY, closed
+            raise
+        finally:
+            self._opening -= 1
+            self._changed.unpark_all()
+        self.connections.append(conn)
+        return conn
+
+    def _on_change(self, conn: ClientConnection) -> None:
+        if conn.closed and conn in self.connections:
+            self.connections.remove(conn)
+        self._changed.unpark_all()
+
+    def _block(self, path: str, metadata: Metadata, deadline: float) -> bytes:
+        """The request's header block: prebuilt per path, then grpc-timeout and
+        metadata as literals."""
+        block = self._blocks.get(path)
+        if block is None:
+            if len(self._blocks) >= 1024:
+                self._blocks.clear()
+            block = self._blocks[path] = F.header_block(
+                [(b":method", b"POST"), (b":scheme", self._scheme), (b":path", path.encode())]
+                + self._common
+            )
+        if deadline == math.inf and not metadata:
+            return block
+        extra = []
+        if deadline != math.inf:
+            extra.append((b"grpc-timeout", grpc_timeout(deadline - trio.current_time())))
+        for name, value in metadata:
+            extra.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+        return block + F.header_fields(extra)
+
+
+class StreamingCall:
+    """One bidirectional-streaming call (from :meth:`Channel.stream`).
+
+    ``await send(message)``, ``await end()`` (half-close), ``async for message in call``
+    (raw bytes, until the call ends); then ``status`` (a purerpc ``StatusCode``),
+    ``message``, ``initial_metadata``, ``trailers`` and ``reached_server`` are final.
+    ``send`` raises :class:`CallEnded` once the call has ended or was half-closed. The
+    call's deadline ends it with DEADLINE_EXCEEDED (stream reset) in whichever of
+    ``send`` or the iteration is waiting.
+    """
+
+    def __init__(self, deadline: float):
+        self._stream: ClientStream | None = None
+        self._deadline = deadline
+        self._status: tuple[StatusCode, str, bool] | None = None  # failed before a stream
+
+    def _failed(self, code: StatusCode, message: str, *, reached_server: bool = False) -> None:
+        self._status = (code, message, reached_server)
+
+    async def send(self, message: bytes) -> None:
+        stream = self._stream
+        if stream is None:
+            raise CallEnded(self.message)
+        with trio.move_on_at(self._deadline) as timer:
+            await stream.send(message)
+        if timer.cancelled_caught:
+            stream.cancel(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+            raise CallEnded(self.message)
+
+    async def end(self) -> None:
+        if self._stream is not None:
+            self._stream.end()
+
+    def __aiter__(self) -> StreamingCall:
+        return self
+
+    async def __anext__(self) -> bytes:
+        stream = self._stream
+        if stream is None:
+            raise StopAsyncIteration
+        message = None
+        with trio.move_on_at(self._deadline):
+            message = await stream.receive()
+        if message is None:
+            if not stream.done:  # the deadline
+                stream.cancel(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+            raise StopAsyncIteration
+        return message
+
+    def cancel(self) -> None:
+        """End the call now (RST_STREAM CANCEL, status CANCELLED) unless it has ended."""
+        if self._stream is not None:
+            self._stream.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._stream is None or self._stream.done
+
+    @property
+    def status(self) -> StatusCode | None:
+        """None while the call is running."""
+        if self._stream is None:
+            return self._status[0]
+        return self._stream.status
+
+    @property
+    def message(self) -> str:
+        return self._status[1] if self._stream is None else self._stream.message
+
+    @property
+    def reached_server(self) -> bool:
+        return self._status[2] if self._stream is None else self._stream.reached_server
+
+    @property
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return () if self._stream is None else self._stream.metadata
+
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return () if self._stream is None else self._stream.trailers
+
+
+@asynccontextmanager
+async def open_channel(
+    host: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
+) -> AsyncIterator[Channel]:
+    """A running :class:`Channel` for the block's duration (closed on exit). An
+    exception raised in the block comes out as itself, not in an exception group (the
+    channel's own tasks raise none)."""
+    channel = Channel(host, port, tls=tls, server_hostname=server_hostname, limits=limits)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(channel.run)
+            try:
+                yield channel
+            finally:
+                await channel.aclose()
+    except BaseExceptionGroup as group:
+        while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+            group = group.exceptions[0]
+        raise group from None
+
+
+def _unary_result(stream: ClientStream) -> UnaryResult:
+    code, message = stream.status, stream.message
+    response = None
+    if code is StatusCode.OK:
+        messages = stream.take_messages()
+        if len(messages) == 1:
+            response = messages[0]
+        else:
+            code = StatusCode.INTERNAL
+            message = f"a unary call received {len(messages)} response messages, not 1"
+    return UnaryResult(
+        code, message, response, stream.metadata, stream.trailers, stream.reached_server
+    )
+
+
+def grpc_timeout(seconds: float) -> bytes:
+    """A grpc-timeout header value: at most 8 digits and a unit, rounded up."""
+    seconds = max(seconds, 0.0)
+    for unit, scale in ((b"u", 1e6), (b"m", 1e3), (b"S", 1.0), (b"M", 1 / 60), (b"H", 1 / 3600)):
+        value = math.ceil(seconds * scale)
+        if value < 100_000_000:
+            return b"%d" % max(value, 1) + unit
+    return b"99999999H"
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if isinstance(error, trio.BrokenResourceError) and error.__cause__ is not None:
+        return str(error.__cause__)
+    return str(error) or type(error).__name__

@@ -1,0 +1,394 @@
+"""What both ends of an HTTP/2 connection do alike (RFC 9113): reading frames and
+dispatching them to streams, the peer's settings and flow-control windows, and
+writing — frames queued, then written straight from the caller when the socket takes
+them, by the writer task when it does not.
+
+:class:`Http2Endpoint` is the base of the server's :class:`~._connection.ServerConnection`
+and the client's :class:`~._client.ClientConnection`; each adds what its side alone
+does (the server: requests, the client preface, idleness; the client: opening streams,
+GOAWAY, the pool's bookkeeping). A stream object (``ServerCall``, ``ClientStream``)
+has ``id``, ``send_window``, ``recv_window``, ``recv_unacked`` and ``_closed``, and
+takes ``_on_data(data, flow)``, ``_on_end()``, ``_on_reset(code)`` and
+``_window_opened()`` from the reader.
+
+Every limit here is enforced on what the peer sends: frame size (``FrameReader``),
+header block size, flow-control windows (an overrun: FLOW_CONTROL_ERROR). A protocol
+error raises :class:`~._frames.ConnectionError_` out of :meth:`Http2Endpoint._dispatch`;
+the read loop answers it with GOAWAY and ends.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import trio
+
+from rsrv.transport import _frames as F
+
+CONNECTION_WINDOW = 2**30  # what the connection-level receive window is raised to
+MAX_FRAME = 2**24 - 1  # the largest frame we accept
+MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
+MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
+RECEIVE_SIZE = 256 * 1024
+
+
+class Http2Endpoint:
+    """Protocol state and I/O of one HTTP/2 connection, either side.
+
+    ``streams`` maps open stream ids to their stream objects. ``stream_window`` is the
+    per-stream receive window we advertise (SETTINGS_INITIAL_WINDOW_SIZE).
+    """
+
+    def __init__(self, stream: trio.abc.Stream, stream_window: int, parse=None):
+        self.stream = stream
+        self.streams: dict[int, Any] = {}
+        # what we told the peer, and what we owe it
+        self.stream_window = stream_window
+        self._recv_window = CONNECTION_WINDOW  # connection-level, left before WINDOW_UPDATE
+        self._recv_unacked = 0
+        # what the peer told us
+        self.send_window = F.DEFAULT_WINDOW  # connection-level
+        self.peer_initial_window = F.DEFAULT_WINDOW
+        self.peer_max_frame = F.DEFAULT_FRAME
+        self._decoder = F.HeaderDecoder(MAX_HEADER_LIST, parse)
+        self._frames = F.FrameReader(MAX_FRAME)
+        self._settled = False  # the peer's first SETTINGS arrived
+        self._continuing: tuple[int, int, list[bytes]] | None = None  # HEADERS cont'd
+        self._last_stream = 0  # highest stream id opened (by the client)
+        self._out: list[bytes] = []  # frames queued, not yet written
+        self._writable = trio.lowlevel.ParkingLot()
+        # plain TCP: flush() writes straight to the socket (see there)
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
+        self._sending = False  # the writer task is in send_all
+        self._pending: memoryview | None = None  # bytes flush() could not write
+        self._closing = False
+        self._writer_done = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._goaway_sent = False
+
+    def local_settings(self, max_streams: int | None = None) -> bytes:
+        """Our SETTINGS frame and the WINDOW_UPDATE raising the connection window: the
+        first frames each side sends (after the client's preface)."""
+        values = {}
+        if max_streams is not None:
+            values[F.MAX_CONCURRENT_STREAMS] = max_streams
+        values.update(
+            {
+                F.INITIAL_WINDOW_SIZE: self.stream_window,
+                F.MAX_FRAME_SIZE: MAX_FRAME,
+                F.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
+                F.ENABLE_PUSH: 0,
+            }
+        )
+        return F.settings(values) + F.window_update(0, CONNECTION_WINDOW - F.DEFAULT_WINDOW)
+
+    # -- hooks of each side -----------------------------------------------------------
+
+    def _headers_complete(self, sid: int, flags: int, block: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_settled(self) -> None:
+        """The peer's first SETTINGS frame arrived."""
+
+    def _on_goaway(self, last_stream_id: int, code: int) -> None:
+        """The peer sent GOAWAY."""
+
+    def _on_peer_max_streams(self, value: int) -> None:
+        """The peer's SETTINGS_MAX_CONCURRENT_STREAMS."""
+
+    def _broken(self) -> None:
+        """The socket failed while writing: the peer is gone."""
+        self._closing = True
+        self._nursery.cancel_scope.cancel()
+
+    # -- reading ------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        """Read until the peer closes, resets or breaks the protocol (GOAWAY with its
+        error code then), or ``_closing`` is set."""
+        receive = self.stream.receive_some
+        while not self._closing:
+            try:
+                data = await receive(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # reset by the peer, or a TLS stream cut short
+            if not data:
+                return  # the peer closed the connection
+            try:
+                self._receive(data)
+            except F.ConnectionError_ as e:
+                self._protocol_error(e)
+                self._send_goaway(e.code, str(e))
+                return
+            self.flush()
+
+    def _receive(self, data: bytes) -> None:
+        self._dispatch(self._frames.feed(data))
+
+    def _protocol_error(self, error: F.ConnectionError_) -> None:
+        """The peer broke the protocol (before GOAWAY is sent)."""
+
+    def _dispatch(self, frames) -> None:
+        for kind, flags, sid, payload in frames:
+            if not self._settled:
+                if kind != F.SETTINGS or flags & F.ACK:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "the preface must be SETTINGS")
+                self._settled = True
+                self._on_settled()
+            if self._continuing is not None and kind != F.CONTINUATION:
+                raise F.ConnectionError_(F.PROTOCOL_ERROR, "a header block was interrupted")
+            if kind == F.DATA:
+                self._on_data(flags, sid, payload)
+            elif kind == F.HEADERS:
+                self._on_headers(flags, sid, payload)
+            elif kind == F.CONTINUATION:
+                self._on_continuation(flags, sid, payload)
+            elif kind == F.WINDOW_UPDATE:
+                self._on_window_update(sid, payload)
+            elif kind == F.RST_STREAM:
+                if sid == 0 or sid > self._last_stream:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, f"RST_STREAM on stream {sid}")
+                code = F.parse_u32(payload, "RST_STREAM")
+                stream = self.streams.get(sid)
+                if stream is not None:
+                    stream._on_reset(code)
+            elif kind == F.SETTINGS:
+                self._on_settings(flags, sid, payload)
+            elif kind == F.PING:
+                if sid != 0 or len(payload) != 8:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "malformed PING")
+                if not flags & F.ACK:
+                    self._out.append(F.frame(F.PING, F.ACK, 0, payload))
+            elif kind == F.PRIORITY:
+                if sid == 0:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "PRIORITY on stream 0")
+            elif kind == F.GOAWAY:
+                if sid != 0 or len(payload) < 8:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "malformed GOAWAY")
+                self._on_goaway(F.parse_u32(payload[:4], "GOAWAY"), F.parse_u32(payload[4:8], ""))
+            elif kind == F.PUSH_PROMISE:
+                raise F.ConnectionError_(F.PROTOCOL_ERROR, "push is disabled")
+            # unknown frame types are ignored (RFC 9113 §4.1)
+
+    def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0 or sid % 2 == 0 or sid > self._last_stream:
+            raise F.ConnectionError_(F.PROTOCOL_ERROR, f"DATA on stream {sid}, never opened")
+        flow = len(payload)
+        self._recv_window -= flow
+        if self._recv_window < 0:
+            raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        stream = self.streams.get(sid)
+        if stream is None:  # a finished or refused stream: count it, drop it
+            self.acknowledge(None, flow)
+            return
+        stream.recv_window -= flow
+        if stream.recv_window < 0:
+            self._reset(stream, F.FLOW_CONTROL_ERROR)
+            self.acknowledge(None, flow)
+            return
+        stream._on_data(F.strip_padding(flags, payload), flow)
+        if flags & F.END_STREAM:
+            stream._on_end()
+
+    def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0 or sid % 2 == 0:
+            raise F.ConnectionError_(F.PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        block = F.strip_padding(flags, payload)
+        if flags & F.PRIORITY_FLAG:
+            if len(block) < 5:
+                raise F.ConnectionError_(F.FRAME_SIZE_ERROR, "HEADERS priority cut short")
+            block = block[5:]
+        if not flags & F.END_HEADERS:
+            self._continuing = (sid, flags, [block])
+            return
+        self._headers_complete(sid, flags, block)
+
+    def _on_continuation(self, flags: int, sid: int, payload: bytes) -> None:
+        if self._continuing is None or self._continuing[0] != sid:
+            raise F.ConnectionError_(F.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+        _, first_flags, pieces = self._continuing
+        pieces.append(payload)
+        if sum(len(p) for p in pieces) > MAX_HEADER_BLOCK:
+            raise F.ConnectionError_(F.ENHANCE_YOUR_CALM, "header block too large")
+        if flags & F.END_HEADERS:
+            self._continuing = None
+            self._headers_complete(sid, first_flags, b"".join(pieces))
+
+    def _on_window_update(self, sid: int, payload: bytes) -> None:
+        increment = F.parse_u32(payload, "WINDOW_UPDATE")
+        if sid == 0:
+            if increment == 0:
+                raise F.ConnectionError_(F.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += increment
+            if self.send_window > F.MAX_WINDOW:
+                raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "connection window overflow")
+            for stream in self.streams.values():
+                stream._window_opened()
+            return
+        if sid > self._last_stream:
+            raise F.ConnectionError_(F.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
+        stream = self.streams.get(sid)
+        if stream is None:
+            return
+        if increment == 0:
+            self._reset(stream, F.PROTOCOL_ERROR)
+            return
+        stream.send_window += increment
+        if stream.send_window > F.MAX_WINDOW:
+            self._reset(stream, F.FLOW_CONTROL_ERROR)
+            return
+        stream._window_opened()
+
+    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise F.ConnectionError_(F.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & F.ACK:
+            if payload:
+                raise F.ConnectionError_(F.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        for key, value in F.parse_settings(payload):
+            if key == F.INITIAL_WINDOW_SIZE:
+                if value > F.MAX_WINDOW:
+                    raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "initial window too large")
+                delta, self.peer_initial_window = value - self.peer_initial_window, value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                    stream._window_opened()
+            elif key == F.MAX_FRAME_SIZE:
+                if not F.DEFAULT_FRAME <= value <= MAX_FRAME:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
+                self.peer_max_frame = value
+            elif key == F.ENABLE_PUSH and value > 1:
+                raise F.ConnectionError_(F.PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
+            elif key == F.MAX_CONCURRENT_STREAMS:
+                self._on_peer_max_streams(value)
+            # HEADER_TABLE_SIZE: our header blocks never use the dynamic table
+        self._out.append(F.frame(F.SETTINGS, F.ACK, 0))
+
+    # -- writing ------------------------------------------------------------------------
+
+    def write_headers(self, sid: int, block: bytes, *, end_stream: bool = False) -> None:
+        """Queue a header block (split into CONTINUATION frames if it must be)."""
+        size = self.peer_max_frame
+        flags = F.END_STREAM if end_stream else 0
+        if len(block) <= size:
+            self._out.append(F.frame_header(F.HEADERS, flags | F.END_HEADERS, sid, len(block)))
+            self._out.append(block)
+            return
+        pieces = [block[i : i + size] for i in range(0, len(block), size)]
+        self._out.append(F.frame(F.HEADERS, flags, sid, pieces[0]))
+        for piece in pieces[1:-1]:
+            self._out.append(F.frame(F.CONTINUATION, 0, sid, piece))
+        self._out.append(F.frame(F.CONTINUATION, F.END_HEADERS, sid, pieces[-1]))
+
+    def write_data(self, stream, data: memoryview, end_stream: bool = False) -> int:
+        """Queue as much of ``data`` as the flow-control windows allow; returns how many
+        bytes were queued (0: wait for a WINDOW_UPDATE). With ``end_stream`` the frame
+        that carries the last byte of ``data`` ends the stream."""
+        room = min(self.send_window, stream.send_window, len(data))
+        if room <= 0:
+            return 0
+        frame_size = self.peer_max_frame
+        sid = stream.id
+        out = self._out
+        last = F.END_STREAM if end_stream and room == len(data) else 0
+        for start in range(0, room, frame_size):
+            end = min(start + frame_size, room)
+            chunk = data[start:end]
+            out.append(F.frame_header(F.DATA, last if end == room else 0, sid, len(chunk)))
+            out.append(chunk)
+        self.send_window -= room
+        stream.send_window -= room
+        return room
+
+    def reset_stream(self, sid: int, code: int) -> None:
+        self._out.append(F.rst_stream(sid, code))
+
+    def _reset(self, stream, code: int) -> None:
+        """End ``stream`` because it broke a rule: RST_STREAM, and tell the stream."""
+        self.reset_stream(stream.id, code)
+        stream._on_reset(code)
+
+    def _send_goaway(self, code: int, why: str = "") -> None:
+        self._goaway_sent = True
+        self._out.append(F.goaway(self._last_stream, code, why.encode()[:256]))
+        self.flush()
+
+    def acknowledge(self, stream, flow: int) -> None:
+        """``flow`` received bytes were consumed: give them back to the peer (a
+        WINDOW_UPDATE once half a window is owed; on the stream too while it is open)."""
+        if not flow:
+            return
+        self._recv_unacked += flow
+        if self._recv_unacked >= CONNECTION_WINDOW // 2:
+            self._out.append(F.window_update(0, self._recv_unacked))
+            self._recv_window += self._recv_unacked
+            self._recv_unacked = 0
+        if stream is not None and not stream._closed:
+            stream.recv_unacked += flow
+            if stream.recv_unacked >= self.stream_window // 2:
+                self._out.append(F.window_update(stream.id, stream.recv_unacked))
+                stream.recv_window += stream.recv_unacked
+                stream.recv_unacked = 0
+
+    def wake_writer(self) -> None:
+        self._writable.unpark_all()
+
+    def flush(self) -> None:
+        """Send what is queued now, as far as the socket takes it without waiting.
+
+        A plain TCP connection writes straight from the caller (one system call, no task
+        switch), unless the writer task is sending or holds bytes the socket did not
+        take; those, and everything on a TLS connection, go through the writer task,
+        which alone waits for the socket. Never blocks and never raises.
+        """
+        if not self._out:
+            return
+        if self._fd is None or self._sending or self._pending:
+            self.wake_writer()
+            return
+        data = b"".join(self._out)
+        self._out.clear()
+        try:
+            sent = os.write(self._fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the writer meets the error again and ends the connection
+            sent = 0
+        if sent < len(data):
+            self._pending = memoryview(data)[sent:]
+            self.wake_writer()
+
+    async def _writer(self) -> None:
+        send = self.stream.send_all
+        try:
+            while True:
+                if self._pending is not None:
+                    data, self._pending = self._pending, None
+                elif self._out:
+                    data = b"".join(self._out)
+                    self._out.clear()
+                else:
+                    data = None
+                if data:
+                    self._sending = True
+                    try:
+                        await send(data)
+                    finally:
+                        self._sending = False
+                elif self._closing:
+                    return
+                else:
+                    await self._writable.park()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._broken()
+        finally:
+            self._writer_done.set()
+
+    async def _drain_writer(self, timeout: float = 1.0) -> None:
+        """Let the writer send what is queued (a GOAWAY, the last frames), then stop it."""
+        self._closing = True
+        self.wake_writer()
+        with trio.move_on_after(timeout):
+            await self._writer_done.wait()

@@ -1,0 +1,359 @@
+"""The transport's client: ``Channel`` against rsrv's own ``GrpcServer`` in this trio
+loop (support.echo), and a ``ClientConnection`` fed server frames one by one for what
+a polite server never sends (GOAWAY below a stream, REFUSED_STREAM, compressed
+responses, HTTP errors)."""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import ssl
+import struct
+
+import hpack
+import pytest
+import trio
+import trustme
+from purerpc.grpclib.status import StatusCode
+from support.echo import (
+    FAIL,
+    HEADERS,
+    HOLD,
+    SIZED,
+    SLEEP,
+    STREAM,
+    UNARY,
+    echo_server,
+    wait_for,
+)
+
+from rsrv.transport import (
+    CallEnded,
+    Channel,
+    ClientLimits,
+    TransportLimits,
+    grpc_timeout,
+    open_channel,
+    server_tls_context,
+)
+from rsrv.transport import _frames as F
+from rsrv.transport._client import ClientConnection
+
+MIB = 1 << 20
+
+
+async def test_unary_answers_and_statuses():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        result = await channel.unary(UNARY, b"hello")
+        assert (result.status, result.response, result.reached_server) == (
+            StatusCode.OK,
+            b"hello",
+            True,
+        )
+        assert (await channel.unary(UNARY, b"")).response == b""
+        failed = await channel.unary(FAIL, "5:no such thing: 100% ünïcode".encode())
+        assert failed.status is StatusCode.NOT_FOUND
+        assert failed.message == "no such thing: 100% ünïcode"  # percent-decoded
+        assert failed.response is None and failed.reached_server
+        missing = await channel.unary("/rsrv.test.Echo/Nope", b"")
+        assert missing.status is StatusCode.UNIMPLEMENTED
+
+
+async def test_metadata_and_grpc_timeout_reach_the_server():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        plain = await channel.unary(HEADERS, b"")
+        assert plain.response.decode().splitlines() == ["user-agent=rsrv-channel/1", "deadline=no"]
+        sent = await channel.unary(
+            HEADERS, b"", metadata=[("X-Tenant", "a"), ("admin-key", "k")], timeout=30
+        )
+        assert sent.response.decode().splitlines() == [
+            "admin-key=k",
+            "user-agent=rsrv-channel/1",
+            "x-tenant=a",
+            "deadline=yes",
+        ]
+
+
+def test_grpc_timeout_values():
+    assert grpc_timeout(0.25) == b"250000u"
+    assert grpc_timeout(5) == b"5000000u"
+    assert grpc_timeout(1000) == b"1000000m"
+    assert grpc_timeout(10**6) == b"1000000S"
+    assert grpc_timeout(0) == b"1u"
+    assert grpc_timeout(-1) == b"1u"
+
+
+async def test_deadline_resets_the_stream_on_the_server():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        result = await channel.unary(SLEEP, b"", timeout=0.2)
+        assert result.status is StatusCode.DEADLINE_EXCEEDED
+        assert result.reached_server
+        await wait_for(lambda: echo.cancelled == 1 and echo.active == 0, "the handler cancelled")
+        assert (await channel.unary(UNARY, b"after")).response == b"after"
+
+
+async def test_cancelling_the_caller_resets_the_stream():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.unary, SLEEP, b"")
+            await wait_for(lambda: echo.active == 1, "the call to start")
+            nursery.cancel_scope.cancel()
+        await wait_for(lambda: echo.cancelled == 1, "the server to see the reset")
+        assert not channel.connections[0].streams
+        assert (await channel.unary(UNARY, b"x")).ok
+
+
+async def test_concurrency_cap_queues_callers():
+    limits = ClientLimits(max_concurrent_streams=3)
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
+        results = []
+
+        async def call():
+            results.append(await ch.unary(HOLD, b""))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(call)
+            await wait_for(lambda: echo.active == 3, "three calls in flight")
+            await trio.sleep(0.05)  # queued callers stay queued
+            assert echo.started == 3
+            echo.release.set()
+        assert [r.response for r in results] == [b"held"] * 8
+        assert echo.max_active == 3
+
+
+async def test_pool_spreads_streams_over_a_few_connections():
+    limits = ClientLimits(max_connections=2, streams_per_connection=2)
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(ch.unary, HOLD, b"")
+            await wait_for(lambda: echo.active == 5, "five calls in flight")
+            assert sorted(c.load for c in ch.connections) == [2, 3]
+            assert len(echo.server.connections) == 2
+            echo.release.set()
+
+
+async def test_server_stream_limit_is_respected():
+    """The server allows 2 streams per connection, the channel one connection: the
+    other calls wait for a stream instead of being refused."""
+    server_limits = TransportLimits(max_streams_per_connection=2)
+    limits = ClientLimits(max_connections=1)
+    async with (
+        echo_server(limits=server_limits) as echo,
+        open_channel("127.0.0.1", echo.port, limits=limits) as ch,
+    ):
+        results = []
+
+        async def call():
+            results.append(await ch.unary(HOLD, b""))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(call)
+            await wait_for(lambda: echo.active == 2, "two calls in flight")
+            echo.release.set()
+        assert [r.status for r in results] == [StatusCode.OK] * 5
+        assert echo.max_active == 2
+
+
+async def test_reconnects_after_a_server_restart():
+    async with trio.open_nursery() as nursery:
+        channel = Channel("127.0.0.1", 0)
+        async with echo_server() as first:
+            channel.port = first.port
+            await nursery.start(channel.run)
+            assert (await channel.unary(UNARY, b"one")).ok
+            (old,) = channel.connections
+        # the server said GOAWAY and closed: the connection is gone from the pool
+        await wait_for(lambda: not channel.connections, "the old connection to close")
+        assert old.closed
+        down = await channel.unary(UNARY, b"nobody")
+        assert (down.status, down.reached_server) == (StatusCode.UNAVAILABLE, False)
+        async with echo_server(port=first.port) as second:
+            assert (await channel.unary(UNARY, b"two")).response == b"two"
+            assert second.started == 1
+        await channel.aclose()
+
+
+async def test_refused_connection_never_reached_the_server():
+    with socket.socket() as bound:  # bound, not listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        async with open_channel("127.0.0.1", bound.getsockname()[1]) as channel:
+            result = await channel.unary(UNARY, b"x")
+            assert result.status is StatusCode.UNAVAILABLE
+            assert not result.reached_server
+            assert "cannot connect" in result.message
+            async with channel.stream(STREAM) as call:
+                assert [m async for m in call] == []
+                assert (call.status, call.reached_server) == (StatusCode.UNAVAILABLE, False)
+                with pytest.raises(CallEnded):
+                    await call.send(b"x")
+
+
+async def test_large_messages_both_ways():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        big = bytes(range(256)) * (24 * MIB // 256)
+        assert (await channel.unary(UNARY, big)).response == big
+        assert (await channel.unary(SIZED, b"%d" % (24 * MIB))).response == bytes(24 * MIB)
+
+        async def echo_one(i: int):
+            payload = bytes([i]) * (2 * MIB + i)
+            assert (await channel.unary(UNARY, payload)).response == payload
+
+        async with trio.open_nursery() as nursery:  # many streams share the windows
+            for i in range(24):
+                nursery.start_soon(echo_one, i)
+
+
+async def test_message_limits():
+    limits = ClientLimits(max_send_message_bytes=MIB, max_receive_message_bytes=MIB)
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
+        too_big = await ch.unary(UNARY, bytes(MIB + 1))
+        assert (too_big.status, too_big.reached_server) == (StatusCode.RESOURCE_EXHAUSTED, False)
+        assert echo.started == 0
+        answer = await ch.unary(SIZED, b"%d" % (MIB + 1))
+        assert answer.status is StatusCode.RESOURCE_EXHAUSTED
+        assert "ClientLimits.max_receive_message_bytes" in answer.message
+        assert (await ch.unary(SIZED, b"%d" % MIB)).response == bytes(MIB)
+
+
+async def test_bidirectional_stream():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        async with channel.stream(STREAM) as call:
+            await call.send(b"one")
+            assert await call.__anext__() == b"one"
+            for message in (b"two", b"", bytes(3 * MIB)):
+                await call.send(message)
+            await call.end()
+            assert [m async for m in call] == [b"two", b"", bytes(3 * MIB)]
+            assert call.status is StatusCode.OK
+            with pytest.raises(CallEnded):
+                await call.send(b"late")
+
+
+async def test_stream_deadline_and_leaving_early():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        async with channel.stream(STREAM, timeout=0.2) as call:
+            await call.send(b"x")
+            assert [m async for m in call] == [b"x"]  # ends at the deadline
+            assert call.status is StatusCode.DEADLINE_EXCEEDED
+        async with channel.stream(STREAM) as call:
+            await call.send(b"y")
+            assert await call.__anext__() == b"y"  # the handler waits for more
+        assert call.status is StatusCode.CANCELLED  # left before the end: reset
+        await wait_for(lambda: echo.cancelled == 2, "both streams cancelled on the server")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    path = tmp_path_factory.mktemp("pki")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(path / "server.pem"))
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    return server_tls_context(str(path / "server.pem"), str(path / "server.pem")), client
+
+
+async def test_tls(pki):
+    server_context, client_context = pki
+    async with echo_server(tls=server_context) as echo:
+        async with open_channel("127.0.0.1", echo.port, tls=client_context) as channel:
+            assert (await channel.unary(UNARY, b"secret")).response == b"secret"
+            big = bytes(5 * MIB)
+            assert (await channel.unary(UNARY, big)).response == big
+        async with open_channel("127.0.0.1", echo.port) as plaintext:
+            assert (await plaintext.unary(UNARY, b"x")).status is StatusCode.UNAVAILABLE
+        wrong = open_channel(
+            "127.0.0.1", echo.port, tls=ssl.create_default_context(), server_hostname="localhost"
+        )
+        async with wrong as channel:  # a CA it does not trust
+            result = await channel.unary(UNARY, b"x")
+            assert (result.status, result.reached_server) == (StatusCode.UNAVAILABLE, False)
+            assert "CERTIFICATE_VERIFY_FAILED" in result.message
+
+
+# -- frame by frame -------------------------------------------------------------------------
+
+
+class Server:
+    """Server frames into one ClientConnection (no socket)."""
+
+    def __init__(self):
+        self.changes = 0
+        self.conn = ClientConnection(
+            object(), stream_window=MIB, max_send=MIB, max_receive=MIB, on_change=self._changed
+        )
+        self.encoder = hpack.Encoder()
+        self.conn._out.clear()
+        self.send(F.settings({F.MAX_CONCURRENT_STREAMS: 10}))
+
+    def _changed(self, conn):
+        self.changes += 1
+
+    def send(self, data: bytes) -> list:
+        self.conn._receive(data)
+        out = b"".join(bytes(b) for b in self.conn._out)
+        self.conn._out.clear()
+        return F.FrameReader(F.MAX_WINDOW).feed(out)
+
+    def open(self):
+        stream = self.conn.open_stream(F.header_block([(b":path", b"/x")]))
+        self.conn._out.clear()
+        return stream
+
+    def headers(self, sid, headers, *, end=False) -> bytes:
+        flags = F.END_HEADERS | (F.END_STREAM if end else 0)
+        return F.frame(F.HEADERS, flags, sid, self.encoder.encode(headers))
+
+
+async def test_goaway_below_a_stream_means_it_was_never_processed():
+    server = Server()
+    one, three = server.open(), server.open()
+    assert server.conn.peer_max_streams == 10
+    server.send(F.goaway(1, F.NO_ERROR))
+    assert (three.status, three.reached_server) == (StatusCode.UNAVAILABLE, False)
+    assert not one.done and not server.conn.available  # one still runs; no new streams
+    server.send(server.headers(1, [(":status", "200"), ("grpc-status", "0")], end=True))
+    assert (one.status, one.reached_server) == (StatusCode.OK, True)
+    assert server.conn.streams == {}
+
+
+async def test_refused_and_reset_streams():
+    server = Server()
+    refused, reset = server.open(), server.open()
+    server.send(F.rst_stream(refused.id, F.REFUSED_STREAM) + F.rst_stream(reset.id, F.CANCEL))
+    assert (refused.status, refused.reached_server) == (StatusCode.UNAVAILABLE, False)
+    assert (reset.status, reset.reached_server) == (StatusCode.CANCELLED, True)
+
+
+async def test_compressed_responses_are_inflated():
+    server = Server()
+    stream = server.open()
+    body = gzip.compress(b"zipped" * 1000)
+    server.send(
+        server.headers(stream.id, [(":status", "200"), ("grpc-encoding", "gzip")])
+        + F.frame(F.DATA, 0, stream.id, struct.pack(">?I", True, len(body)) + body)
+        + server.headers(stream.id, [("grpc-status", "0"), ("x-cost", "3")], end=True)
+    )
+    assert stream.status is StatusCode.OK
+    assert stream.take_messages() == [b"zipped" * 1000]
+    assert stream.trailers == (("x-cost", "3"),)
+
+
+async def test_trailers_only_http_errors_and_missing_trailers():
+    server = Server()
+    a, b, c = server.open(), server.open(), server.open()
+    frames = server.send(
+        server.headers(
+            a.id, [(":status", "200"), ("grpc-status", "7"), ("grpc-message", "no%20way")], end=True
+        )
+        + server.headers(b.id, [(":status", "503")], end=True)
+        + server.headers(c.id, [(":status", "200")])
+        + F.frame(F.DATA, F.END_STREAM, c.id, b"")
+    )
+    assert (a.status, a.message) == (StatusCode.PERMISSION_DENIED, "no way")
+    assert b.status is StatusCode.UNAVAILABLE and "HTTP 503" in b.message
+    assert c.status is StatusCode.INTERNAL and "without trailers" in c.message
+    assert frames == []  # nothing to reset: every stream ended on the server's side
