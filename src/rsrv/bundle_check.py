@@ -5,28 +5,32 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rsrv.bundle import Bundle, discover, find_manifest, load_bundle
+from rsrv.bundle import Bundle, discover, find_manifest, load_bundle, model_versions
 from rsrv.errors import BundleError
 from rsrv.runtime import Compiler, compile_bundle, configure
 
 
 def check_main(dirs: list[Path], out=sys.stdout) -> int:
-    """Check each bundle (a directory with a manifest, or each bundle of a repository)."""
+    """Check each bundle (a directory with a manifest, each version of a model directory,
+    or each of those in a repository)."""
     configure("cpu")
     compiler = Compiler()
     paths = _expand(dirs)
     failures = 0
-    for path in paths:
+    for path, name in paths:
+        label = f"{name} version {path.name}" if isinstance(name, str) else path.name
         try:
-            bundle = load_bundle(path)
+            if isinstance(name, BundleError):
+                raise name
+            bundle = load_bundle(path, name)
             seconds = compile_bundle(bundle, compiler).compile_seconds if bundle.modules else 0.0
         except BundleError as e:
             failures += 1
-            print(f"FAIL {path.name}\n  {e}\n", file=out)
+            print(f"FAIL {label}\n  {e}\n", file=out)
             continue
         except Exception as e:  # a module that validates but does not compile
             failures += 1
-            print(f"FAIL {path.name}\n  {path}: compilation failed: {e}\n", file=out)
+            print(f"FAIL {label}\n  {path}: compilation failed: {e}\n", file=out)
             continue
         print(summary(bundle, seconds), file=out)
     print(f"{len(paths) - failures} ok, {failures} failed", file=out)
@@ -57,15 +61,35 @@ def summary(bundle: Bundle, compile_seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _expand(dirs: list[Path]) -> list[Path]:
-    out = []
+def _expand(dirs: list[Path]) -> list[tuple[Path, str | None | BundleError]]:
+    """(bundle directory, its model's name or None for the directory's own, or the
+    error of a model directory whose layout is wrong)."""
+    out: list[tuple[Path, str | None | BundleError]] = []
     for d in dirs:
         try:
             is_bundle = find_manifest(d) is not None
         except BundleError:
             is_bundle = True
-        out.extend([d] if is_bundle or not d.is_dir() else discover(d))
+        if is_bundle or not d.is_dir():
+            out.append((d, None))
+            continue
+        versions = _versions(d)
+        if versions:  # a model directory of versions
+            out.extend(versions)
+            continue
+        for model in discover(d):
+            out.extend(_versions(model) or [(model, None)])
     return out
+
+
+def _versions(model: Path) -> list[tuple[Path, str | None | BundleError]]:
+    try:
+        versions = model_versions(model)
+    except BundleError as e:
+        return [(model, e)]
+    if list(versions.values()) == [model]:  # a bundle directly in it
+        return [(model, None)]
+    return [(path, model.name) for path in versions.values()]
 
 
 def _bytes(n: int) -> str:

@@ -81,16 +81,18 @@ def test_explicit_mode_loads_and_unloads_only_on_request(repo, cache_dir):
     (repo / "broken").mkdir()
     (repo / "broken" / "manifest.yaml").write_text("kind: model\n")
     config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit", MODEL_POLL_SECONDS=0.05)
+    unloaded = ("UNAVAILABLE", "unloaded")
     with running(config) as worker, connect(worker) as client:
-        assert index(client) == {}  # nothing loads at startup
+        # nothing loads at startup; the index lists what may be loaded
+        assert index(client) == {n: unloaded for n in ("a", "b", "broken", "c")}
         assert client.is_server_ready()
         assert status_of(lambda: infer_y(client, "a", X)) == "StatusCode.NOT_FOUND"
         export_linear(repo / "d", seed=3)
         time.sleep(0.3)  # six poll intervals: the worker never loads on its own
-        assert index(client) == {}
+        assert index(client) == {n: unloaded for n in ("a", "b", "broken", "c", "d")}
 
         client.load_model("a")
-        assert index(client) == {"a": ("READY", "")}
+        assert index(client)["a"] == ("READY", "")
         assert client.is_model_ready("a")
         assert matches(infer_y(client, "a", X), 0, X)
         client.load_model("d")
@@ -112,11 +114,17 @@ def test_explicit_mode_loads_and_unloads_only_on_request(repo, cache_dir):
         assert matches(infer_y(client, "a", X), 5, X)
 
         client.unload_model("a")
-        assert "a" not in index(client)
+        assert index(client)["a"] == unloaded
         assert status_of(lambda: infer_y(client, "a", X)) == "StatusCode.NOT_FOUND"
         assert status_of(lambda: client.unload_model("a")) == "StatusCode.NOT_FOUND"
         client.unload_model("broken")
-        assert index(client) == {"d": ("READY", "")}
+        assert index(client) == {
+            "a": unloaded,
+            "b": unloaded,
+            "broken": unloaded,
+            "c": unloaded,
+            "d": ("READY", ""),
+        }
         assert matches(infer_y(client, "d", X), 3, X)
 
         export_linear(repo / "a", seed=5)  # repaired

@@ -99,7 +99,7 @@ def test_model_metadata(triton):
 
 
 def test_model_metadata_of_unknown_and_unavailable_models(triton):
-    with raises_status("NOT_FOUND", "unknown model 'no_such_model'"):
+    with raises_status("NOT_FOUND", "Request for unknown model: 'no_such_model'"):
         triton.get_model_metadata("no_such_model")
     with raises_status("UNAVAILABLE", "model 'broken' is unavailable", "format_version"):
         triton.get_model_metadata("broken")
@@ -273,12 +273,9 @@ def test_stream_infer_bad_request_does_not_end_the_stream(worker, weights):
         np.testing.assert_allclose(
             got[request_id], classifier_reference(weights["classifier"], x), rtol=1e-4, atol=1e-4
         )
-    messages = sorted(e.message() for e in errors)
-    assert len(messages) == 2
-    assert (
-        "input tensor 'x' for model 'classifier': got datatype FP64, expected FP32" in messages[0]
-    )
-    assert "unknown model 'no_such_model'" in messages[1]
+    dtype, model = sorted((e.message() for e in errors), key=lambda m: "Request" in m)
+    assert "input tensor 'x' for model 'classifier': got datatype FP64, expected FP32" in dtype
+    assert "Request for unknown model: 'no_such_model' is not found" in model
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -420,41 +417,52 @@ def test_load_and_unload_need_explicit_mode(triton):
     assert triton.is_model_ready("classifier")
 
 
+def _explicit_index(triton) -> list[tuple[str, str, str, str]]:
+    return [
+        (m.name, m.version, m.state, m.reason) for m in triton.get_model_repository_index().models
+    ]
+
+
 def test_explicit_mode_load_and_unload(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    unloaded = [(name, "", "UNAVAILABLE", "unloaded") for name in sorted(MODELS)]
     with running(config) as w, connect(w) as triton:
         assert triton.is_server_ready()
-        assert list(triton.get_model_repository_index().models) == []  # nothing loaded
+        assert _explicit_index(triton) == unloaded  # nothing loaded: all listed, as Triton
         assert not triton.is_model_ready("classifier")
         x = classifier_inputs(np.random.default_rng(0), 2)
-        with raises_status("NOT_FOUND", "unknown model 'classifier'"):
+        with raises_status("NOT_FOUND", "Request for unknown model: 'classifier'"):
             triton.infer("classifier", [infer_input("x", x)])
 
         triton.load_model("classifier")
         assert triton.is_model_ready("classifier")
         assert triton.infer("classifier", [infer_input("x", x)]).as_numpy("logits").shape == (2, 10)
-        index = triton.get_model_repository_index().models
-        assert [(m.name, m.state) for m in index] == [("classifier", "READY")]
+        assert _explicit_index(triton) == [
+            ("classifier", "1", "READY", "") if m[0] == "classifier" else m for m in unloaded
+        ]
 
         triton.unload_model("classifier")
         assert not triton.is_model_ready("classifier")
-        with raises_status("NOT_FOUND", "unknown model 'classifier'"):
+        with raises_status("NOT_FOUND", "Request for unknown model: 'classifier'"):
             triton.infer("classifier", [infer_input("x", x)])
-        with raises_status("NOT_FOUND", "unknown model 'classifier'"):
+        with raises_status("NOT_FOUND", "Request for unknown model: 'classifier'"):
             triton.get_model_metadata("classifier")
-        assert list(triton.get_model_repository_index().models) == []
-        with raises_status("NOT_FOUND", "unknown model 'classifier'"):
+        assert _explicit_index(triton) == unloaded
+        with raises_status("NOT_FOUND", "Request for unknown model: 'classifier'"):
             triton.unload_model("classifier")
 
-        # a name that is not in the repository; names that would leave it
-        with raises_status("NOT_FOUND", "failed to load 'no_such_model'"):
+        # a name that is not in the repository (Triton's words); names that would leave it
+        with raises_status(
+            "NOT_FOUND", "failed to load 'no_such_model', failed to poll from model repository"
+        ):
             triton.load_model("no_such_model")
         for name in ("../repo/classifier", "..", ".hidden", "a/b"):
             with raises_status("INVALID_ARGUMENT", f"failed to load {name!r}"):
                 triton.load_model(name)
-        # Triton's override config is not supported (and not silently ignored)
-        with raises_status("INVALID_ARGUMENT", "parameters are not supported (config)"):
+        # an override beyond what the bundle can do is refused, and nothing is loaded
+        with raises_status("INVALID_ARGUMENT", "max_batch_size 16 is not between 1 and", "8"):
             triton.load_model("classifier", config='{"max_batch_size": 16}')
+        assert _explicit_index(triton) == unloaded
 
         # a broken bundle: the error, then UNAVAILABLE with its reason in the index
         with raises_status("FAILED_PRECONDITION", "failed to load 'broken'", "format_version"):

@@ -76,7 +76,7 @@ def request_for(model: str = "classifier", **tensors) -> service_pb2.ModelInferR
 
 
 def test_unknown_model(triton):
-    with raises_status("NOT_FOUND", "unknown model 'no_such_model'"):
+    with raises_status("NOT_FOUND", "Request for unknown model: 'no_such_model'"):
         triton.infer("no_such_model", [infer_input("x", x_rows(1))])
 
 
@@ -232,8 +232,8 @@ RAW_CASES = {
     ),
     "raw and typed contents both set": (
         _both_set(),
-        "input tensor 'INPUT0' for model 'simple': typed 'contents' and 'raw_input_contents' "
-        "are both set",
+        "contents field must not be specified when using raw_input_contents for 'INPUT0' for "
+        "model 'simple' (typed 'contents' and 'raw_input_contents' are both set",
     ),
     "typed contents in the wrong field": (
         _typed("fp32_contents", 16),

@@ -10,6 +10,9 @@ test_shm_e2e.py.
 * the streaming pattern of simple_grpc_sequence_stream_infer_client.py, without sequence
   parameters (rsrv has no sequence batcher)
 * simple_grpc_string_infer_client.py (the simple_string part)
+* grpc_image_client.py: its ``parse_model`` of the model's metadata and config (the
+  ``image`` bundle, an ``nchw`` input); its ``class_count`` request needs the
+  classification extension, which rsrv does not have, so the test sends a plain request
 * grpc_explicit_int_content_client.py and grpc_explicit_byte_content_client.py (plain
   grpc stubs, typed contents; the request building and response reading the two share
   are written once, in :func:`explicit_request` and :func:`explicit_results`)
@@ -25,16 +28,17 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from support.bundles import make_repo
+from support.bundles import IMAGE_W, make_repo
 from support.serving import running, url, worker_config
 from tritonclient import utils
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory, cache_dir):
-    repo = make_repo(tmp_path_factory.mktemp("triton") / "repo", "simple", "simple_string")
+    repo = make_repo(tmp_path_factory.mktemp("triton") / "repo", "simple", "simple_string", "image")
     with running(worker_config(repo, cache_dir)) as worker:
         yield url(worker)
 
@@ -53,10 +57,10 @@ def test_simple_grpc_health_metadata(server_url):
     metadata = triton_client.get_model_metadata(model_name, headers={"test": "1", "dummy": "2"})
     assert metadata.name == model_name
 
-    # Passing incorrect model name (Triton says "Request for unknown model: ...")
+    # Passing incorrect model name: the example's own check
     with pytest.raises(InferenceServerException) as info:
         triton_client.get_model_metadata("wrong_model_name")
-    assert "unknown model 'wrong_model_name'" in info.value.message()
+    assert "Request for unknown model" in info.value.message()
 
     config = triton_client.get_model_config(model_name)
     assert config.config.name == model_name
@@ -322,12 +326,11 @@ def test_grpc_explicit_int_content_client(server_url):
     request.inputs[0].contents.int_contents[:] = input0_data[8:]
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.ModelInfer(request)
-    # Triton: "contents field must not be specified when using raw_input_contents for
-    # 'INPUT0' for model 'simple'"
+    # the example's own check, word for word
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (
-        "input tensor 'INPUT0' for model 'simple': typed 'contents' and "
-        "'raw_input_contents' are both set" in info.value.details()
+        "contents field must not be specified when using "
+        "raw_input_contents for 'INPUT0' for model 'simple'" in info.value.details()
     )
     channel.close()
 
@@ -347,3 +350,112 @@ def test_grpc_explicit_byte_content_client(server_url):
         assert i + 1 == int(output_results[0][0][i]), "incorrect sum"
         assert i - 1 == int(output_results[1][0][i]), "incorrect difference"
     channel.close()
+
+
+def parse_model(model_metadata, model_config):
+    """grpc_image_client.py's parse_model, as the example has it (its exceptions kept)."""
+    if len(model_metadata.inputs) != 1:
+        raise Exception(f"expecting 1 input, got {len(model_metadata.inputs)}")
+    if len(model_metadata.outputs) != 1:
+        raise Exception(f"expecting 1 output, got {len(model_metadata.outputs)}")
+
+    if len(model_config.input) != 1:
+        raise Exception(f"expecting 1 input in model configuration, got {len(model_config.input)}")
+
+    input_metadata = model_metadata.inputs[0]
+    input_config = model_config.input[0]
+    output_metadata = model_metadata.outputs[0]
+
+    if output_metadata.datatype != "FP32":
+        raise Exception(
+            "expecting output datatype to be FP32, model '"
+            + model_metadata.name
+            + "' output type is "
+            + output_metadata.datatype
+        )
+
+    # Output is expected to be a vector. But allow any number of
+    # dimensions as long as all but 1 is size 1 (e.g. { 10 }, { 1, 10
+    # }, { 10, 1, 1 } are all ok). Ignore the batch dimension if there
+    # is one.
+    output_batch_dim = model_config.max_batch_size > 0
+    non_one_cnt = 0
+    for dim in output_metadata.shape:
+        if output_batch_dim:
+            output_batch_dim = False
+        elif dim > 1:
+            non_one_cnt += 1
+            if non_one_cnt > 1:
+                raise Exception("expecting model output to be a vector")
+
+    # Model input must have 3 dims, either CHW or HWC (not counting
+    # the batch dimension), either CHW or HWC
+    input_batch_dim = model_config.max_batch_size > 0
+    expected_input_dims = 3 + (1 if input_batch_dim else 0)
+    if len(input_metadata.shape) != expected_input_dims:
+        raise Exception(
+            f"expecting input to have {expected_input_dims} dimensions, model "
+            f"'{model_metadata.name}' input has {len(input_metadata.shape)}"
+        )
+
+    if type(input_config.format) == str:  # noqa: E721 - the example's own test
+        FORMAT_ENUM_TO_INT = dict(mc.ModelInput.Format.items())
+        input_config.format = FORMAT_ENUM_TO_INT[input_config.format]
+
+    if (input_config.format != mc.ModelInput.FORMAT_NCHW) and (
+        input_config.format != mc.ModelInput.FORMAT_NHWC
+    ):
+        raise Exception(
+            "unexpected input format "
+            + mc.ModelInput.Format.Name(input_config.format)
+            + ", expecting "
+            + mc.ModelInput.Format.Name(mc.ModelInput.FORMAT_NCHW)
+            + " or "
+            + mc.ModelInput.Format.Name(mc.ModelInput.FORMAT_NHWC)
+        )
+
+    if input_config.format == mc.ModelInput.FORMAT_NHWC:
+        h = input_metadata.shape[1 if input_batch_dim else 0]
+        w = input_metadata.shape[2 if input_batch_dim else 1]
+        c = input_metadata.shape[3 if input_batch_dim else 2]
+    else:
+        c = input_metadata.shape[1 if input_batch_dim else 0]
+        h = input_metadata.shape[2 if input_batch_dim else 1]
+        w = input_metadata.shape[3 if input_batch_dim else 2]
+
+    return (
+        model_config.max_batch_size,
+        input_metadata.name,
+        output_metadata.name,
+        c,
+        h,
+        w,
+        input_config.format,
+        input_metadata.datatype,
+    )
+
+
+def test_grpc_image_client_parse_model(server_url):
+    triton_client = grpcclient.InferenceServerClient(url=server_url, verbose=False)
+    model_metadata = triton_client.get_model_metadata(model_name="image", model_version="")
+    model_config = triton_client.get_model_config(model_name="image", model_version="").config
+    parsed = parse_model(model_metadata, model_config)
+    assert parsed == (4, "x", "scores", 3, 8, 8, mc.ModelInput.FORMAT_NCHW, "FP32")
+    max_batch_size, input_name, output_name, c, h, w, _, dtype = parsed
+
+    # a batch laid out as the config says (the example's own request asks for
+    # class_count, which needs the classification extension)
+    batch = np.random.default_rng(0).random((max_batch_size, c, h, w), np.float32)
+    inputs = [grpcclient.InferInput(input_name, list(batch.shape), dtype)]
+    inputs[0].set_data_from_numpy(batch)
+    outputs = [grpcclient.InferRequestedOutput(output_name)]
+    scores = triton_client.infer("image", inputs, outputs=outputs).as_numpy(output_name)
+    np.testing.assert_allclose(scores, batch.mean(axis=(2, 3)) @ IMAGE_W, rtol=1e-5, atol=1e-6)
+    with pytest.raises(InferenceServerException) as info:
+        triton_client.infer(
+            "image", inputs, outputs=[grpcclient.InferRequestedOutput(output_name, class_count=2)]
+        )
+    assert "the classification extension is not supported" in info.value.message()
+
+    as_json = triton_client.get_model_config(model_name="image", as_json=True)["config"]
+    assert as_json["input"][0]["format"] == "FORMAT_NCHW"  # what the example reads over HTTP

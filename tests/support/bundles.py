@@ -18,6 +18,9 @@
     10), so a test can hold requests in flight, and raises ``ValueError("boom: ...")``
     when ``x[0, 0]`` is negative. ``ACTIVE[0]`` in its model.py counts sleeping hooks.
   * ``unbatched``: x FP32[4] -> y FP32[3] = x W (no batch axis, one module).
+  * ``image``: an image classifier as Triton's image client expects one: x FP32[n,3,8,8]
+    with axis letters ``nchw`` -> scores FP32[n,4] = mean over h, w of x, times W
+    (:data:`IMAGE_W`); compiled sizes 1, 4.
   * ``broken``: the classifier with an unsupported ``format_version``: UNAVAILABLE.
 
 :func:`write_weights` writes a weights file (any tensors, any argument order).
@@ -45,7 +48,7 @@ from support import BUNDLES
 from support.clients import infer_input
 
 EXAMPLES = ("classifier", "severity_grader")
-GENERATED = ("simple", "simple_string", "slow", "unbatched")
+GENERATED = ("simple", "simple_string", "slow", "unbatched", "image")
 
 SIMPLE_STRING_MODEL_PY = '''\
 """simple_string: BYTES decimal integers in and out around an INT32 add/subtract."""
@@ -172,11 +175,29 @@ def _build_unbatched(out: Path) -> None:
     )
 
 
+IMAGE_W = np.arange(12, dtype=np.float32).reshape(3, 4) / 10
+
+
+def _build_image(out: Path) -> None:
+    from rsrv.export import Input, Output
+
+    _export(
+        fn=lambda p, x: x.mean(axis=(2, 3)) @ p["w"],
+        params={"w": IMAGE_W},
+        inputs=[Input("x", np.float32, ("n", 3, 8, 8), letters="nchw")],
+        outputs=[Output("scores", letters="nk")],
+        batch_sizes=[1, 4],
+        out_dir=out,
+        description="scores of the channel means of an NCHW image",
+    )
+
+
 _BUILDERS: dict[str, Callable[[Path], None]] = {
     "simple": _build_simple,
     "simple_string": _build_simple_string,
     "slow": _build_slow,
     "unbatched": _build_unbatched,
+    "image": _build_image,
 }
 
 

@@ -67,7 +67,7 @@ def check_error(error: InferenceServerException, code: str, *fragments: str) -> 
 
 def failure(call: Callable[[], object]) -> tuple[str, str]:
     """(status, message) of a tritonclient call that must fail, e.g.
-    ("StatusCode.NOT_FOUND", "unknown model 'b'")."""
+    ("StatusCode.NOT_FOUND", "Request for unknown model: 'b'")."""
     with pytest.raises(InferenceServerException) as info:
         call()
     return info.value.status(), info.value.message()

@@ -15,7 +15,13 @@ from rsrv.bundle._manifest import (
     decode_manifest,
     resolve_manifest,
 )
-from rsrv.bundle._repository import discover, scan
+from rsrv.bundle._repository import (
+    discover,
+    has_manifest,
+    model_versions,
+    scan,
+    version_policy_of,
+)
 from rsrv.bundle._safetensors import ORDER_KEY, WeightInfo, WeightsFile, read_weights_header
 from rsrv.bundle._stablehlo import ArgType, ModuleSignature, read_module, read_signature
 
@@ -23,6 +29,7 @@ __all__ = [
     "BATCH_LETTER", "FORMAT_VERSION", "MANIFEST_NAMES", "ORDER_KEY", "UNBATCHED", "ArgType",
     "Batching", "Bundle", "Hook", "Hooks", "Manifest", "ModuleSignature", "Signature", "Tensor",
     "TensorSpec", "WeightInfo", "WeightsFile", "decode_manifest", "discover",
-    "find_manifest", "load_bundle", "meta", "postprocess", "preprocess", "read_module",
-    "read_signature", "read_weights_header", "resolve_manifest", "scan",
+    "find_manifest", "has_manifest", "load_bundle", "meta", "model_versions", "postprocess",
+    "preprocess", "read_module", "read_signature", "read_weights_header", "resolve_manifest",
+    "scan", "version_policy_of",
 ]  # fmt: skip

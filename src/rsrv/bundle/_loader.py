@@ -77,14 +77,16 @@ def find_manifest(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def load_bundle(path: Path) -> Bundle:
-    """Validate the bundle at ``path``; its directory name is the model name."""
+def load_bundle(path: Path, name: str | None = None) -> Bundle:
+    """Validate the bundle at ``path``. ``name`` is the model name: by default the
+    directory's name (a version directory ``<repo>/<model>/<N>`` passes its model's)."""
     path = Path(path)
+    name = path.name if name is None else name
     manifest_path = find_manifest(path)
     if manifest_path is None:
         raise BundleError(f"{path}: no manifest ({' or '.join(MANIFEST_NAMES)})")
     manifest = decode_manifest(manifest_path)
-    sig = resolve_manifest(manifest, manifest_path)
+    sig = resolve_manifest(manifest, manifest_path, name)
 
     model_py = path / "model.py"
     has_py = model_py.is_file()
@@ -95,17 +97,17 @@ def load_bundle(path: Path) -> Bundle:
         if given is not None and sig.kind == "model" and not has_py:
             raise BundleError(
                 f"{manifest_path}: {field}: only valid when model.py transforms "
-                f"I/O, and {path.name} has no model.py"
+                f"I/O, and {name} has no model.py"
             )
     if sig.kind == "meta" and not has_py:
         raise BundleError(
             f"{manifest_path}: kind: a meta bundle needs a model.py declaring "
-            f"@rsrv.meta, and {path.name} has no model.py"
+            f"@rsrv.meta, and {name} has no model.py"
         )
-    hooks = _load_hooks(model_py, sig, path.name) if has_py else Hooks()
+    hooks = _load_hooks(model_py, sig, name) if has_py else Hooks()
 
     if sig.kind == "meta":
-        return Bundle(path.name, path, manifest_path, manifest, sig, {}, None, hooks, {})
+        return Bundle(name, path, manifest_path, manifest, sig, {}, None, hooks, {})
 
     weights_path = path / "weights.safetensors"
     if not weights_path.is_file():
@@ -120,9 +122,7 @@ def load_bundle(path: Path) -> Bundle:
     for size, file in modules.items():
         size, signatures[size] = _check_module(file, size, sig, weights)
         checked[size] = file
-    return Bundle(
-        path.name, path, manifest_path, manifest, sig, checked, weights, hooks, signatures
-    )
+    return Bundle(name, path, manifest_path, manifest, sig, checked, weights, hooks, signatures)
 
 
 def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[int, Path]:

@@ -20,6 +20,7 @@ import msgspec
 
 from rsrv.dtypes import DType
 from rsrv.errors import BundleError
+from rsrv.versions import VersionPolicy
 
 FORMAT_VERSION = "2.0"
 BATCH_LETTER = "n"
@@ -55,6 +56,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     client_outputs: list[TensorSpec] | None = None
     batching: Batching = msgspec.field(default_factory=Batching)
     meta: MetaSpec | None = None
+    version_policy: VersionPolicy | None = None
     provenance: dict[str, Any] = {}
 
 
@@ -122,8 +124,9 @@ def decode_manifest(path: Path) -> Manifest:
         raise BundleError(f"{path}: cannot parse: {_one_line(str(e))}") from None
 
 
-def resolve_manifest(manifest: Manifest, path: Path) -> Signature:
-    """Check the meaning of a structurally valid manifest; return its resolved tensors."""
+def resolve_manifest(manifest: Manifest, path: Path, name: str | None = None) -> Signature:
+    """Check the meaning of a structurally valid manifest; return its resolved tensors.
+    ``name`` is the model's name (default: the manifest's directory name)."""
 
     def fail(field: str, message: str) -> BundleError:
         return BundleError(f"{path}: {field}: {message}")
@@ -167,8 +170,9 @@ def resolve_manifest(manifest: Manifest, path: Path) -> Signature:
         dupes = sorted({c for c in calls if calls.count(c) > 1})
         if dupes:
             raise fail("meta.calls", f"duplicate model(s) {', '.join(dupes)}")
-        if path.parent.name in calls:
-            raise fail("meta.calls", f"a meta model may not call itself ({path.parent.name!r})")
+        own = path.parent.name if name is None else name
+        if own in calls:
+            raise fail("meta.calls", f"a meta model may not call itself ({own!r})")
     else:
         if manifest.meta is not None:
             raise fail("meta", "only a meta bundle (kind: meta) may declare meta.calls")

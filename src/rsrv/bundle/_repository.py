@@ -1,15 +1,68 @@
-"""A model repository: a directory whose immediate subdirectories are bundles."""
+"""A model repository: a directory whose immediate subdirectories are models, each
+holding one bundle (version 1) or numbered version directories of bundles."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rsrv.bundle._loader import Bundle, find_manifest, load_bundle
+from rsrv.bundle._loader import Bundle, load_bundle
+from rsrv.bundle._manifest import MANIFEST_NAMES, decode_manifest
 from rsrv.errors import BundleError
+from rsrv.versions import VersionPolicy, version_dir_number
+
+
+def has_manifest(path: Path) -> bool:
+    """``path`` holds a manifest file (one or more: load_bundle reports two)."""
+    return any((path / name).is_file() for name in MANIFEST_NAMES)
+
+
+def model_versions(model_dir: Path) -> dict[int, Path]:
+    """Version number -> bundle directory of one model directory, ascending.
+
+    A manifest directly in ``model_dir`` makes it the model's only version, 1. Otherwise
+    its versions are the subdirectories named by a positive decimal number (no leading
+    zero) that hold a manifest; other entries are ignored. A manifest beside version
+    directories is ambiguous: BundleError.
+    """
+    model_dir = Path(model_dir)
+    try:
+        children = sorted(model_dir.iterdir())
+    except OSError as e:
+        raise BundleError(f"{model_dir}: cannot list the model directory: {e.strerror}") from None
+    found = {}
+    for child in children:
+        number = version_dir_number(child.name)
+        if number is not None and child.is_dir() and has_manifest(child):
+            found[number] = child
+    if has_manifest(model_dir):
+        if found:
+            listed = ", ".join(str(n) for n in sorted(found))
+            raise BundleError(
+                f"{model_dir}: a manifest directly in the model directory makes it version 1, "
+                f"but it also holds version directories ({listed}); keep one layout"
+            )
+        return {1: model_dir}
+    return dict(sorted(found.items()))
+
+
+def version_policy_of(versions: dict[int, Path]) -> VersionPolicy | None:
+    """The ``version_policy`` that the manifest of the highest-numbered version declares;
+    None when it declares none or cannot be read (loading that version says why)."""
+    if not versions:
+        return None
+    path = versions[max(versions)]
+    for name in MANIFEST_NAMES:
+        if (path / name).is_file():
+            try:
+                return decode_manifest(path / name).version_policy
+            except BundleError:
+                return None
+    return None
 
 
 def discover(repo: Path) -> list[Path]:
-    """Bundle directories in ``repo`` (those holding a manifest), sorted by name."""
+    """Model directories in ``repo`` (holding a manifest, or version directories that
+    hold one), sorted by name."""
     repo = Path(repo)
     if not repo.is_dir():
         raise BundleError(f"{repo}: model repository is not a directory")
@@ -17,22 +70,25 @@ def discover(repo: Path) -> list[Path]:
     for child in sorted(repo.iterdir()):
         if not child.is_dir() or child.name.startswith("."):
             continue
-        try:
-            if find_manifest(child) is None:
-                continue
-        except BundleError:
-            pass  # two manifests: still a bundle, load_bundle reports it
-        out.append(child)
+        if has_manifest(child) or any(
+            version_dir_number(v.name) is not None and v.is_dir() and has_manifest(v)
+            for v in child.iterdir()
+        ):
+            out.append(child)
     return out
 
 
 def scan(repo: Path) -> dict[str, Bundle | BundleError]:
-    """Load every bundle in ``repo``. A broken bundle maps to its error; others still load."""
+    """Load every model in ``repo``: its highest-numbered version. A broken bundle maps
+    to its error; others still load."""
     return {path.name: _try_load(path) for path in discover(repo)}
 
 
 def _try_load(path: Path) -> Bundle | BundleError:
     try:
-        return load_bundle(path)
+        versions = model_versions(path)
+        if not versions:
+            raise BundleError(f"{path}: no manifest and no version directory holding one")
+        return load_bundle(versions[max(versions)], path.name)
     except BundleError as e:
         return e

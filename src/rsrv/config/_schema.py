@@ -26,6 +26,8 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from rsrv.versions import VersionPolicy
+
 
 def _doc(text: str) -> Meta:
     return Meta(description=text)
@@ -140,6 +142,20 @@ class ModelSchedConfig(_Strict):
         Annotated[float, Meta(gt=0)] | None,
         _doc("Target latency per request, the deadline under edf; null means none."),
     ] = None
+    version_policy: Annotated[
+        VersionPolicy | None,
+        _doc(
+            "Versions served: {latest: N}, {all: true} or {specific: [...]}; null: the "
+            "policy of the newest version's manifest, else {latest: 1}."
+        ),
+    ] = None
+    allow_file_overrides: Annotated[
+        bool,
+        _doc(
+            "Let RepositoryModelLoad write its file: parameters into this model's "
+            "directory in the repository (explicit mode); off: they are refused."
+        ),
+    ] = False
 
 
 class SchedulerConfig(_Strict):
@@ -398,6 +414,21 @@ class WorkerEntry(_Strict):
     logging: LoggingOverride | None = None  # type: ignore[valid-type]
 
 
+class NodeGatewayConfig(_Strict):
+    """The gateway `rsrv node` runs in front of two or more workers (specs/node.md)."""
+
+    file: Annotated[
+        str | None,
+        _doc(
+            "A gateway file for its other settings (scheduling, limits); its listen and "
+            "endpoints are the node's. Relative to the node file."
+        ),
+    ] = None
+    metrics_port: Annotated[
+        Port | None, _doc("The gateway's admin HTTP port (/metrics); null: none.")
+    ] = None
+
+
 class NodeConfig(_Strict):
     """A node file: every worker process of one machine."""
 
@@ -439,6 +470,7 @@ class NodeConfig(_Strict):
         _doc("Workers of a cpu node without a `workers` list (worker0, worker1, ...)."),
     ] = 1
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    gateway: NodeGatewayConfig = msgspec.field(default_factory=NodeGatewayConfig)
     global_: GlobalConfig = msgspec.field(default_factory=GlobalConfig, name="global")
     workers: Annotated[
         list[WorkerEntry],

@@ -12,6 +12,7 @@ from rsrv.protocol._backend import (
     Duration,
     IndexEntry,
     InferenceBackend,
+    LoadOverride,
     ModelControl,
     ModelStatisticsSnapshot,
     ServedModelView,
@@ -20,8 +21,9 @@ from rsrv.protocol._calls import PROTOCOLS, Admission, Restriction, call_deadlin
 from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
 from rsrv.protocol._decode import DEFAULT_MAX_TENSOR_BYTES, decode_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
-from rsrv.protocol._inference import InferenceService, model_config
+from rsrv.protocol._inference import InferenceService
 from rsrv.protocol._logs import LogSettings
+from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import ShmTarget, request_deadline, request_priority
 from rsrv.protocol._shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
 from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
@@ -43,6 +45,7 @@ __all__ = [
     "IndexEntry",
     "InferenceBackend",
     "InferenceService",
+    "LoadOverride",
     "LogSettings",
     "ModelControl",
     "ModelStatisticsSnapshot",
@@ -56,6 +59,7 @@ __all__ = [
     "encode_response",
     "grpc_status",
     "guard",
+    "load_parameters",
     "model_config",
     "request_deadline",
     "request_priority",

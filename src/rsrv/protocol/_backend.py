@@ -6,13 +6,17 @@ worker implements them (``rsrv.worker.Worker``), and a process that answers some
 itself (a gateway) implements what it answers. The data handed across is plain
 snapshots, so the protocol layer never reaches into a worker's internals.
 
-Errors are ``rsrv.errors`` exceptions (NotFound for an unknown model, Unavailable for
-one that is not ready, ...); the transport turns them into statuses.
+Errors are ``rsrv.errors`` exceptions (NotFound for an unknown model or version,
+Unavailable for one that is not ready, ...); the transport turns them into statuses.
+
+Versions: the protocol parses a request's version string (``rsrv.versions.parse_version``)
+and passes the number, or None for "the newest ready version"; a served model reports
+its version as the decimal string the protocol sends back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +26,7 @@ from rsrv.bundle import Bundle
 from rsrv.protocol._calls import Admission
 from rsrv.protocol._logs import LogSettings
 from rsrv.protocol._shm import SharedMemoryRegistry
+from rsrv.versions import VersionPolicy
 
 __all__ = [
     "DURATIONS",
@@ -30,6 +35,7 @@ __all__ = [
     "Duration",
     "IndexEntry",
     "InferenceBackend",
+    "LoadOverride",
     "ModelControl",
     "ModelStatisticsSnapshot",
     "ServedModelView",
@@ -37,28 +43,53 @@ __all__ = [
 
 
 class ServedModelView(Protocol):
-    """A loaded model, as far as the protocol is concerned."""
+    """One loaded version of a model, as far as the protocol is concerned."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def version(self) -> str:
-        """The version the protocol reports."""
+        """The version the protocol reports (its number, in decimal)."""
         ...
 
     @property
     def bundle(self) -> Bundle: ...
 
+    @property
+    def max_batch_size(self) -> int:
+        """Rows one execution of it may hold, the scheduler's cap (0: unbatched, meta)."""
+        ...
+
+    @property
+    def version_policy(self) -> VersionPolicy:
+        """The version policy its model is served under."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
-    """One RepositoryIndex entry."""
+    """One RepositoryIndex entry: one version of a model, or a model with no version
+    tried (``version`` "": not loaded, or failed before any version was tried)."""
 
     name: str
-    version: str  # "" while not loaded
+    version: str
     state: str  # READY / UNAVAILABLE / LOADING
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOverride:
+    """What RepositoryModelLoad's ``config`` parameter changes for that load (the
+    documented subset, specs/protocol.md §2): the scheduler's cap on rows per execution
+    and the version policy. ``check(bundle, max_batch_size, policy)`` raises
+    InvalidArgument when the config asks for something the version about to load cannot
+    be (a field that must equal what rsrv derives); the backend calls it for every
+    version it loads, before anything changes."""
+
+    max_batch_size: int | None = None
+    version_policy: VersionPolicy | None = None
+    check: Callable[[Bundle, int, VersionPolicy], None] | None = None
 
 
 class Duration(Protocol):
@@ -137,35 +168,45 @@ class InferenceBackend(Protocol):
     @property
     def extensions(self) -> list[str]: ...
 
-    def model(self, name: str) -> ServedModelView:
-        """The ready model ``name``; NotFound / Unavailable otherwise."""
+    def model(self, name: str, version: int | None = None) -> ServedModelView:
+        """Version ``version`` of ``name``, ready; None: its newest ready version.
+        NotFound (unknown model or version) / Unavailable (not ready) otherwise."""
         ...
 
-    def model_ready(self, name: str) -> bool: ...
+    def model_ready(self, name: str, version: int | None = None) -> bool: ...
 
-    def max_batch_size(self, name: str) -> int:
-        """Rows one execution of ``name`` may hold (0: unbatched, or meta)."""
+    def ready_versions(self, name: str) -> list[str]:
+        """The ready versions of ``name``, ascending (ModelMetadata's ``versions``)."""
         ...
 
     async def infer(
-        self, name: str, inputs: Mapping[str, np.ndarray], deadline: float | None
+        self, model: ServedModelView, inputs: Mapping[str, np.ndarray], deadline: float | None
     ) -> dict[str, np.ndarray]:
-        """Run one request of validated client inputs; returns the client outputs."""
+        """Run one request of validated client inputs on that version; returns the
+        client outputs."""
         ...
 
-    def record(self, name: str, ok: bool, seconds: float, status: str, rows: int) -> None:
-        """Count one request of ``name`` (``status`` as the client receives it)."""
+    def record(
+        self, model: ServedModelView, ok: bool, seconds: float, status: str, rows: int
+    ) -> None:
+        """Count one request of that version (``status`` as the client receives it)."""
         ...
 
-    def statistics(self, name: str) -> ModelStatisticsSnapshot: ...
-
-    def statistics_names(self) -> list[str]:
-        """Models reported when ModelStatistics names none: every ready one."""
+    def statistics(self, name: str, version: int | None) -> list[ModelStatisticsSnapshot]:
+        """Snapshots of ``name``'s ready versions (``version``: that one only); an
+        empty ``name``: of every ready version of every model."""
         ...
 
     def index(self) -> list[IndexEntry]: ...
 
-    async def load_model(self, name: str) -> None: ...
+    async def load_model(
+        self,
+        name: str,
+        override: LoadOverride | None = None,
+        files: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """RepositoryModelLoad; ``files``: the ``file:`` parameters, by relative path."""
+        ...
 
     async def unload_model(self, name: str) -> None: ...
 

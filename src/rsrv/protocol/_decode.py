@@ -256,10 +256,11 @@ def decode_request(
             check_region(shm, target, what)
             plan.shm = target
         elif n_raw:
-            if has_contents:
+            if has_contents:  # Triton's words first: its clients match on them
                 raise InvalidArgument(
-                    f"{what}: typed 'contents' and 'raw_input_contents' are both set; "
-                    "send each input one way"
+                    "contents field must not be specified when using raw_input_contents "
+                    f"for '{name}' for model '{model}' (typed 'contents' and "
+                    "'raw_input_contents' are both set; send each input one way)"
                 )
             if raw_used >= n_raw:
                 raise InvalidArgument(

@@ -23,11 +23,12 @@ from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
 from rsrv.protocol._decode import decode_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
+from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import request_deadline, request_priority
 from rsrv.protocol._status import grpc_status
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
-from rsrv.protocol.generated.inference import model_config_pb2 as mc
 from rsrv.protocol.generated.inference.grpc_service_grpc import GRPCInferenceServiceServicer
+from rsrv.versions import parse_version
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "rsrv"
@@ -55,7 +56,8 @@ class InferenceService(GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.backend.ready)
 
     async def ModelReady(self, message, request):
-        return pb.ModelReadyResponse(ready=self.backend.model_ready(message.name))
+        version = parse_version(message.version)
+        return pb.ModelReadyResponse(ready=self.backend.model_ready(message.name, version))
 
     async def ServerMetadata(self, message, request):
         return pb.ServerMetadataResponse(
@@ -63,21 +65,28 @@ class InferenceService(GRPCInferenceServiceServicer):
         )
 
     async def ModelMetadata(self, message, request):
-        served = self.backend.model(message.name)
+        version = parse_version(message.version)
+        served = self.backend.model(message.name, version)
         sig = served.bundle.signature
         return pb.ModelMetadataResponse(
             name=served.name,
-            versions=[served.version],
+            # Triton: the version asked for, else every ready version
+            versions=[served.version]
+            if version is not None
+            else self.backend.ready_versions(served.name),
             platform=self.backend.platform,
             inputs=[tensor_metadata(t) for t in sig.client_inputs],
             outputs=[tensor_metadata(t) for t in sig.client_outputs],
         )
 
     async def ModelConfig(self, message, request):
-        served = self.backend.model(message.name)
+        served = self.backend.model(message.name, parse_version(message.version))
         return pb.ModelConfigResponse(
             config=model_config(
-                served.bundle, self.backend.platform, self.backend.max_batch_size(served.name)
+                served.bundle,
+                self.backend.platform,
+                served.max_batch_size,
+                served.version_policy,
             )
         )
 
@@ -148,7 +157,7 @@ class InferenceService(GRPCInferenceServiceServicer):
             raise InvalidArgument("model_name is empty")
         backend = self.backend
         start = time.perf_counter()
-        served = backend.model(message.model_name)
+        served = backend.model(message.model_name, parse_version(message.model_version))
         name = served.name
         try:
             sig = served.bundle.signature
@@ -160,26 +169,27 @@ class InferenceService(GRPCInferenceServiceServicer):
             )
             request_priority(message)  # validated; the scheduler has no priorities
             outputs = await backend.infer(
-                name, inputs, None if deadline == float("inf") else deadline
+                served, inputs, None if deadline == float("inf") else deadline
             )
             response = encode_response(message, name, served.version, outputs, order, backend.shm)
         except Exception as e:  # counted under the status the client receives
-            backend.record(name, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
+            backend.record(served, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
             raise
         except BaseException:  # cancelled: grpc-timeout expired, or the call was abandoned
             expired = trio.current_time() >= call_deadline.get()
             status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
-            backend.record(name, False, time.perf_counter() - start, status, 0)
+            backend.record(served, False, time.perf_counter() - start, status, 0)
             raise
         rows = _rows(sig.client_inputs, inputs)
-        backend.record(name, True, time.perf_counter() - start, "OK", rows)
+        backend.record(served, True, time.perf_counter() - start, "OK", rows)
         return response
 
     async def ModelStatistics(self, message, request):
-        names = [message.name] if message.name else self.backend.statistics_names()
-        return pb.ModelStatisticsResponse(
-            model_stats=[model_statistics(self.backend.statistics(name)) for name in names]
-        )
+        """Every ready version of every model (no name), of the model named, or the
+        one version named."""
+        version = parse_version(message.version) if message.name else None
+        snapshots = self.backend.statistics(message.name, version)
+        return pb.ModelStatisticsResponse(model_stats=[model_statistics(s) for s in snapshots])
 
     # -- repository -----------------------------------------------------------------------
 
@@ -195,13 +205,12 @@ class InferenceService(GRPCInferenceServiceServicer):
         )
 
     async def RepositoryModelLoad(self, message, request):
-        if message.parameters:  # Triton's override config and files
-            raise InvalidArgument(
-                f"RepositoryModelLoad parameters are not supported "
-                f"({', '.join(sorted(message.parameters))}): rsrv loads {message.model_name!r} "
-                "exactly as its bundle is in the repository"
-            )
-        await self.backend.load_model(message.model_name)
+        """Loads (or reloads) a model; ``parameters`` may carry Triton's ``config``
+        override (the subset that maps to rsrv settings) and ``file:`` contents."""
+        override, files = load_parameters(
+            message.model_name, message.parameters, self.backend.platform
+        )
+        await self.backend.load_model(message.model_name, override, files)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, message, request):
@@ -307,39 +316,3 @@ def model_statistics(snapshot: ModelStatisticsSnapshot) -> pb.ModelStatistics:
             for size, count in sorted(snapshot.batch_executions.items())
         ],
     )
-
-
-def model_config(bundle, platform: str, max_batch_size: int) -> mc.ModelConfig:
-    """A Triton ModelConfig derived from the manifest.
-
-    Triton's config has an implicit *leading* batch axis: when every client tensor has
-    its batch letter first, ``max_batch_size`` is the effective maximum and dims omit that
-    axis; otherwise ``max_batch_size`` is 0 and dims show the batch axis as -1.
-    """
-    sig = bundle.signature
-    tensors = sig.client_inputs + sig.client_outputs
-    leading = bool(bundle.batch_sizes) and all(t.batch_axis == 0 for t in tensors)
-
-    def dims(t: Tensor) -> list[int]:
-        return list(t.shape[1:]) if leading else list(t.shape)
-
-    def dtype(t: Tensor) -> int:
-        name = "TYPE_STRING" if t.dtype.kserve == "BYTES" else f"TYPE_{t.dtype.kserve}"
-        return mc.DataType.Value(name)
-
-    config = mc.ModelConfig(
-        name=bundle.name,
-        platform=f"rsrv_stablehlo_{platform}",
-        backend="rsrv",
-        max_batch_size=max_batch_size if leading else 0,
-        input=[
-            mc.ModelInput(name=t.name, data_type=dtype(t), dims=dims(t)) for t in sig.client_inputs
-        ],
-        output=[
-            mc.ModelOutput(name=t.name, data_type=dtype(t), dims=dims(t))
-            for t in sig.client_outputs
-        ],
-    )
-    if bundle.batch_sizes:
-        config.dynamic_batching.preferred_batch_size.extend(bundle.batch_sizes)
-    return config

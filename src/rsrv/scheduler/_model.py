@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from rsrv.scheduler._costs import DecayedSum
@@ -9,16 +10,31 @@ from rsrv.scheduler._queue import RequestQueue, Version
 from rsrv.scheduler._stats import StatsRecorder
 
 
+@dataclass(slots=True)
+class VersionCounters:
+    """Executions of one version label (kept while the label is served, across
+    replacements of it)."""
+
+    dispatches: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+
+
 @dataclass(eq=False, slots=True)
 class ScheduledModel:
-    """One model name: its current version, its queue (shared by all its versions),
-    fair-share bookkeeping and statistics. Hashable by identity."""
+    """One model name: its current versions, its queue (shared by all its versions),
+    fair-share bookkeeping and statistics. Hashable by identity.
+
+    ``versions`` holds the current version of each label served side by side, in the
+    order they were (re)registered; ``version`` is the last of them, the one a request
+    that names no label runs on."""
 
     name: str
     index: int  # registration order, the last tie-breaker between models
     version: Version
     weight: float
     usage: DecayedSum
+    versions: dict[str, Version] = field(default_factory=dict)
+    counters: dict[str, VersionCounters] = field(default_factory=dict)
     queue: RequestQueue = field(default_factory=RequestQueue)
     stats: StatsRecorder = field(default_factory=StatsRecorder)
     tag: float = 0.0  # fair: virtual start time (device seconds per unit weight)

@@ -31,11 +31,11 @@ from rsrv.errors import (
 from rsrv.scheduler._batching import assemble, rows_of, signature, split
 from rsrv.scheduler._costs import CostTable, DecayedSum
 from rsrv.scheduler._executor import Executor, Result
-from rsrv.scheduler._model import ScheduledModel
+from rsrv.scheduler._model import ScheduledModel, VersionCounters
 from rsrv.scheduler._policy import make_policy
 from rsrv.scheduler._queue import Request, State, Version
 from rsrv.scheduler._spec import ModelSpec, check_weight
-from rsrv.scheduler._stats import SchedulingStats
+from rsrv.scheduler._stats import SchedulingStats, VersionStats
 
 log = logging.getLogger("rsrv.scheduler")
 
@@ -64,6 +64,9 @@ class Scheduler:
       the others.
     * A request runs on the model version it was admitted for (see
       :meth:`add_model`) and is never split across batches; padding never reaches it.
+      Versions of one name with distinct labels (``ModelSpec.version``) are served
+      side by side: one queue and one fair share for the name, a request runs on the
+      label it names.
     * Selection touches only backlogged models: O(log b) per decision for b
       backlogged models, independent of how many are registered.
     """
@@ -93,24 +96,50 @@ class Scheduler:
     # -- registry -------------------------------------------------------------------
 
     def add_model(self, spec: ModelSpec) -> None:
-        """Register ``spec``, or make it the current version of an existing model.
+        """Register ``spec``, or make it the current version of its label
+        (``spec.version``) of an existing model; other labels keep serving beside it.
 
         On replacement, requests already queued keep the version they were admitted
         for: each request is tagged with its version, batches never mix versions,
         and the old version's executor key (``ModelSpec.key``) runs them. The queue,
         statistics and fair-share position belong to the name and carry over; the
         weight is the new spec's, costs start from the new version's (seed them with
-        :meth:`warm_costs`).
+        :meth:`warm_costs`). The spec added last is the default of requests that name
+        no label.
         """
         version = Version(spec, CostTable(self._config.cost_ema_alpha))
+        label = spec.version
         m = self._models.get(spec.name)
         if m is None:
             usage = DecayedSum(self._config.ema_halflife_seconds)
-            self._models[spec.name] = ScheduledModel(
-                spec.name, next(self._index), version, spec.weight, usage
-            )
+            m = ScheduledModel(spec.name, next(self._index), version, spec.weight, usage)
+            m.versions[label] = version
+            m.counters[label] = VersionCounters()
+            self._models[spec.name] = m
             return
-        old, m.version, m.weight = m.version, version, spec.weight
+        old = m.versions.pop(label, None)
+        m.versions[label] = version  # last: the default
+        m.counters.setdefault(label, VersionCounters())
+        m.version, m.weight = version, spec.weight
+        if old is not None:
+            self._retire(old)
+        self._policy.update(m, self._clock())
+
+    def remove_version(self, name: str, label: str) -> None:
+        """Stop admitting requests for version ``label`` of ``name``; those already
+        queued for it still run on it, and its executor key is retired once they are
+        answered. Removing the only label is :meth:`remove_model`. Unknown names and
+        labels are ignored."""
+        m = self._models.get(name)
+        if m is None or label not in m.versions:
+            return
+        if len(m.versions) == 1:
+            self.remove_model(name)
+            return
+        old = m.versions.pop(label)
+        m.counters.pop(label, None)
+        if m.version is old:
+            m.version = next(reversed(m.versions.values()))
         self._retire(old)
         self._policy.update(m, self._clock())
 
@@ -124,7 +153,8 @@ class Scheduler:
         for req in m.queue.queued():
             self._unqueue(req, State.DONE)
             self._settle(req, error=NotFound(f"model {name!r} was unloaded"))
-        self._retire(m.version)
+        for version in m.versions.values():
+            self._retire(version)
 
     def set_weight(self, name: str, weight: float) -> None:
         """Change a model's fair-share weight, effective from the next decision.
@@ -137,15 +167,31 @@ class Scheduler:
         m.weight = weight
         self._policy.update(m, now)
 
-    def warm_costs(self, name: str, costs: dict[int, float]) -> None:
-        """Seed the current version's per-size cost estimates (e.g. from warm-up runs)."""
+    def warm_costs(self, name: str, costs: dict[int, float], version: str | None = None) -> None:
+        """Seed a current version's per-size cost estimates (e.g. from warm-up runs):
+        label ``version``'s, or the default's."""
         m = self._model(name)
-        m.version.costs.seed(costs)
+        self._version(m, version).costs.seed(costs)
         self._policy.update(m, self._clock())
 
-    def spec(self, name: str) -> ModelSpec:
-        """The current spec of ``name``; NotFound if unknown."""
-        return self._model(name).version.spec
+    def spec(self, name: str, version: str | None = None) -> ModelSpec:
+        """The current spec of ``name`` (of its label ``version``, or the default's);
+        NotFound if unknown."""
+        return self._version(self._model(name), version).spec
+
+    def version_stats(self, name: str, version: str) -> VersionStats:
+        """Executions of label ``version`` of ``name`` since it was added (a
+        replacement of the label keeps counting); NotFound if unknown."""
+        m = self._model(name)
+        current = self._version(m, version)
+        counters = m.counters[version]
+        return VersionStats(
+            version=version,
+            dispatches=counters.dispatches,
+            batch_sizes=dict(sorted(counters.batch_sizes.items())),
+            costs=current.costs.snapshot(),
+            max_batch_size=current.spec.max_rows,
+        )
 
     def stats(self, name: str) -> SchedulingStats:
         m = self._model(name)
@@ -174,6 +220,18 @@ class Scheduler:
             raise NotFound(f"unknown model {name!r}")
         return m
 
+    @staticmethod
+    def _version(m: ScheduledModel, label: str | None) -> Version:
+        if label is None:
+            return m.version
+        version = m.versions.get(label)
+        if version is None:
+            raise NotFound(
+                f"Request for unknown model: '{m.name}' version {label} is not found "
+                f"(served versions: {', '.join(m.versions) or 'none'})"
+            )
+        return version
+
     # -- admission ------------------------------------------------------------------
 
     async def submit(
@@ -184,18 +242,20 @@ class Scheduler:
         deadline: float | None = None,
         rows: int | None = None,
         front: bool = False,
+        version: str | None = None,
     ) -> Result:
         """Queue one request and wait for its answer.
 
         ``inputs`` are the executable inputs in order; ``rows`` their extent along
         the batch axis (computed when None; all inputs must agree). ``deadline`` is
         absolute in the scheduler clock. ``front`` orders the request ahead of fresh
-        work (meta sub-calls). Raises NotFound (unknown model), InvalidArgument (bad
-        inputs, too many rows), ResourceExhausted (queue full), DeadlineExceeded
-        (deadline or dispatch timeout passed while queued, or shed under edf),
-        Unavailable (draining), or the batch's execution error.
+        work (meta sub-calls). ``version`` is the label to run on (None: the default).
+        Raises NotFound (unknown model or label), InvalidArgument (bad inputs, too many
+        rows), ResourceExhausted (queue full), DeadlineExceeded (deadline or dispatch
+        timeout passed while queued, or shed under edf), Unavailable (draining), or
+        the batch's execution error.
         """
-        req = self._admit(model, inputs, deadline, rows, front)
+        req = self._admit(model, inputs, deadline, rows, front, version)
         try:
             with trio.move_on_at(self._trio_time(req.expiry)):
                 await req.done.wait()
@@ -218,13 +278,14 @@ class Scheduler:
         deadline: float | None,
         rows: int | None,
         front: bool,
+        label: str | None = None,
     ) -> Request:
         now = self._clock()
         if self._draining or self._closed:
             raise Unavailable("server is shutting down")
         m = self._model(model)
         try:
-            req = self._request(m, inputs, deadline, rows, front, now)
+            req = self._request(m, inputs, deadline, rows, front, now, label)
         except RsrvError as e:
             m.stats.failed(e.code)
             raise
@@ -243,9 +304,11 @@ class Scheduler:
         rows: int | None,
         front: bool,
         now: float,
+        label: str | None = None,
     ) -> Request:
-        """Validate one request against ``m``'s current version; not yet queued."""
-        version = m.version
+        """Validate one request against ``m``'s current version of ``label``; not yet
+        queued."""
+        version = self._version(m, label)
         spec = version.spec
         name = m.name
         arrays = [np.asarray(x) for x in inputs]
@@ -380,6 +443,10 @@ class Scheduler:
         start = self._clock()
         waits = [start - r.enqueued for r in batch.requests]
         batch.model.stats.dispatched(batch.size, waits)
+        counters = batch.model.counters.get(spec.version)
+        if counters is not None:
+            counters.dispatches += 1
+            counters.batch_sizes[batch.size] += 1
         outputs: list[list[np.ndarray]] = []
         error: RsrvError | None = None
         try:
@@ -516,7 +583,9 @@ class Scheduler:
         retire = getattr(self._executor, "retire", None)
         key = version.spec.key
         current = self._models.get(version.spec.name)
-        if retire is None or (current is not None and current.version.spec.key == key):
+        if retire is None or (
+            current is not None and any(v.spec.key == key for v in current.versions.values())
+        ):
             return
         try:
             retire(key)

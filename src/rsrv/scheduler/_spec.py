@@ -36,6 +36,8 @@ class ModelSpec:
     seconds (see specs/scheduler.md). ``executable`` is the name passed to the
     executor (default: ``name``); giving each version its own (e.g. ``"m@3"``) lets
     requests queued before a replacement run on the version they were queued for.
+    ``version`` labels the version among those of the same name served side by side
+    (a request names the label it is for; see :meth:`Scheduler.add_model`).
 
     Construction validates the fields and raises InvalidArgument naming the fault.
     """
@@ -48,6 +50,7 @@ class ModelSpec:
     max_batch_size: int | None = None
     latency_budget: float | None = None
     executable: str | None = None
+    version: str = ""
 
     def __post_init__(self) -> None:
         sizes = tuple(sorted(int(s) for s in self.batch_sizes))

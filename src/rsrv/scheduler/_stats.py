@@ -44,6 +44,19 @@ class SchedulingStats:
     max_batch_size: int
 
 
+@dataclass(frozen=True)
+class VersionStats:
+    """One version label of a model: its executions (``dispatches``, per compiled size
+    in ``batch_sizes``) since the label was added, and its current version's learned
+    ``costs`` and effective ``max_batch_size``."""
+
+    version: str
+    dispatches: int
+    batch_sizes: dict[int, int]
+    costs: dict[int, float]
+    max_batch_size: int
+
+
 class StatsRecorder:
     """Mutable counters behind :class:`SchedulingStats`."""
 

@@ -26,10 +26,15 @@ from rsrv.worker._statistics import RequestStatistics
 
 
 class Pipeline:
+    """Request statistics are kept per model name (``statistics``: the metrics, for as
+    long as the name is loaded) and per version (``version_statistics``: ModelStatistics,
+    for as long as the version is served; a reload of it keeps counting)."""
+
     def __init__(self, models: ModelSet, scheduler: Scheduler, meta_concurrency: int = 4):
         self.models = models
         self.scheduler = scheduler
         self.statistics: dict[str, RequestStatistics] = {}
+        self.version_statistics: dict[tuple[str, str], RequestStatistics] = {}
         self.meta = MetaRunner(self, meta_concurrency)
 
     def stats(self, name: str) -> RequestStatistics:
@@ -38,11 +43,46 @@ class Pipeline:
             stats = self.statistics[name] = RequestStatistics()
         return stats
 
+    def version_stats(self, name: str, version: str) -> RequestStatistics:
+        stats = self.version_statistics.get((name, version))
+        if stats is None:
+            stats = self.version_statistics[name, version] = RequestStatistics()
+        return stats
+
+    def _both(self, served: ServedModel) -> tuple[RequestStatistics, ...]:
+        """The name's statistics, and the version's while it is served (a request that
+        outlives its version's retirement is counted for the name only)."""
+        entry = self.models.entries.get(served.name)
+        if entry is None or int(served.version) not in entry.versions:
+            return (self.stats(served.name),)
+        return self.stats(served.name), self.version_stats(served.name, served.version)
+
+    def record(self, served: ServedModel, ok: bool, seconds: float, status: str, rows: int):
+        """Count one request of ``served`` (``status`` as the client receives it)."""
+        for stats in self._both(served):
+            stats.record(ok, seconds, status, rows)
+
+    def drop(self, name: str, version: str) -> None:
+        """Forget a retired version's statistics."""
+        self.version_statistics.pop((name, version), None)
+
+    def forget(self, name: str) -> None:
+        """Forget everything counted for ``name`` (unloaded)."""
+        self.statistics.pop(name, None)
+        self.meta.stats.pop(name, None)
+        for key in [k for k in self.version_statistics if k[0] == name]:
+            del self.version_statistics[key]
+
     async def infer(
-        self, name: str, inputs: Mapping[str, np.ndarray], *, deadline: float | None = None
+        self,
+        served: ServedModel,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        deadline: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run one request on model ``name``; ``inputs`` are validated client inputs."""
-        served = self.models.get(name)
+        """Run one request on the loaded version ``served``; ``inputs`` are validated
+        client inputs."""
+        name = served.name
         if served.bundle.kind == "meta":
             waiting = [c for c in served.bundle.signature.calls if not self.models.ready(c)]
             if waiting:
@@ -51,7 +91,8 @@ class Pipeline:
                 )
             outputs, seconds = await self.meta.run(served, inputs, deadline)
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
-            self.stats(name).compute_infer.add(seconds)  # the device time of its sub-calls
+            for stats in self._both(served):  # the device time of its sub-calls
+                stats.compute_infer.add(seconds)
             self.meta.stats[name].requests += 1
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return (await self._run_model(served, inputs, deadline, front=False))[0]
@@ -79,7 +120,7 @@ class Pipeline:
         front: bool,
     ):
         name = served.name
-        stats = self.stats(name)
+        both = self._both(served)
         hooks = served.bundle.hooks
         start = trio.current_time()
         exec_inputs = dict(inputs)
@@ -87,11 +128,16 @@ class Pipeline:
             made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
             exec_inputs.update(made)
             _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
-        stats.compute_input.add(trio.current_time() - start)
+        for stats in both:
+            stats.compute_input.add(trio.current_time() - start)
 
         order = served.bundle.signature.executable_inputs
         result = await self.scheduler.submit(
-            name, [exec_inputs[t.name] for t in order], deadline=deadline, front=front
+            name,
+            [exec_inputs[t.name] for t in order],
+            deadline=deadline,
+            front=front,
+            version=served.version,
         )
         outputs = {
             t.name: a
@@ -102,10 +148,12 @@ class Pipeline:
             made = await trio.to_thread.run_sync(hooks.postprocess.run, name, outputs)
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
             outputs.update(made)
-            stats.compute_output.add(trio.current_time() - start)
+            for stats in both:
+                stats.compute_output.add(trio.current_time() - start)
         # Recorded once the request has its outputs: per successful request, as Triton.
-        stats.queue.add(result.queue_seconds)
-        stats.compute_infer.add(result.compute_seconds)
+        for stats in both:
+            stats.queue.add(result.queue_seconds)
+            stats.compute_infer.add(result.compute_seconds)
         client = {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return client, result.compute_seconds
 

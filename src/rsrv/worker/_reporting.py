@@ -7,8 +7,11 @@ ModelControlStatus); nothing here is on the request path.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rsrv.bundle import discover
+from rsrv.errors import BundleError
 from rsrv.protocol import DURATIONS, ControlSnapshot, IndexEntry, ModelControl
 from rsrv.protocol import ModelStatisticsSnapshot as Snapshot
 
@@ -20,15 +23,31 @@ if TYPE_CHECKING:
 FLOORS = ("unpinned", "system", "device")
 
 
-def statistics(worker: Worker, name: str) -> Snapshot:
-    """Triton's ModelStatistics of ``name`` (NotFound / Unavailable like a request)."""
-    served = worker.models.get(name)
-    stats = worker.pipeline.stats(name)
+def statistics(worker: Worker, name: str, version: int | None) -> list[Snapshot]:
+    """Triton's ModelStatistics: of every ready version of every model (no ``name``), of
+    every ready version of ``name``, or of its ``version`` (NotFound / Unavailable like a
+    request)."""
+    models = worker.models
+    if not name:
+        return [
+            _snapshot(worker, v.model)
+            for n in sorted(models.entries)
+            for v in models.entries[n].ready()
+        ]
+    if version is None:
+        models.get(name)  # raises when no version is ready
+        return [_snapshot(worker, v.model) for v in models.entries[name].ready()]
+    return [_snapshot(worker, models.get(name, version))]
+
+
+def _snapshot(worker: Worker, served: ServedModel) -> Snapshot:
+    name = served.name
+    worker.pipeline.stats(name)  # the name's series appear in /metrics from now on
+    stats = worker.pipeline.version_stats(name, served.version)
     if served.bundle.kind == "meta":  # not scheduled itself: one execution per request
-        meta = worker.pipeline.meta.stats.get(name)
-        executions, batches = (meta.requests if meta else 0), {}
+        executions, batches = stats.compute_infer.count, {}
     else:
-        sched = worker.scheduler.stats(name)
+        sched = worker.scheduler.version_stats(name, served.version)
         executions, batches = sched.dispatches, sched.batch_sizes
 
     return Snapshot(
@@ -43,9 +62,11 @@ def statistics(worker: Worker, name: str) -> Snapshot:
 
 
 def index(worker: Worker) -> list[IndexEntry]:
-    """RepositoryIndex: every model entry by name, except ready models that a loaded meta
-    model calls (they serve only their metas); a meta waiting for a callee is
-    UNAVAILABLE with the names it waits for."""
+    """RepositoryIndex: one entry per version of every model entry (one without a
+    version for a model no version of which was tried), except ready models that a
+    loaded meta model calls (they serve only their metas); a meta waiting for a callee
+    is UNAVAILABLE with the names it waits for. In explicit mode, every other model
+    directory of the repository is listed UNAVAILABLE, reason "unloaded" (Triton's)."""
     models = worker.models
     hidden = {
         c
@@ -54,16 +75,31 @@ def index(worker: Worker) -> list[IndexEntry]:
         for c in e.model.bundle.signature.calls
         if models.ready(c)
     }
+    unloaded: set[str] = set()
+    if worker.config.model_control_mode == "explicit":
+        try:
+            unloaded = {p.name for p in discover(Path(worker.config.model_repo))}
+        except (BundleError, OSError):
+            pass
+        unloaded -= set(models.entries)
     out = []
-    for entry in sorted(models.entries.values(), key=lambda e: e.name):
-        if entry.name in hidden:
+    for name in sorted(set(models.entries) | unloaded):
+        if name in unloaded:
+            out.append(IndexEntry(name, "", "UNAVAILABLE", "unloaded"))
             continue
-        state, reason = str(entry.state), entry.reason
-        if state == "READY" and not worker.model_ready(entry.name):
-            waiting = [c for c in entry.model.bundle.signature.calls if not models.ready(c)]
-            state, reason = "UNAVAILABLE", f"waiting for model(s) {', '.join(waiting)}"
-        version = entry.model.version if entry.model else ""
-        out.append(IndexEntry(entry.name, version, state, reason))
+        if name in hidden:
+            continue
+        entry = models.entries[name]
+        if not entry.versions:
+            out.append(IndexEntry(name, "", str(entry.state), entry.reason))
+            continue
+        for number, version in sorted(entry.versions.items()):
+            state, reason = str(version.state), version.reason or entry.problem
+            if version.model is not None and not worker.model_ready(name, number):
+                sig = version.model.bundle.signature
+                waiting = [c for c in sig.calls if not models.ready(c)]
+                state, reason = "UNAVAILABLE", f"waiting for model(s) {', '.join(waiting)}"
+            out.append(IndexEntry(name, str(number), state, reason))
     return out
 
 

@@ -1,9 +1,12 @@
 """The repository watcher of ``model_control_mode: dynamic``.
 
-Every ``model_poll_seconds`` it fingerprints each bundle (name, size and mtime of the
-files that define it). A change is acted on only when the same new fingerprint is seen
-on two consecutive polls, so a bundle that is still being written is never loaded:
-a new bundle is loaded, a removed one unloaded, a changed one reloaded.
+Every ``model_poll_seconds`` it fingerprints each model directory: the name, size and
+mtime of the files that define each of its bundles (the directory itself, or each of its
+version directories). A change is acted on only when the same new fingerprint is seen
+on two consecutive polls, so a bundle that is still being written is never loaded: a new
+model is loaded, a removed one unloaded, a changed one reloaded (the worker rebuilds only
+the versions whose own fingerprint changed, loads added ones beside them and retires
+removed ones).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import trio
 
 from rsrv.bundle import MANIFEST_NAMES
+from rsrv.versions import version_dir_number
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +40,29 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         return None
 
 
-def scan(repo: Path) -> dict[str, Fingerprint]:
+ModelFingerprint = tuple[tuple[str, Fingerprint], ...]
+
+
+def model_fingerprint(model: Path) -> ModelFingerprint | None:
+    """The fingerprints of a model directory's bundles: ("", ...) for a bundle directly
+    in it, (version, ...) for each version directory; None if it holds none."""
+    out = []
+    own = fingerprint(model)
+    if own is not None:
+        out.append(("", own))
+    try:
+        children = sorted(model.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for child in children:
+        if version_dir_number(child.name) is not None:
+            fp = fingerprint(child)
+            if fp is not None:
+                out.append((child.name, fp))
+    return tuple(out) or None
+
+
+def scan(repo: Path) -> dict[str, ModelFingerprint]:
     out = {}
     try:
         children = list(repo.iterdir())
@@ -44,7 +70,7 @@ def scan(repo: Path) -> dict[str, Fingerprint]:
         return out
     for child in children:
         if child.is_dir() and not child.name.startswith("."):
-            fp = fingerprint(child)
+            fp = model_fingerprint(child)
             if fp is not None:
                 out[child.name] = fp
     return out
@@ -62,8 +88,8 @@ class RepositoryWatcher:
     ):
         self.repo, self.interval = repo, interval
         self._load, self._unload = load, unload
-        self.seen: dict[str, Fingerprint] = {}
-        self.pending: dict[str, Fingerprint | None] = {}
+        self.seen: dict[str, ModelFingerprint] = {}
+        self.pending: dict[str, ModelFingerprint | None] = {}
 
     def seed(self) -> None:
         """Take the current repository as applied. Call it before the startup load, so
@@ -89,9 +115,9 @@ class RepositoryWatcher:
             del self.pending[name]
             if new is None:
                 del self.seen[name]
-                log.info("bundle %s removed: unloading", name)
+                log.info("model %s removed: unloading", name)
                 await self._unload(name)
             else:
                 self.seen[name] = new
-                log.info("bundle %s %s: loading", name, "changed" if old else "added")
+                log.info("model %s %s: loading", name, "changed" if old else "added")
                 await self._load(self.repo / name)

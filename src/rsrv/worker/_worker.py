@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import msgspec
 import trio
 
-from rsrv.bundle import discover
+from rsrv.bundle import Bundle, discover, load_bundle, model_versions, version_policy_of
 from rsrv.config import ConfigError, ModelSchedConfig, WorkerConfig
 from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol import (
@@ -21,6 +22,7 @@ from rsrv.protocol import (
     ControlSnapshot,
     IndexEntry,
     InferenceService,
+    LoadOverride,
     LogSettings,
     ModelStatisticsSnapshot,
     SharedMemoryRegistry,
@@ -41,11 +43,21 @@ from rsrv.runtime import (
 from rsrv.runtime import device as default_device
 from rsrv.scheduler import Scheduler
 from rsrv.transport import GrpcServer, TransportLimits, methods_of, server_tls_context
+from rsrv.versions import DEFAULT_POLICY, VersionPolicy
+from rsrv.worker import _files as files_override
 from rsrv.worker import _reporting as reporting
 from rsrv.worker._executor import DeviceExecutor
-from rsrv.worker._models import LoadState, ModelEntry, ModelSet, ServedModel, build_model
+from rsrv.worker._models import (
+    LoadState,
+    ModelEntry,
+    ModelSet,
+    ServedModel,
+    VersionEntry,
+    build_model,
+)
 from rsrv.worker._pipeline import Pipeline
 from rsrv.worker._restrictions import restrictions_of
+from rsrv.worker._watcher import fingerprint
 
 log = logging.getLogger(__name__)
 MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
@@ -136,32 +148,29 @@ class Worker:
             ext.append("system_shared_memory")
         return ext
 
-    def model_ready(self, name: str) -> bool:
-        """READY, and for a meta model, every model it calls is ready too."""
-        if not self.models.ready(name):
+    def model_ready(self, name: str, version: int | None = None) -> bool:
+        """READY (that version, or any), and for a meta model, every model it calls is
+        ready too."""
+        if not self.models.ready(name, version):
             return False
-        served = self.models.entries[name].model
+        served = self.models.get(name, version)
         return all(self.models.ready(c) for c in served.bundle.signature.calls)
 
-    def model(self, name: str) -> ServedModel:
-        return self.models.get(name)
+    def model(self, name: str, version: int | None = None) -> ServedModel:
+        return self.models.get(name, version)
 
-    def max_batch_size(self, name: str) -> int:
-        """Rows one dispatch of ``name`` may hold (0: unbatched model or meta)."""
-        served = self.models.get(name)
-        return self.scheduler.spec(name).max_rows if served.compiled else 0
+    def ready_versions(self, name: str) -> list[str]:
+        entry = self.models.entries.get(name)
+        return [] if entry is None else [str(v.number) for v in entry.ready()]
 
-    async def infer(self, name: str, inputs, deadline: float | None) -> dict:
-        return await self.pipeline.infer(name, inputs, deadline=deadline)
+    async def infer(self, model: ServedModel, inputs, deadline: float | None) -> dict:
+        return await self.pipeline.infer(model, inputs, deadline=deadline)
 
-    def record(self, name: str, ok: bool, seconds: float, status: str, rows: int) -> None:
-        self.pipeline.stats(name).record(ok, seconds, status, rows)
+    def record(self, model: ServedModel, ok: bool, seconds: float, status: str, rows: int):
+        self.pipeline.record(model, ok, seconds, status, rows)
 
-    def statistics(self, name: str) -> ModelStatisticsSnapshot:
-        return reporting.statistics(self, name)
-
-    def statistics_names(self) -> list[str]:
-        return sorted(n for n in self.models.entries if self.models.ready(n))
+    def statistics(self, name: str, version: int | None) -> list[ModelStatisticsSnapshot]:
+        return reporting.statistics(self, name, version)
 
     def index(self) -> list[IndexEntry]:
         return reporting.index(self)
@@ -292,8 +301,16 @@ class Worker:
             for path in paths:
                 nursery.start_soon(self._load, path)
 
-    async def load_model(self, name: str) -> None:
-        """RepositoryModelLoad: (re)load ``name`` from the repository (explicit mode)."""
+    async def load_model(
+        self,
+        name: str,
+        override: LoadOverride | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> None:
+        """RepositoryModelLoad: (re)load every version of ``name`` its version policy
+        selects, from the repository (explicit mode). ``override``: the config
+        override's settings, for this load; ``files``: ``file:`` contents, written into
+        the model's directory first when its per-model config allows it."""
         self._require_explicit("RepositoryModelLoad")
         if (
             not name
@@ -307,24 +324,39 @@ class Worker:
                 f"directly under the repository (at most {MAX_NAME_BYTES} bytes)"
             )
         path = Path(self.config.model_repo) / name
+        if files:
+            allowed = self._policy(name).allow_file_overrides
+            await trio.to_thread.run_sync(
+                files_override.write, Path(self.config.model_repo), name, files, allowed
+            )
         try:
             found = path.is_dir()
         except OSError as e:  # never the repository path: it is the server's business
             raise InvalidArgument(f"failed to load {name!r}: {e.strerror}") from None
-        if not found:
-            raise NotFound(f"failed to load {name!r}: no such model in the repository")
-        entry = self.models.entries.setdefault(name, ModelEntry(name, path))
-        if entry.model is None:
-            entry.state = LoadState.LOADING
-        await self._load(path)
-        if entry.model is None or entry.reason:
-            raise FailedPrecondition(f"failed to load {name!r}: {entry.reason}")
+        if not found:  # Triton's words first
+            raise NotFound(
+                f"failed to load {name!r}, failed to poll from model repository: no such "
+                "model in the repository"
+            )
+        await self._load(path, force=True, override=override)
+        entry = self.models.entries.get(name)
+        if entry is None:  # unloaded meanwhile
+            return
+        failures = [
+            f"version {n}: {entry.versions[n].reason}"
+            for n in entry.selected
+            if entry.versions[n].reason
+        ]
+        if entry.problem or failures:
+            reasons = ([entry.problem] if entry.problem else []) + failures
+            raise FailedPrecondition(f"failed to load {name!r}: {'; '.join(reasons)}")
 
     async def unload_model(self, name: str) -> None:
-        """RepositoryModelUnload (explicit mode): queued requests fail with NOT_FOUND."""
+        """RepositoryModelUnload (explicit mode): every version; queued requests fail
+        with NOT_FOUND."""
         self._require_explicit("RepositoryModelUnload")
         if name not in self.models.entries:
-            raise NotFound(f"unknown model {name!r}")
+            raise NotFound(f"Request for unknown model: '{name}' is not found (not loaded)")
         await self._unload(name)
 
     async def _unload(self, name: str) -> None:
@@ -334,14 +366,13 @@ class Worker:
             entry = self.models.entries.pop(name, None)
             self._residency.pop(name, None)
             # Counters start again at the next load, like the scheduler's (and Triton's).
-            self.pipeline.statistics.pop(name, None)
-            self.pipeline.meta.stats.pop(name, None)
-            if entry is not None and entry.model is not None and entry.model.compiled:
-                self.scheduler.remove_model(name)  # the executor retires its weights once drained
-        log.info("model %s unloaded", name)
+            self.pipeline.forget(name)
+            self.scheduler.remove_model(name)  # the executor retires its weights once drained
+        if entry is not None:
+            log.info("model %s unloaded (versions %s)", name, _numbers(entry.versions) or "none")
 
     async def set_residency(self, name: str, residency: str) -> str:
-        """SetModelResidency (explicit mode): change the floor of the current version of
+        """SetModelResidency (explicit mode): change the floor of every served version of
         a model; for a meta model, of every model it calls. Returns the floor set."""
         served = self.models.get(name)
         self._require_explicit(
@@ -352,24 +383,36 @@ class Worker:
             await self.weights.set_residency(target.key, residency)
             target.residency = residency
             self._residency[target.name] = residency  # kept across reloads until unload
-        served.residency = residency  # a meta reports the floor it set on its models
+        for version in self._served(name):  # a meta reports the floor it set on its models
+            version.residency = residency
         return residency
 
     async def compact_memory(self, reload: list[str]) -> tuple[int, int]:
-        """CompactMemory: free every evictable device weight, then reload ``reload`` (a
-        meta model's weights are those of the models it calls); returns how many models
-        were reloaded and the resident bytes after."""
+        """CompactMemory: free every evictable device weight, then reload ``reload`` (every
+        served version; a meta model's weights are those of the models it calls);
+        returns how many models were reloaded and the resident bytes after."""
         keys: dict[str, None] = {}  # ordered, without duplicates
         for name in reload:
             keys.update((t.key, None) for t in self._weight_owners(self.models.get(name)))
         reloaded = await self.weights.compact_and_reload(list(keys))
         return reloaded, self.weights.cache.resident_bytes
 
+    def _served(self, name: str) -> list[ServedModel]:
+        """Every served version of ``name``, ascending."""
+        entry = self.models.entries.get(name)
+        return [] if entry is None else [v.model for v in entry.ready()]
+
     def _weight_owners(self, served) -> list:
-        """The versions whose weights ``served`` stands for: itself, or a meta's models."""
+        """The versions whose weights ``served`` stands for: every served version of its
+        model, or of each model a meta calls."""
         if served.bundle.kind == "meta":
-            return [self.models.get(c) for c in served.bundle.signature.calls]
-        return [served]
+            return [
+                version
+                for callee in served.bundle.signature.calls
+                if self.models.get(callee)  # NotFound / Unavailable for a missing one
+                for version in self._served(callee)
+            ]
+        return self._served(served.name)
 
     def _require_explicit(self, rpc: str, hint: str = "") -> None:
         """The one check of the RPCs that only explicit mode accepts."""
@@ -380,55 +423,208 @@ class Worker:
                 f"'explicit'; this worker runs in '{mode}' mode{hint}"
             )
 
-    async def _load(self, path: Path) -> None:
-        """Build a new version beside the old one; switch atomically only on success."""
+    async def _load(
+        self, path: Path, *, force: bool = False, override: LoadOverride | None = None
+    ) -> None:
+        """(Re)load the model directory ``path``: every version its policy selects.
+
+        A version is built beside the load it replaces and switched to only on success;
+        it is rebuilt when new, when its files changed since the serving load read them,
+        or with ``force``. Versions that leave the selection retire once the selected
+        ones have been tried (requests queued for them finish first), unless none of
+        those is ready: then they keep serving. ``override`` (a RepositoryModelLoad
+        config) is checked against every selected version before anything changes:
+        InvalidArgument, and nothing happened.
+        """
         name = path.name
-        lock = self._loading.setdefault(name, trio.Lock())
-        async with lock:
+        async with self._loading.setdefault(name, trio.Lock()):
+            created = name not in self.models.entries
             entry = self.models.entries.setdefault(name, ModelEntry(name, path))
-            policy = self._policy(name)
-            served = None
+            entry.path = path
             try:
-                served = await build_model(path, self.compiler, self.models.next_generation())
-                self._check_calls(served)
-                costs = {}
-                if served.compiled:
-                    served.residency = self.weights.residency_for(
-                        self._residency.get(name, policy.residency)
-                    )
-                    self.executor.versions[served.key] = served
-                    await self.weights.add(served.key, served.bundle.weights, served.residency)
-                    costs = await self.executor.warm_up(served)
-            except Exception as e:  # a bad bundle must never take the worker down
-                if served is not None:
-                    self.executor.retire(served.key)
-                entry.reason = str(e)
-                if entry.model is None:
-                    entry.state = LoadState.UNAVAILABLE
-                    log.error("model %s unavailable: %s", name, e)
-                else:
-                    log.error(
-                        "reload of model %s failed; version %s (load %d) keeps serving: %s",
-                        name,
-                        entry.model.version,
-                        entry.model.generation,
-                        e,
-                    )
-                return
-            previous = entry.model
-            entry.model, entry.state, entry.reason = served, LoadState.READY, ""
-            log.info(
-                "model %s version %s ready (load %d%s): %d weight bytes, residency %s",
-                name,
-                served.version,
-                served.generation,
-                f", replacing load {previous.generation}" if previous else "",
-                served.bundle.weight_bytes,
-                served.residency if served.compiled else "none (meta)",
+                await self._sync(entry, force, override)
+            except InvalidArgument:
+                if created:
+                    self.models.entries.pop(name, None)
+                raise
+            finally:
+                entry.loading = False
+
+    async def _sync(self, entry: ModelEntry, force: bool, override: LoadOverride | None) -> None:
+        name = entry.name
+        try:
+            found = await trio.to_thread.run_sync(model_versions, entry.path)
+            if not found:
+                raise BundleError(
+                    f"{entry.path}: no manifest, and no version directory holding one"
+                )
+        except BundleError as e:
+            self._model_failed(entry, str(e))
+            return
+        sched = self._policy(name)
+        policy = (
+            (override.version_policy if override else None)
+            or sched.version_policy
+            or await trio.to_thread.run_sync(version_policy_of, found)
+            or DEFAULT_POLICY
+        )
+        selected = policy.select(found)
+        if not selected:  # Triton's words first
+            self._model_failed(
+                entry,
+                f"at least one version must be available under the version policy of model "
+                f"'{name}' ({policy.describe()}; versions in the repository: "
+                f"{_numbers(found)})",
             )
+            return
+        if override is not None and override.max_batch_size is not None:
+            sched = msgspec.structs.replace(sched, max_batch_size=override.max_batch_size or None)
+        prints = {n: await trio.to_thread.run_sync(fingerprint, found[n]) for n in selected}
+        bundles: dict[int, Bundle] = {}
+        if override is not None:  # checked before anything changes
+            for n in selected:
+                try:
+                    bundle = await trio.to_thread.run_sync(load_bundle, found[n], name)
+                except BundleError:
+                    continue  # the build below reports it
+                self._check_override(bundle, override, sched, policy)
+                bundles[n] = bundle
+        entry.problem, entry.policy, entry.selected = "", policy, tuple(selected)
+        for n in selected:
+            version = entry.versions.get(n)
+            if version is None:
+                version = entry.versions[n] = VersionEntry(n, found[n])
+            version.path = found[n]
+            if force or version.model is None or version.fingerprint != prints[n]:
+                await self._build(entry, version, prints[n], sched, bundles.get(n))
+        chosen = any(entry.versions[n].model is not None for n in selected)
+        for n in sorted(set(entry.versions) - set(selected)):
+            version = entry.versions[n]
+            if version.model is not None and not chosen:
+                version.reason = (
+                    f"kept serving: none of the versions {policy.describe()} selects "
+                    f"({_numbers(selected)}) is ready"
+                )
+                continue
+            gone = "its directory is gone" if n not in found else "left the version policy"
+            self._retire(entry, n, gone)
+        for version in entry.ready():
+            version.model.version_policy = policy
+
+    def _check_override(
+        self,
+        bundle: Bundle,
+        override: LoadOverride,
+        sched: ModelSchedConfig,
+        policy: VersionPolicy,
+    ) -> None:
+        """A RepositoryModelLoad config against one version about to load."""
+        sizes = bundle.batch_sizes
+        if override.max_batch_size is not None:
+            cap = override.max_batch_size
+            if sizes and not 1 <= cap <= sizes[-1]:
+                raise InvalidArgument(
+                    f"config override for {bundle.name!r}: max_batch_size {cap} is not "
+                    f"between 1 and the largest compiled batch size {sizes[-1]} of "
+                    f"{bundle.path} (compiled sizes: {list(sizes)})"
+                )
+            if not sizes and cap != 0:
+                raise InvalidArgument(
+                    f"config override for {bundle.name!r}: max_batch_size must be 0: "
+                    f"{bundle.path} has no compiled batch sizes (it runs one request at a time)"
+                )
+        if override.check is not None:
+            rows = 0
+            if sizes:
+                rows = min(sched.max_batch_size or sizes[-1], sizes[-1])
+            override.check(bundle, rows, policy)
+
+    async def _build(
+        self,
+        entry: ModelEntry,
+        version: VersionEntry,
+        prints,
+        sched: ModelSchedConfig,
+        bundle: Bundle | None,
+    ) -> None:
+        """Build one version beside the load it replaces; switch only on success."""
+        name, number = entry.name, version.number
+        served = None
+        try:
+            served = await build_model(
+                version.path,
+                self.compiler,
+                self.models.next_generation(),
+                number,
+                name,
+                bundle,
+            )
+            self._check_calls(served)
+            costs = {}
             if served.compiled:
-                self.scheduler.add_model(served.spec().with_policy(policy))
-                self.scheduler.warm_costs(name, costs)
+                served.residency = self.weights.residency_for(
+                    self._residency.get(name, sched.residency)
+                )
+                self.executor.versions[served.key] = served
+                await self.weights.add(served.key, served.bundle.weights, served.residency)
+                costs = await self.executor.warm_up(served)
+        except Exception as e:  # a bad bundle must never take the worker down
+            if served is not None:
+                self.executor.retire(served.key)
+            version.reason = str(e)
+            if version.model is None:
+                version.state = LoadState.UNAVAILABLE
+                log.error("model %s version %d unavailable: %s", name, number, e)
+            else:
+                log.error(
+                    "reload of model %s version %d failed; its load %d keeps serving: %s",
+                    name,
+                    number,
+                    version.model.generation,
+                    e,
+                )
+            return
+        previous = version.model
+        spec = served.spec().with_policy(sched) if served.compiled else None
+        served.max_batch_size = spec.max_rows if spec else 0
+        served.version_policy = entry.policy
+        version.model, version.state, version.reason = served, LoadState.READY, ""
+        version.fingerprint = prints
+        log.info(
+            "model %s version %d ready (load %d%s): %d weight bytes, residency %s",
+            name,
+            number,
+            served.generation,
+            f", replacing load {previous.generation}" if previous else "",
+            served.bundle.weight_bytes,
+            served.residency if served.compiled else "none (meta)",
+        )
+        if spec is not None:
+            self.scheduler.add_model(spec)
+            self.scheduler.warm_costs(name, costs, served.version)
+
+    def _retire(self, entry: ModelEntry, number: int, why: str) -> None:
+        """Stop serving version ``number``; requests queued for it finish first."""
+        version = entry.versions.pop(number)
+        self.pipeline.drop(entry.name, str(number))
+        served = version.model
+        if served is not None and served.compiled:
+            self.scheduler.remove_version(entry.name, served.version)
+        if served is not None:
+            log.info(
+                "model %s version %d retired (%s); requests queued for it finish first",
+                entry.name,
+                number,
+                why,
+            )
+
+    def _model_failed(self, entry: ModelEntry, reason: str) -> None:
+        """A failure of the model as a whole: its ready versions keep serving."""
+        entry.problem, entry.selected = reason, ()
+        if entry.model is None:
+            log.error("model %s unavailable: %s", entry.name, reason)
+        else:
+            log.error("model %s: %s; its ready versions keep serving", entry.name, reason)
 
     def _check_calls(self, served) -> None:
         """A meta may not call a meta, and no meta may come to call the one loading."""
@@ -460,3 +656,8 @@ class Worker:
 
     def _policy(self, name: str) -> ModelSchedConfig:
         return self.config.scheduler.models.get(name) or ModelSchedConfig()
+
+
+def _numbers(versions) -> str:
+    """``1, 2, 3``: version numbers for a message."""
+    return ", ".join(str(n) for n in sorted(versions))

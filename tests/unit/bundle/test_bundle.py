@@ -20,13 +20,21 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from support.bundles import write_weights
 
-from rsrv.bundle import Bundle, load_bundle, scan
+from rsrv.bundle import (
+    Bundle,
+    discover,
+    load_bundle,
+    model_versions,
+    scan,
+    version_policy_of,
+)
 from rsrv.bundle._manifest import Manifest, decode_manifest, resolve_manifest
 from rsrv.bundle._stablehlo import read_module
 from rsrv.bundle_check import check_main
 from rsrv.errors import BundleError
 from rsrv.export import Input, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
+from rsrv.versions import VersionPolicy
 
 TOKENS = (
     "('f16', 'f32', 'f64', 'bf16', 'i8', 'i16', 'i32', 'i64', 'u8', 'u16', 'u32', "
@@ -719,6 +727,53 @@ def test_broken_bundle_does_not_stop_the_others(tiny_bundle):
     assert isinstance(found["broken"], BundleError)
     assert str(found["broken"]) == (
         f"{broken}/weights.safetensors: missing (every model bundle has a weights file)"
+    )
+
+
+def test_model_directory_layouts(tiny_bundle):
+    """A bundle directly in a model directory is version 1; otherwise its versions are
+    the numbered directories holding a manifest; both at once is an error."""
+    repo = tiny_bundle.parent
+    assert model_versions(tiny_bundle) == {1: tiny_bundle}
+    versioned = repo / "versioned"
+    for number in ("3", "1", "12"):
+        shutil.copytree(tiny_bundle, versioned / number)
+    (versioned / "7").mkdir()  # no manifest: not a version
+    shutil.copytree(tiny_bundle, versioned / "05")  # not a version number: ignored
+    shutil.copytree(tiny_bundle, versioned / "latest")
+    assert model_versions(versioned) == {n: versioned / str(n) for n in (1, 3, 12)}
+    loaded = load_bundle(versioned / "3", "versioned")
+    assert loaded.name == "versioned" and loaded.path == versioned / "3"
+    assert sorted(p.name for p in discover(repo)) == ["tiny", "versioned"]
+    assert isinstance(scan(repo)["versioned"], Bundle)
+
+    shutil.copytree(tiny_bundle, tiny_bundle / "2")
+    with pytest.raises(BundleError) as info:
+        model_versions(tiny_bundle)
+    assert str(info.value) == (
+        f"{tiny_bundle}: a manifest directly in the model directory makes it version 1, but "
+        "it also holds version directories (2); keep one layout"
+    )
+
+
+def test_version_policy_comes_from_the_newest_manifest(tiny_bundle):
+    model = tiny_bundle.parent / "m"
+    for number in (1, 2):
+        shutil.copytree(tiny_bundle, model / str(number))
+    versions = model_versions(model)
+    assert version_policy_of(versions) is None
+    manifest = model / "2" / "manifest.yaml"
+    manifest.write_text(manifest.read_text() + "version_policy: {latest: 2}\n")
+    assert version_policy_of(versions) == VersionPolicy(latest=2)
+    manifest.write_text(
+        (model / "1" / "manifest.yaml").read_text() + "version_policy: {latest: 1, all: true}\n"
+    )
+    assert version_policy_of(versions) is None  # unreadable: loading version 2 says why
+    with pytest.raises(BundleError) as info:
+        load_bundle(model / "2", "m")
+    assert str(info.value) == (
+        f"{model}/2/manifest.yaml: version_policy: a version policy is one of latest, all or "
+        "specific, got latest and all"
     )
 
 

@@ -355,6 +355,57 @@ async def test_replaced_model_serves_queued_requests_on_their_version(autojump_c
     assert sched.stats("m").costs == {4: pytest.approx(0.2 * 1.0 + 0.8 * 0.5)}
 
 
+async def test_versions_side_by_side_run_on_their_label(autojump_clock):
+    """Two labels of one name: one queue, each request on the label it names (None: the
+    label added last), batches never mixing them; per-label execution counters."""
+    ex = FakeExecutor(cost=1.0)
+    sched = Scheduler(config(), ex)
+    sched.add_model(spec("m", (1, 2), executable="m@1", version="1"))
+    sched.add_model(spec("m", (1, 4), executable="m@2", version="2"))
+    async with trio.open_nursery() as nursery:
+        outs = [
+            await queued(nursery, sched, "m", [rows(i, 1)], version=label)
+            for i, label in enumerate(["1", "1", "2", "2", None, "1"])
+        ]
+        with pytest.raises(NotFound, match="'m' version 3 is not found"):
+            await sched.submit("m", [rows(1, 1)], version="3")
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert [(c.model, c.size) for c in ex.calls] == [("m@1", 2), ("m@2", 4), ("m@1", 1)]
+    assert [o.result.batch_size for o in outs] == [2, 2, 4, 4, 4, 1]
+    assert sched.spec("m", "1").batch_sizes == (1, 2)
+    assert sched.spec("m").batch_sizes == (1, 4)  # the default: added last
+    one, two = sched.version_stats("m", "1"), sched.version_stats("m", "2")
+    assert (one.dispatches, one.batch_sizes) == (2, {1: 1, 2: 1})
+    assert (two.dispatches, two.batch_sizes, two.max_batch_size) == (1, {4: 1}, 4)
+    assert sched.stats("m").dispatches == 3  # the name: every label
+
+
+async def test_removed_version_finishes_its_queued_requests(autojump_clock):
+    """remove_version: no new request for the label; those queued for it still run on
+    it, then its executable is retired. The other label serves on."""
+    ex = FakeExecutor(cost=1.0)
+    retired = []
+    ex.retire = retired.append
+    sched = Scheduler(config(), ex)
+    sched.add_model(spec("m", (1,), executable="m@1", version="2"))
+    sched.add_model(spec("m", (1,), executable="m@2", version="3"))
+    async with trio.open_nursery() as nursery:
+        old = [await queued(nursery, sched, "m", [rows(i, 1)], version="2") for i in range(2)]
+        sched.remove_version("m", "2")
+        sched.remove_version("m", "9")  # unknown labels are ignored
+        with pytest.raises(NotFound, match="version 2 is not found"):
+            await sched.submit("m", [rows(1, 1)], version="2")
+        new = await queued(nursery, sched, "m", [rows(5, 1)])  # the remaining label
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert all(o.result is not None for o in [*old, new])
+    assert ex.order() == ["m@1", "m@1", "m@2"]
+    assert retired == ["m@1"]
+    with pytest.raises(NotFound):
+        sched.version_stats("m", "2")
+
+
 async def test_drain_answers_everything_then_refuses_new_work(autojump_clock):
     ex = FakeExecutor(cost=1.0)
     sched = Scheduler(config(), ex)
