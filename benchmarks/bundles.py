@@ -7,6 +7,10 @@ results/bundles/ (cached: a set is rebuilt only when its recipe or jax changes).
   many-models figure; one module shape, so they compile once between them.
 * ``tiny``: ``count`` small MLPs whose widths all differ, so every module is distinct and
   a cold start really compiles each one (the restart figure).
+* ``scale``: ``count`` tiny MLPs (64 -> 32 -> 8, about 9 KiB of weights) of one shape
+  with distinct weights, for the scale figure: one bundle is exported, the others are
+  its modules and manifest with their own seeded weights file (what exporting each
+  would give: the weights are arguments, not part of the module).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 from common import RESULTS, ROOT
 
 BUNDLES = RESULTS / "bundles"
+SCALE_WIDTHS = [64, 32, 8]
 
 
 def _mlp_forward(p, x):
@@ -135,6 +140,34 @@ def tiny(count: int) -> Path:
             _export(repo / f"tiny{i:03d}", 1000 + i, [w, w, 8], [1, 4], f"benchmark tiny model {i}")
 
     return _cached(f"tiny{count}", {"kind": "tiny", "count": count}, build)
+
+
+def scale(count: int) -> Path:
+    def build(repo: Path):
+        from safetensors import safe_open
+        from safetensors.numpy import save_file
+
+        template = repo / "scale0000"
+        _export(template, 5000, SCALE_WIDTHS, [1, 4], "benchmark scale model")
+        with safe_open(str(template / "weights.safetensors"), "np") as f:
+            metadata = f.metadata()
+            shapes = {k: f.get_tensor(k).shape for k in f.keys()}
+        for i in range(1, count):
+            bundle = repo / f"scale{i:04d}"
+            bundle.mkdir()
+            for file in template.iterdir():
+                if file.name != "weights.safetensors":
+                    shutil.copy2(file, bundle / file.name)
+            rng = np.random.default_rng(5000 + i)
+            tensors = {
+                k: (rng.standard_normal(shape) * 0.1).astype(np.float32)
+                for k, shape in shapes.items()
+            }
+            save_file(tensors, str(bundle / "weights.safetensors"), metadata=metadata)
+
+    return _cached(
+        f"scale{count}", {"kind": "scale", "count": count, "widths": SCALE_WIDTHS}, build
+    )
 
 
 def classifier() -> Path:

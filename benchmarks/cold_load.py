@@ -4,7 +4,7 @@
 
 For each weight size (1, 4, 16, 64, 256, 512 MiB; ``--quick``: up to 64 MiB) a weights
 file of that size is written (a few float32 tensors and a 12-byte one, so tensors sit at
-the unaligned offsets safetensors gives them), then measured side by side:
+the unaligned offsets safetensors gives them), then these are measured:
 
   memcpy     ``np.copyto`` of the same number of bytes into a preallocated buffer: the
              bound a host-to-device copy is compared with.
@@ -15,16 +15,20 @@ the unaligned offsets safetensors gives them), then measured side by side:
              cache bookkeeping), the weights evicted before each lease.
   unpinned   a cold load of an ``unpinned`` model: ``staging.stage`` (read the file into
              one aligned buffer) + ``to_device``; the file is in the page cache.
-  unp/disk   the same with the file dropped from the page cache first
-             (``posix_fadvise(DONTNEED)`` after ``fsync``): a read from the disk.
+  unp/disk   the same with the file dropped from the page cache first (``fsync``, then
+             ``posix_fadvise(DONTNEED)``, not timed): a read from the disk.
   naive      ``jax.device_put`` of the per-tensor arrays ``safetensors.numpy.load_file``
              returns (unaligned), what a simple implementation does; the file read
              itself is not included.
 
-Times are the best of several runs (the machine may be shared: the best run is the one
-least disturbed); ratios are time / memcpy time. On the CPU backend
-an aligned host array is adopted by PJRT without a copy, so ``system`` can beat the
-memcpy bound: no byte moves (the ``zero_copy`` column says whether that happened).
+**Paired and interleaved**: each repetition times every column once, back to back, the
+order rotating from one repetition to the next, so a disturbance from other work on a
+shared machine lands on one repetition of every column rather than on one column. A
+ratio is the median over repetitions of (column time / memcpy time of the same
+repetition), with the lowest and highest in the JSON; a time is the best repetition. On
+the CPU backend an aligned host array is adopted by PJRT without a copy, so ``system``
+can beat the memcpy bound: no byte moves (the ``zero_copy`` column says whether that
+happened).
 
 Then prefetch: a real Scheduler + DeviceExecutor + WeightManager serve requests that
 alternate between models whose weights do not all fit the budget, ``unpinned`` (a load
@@ -35,12 +39,14 @@ long as a load. Total time with the executor's prefetch against a subclass witho
     is skipped (the budget is never exceeded) and both variants take the same time;
   * 3 models in turn, budget = 2 models: the next model loads while the current runs.
 
-Each variant runs several times, interleaved with the others; the best total is shown,
-and the median "lease wait": how long executions waited for their weights in all (the
-transfer time prefetch did not hide), and "hidden", the share of the load time no
-execution waited for — figures measured within one run, so less disturbed by other load.
+**Paired runs**: each pair runs the two variants back to back (which goes first
+alternates from pair to pair); the speedup is the median of the per-pair ratios (total
+without / total with), with the lowest and highest; totals are medians. Also the median
+"lease wait": how long executions waited for their weights in all (the transfer time
+prefetch did not hide), and "hidden", the share of the load time no execution waited
+for.
 
-Writes the figures to results/cold_load.json. Memory: about 5x the largest size at peak.
+Writes the figures to results/cold_load.json. Memory: about 7x the largest size at peak.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -61,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import trio
+from common import drop_from_page_cache, rotated
 from safetensors.numpy import load_file, save_file
 from trio.testing import wait_all_tasks_blocked
 
@@ -74,12 +82,10 @@ SIZES = (1, 4, 16, 64, 256, 512)
 QUICK_SIZES = (1, 4, 16, 64)
 
 
-def best(fn, reps: int, before=None) -> float:
-    """The best wall time of ``fn()`` over ``reps`` runs (``before()`` is not timed)."""
+def best(fn, reps: int) -> float:
+    """The best wall time of ``fn()`` over ``reps`` runs."""
     times = []
     for _ in range(reps):
-        if before is not None:
-            before()
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
@@ -106,20 +112,9 @@ def write_weights(path: Path, nbytes: int, seed: int = 0) -> None:
     save_file(tensors, str(path), metadata={ORDER_KEY: json.dumps(order)})
 
 
-def drop_from_page_cache(path: Path) -> bool:
-    """Ask the kernel to forget the file's cached pages (no privileges needed)."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return True
-
-
 # -- per size -----------------------------------------------------------------------------
+
+COLUMNS = ("memcpy", "system", "system_wm", "unpinned", "unpinned_disk", "naive")
 
 
 def measure_size(mib: int, workdir: Path, device) -> dict:
@@ -128,93 +123,100 @@ def measure_size(mib: int, workdir: Path, device) -> dict:
     write_weights(path, nbytes)
     wf = read_weights_header(path)
     assert wf.nbytes == nbytes
-    reps = reps_for(nbytes)
-    row: dict = {"mib": mib, "bytes": nbytes, "reps": reps}
-    row["memcpy_s"] = memcpy(nbytes, reps)
-    gc.collect()
-    row.update(system(wf, device, reps))
-    gc.collect()
-    row["system_wm_s"] = trio.run(lease_cold, wf, device, reps)
-    gc.collect()
-    row["unpinned_s"] = best(lambda: to_device(stage(wf), device), reps)
-    if drop_from_page_cache(path):
-        row["unpinned_disk_s"] = best(
-            lambda: to_device(stage(wf), device),
-            2 if nbytes <= 64 * MIB else 1,
-            before=lambda: drop_from_page_cache(path),
-        )
-    gc.collect()
-    row.update(naive(wf, device, reps))
-    path.unlink()
-    gc.collect()
+    try:
+        row = {"mib": mib, "bytes": nbytes, **trio.run(paired, wf, device, reps_for(nbytes))}
+    finally:
+        path.unlink()
+        gc.collect()
     return row
 
 
-def memcpy(nbytes: int, reps: int) -> float:
-    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+async def paired(wf, device, reps: int) -> dict:
+    """Every column once per repetition, back to back, the order rotating (see the
+    module docstring); times: best repetition; ratios: median of per-repetition ratios
+    to memcpy."""
+    from rsrv.runtime._weight_manager import WeightManager
+
+    src = np.random.default_rng(1).integers(0, 255, wf.nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the destination pages in
-    return best(lambda: np.copyto(dst, src), reps)
-
-
-def system(wf, device, reps: int) -> dict:
-    """The staged host floor of a ``system`` model (made once, at model load) to device."""
     start = time.perf_counter()
-    host = place(stage(wf), staging_route(device), device)
-    staged = time.perf_counter() - start
+    host = place(stage(wf), staging_route(device), device)  # a system model's floor
+    stage_s = time.perf_counter() - start
     probe = to_device(host, device)
     zero_copy = all(
         d.unsafe_buffer_pointer() == pointer(h) for h, d in zip(host.arrays, probe, strict=True)
     )
     free(probe)
-    return {
-        "stage_s": staged,
-        "zero_copy": zero_copy,
-        "system_s": best(lambda: to_device(host, device), reps),
+    start = time.perf_counter()
+    tensors = load_file(str(wf.path))
+    arrays = [tensors[w.name] for w in wf.weights]  # what naive puts
+    naive_read_s = time.perf_counter() - start
+
+    def naive():
+        on_device = jax.device_put(arrays, device)
+        jax.block_until_ready(on_device)
+        return on_device
+
+    def unpinned_disk():
+        drop_from_page_cache(wf.path, sync=True)
+        start = time.perf_counter()
+        free(to_device(stage(wf), device))
+        return time.perf_counter() - start
+
+    plain = {
+        "memcpy": lambda: np.copyto(dst, src),
+        "system": lambda: to_device(host, device),
+        "unpinned": lambda: to_device(stage(wf), device),
+        "naive": naive,
     }
+    manager = WeightManager(wf.nbytes, device)
+    times: dict[str, list[float]] = {c: [] for c in COLUMNS}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(manager.run)
+        await manager.add("m", wf, "system")
+
+        async def timed(column: str) -> float:
+            if column == "system_wm":
+                manager.cache.evict("m")
+                start = time.perf_counter()
+                async with manager.lease("m"):
+                    return time.perf_counter() - start
+            if column == "unpinned_disk":
+                return unpinned_disk()
+            start = time.perf_counter()
+            result = plain[column]()
+            seconds = time.perf_counter() - start
+            if isinstance(result, list):
+                free(result)
+            return seconds
+
+        for column in COLUMNS:  # each once before anything is timed
+            await timed(column)
+        for rep in range(reps):
+            for column in rotated(COLUMNS, rep):
+                times[column].append(await timed(column))
+        manager.remove("m")
+        nursery.cancel_scope.cancel()
+    row: dict = {
+        "reps": reps,
+        "stage_s": stage_s,
+        "zero_copy": zero_copy,
+        "naive_read_s": naive_read_s,
+        "naive_aligned_bytes": sum(a.nbytes for a in arrays if a.ctypes.data % 64 == 0),
+        "memcpy_s": min(times["memcpy"]),
+    }
+    for column in COLUMNS[1:]:
+        ratios = [t / m for t, m in zip(times[column], times["memcpy"], strict=True)]
+        row[f"{column}_s"] = min(times[column])
+        row[f"{column}_ratio"] = statistics.median(ratios)
+        row[f"{column}_ratios"] = [min(ratios), max(ratios)]
+    return row
 
 
 def pointer(a) -> int:
     """Where a host array's bytes are: a numpy buffer, or a pinned_host jax array."""
     return a.ctypes.data if isinstance(a, np.ndarray) else a.unsafe_buffer_pointer()
-
-
-def naive(wf, device, reps: int) -> dict:
-    """``jax.device_put`` of the per-tensor arrays safetensors hands out."""
-    start = time.perf_counter()
-    tensors = load_file(str(wf.path))
-    arrays = [tensors[w.name] for w in wf.weights]
-    read = time.perf_counter() - start
-
-    def put():
-        on_device = jax.device_put(arrays, device)
-        jax.block_until_ready(on_device)
-        return on_device
-
-    return {
-        "naive_read_s": read,
-        "naive_s": best(put, reps),
-        "naive_aligned_bytes": sum(a.nbytes for a in arrays if a.ctypes.data % 64 == 0),
-    }
-
-
-async def lease_cold(wf, device, reps: int) -> float:
-    """Best cold ``WeightManager.lease`` of a ``system`` model, evicted before each."""
-    from rsrv.runtime._weight_manager import WeightManager
-
-    manager = WeightManager(wf.nbytes, device)
-    times = []
-    async with trio.open_nursery() as nursery:
-        await nursery.start(manager.run)
-        await manager.add("m", wf, "system")
-        for _ in range(reps):
-            manager.cache.evict("m")
-            start = time.perf_counter()
-            async with manager.lease("m"):
-                times.append(time.perf_counter() - start)
-        manager.remove("m")
-        nursery.cancel_scope.cancel()
-    return min(times)
 
 
 # -- prefetch -----------------------------------------------------------------------------
@@ -343,8 +345,8 @@ async def prefetch_bench(workdir: Path, k: int, rows: int, requests: int, runs: 
         {"models": 2, "budget_models": 1, "runs": {"without": [], "with": []}},
         {"models": 3, "budget_models": 2, "runs": {"without": [], "with": []}},
     ]
-    for run in range(runs):  # interleaved, in alternating order, so that drifting noise
-        for case in cases:  # on a shared machine hits both variants alike
+    for run in range(runs):  # each run a pair per case: without and with back to back,
+        for case in cases:  # which goes first alternating, so drifting noise hits both alike
             for variant in ("without", "with")[:: 1 if run % 2 else -1]:
                 case["runs"][variant].append(
                     await serve_sequence(
@@ -356,19 +358,24 @@ async def prefetch_bench(workdir: Path, k: int, rows: int, requests: int, runs: 
                     )
                 )
     for case in cases:
-        for variant, results in case.pop("runs").items():
-            totals = sorted(r["total_s"] for r in results)
-            waits = sorted(r["lease_wait_s"] for r in results)
-            hidden = sorted(1 - r["lease_wait_s"] / r["load_seconds"] for r in results)
+        measured = case.pop("runs")
+        pairs = [
+            wo["total_s"] / w["total_s"]
+            for wo, w in zip(measured["without"], measured["with"], strict=True)
+        ]
+        for variant, results in measured.items():
             case[variant] = {
-                **results[0],
-                "total_s": totals[0],
-                "totals_s": totals,
-                "lease_wait_s": waits[len(waits) // 2],
-                "lease_waits_s": waits,
-                "hidden": hidden[len(hidden) // 2],
+                "total_s": statistics.median(r["total_s"] for r in results),
+                "totals_s": [r["total_s"] for r in results],
+                "lease_wait_s": statistics.median(r["lease_wait_s"] for r in results),
+                "hidden": statistics.median(
+                    1 - r["lease_wait_s"] / r["load_seconds"] for r in results
+                ),
+                "loads": results[0]["loads"],
+                "prefetch_calls": results[0]["prefetch_calls"],
             }
-        case["speedup"] = case["without"]["total_s"] / case["with"]["total_s"]
+        case["speedup"] = statistics.median(pairs)  # median of the per-pair ratios
+        case["pair_speedups"] = pairs
         out["cases"].append(case)
     return out
 
@@ -381,26 +388,18 @@ def gbps(nbytes: int, seconds: float) -> str:
 
 
 def print_sizes(rows: list[dict]) -> None:
-    cols = [
-        ("memcpy", "memcpy_s"),
-        ("system", "system_s"),
-        ("system/WM", "system_wm_s"),
-        ("unpinned", "unpinned_s"),
-        ("unp/disk", "unpinned_disk_s"),
-        ("naive", "naive_s"),
-    ]
-    print("\nCold device load, milliseconds (x memcpy bound)  [GB/s]")
-    head = f"{'MiB':>5} " + "".join(f"{name:>22}" for name, _ in cols) + "  zero_copy"
-    print(head)
+    print(
+        "\nCold device load, milliseconds (x memcpy bound)  [GB/s]; paired and interleaved: "
+        "ms = best repetition, x = median of per-repetition ratios to memcpy"
+    )
+    names = {"system_wm": "system/WM", "unpinned_disk": "unp/disk"}
+    print(f"{'MiB':>5} " + "".join(f"{names.get(c, c):>22}" for c in COLUMNS) + "  zero_copy")
     for r in rows:
         cells = []
-        for _, key in cols:
-            t = r.get(key)
-            if t is None:
-                cells.append(f"{'-':>22}")
-                continue
-            ratio = t / r["memcpy_s"]
-            cells.append(f"{t * 1e3:9.3f} ({ratio:6.2f}x){gbps(r['bytes'], t):>5}")
+        for c in COLUMNS:
+            t = r[f"{c}_s"]
+            x = 1.0 if c == "memcpy" else r[f"{c}_ratio"]
+            cells.append(f"{t * 1e3:9.3f} ({x:6.2f}x){gbps(r['bytes'], t):>5}")
         print(f"{r['mib']:>5} " + "".join(f"{c:>22}" for c in cells) + f"  {r['zero_copy']}")
     print(
         "naive: per-tensor safetensors arrays, "
@@ -414,24 +413,28 @@ def print_prefetch(p: dict) -> None:
     print(
         f"\nPrefetch: {p['requests']} requests, unpinned models of {p['weight_mib']:.0f} MiB; "
         f"one execution {p['execute_s'] * 1e3:.1f} ms, one cold load "
-        f"{p['unpinned_load_s'] * 1e3:.1f} ms; best of {p['runs']} runs"
+        f"{p['unpinned_load_s'] * 1e3:.1f} ms; {p['runs']} pairs of runs"
     )
     print(
-        f"{'case':<24}{'total without':>14}{'with':>8}{'speedup':>9}"
+        f"{'case':<24}{'total without':>14}{'with':>8}{'speedup':>9}{'(pairs)':>13}"
         f"{'lease wait without':>20}{'with':>8}{'hidden':>8}{'loads':>7}{'prefetches':>12}"
     )
     for c in p["cases"]:
         name = f"{c['models']} models, budget {c['budget_models']}"
         wo, w = c["without"], c["with"]
+        lo, hi = min(c["pair_speedups"]), max(c["pair_speedups"])
         print(
             f"{name:<24}{wo['total_s']:>13.3f}s{w['total_s']:>7.3f}s{c['speedup']:>8.2f}x"
+            f"{f'{lo:.2f}-{hi:.2f}':>13}"
             f"{wo['lease_wait_s']:>19.3f}s{w['lease_wait_s']:>7.3f}s{w['hidden']:>8.0%}"
             f"{wo['loads']:>4}/{w['loads']:<3}{w['prefetch_calls']:>10}"
         )
     print(
-        "total: best run. lease wait: time executions waited for their weights (median "
-        "run). hidden: share of the load time\nthat no execution waited for, with "
-        "prefetch (median run; 0% without prefetch by construction)"
+        "paired: the two variants back to back in each pair (first one alternating). "
+        "speedup: median of the per-pair ratios\n(total without / total with), lowest-highest "
+        "in (pairs). totals, lease wait (time executions waited for their weights) and\n"
+        "hidden (share of the load time no execution waited for; 0% without prefetch by "
+        "construction): medians over the runs"
     )
 
 
@@ -473,6 +476,15 @@ def main(argv: list[str] | None = None) -> int:
             "jax": jax.__version__,
             "cpus": os.cpu_count(),
             "device": str(device),
+        },
+        "method": {
+            "sizes": "paired and interleaved: every column once per repetition, back to back, "
+            "the order rotating; ratio = median of per-repetition ratios to memcpy; time = "
+            "best repetition; unp/disk after fsync + posix_fadvise(DONTNEED), others with the "
+            "file in the page cache",
+            "prefetch": "paired runs: without and with prefetch back to back (first one "
+            "alternating); speedup = median of per-pair ratios (lowest-highest); totals = "
+            "medians",
         },
         "sizes": rows,
         "prefetch": prefetch,

@@ -1,5 +1,5 @@
-"""Shared machinery of the benchmarks: server processes, the closed-loop load generator,
-percentiles, tables and plots.
+"""Shared machinery of the benchmarks: server processes and node files, the closed-loop
+load generator, interleaved rounds, page-cache dropping, percentiles, tables and plots.
 
 Every server runs in its own process on 127.0.0.1 (a free port picked by the OS), so
 the load generator (threads of this process, one ``tritonclient.grpc`` client each) never
@@ -28,7 +28,25 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
+COMPILE_CACHE = RESULTS / "cache"  # shared by the figures that do not time compilation
 HOST = "127.0.0.1"
+START_TIMEOUT = 240.0
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout carries the tables)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ('' where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def free_port() -> int:
@@ -108,36 +126,56 @@ class ServerProcess:
 
 
 def wait_ready(
-    server: ServerProcess, timeout: float, models: Sequence[str] = (), poll: float = 0.05
+    server: ServerProcess, timeout: float, models: Sequence[str] = (), poll: float = 0.02
 ) -> float:
     """Seconds from process start until ServerReady and every model in ``models`` is
-    ready (tritonclient, over gRPC). Raises RuntimeError if it dies or times out."""
+    READY (tritonclient, over gRPC). Up to 8 models are asked one by one (ModelReady);
+    more through one RepositoryIndex per poll, so polling costs the same for 10 models or
+    1,000 (PyTriton's Triton refuses RepositoryIndex; it serves one model). Polls at
+    least once, even past the deadline. Raises RuntimeError if the server dies or is not
+    ready in time."""
     import tritonclient.grpc as grpcclient
 
     deadline = server.started_at + timeout
     client = None
-    pending = list(models)
-    while time.perf_counter() < deadline:
-        if not server.alive():
-            raise RuntimeError(
-                f"{server.name} exited with code {server.proc.returncode}:\n{server.log_tail()}"
-            )
-        try:
-            if client is None:
-                client = grpcclient.InferenceServerClient(server.url)
-            if client.is_server_ready(client_timeout=2):
-                pending = [m for m in pending if not client.is_model_ready(m, client_timeout=2)]
-                if not pending:
-                    elapsed = time.perf_counter() - server.started_at
-                    client.close()
-                    return elapsed
-        except Exception:  # not listening yet
-            pass
-        time.sleep(poll)
+    pending = set(models)
+    try:
+        while True:
+            if not server.alive():
+                raise RuntimeError(
+                    f"{server.name} exited with code {server.proc.returncode}:\n{server.log_tail()}"
+                )
+            try:
+                if client is None:
+                    client = grpcclient.InferenceServerClient(server.url)
+                if client.is_server_ready(client_timeout=2):
+                    if len(pending) > 8:
+                        index = client.get_model_repository_index(client_timeout=10)
+                        pending -= {m.name for m in index.models if m.state == "READY"}
+                    else:
+                        pending = {m for m in pending if not client.is_model_ready(m)}
+                    if not pending:
+                        return time.perf_counter() - server.started_at
+            except Exception:  # not listening yet
+                pass
+            if time.perf_counter() >= deadline:
+                break
+            time.sleep(poll)
+    finally:
+        if client is not None:
+            client.close()
     raise RuntimeError(
         f"{server.name} was not ready within {timeout:.0f} s "
-        f"(models not ready: {pending[:5]}):\n{server.log_tail()}"
+        f"(models not ready: {sorted(pending)[:5]}):\n{server.log_tail()}"
     )
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process ``pid`` (VmRSS in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def node_toml(
@@ -145,11 +183,16 @@ def node_toml(
     port: int,
     cache_dir: Path,
     *,
-    weight_cache_bytes: int | None = None,
+    runtime: dict | None = None,
     models: dict[str, dict] | None = None,
     scheduler: dict | None = None,
+    endpoints: dict | None = None,
 ) -> str:
-    """A one-worker node file for ``rsrv serve``: static model set, no in-flight cap."""
+    """A one-worker node file for ``rsrv serve``: static model set, no in-flight cap.
+
+    ``runtime`` adds to ``[global.runtime]`` (``backend = "cpu"`` unless given),
+    ``scheduler`` to ``[global.scheduler]``, ``endpoints`` to ``[global.endpoints]``;
+    ``models`` maps a model name to its ``[global.scheduler.models.NAME]`` policy."""
 
     def value(v):
         if isinstance(v, bool):
@@ -158,46 +201,42 @@ def node_toml(
             return repr(v)
         return json.dumps(str(v))
 
+    def section(name: str, values: dict) -> list[str]:
+        return ["", f"[{name}]", *(f"{k} = {value(v)}" for k, v in values.items())]
+
     lines = [
         f"model_repo = {value(repo)}",
-        "",
-        "[global]",
-        f"cache_dir = {value(cache_dir)}",
-        'model_control_mode = "static"',
-        "",
-        "[global.runtime]",
-        'backend = "cpu"',
+        *section("global", {"cache_dir": cache_dir, "model_control_mode": "static"}),
+        *section("global.runtime", {"backend": "cpu", **(runtime or {})}),
+        *section("global.scheduler", {"max_queue_depth": 8192, **(scheduler or {})}),
     ]
-    if weight_cache_bytes is not None:
-        lines.append(f"weight_cache_bytes = {weight_cache_bytes}")
-    lines += ["", "[global.scheduler]", "max_queue_depth = 8192"]
-    lines += [f"{k} = {value(v)}" for k, v in (scheduler or {}).items()]
     for name, policy in (models or {}).items():
-        lines += ["", f"[global.scheduler.models.{name}]"]
-        lines += [f"{k} = {value(v)}" for k, v in policy.items()]
-    lines += [
-        "",
-        "[global.endpoints]",
-        f'host = "{HOST}"',
-        f"port = {port}",
-        "max_concurrent_requests = 0",
-        "shutdown_grace_seconds = 2.0",
-        "",
-        "[global.logging]",
-        'level = "warning"',
-        "",
-    ]
-    return "\n".join(lines)
+        lines += section(f"global.scheduler.models.{name}", policy)
+    lines += section(
+        "global.endpoints",
+        {
+            "host": HOST,
+            "port": port,
+            "max_concurrent_requests": 0,
+            "shutdown_grace_seconds": 2.0,
+            **(endpoints or {}),
+        },
+    )
+    lines += section("global.logging", {"level": "warning"})
+    return "\n".join(lines) + "\n"
 
 
-def start_rsrv(name: str, repo: Path, cache_dir: Path, **node) -> ServerProcess:
-    """``rsrv serve`` on a node file written to results/nodes/NAME.toml."""
+def start_rsrv(
+    name: str, repo: Path, cache_dir: Path = COMPILE_CACHE, *, env=None, **node
+) -> ServerProcess:
+    """``rsrv serve`` on a node file written to results/nodes/NAME.toml (``node``: the
+    keyword arguments of :func:`node_toml`)."""
     port = free_port()
     path = RESULTS / "nodes" / f"{name}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(node_toml(repo, port, cache_dir, **node))
     return ServerProcess(
-        f"rsrv-{name}", [sys.executable, "-m", "rsrv.cli", "serve", str(path)], port
+        f"rsrv-{name}", [sys.executable, "-m", "rsrv.cli", "serve", str(path)], port, env=env
     )
 
 
@@ -298,7 +337,7 @@ def closed_loop(
         for model, tensors in inputs.items():
             prepared[model] = []
             for name, array in tensors.items():
-                t = grpcclient.InferInput(name, list(array.shape), _triton_dtype(array.dtype))
+                t = grpcclient.InferInput(name, list(array.shape), triton_dtype(array.dtype))
                 t.set_data_from_numpy(array)
                 prepared[model].append(t)
         mine: list[float] = []
@@ -358,7 +397,7 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-def _triton_dtype(dtype) -> str:
+def triton_dtype(dtype) -> str:
     return {
         "float32": "FP32",
         "float16": "FP16",
@@ -383,6 +422,118 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
         per_model,
         next((r.first_error for r in results if r.first_error), ""),
     )
+
+
+def interleave(servers: dict, rounds: int, run) -> dict[str, LoadResult]:
+    """``run(name, server)`` for every server, ``rounds`` times, the order rotating each
+    round (so drifting background load hits every server alike); the results of one
+    server are merged (``.rounds`` keeps each round's req/s)."""
+    names = list(servers)
+    got: dict[str, list[LoadResult]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in rotated(names, r):
+            got[name].append(run(name, servers[name]))
+    merged = {}
+    for n, v in got.items():
+        merged[n] = merge(v)
+        merged[n].rounds = [x.rps for x in v]
+    return merged
+
+
+def rotated(items: Sequence, r: int) -> list:
+    """``items`` rotated left by ``r`` (the order of round ``r``)."""
+    items = list(items)
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def round_ratios(a: LoadResult, b: LoadResult) -> list[float]:
+    """Throughput ratio a / b of each round (the two ran next to each other in time)."""
+    return [x / y for x, y in zip(a.rounds, b.rounds, strict=False) if y]
+
+
+def spread(values: Sequence[float]) -> str:
+    """' (lo-hi)' over rounds, or '' for fewer than two."""
+    return f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+
+
+def rounds(n: int) -> str:
+    """'1 round' / '3 rounds'."""
+    return f"{n} round" + ("" if n == 1 else "s")
+
+
+def times(value: float | None, values: Sequence[float] = ()) -> str:
+    """'1.23x (1.10-1.30)': a ratio and its per-round range; '-' when there is none."""
+    return "-" if value is None else f"{value:.2f}x{spread(values)}"
+
+
+def stop_all(servers) -> None:
+    for s in servers:
+        if s is not None:
+            s.stop()
+
+
+# -- the page cache --------------------------------------------------------------------
+
+
+def drop_from_page_cache(path: Path, *, sync: bool = False) -> bool:
+    """Ask the kernel to forget a file's cached pages (``posix_fadvise(DONTNEED)``; no
+    privileges needed). ``sync`` first writes dirty pages back (a file just written has
+    them, and dirty pages are not dropped). False where the call does not exist."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if sync:
+            os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+class PageCacheDropper:
+    """Drops files from the page cache, over and over from a background thread, while
+    it is open (``with dropper: ...``); reusable."""
+
+    def __init__(self, paths: list[Path], interval: float, proc: bool = False):
+        self.paths, self.interval, self.proc = paths, interval, proc
+        self.passes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def method(self) -> str:
+        if self.proc:
+            return f"1 written to /proc/sys/vm/drop_caches every {self.interval * 1e3:.0f} ms"
+        return (
+            f"posix_fadvise(POSIX_FADV_DONTNEED) on every weights file every "
+            f"{self.interval * 1e3:.0f} ms"
+        )
+
+    def drop_once(self) -> None:
+        if self.proc:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+        else:
+            for path in self.paths:
+                drop_from_page_cache(path)
+        self.passes += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.drop_once()
+
+    def __enter__(self):
+        self.drop_once()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="drop-page-cache", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
 
 
 # -- output ----------------------------------------------------------------------------
@@ -432,6 +583,18 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(type(o).__name__)
+
+
+def save_plot(name: str, draw: Callable, data: dict) -> None:
+    """results/NAME.png: ``draw(pyplot, data)`` returns the figure (Agg backend);
+    nothing when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig = draw(plt, data)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    plt.close(fig)
 
 
 def pyplot():

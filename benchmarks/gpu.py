@@ -49,7 +49,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,13 +59,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
-    ServerProcess,
-    closed_loop,
-    control_status,
-    free_port,
-    merge,
-    ratio,
+    PageCacheDropper,
+    cpu_model,
+    log,
+    rounds,
     save_json,
+    spread,
+    start_rsrv,
     table,
     wait_ready,
 )
@@ -94,14 +93,6 @@ SMOKE = Plan((1, 4), 8, 128, 2, 4, 1.0, 1, 0.5)
 
 def reps_for(nbytes: int) -> int:
     return 21 if nbytes <= 16 * MIB else 11 if nbytes <= 256 * MIB else 5
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def spread(values: list[float]) -> str:
-    return f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
 
 
 # -- the device ----------------------------------------------------------------------------
@@ -269,194 +260,48 @@ def g1_table(data: dict) -> str:
 # -- G2: many models -----------------------------------------------------------------------
 
 
-class PageCacheDropper:
-    """Drops the weights files from the page cache, over and over, while it is open."""
-
-    def __init__(self, paths: list[Path], interval: float, proc: bool):
-        self.paths, self.interval, self.proc = paths, interval, proc
-        self.passes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="drop-page-cache", daemon=True)
-
-    @property
-    def method(self) -> str:
-        if self.proc:
-            return f"1 written to /proc/sys/vm/drop_caches every {self.interval * 1e3:.0f} ms"
-        return (
-            f"posix_fadvise(POSIX_FADV_DONTNEED) on every weights file every "
-            f"{self.interval * 1e3:.0f} ms"
-        )
-
-    def drop_once(self) -> None:
-        if self.proc:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("1\n")
-        else:
-            for path in self.paths:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        self.passes += 1
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.drop_once()
-
-    def __enter__(self):
-        self.drop_once()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="drop-page-cache", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
-
-
-def node_toml(repo: Path, port: int, cache_dir: Path, backend: str, **runtime) -> str:
-    """A one-worker node file: static model set, the GPU's memory grown on demand."""
-    models = runtime.pop("models", {})
-    lines = [
-        f'model_repo = "{repo}"',
-        "",
-        "[global]",
-        f'cache_dir = "{cache_dir}"',
-        'model_control_mode = "static"',
-        "",
-        "[global.runtime]",
-        f'backend = "{backend}"',
-        "mem_fraction = 0.25",
-        "preallocate = false",
-    ]
-    for key, value in runtime.items():
-        lines.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}")
-    lines += ["", "[global.scheduler]", "max_queue_depth = 8192"]
-    for name, residency in models.items():
-        lines += ["", f"[global.scheduler.models.{name}]", f'residency = "{residency}"']
-    lines += [
-        "",
-        "[global.endpoints]",
-        'host = "127.0.0.1"',
-        f"port = {port}",
-        "max_concurrent_requests = 0",
-        "shutdown_grace_seconds = 2.0",
-        "",
-        "[global.logging]",
-        'level = "warning"',
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def start(name: str, repo: Path, cache_dir: Path, backend: str, **runtime) -> ServerProcess:
-    port = free_port()
-    path = RESULTS / "nodes" / f"gpu_{name}.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(node_toml(repo, port, cache_dir, backend, **runtime))
-    return ServerProcess(
-        f"rsrv-gpu-{name}", [sys.executable, "-m", "rsrv.cli", "serve", str(path)], port
-    )
-
-
 def g2(plan: Plan, backend: str, drop_caches: bool) -> dict:
-    import bundles
+    from figures.fig3_many_models import CACHED, METHOD, RELOAD, RESIDENT, measure, zoo
 
-    repo = bundles.zoo(plan.zoo_models, plan.zoo_width, plan.zoo_depth, [1, 4])
-    names = sorted(p.name for p in repo.iterdir() if p.is_dir())
-    total = sum(bundles.weight_bytes(repo / n) for n in names)
+    names, files, total = zoo(plan.zoo_models, plan.zoo_width, plan.zoo_depth)
+    repo = files[0].parent.parent
     budget = total // 8
-    staging = "pinned"  # the GPU's own default, and on --cpu-smoke the route under test
+    # the GPU's memory grown on demand, a quarter at most; "pinned": the GPU's own default,
+    # and on --cpu-smoke the route under test
+    runtime = {
+        "backend": backend,
+        "mem_fraction": 0.25,
+        "preallocate": False,
+        "weight_staging": "pinned",
+    }
     configs = {
-        "weight cache (8x over budget)": dict(weight_cache_bytes=budget, weight_staging=staging),
-        "all resident": dict(weight_cache_fraction=0.0, weight_staging=staging),
-        "reload from disk (unpinned, page cache dropped)": dict(
-            weight_cache_bytes=budget,
-            weight_staging=staging,
-            models={n: "unpinned" for n in names},
+        CACHED: dict(runtime={**runtime, "weight_cache_bytes": budget}),
+        RESIDENT: dict(runtime={**runtime, "weight_cache_fraction": 0.0}),
+        RELOAD: dict(
+            runtime={**runtime, "weight_cache_bytes": budget},
+            models={n: {"residency": "unpinned"} for n in names},
         ),
     }
-    dropped = PageCacheDropper([repo / n / "weights.safetensors" for n in names], 0.02, False)
+    dropped = PageCacheDropper(files, 0.02)
     if drop_caches:
         if os.access("/proc/sys/vm/drop_caches", os.W_OK):
             dropped.proc = True
         else:
             log("G2: /proc/sys/vm/drop_caches is not writable; using posix_fadvise instead")
-    zipf = np.array([1.0 / (i + 1) for i in range(len(names))])
-    cum = list(np.cumsum(zipf / zipf.sum()))
-    x = np.random.default_rng(2).random((1, plan.zoo_width), dtype=np.float32)
-    inputs = {n: {"x": x} for n in names}
-    cache_dir = RESULTS / "cache"
-    servers: dict[str, ServerProcess] = {}
-    deltas: dict[str, list] = {k: [] for k in configs}
-    got: dict[str, list] = {k: [] for k in configs}
+    servers = {}
     try:
-        for i, (label, runtime) in enumerate(configs.items()):
-            servers[label] = start(f"zoo_{i}", repo, cache_dir, backend, **runtime)
+        for i, (label, node) in enumerate(configs.items()):
+            servers[label] = start_rsrv(f"gpu_zoo_{i}", repo, RESULTS / "cache", **node)
         for s in servers.values():
             wait_ready(s, START_TIMEOUT, names)
         log(
             f"G2: {len(names)} models, {total / MIB:.0f} MiB of weights, budget "
             f"{budget / MIB:.1f} MiB; page cache: {dropped.method}"
         )
-        labels = list(configs)
-        for r in range(plan.rounds):
-            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
-                s = servers[label]
-                snaps = []
-
-                def snap(port=s.port, snaps=snaps):
-                    st = control_status(port)
-                    snaps.append((st.weight_cache_loads, st.weight_cache_evictions))
-
-                def load(label=label, s=s, snap=snap):
-                    return closed_loop(
-                        s.url,
-                        inputs,
-                        plan.concurrency,
-                        plan.seconds,
-                        warmup=plan.warmup,
-                        choose=lambda rng, _i: rng.choices(names, cum_weights=cum)[0],
-                        at_start=snap,
-                        at_end=snap,
-                        seed=len(got[label]),
-                    )
-
-                if label.startswith("reload"):
-                    with dropped:
-                        result = load()
-                else:
-                    result = load()
-                got[label].append(result)
-                deltas[label].append((snaps[1][0] - snaps[0][0], snaps[1][1] - snaps[0][1]))
+        rows, errors = measure(servers, names, plan.zoo_width, plan, dropped)
     finally:
         for s in servers.values():
             s.stop()
-    results = {}
-    for label, rounds in got.items():
-        results[label] = merge(rounds)
-        results[label].rounds = [r.rps for r in rounds]
-    cached = results["weight cache (8x over budget)"]
-    rows = []
-    for label, r in results.items():
-        loads = sum(a for a, _ in deltas[label])
-        rows.append(
-            {
-                "config": label,
-                **r.summary(),
-                "loads": loads,
-                "evictions": sum(b for _, b in deltas[label]),
-                "loads_per_1k_requests": round(1000 * loads / r.completed, 1)
-                if r.completed
-                else None,
-                "cache_over_this": ratio(cached.rps, r.rps),
-                "rounds_cache_over_this": [
-                    a / b for a, b in zip(cached.rounds, r.rounds, strict=True) if b
-                ],
-            }
-        )
     return {
         "figure": "G2",
         "models": len(names),
@@ -468,44 +313,10 @@ def g2(plan: Plan, backend: str, drop_caches: bool) -> dict:
         "seconds_per_round": plan.seconds,
         "page_cache": dropped.method,
         "page_cache_passes": dropped.passes,
-        "method": "three servers side by side, the load on one at a time in rounds whose "
-        "order rotates (interleaved); ratios of req/s, per-round lowest-highest in "
-        "parentheses",
+        "method": METHOD,
         "rows": rows,
-        "errors": {k: v.first_error for k, v in results.items() if v.errors},
+        "errors": errors,
     }
-
-
-def g2_table(data: dict) -> str:
-    rows = []
-    for r in data["rows"]:
-        rows.append(
-            [
-                r["config"],
-                r["req_s"],
-                r["p50_ms"],
-                r["p99_ms"],
-                r["loads"],
-                r["evictions"],
-                r["loads_per_1k_requests"],
-                f"{r['cache_over_this']:.2f}x{spread(r['rounds_cache_over_this'])}"
-                if r["cache_over_this"]
-                else "-",
-            ]
-        )
-    return table(
-        rows,
-        [
-            "config",
-            "req/s",
-            "p50 ms",
-            "p99 ms",
-            "loads",
-            "evictions",
-            "loads / 1k req",
-            "cache / this",
-        ],
-    )
 
 
 # -- report --------------------------------------------------------------------------------
@@ -514,14 +325,7 @@ def g2_table(data: dict) -> str:
 def machine(device) -> dict:
     import jax
 
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "device": device.device_kind,
         "platform": device.platform,
@@ -596,18 +400,20 @@ def report(figs: dict, m: dict, smoke: bool) -> str:
             g1_table(d),
         ]
     if "G2" in figs:
+        from figures.fig3_many_models import rows_table
+
         d = figs["G2"]
         out += [
             "",
             f"**G2. Many models.** {d['models']} MLPs of {d['model_bytes'] / MIB:.1f} MiB "
             f"({d['total_weight_bytes'] / MIB:.0f} MiB in all) share a weight budget of "
             f"{d['budget_bytes'] / MIB:.1f} MiB, one eighth; {d['concurrency']} clients pick "
-            f"models with Zipf(1.0) popularity; {d['rounds']} round(s) of "
+            f"models with Zipf(1.0) popularity; {rounds(d['rounds'])} of "
             f"{d['seconds_per_round']:.0f} s per configuration. Measured {d['method']}. "
             f"Page cache of the unpinned server: {d['page_cache']} ({d['page_cache_passes']} "
             "passes). Loads and evictions come from ModelControlStatus.",
             "",
-            g2_table(d),
+            rows_table(d["rows"]),
         ]
         if d["errors"]:
             out += ["", f"Errors: {d['errors']}"]

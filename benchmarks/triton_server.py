@@ -8,8 +8,11 @@ sets up (``results/triton-venv``, made from the system python3.11), not with rsr
 
 It depends on nothing from rsrv: the weights are parsed from the safetensors file with
 plain numpy. The model is bound with ``@batch`` and Triton's dynamic batcher (max batch 8,
-the classifier's largest compiled size in rsrv), serving gRPC on 127.0.0.1 only. Prints
-``READY`` once Triton answers, then serves until SIGTERM/SIGINT.
+the classifier's largest compiled size in rsrv), serving gRPC on 127.0.0.1 only. The
+statistics endpoint is left unrestricted (PyTriton guards it with an access token by
+default) so the benchmark can read ModelStatistics; the other endpoints PyTriton
+restricts stay restricted. Prints ``READY`` once Triton answers, then serves until
+SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -55,7 +58,12 @@ def main() -> None:
     weights_path, grpc_port, http_port, metrics_port = sys.argv[1], *map(int, sys.argv[2:5])
     from pytriton.decorators import batch
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-    from pytriton.triton import Triton, TritonConfig
+    from pytriton.triton import (
+        DEFAULT_PROTECTED_ENDPOINTS,
+        Triton,
+        TritonConfig,
+        TritonSecurityConfig,
+    )
 
     w = read_safetensors(weights_path)
     hw, hb, ow, ob = w["hidden.w"], w["hidden.b"], w["out.w"], w["out.b"]
@@ -78,7 +86,10 @@ def main() -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with Triton(config=config) as triton:
+    security = TritonSecurityConfig(
+        restricted_endpoints=[e for e in DEFAULT_PROTECTED_ENDPOINTS if e != "statistics"]
+    )
+    with Triton(config=config, security_config=security) as triton:
         triton.bind(
             model_name="classifier",
             infer_func=infer,
