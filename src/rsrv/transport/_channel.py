@@ -186,23 +186,28 @@ class Channel:
                 reached_server=False,
             )
         stream = None
-        async with self._slots:
+        slots = self._slots
+        try:
+            slots.acquire_nowait()  # no checkpoint here: the call waits for its answer below
+        except trio.WouldBlock:
+            await slots.acquire()
+        try:
             try:
-                try:
-                    conn = await self._connection()
-                except _Unreachable as e:
-                    return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
-                stream = conn.open_stream(self._block(path, metadata, deadline))
-                if opened is not None:
-                    opened.append(stream)
-                try:
-                    await stream.send(request, end=True)
-                except CallEnded:
-                    pass
-                await stream.wait_done()
-            finally:
-                if stream is not None and not stream.done:
-                    stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel
+                conn = await self._connection()
+            except _Unreachable as e:
+                return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
+            stream = conn.open_stream(self._block(path, metadata, deadline))
+            if opened is not None:
+                opened.append(stream)
+            try:
+                await stream.send(request, end=True)
+            except CallEnded:
+                pass
+            await stream.wait_done()
+        finally:
+            if stream is not None and not stream.done:
+                stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel
+            slots.release()
         return _unary_result(stream)
 
     @asynccontextmanager

@@ -158,7 +158,7 @@ class ClientStream:
         self._reader: MessageReader | None = None
         self._inbox: collections.deque = collections.deque()
         self._deferred = 0  # flow-controlled bytes not yet acknowledged
-        self._waiter: trio.Event | None = None
+        self._waiter: trio.lowlevel.Task | None = None  # the caller, parked in _wait
         self._window: trio.Event | None = None
 
     # -- from the reader ----------------------------------------------------------------
@@ -235,9 +235,20 @@ class ClientStream:
             self._window = None
 
     def _wake(self) -> None:
-        if self._waiter is not None:
-            self._waiter.set()
+        task = self._waiter
+        if task is not None:
             self._waiter = None
+            trio.lowlevel.reschedule(task)
+
+    async def _wait(self) -> None:
+        """Until the reader wakes this stream (no Event: the caller's task is parked)."""
+        self._waiter = trio.lowlevel.current_task()
+
+        def abort(_) -> trio.lowlevel.Abort:
+            self._waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _abort(self, code: StatusCode, message: str) -> None:
         """End the stream on our side: RST_STREAM CANCEL, status ``code``."""
@@ -297,8 +308,7 @@ class ClientStream:
         while not self._inbox:
             if self.done:
                 return None
-            waiter = self._waiter = trio.Event()
-            await waiter.wait()
+            await self._wait()
         message = self._inbox.popleft()
         if self._deferred and len(self._inbox) < INBOX_LIMIT:
             self.conn.acknowledge(self, self._deferred)
@@ -308,8 +318,7 @@ class ClientStream:
 
     async def wait_done(self) -> None:
         while not self.done:
-            waiter = self._waiter = trio.Event()
-            await waiter.wait()
+            await self._wait()
 
     def take_messages(self) -> list[bytes]:
         messages = list(self._inbox)
