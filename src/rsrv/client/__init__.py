@@ -1,5 +1,36 @@
-"""Clients for rsrv workers. Inference uses the unmodified ``tritonclient``."""
+"""Clients of rsrv workers (and of any KServe V2 / Triton gRPC server), on rsrv's own
+transport (``rsrv.transport.Channel``):
+
+* :class:`InferenceClient`: trio-native inference, health, metadata, repository,
+  statistics, system shared memory and streaming; :class:`SyncInferenceClient` the same
+  unary calls from synchronous code (one daemon thread of its own);
+* :class:`ControlClient`: rsrv's control service;
+* POSIX shared-memory regions to put tensors in (:func:`create_shared_memory_region`).
+
+Failures raise :class:`InferenceServerError` (``code``, ``message``); the
+ControlClient raises purerpc's ``RpcFailedError`` subclasses.
+"""
 
 from rsrv.client._control import ControlClient
+from rsrv.client._errors import InferenceServerError
+from rsrv.client._inference import InferenceClient
+from rsrv.client._rpc import RetryPolicy
+from rsrv.client._shm import SharedMemoryRegion, create_shared_memory_region
+from rsrv.client._streaming import InferStream
+from rsrv.client._sync import SyncInferenceClient
+from rsrv.client._tensors import InferResult, OutputTensor, ShmInput, ShmOutput
 
-__all__ = ["ControlClient"]
+__all__ = [
+    "ControlClient",
+    "InferResult",
+    "InferStream",
+    "InferenceClient",
+    "InferenceServerError",
+    "OutputTensor",
+    "RetryPolicy",
+    "SharedMemoryRegion",
+    "ShmInput",
+    "ShmOutput",
+    "SyncInferenceClient",
+    "create_shared_memory_region",
+]

@@ -1,4 +1,5 @@
-"""An async client for a worker's control service (``rsrv.control.v1.ControlService``).
+"""An async client for a worker's control service (``rsrv.control.v1.ControlService``),
+on rsrv's own transport.
 
 Use it from trio::
 
@@ -11,20 +12,36 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from typing import Any
 
-import purerpc
+from purerpc.grpclib.exceptions import RpcFailedError, raise_status
+from purerpc.grpclib.status import Status
 
+from rsrv.client._rpc import unary_message
 from rsrv.protocol import FROM_RESIDENCY, RESIDENCY
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
-from rsrv.protocol.generated.rsrv.control.v1.control_grpc import ControlServiceStub
+from rsrv.transport import Channel, UnaryResult, open_channel
+
+SERVICE = "/rsrv.control.v1.ControlService/"
+
+
+def _error(result: UnaryResult) -> RpcFailedError:
+    try:
+        raise_status(Status(result.status, result.message))
+    except RpcFailedError as e:
+        return e
+    return RpcFailedError(Status(result.status, result.message))
 
 
 class ControlClient:
-    """Failed calls raise purerpc's ``RpcFailedError`` subclasses (e.g. ``NotFoundError``).
+    """Failed calls raise purerpc's ``RpcFailedError`` subclasses (e.g. ``NotFoundError``;
+    a server that cannot be reached: ``UnavailableError``).
 
     ``headers`` are sent with every call (e.g. the header of a restricted ``control``
     protocol); ``ssl_context`` connects over TLS (``ssl.create_default_context()`` with
-    the server's CA, plus ``load_cert_chain`` for mutual TLS).
+    the server's CA, plus ``load_cert_chain`` for mutual TLS). Or give it a running
+    ``channel`` (``rsrv.transport.Channel``) to share.
     """
 
     def __init__(
@@ -34,33 +51,44 @@ class ControlClient:
         *,
         headers: Mapping[str, str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        channel: Channel | None = None,
     ):
-        if ssl_context is None:
-            self._channel = purerpc.insecure_channel(host, port)
-        else:
-            ssl_context.set_alpn_protocols(["h2"])
-            self._channel = purerpc.secure_channel(host, port, ssl_context)
+        self._address = (host, port, ssl_context)
+        self._channel = channel
         self._metadata = tuple((headers or {}).items())
-        self._stub: ControlServiceStub | None = None
+        self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self) -> ControlClient:
-        await self._channel.__aenter__()
-        self._stub = ControlServiceStub(self._channel)
+        if self._channel is None:
+            host, port, context = self._address
+            self._stack = AsyncExitStack()
+            self._channel = await self._stack.enter_async_context(
+                open_channel(host, port, tls=context)
+            )
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._channel.__aexit__(*exc)
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            self._channel = None
+            await stack.__aexit__(*exc)
+
+    async def _call(self, method: str, request: Any, response_type: Any) -> Any:
+        return await unary_message(
+            self._channel, SERVICE + method, request, response_type, _error, metadata=self._metadata
+        )
 
     async def status(self) -> pb.ModelControlStatusResponse:
-        return await self._stub.ModelControlStatus(
-            pb.ModelControlStatusRequest(), metadata=self._metadata
+        return await self._call(
+            "ModelControlStatus", pb.ModelControlStatusRequest(), pb.ModelControlStatusResponse
         )
 
     async def set_residency(self, name: str, residency: str) -> str:
         """Set ``name``'s residency floor (explicit mode); returns the floor now in force."""
-        response = await self._stub.SetModelResidency(
+        response = await self._call(
+            "SetModelResidency",
             pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency]),
-            metadata=self._metadata,
+            pb.SetModelResidencyResponse,
         )
         return FROM_RESIDENCY[response.residency]
 
@@ -69,9 +97,9 @@ class ControlClient:
         request = pb.SetModelPolicyRequest(name=name)
         if weight is not None:
             request.weight = weight
-        return (await self._stub.SetModelPolicy(request, metadata=self._metadata)).weight
+        return (await self._call("SetModelPolicy", request, pb.SetModelPolicyResponse)).weight
 
     async def compact_memory(self, reload: list[str] = ()) -> pb.CompactMemoryResponse:
-        return await self._stub.CompactMemory(
-            pb.CompactMemoryRequest(reload_models=reload), metadata=self._metadata
+        return await self._call(
+            "CompactMemory", pb.CompactMemoryRequest(reload_models=reload), pb.CompactMemoryResponse
         )

@@ -1,0 +1,37 @@
+"""The one exception of ``rsrv.client``'s inference client."""
+
+from __future__ import annotations
+
+from purerpc.grpclib.exceptions import RpcFailedError
+from purerpc.grpclib.status import Status, StatusCode
+
+__all__ = ["InferenceServerError"]
+
+
+class InferenceServerError(RpcFailedError):
+    """A call that did not succeed: ``code`` (a purerpc ``StatusCode``) and ``message``
+    (the server's grpc-message; for a transport failure, what failed), plus
+    ``reached_server`` (False when the server certainly never processed the call) and,
+    for a failed request of a stream, ``request_id``.
+
+    Transport failures are UNAVAILABLE, an expired deadline DEADLINE_EXCEEDED. A failed
+    request of a stream carries only the server's text, with code UNKNOWN. Being a
+    purerpc ``RpcFailedError``, it also has ``status`` (code and message).
+    """
+
+    def __init__(
+        self,
+        code: StatusCode,
+        message: str,
+        *,
+        reached_server: bool = True,
+        request_id: str = "",
+    ):
+        super().__init__(Status(code, message))
+        self.code = code
+        self.message = message
+        self.reached_server = reached_server
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"

@@ -1,0 +1,264 @@
+"""A trio-native client of the KServe V2 / Triton inference service, on rsrv's own
+transport (``rsrv.transport.Channel``).
+
+    async with InferenceClient("127.0.0.1", 8001) as client:
+        result = await client.infer("classifier", {"x": np.ones((1, 256), np.float32)})
+        logits = result["logits"]
+
+Every failed call raises :class:`InferenceServerError` (code, message); calls that
+failed UNAVAILABLE without reaching the server are retried per :class:`RetryPolicy`.
+``timeout`` (seconds) bounds a call, retries included: it is sent as grpc-timeout, and
+past it the call fails DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import numpy as np
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.client._errors import InferenceServerError
+from rsrv.client._rpc import RetryPolicy, unary_message
+from rsrv.client._streaming import InferStream
+from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.inference import model_config_pb2
+from rsrv.transport import Channel, ClientLimits, UnaryResult, open_channel
+
+__all__ = ["InferenceClient"]
+
+SERVICE = "/inference.GRPCInferenceService/"
+
+
+def _error(result: UnaryResult) -> InferenceServerError:
+    return InferenceServerError(result.status, result.message, reached_server=result.reached_server)
+
+
+class InferenceClient:
+    """Inference, health, metadata, repository, statistics and shared-memory calls.
+
+    Connects to ``host:port`` (``tls``: a client ``ssl.SSLContext``, verified against
+    ``server_hostname`` or ``host``) when entered as ``async with``; or give it a
+    running ``channel`` (then host, port, tls and limits are unused and it needs no
+    ``async with``). ``headers`` go with every call (e.g. a restricted protocol's
+    header). ``retry``: see :class:`RetryPolicy`.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8001,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
+        channel: Channel | None = None,
+    ):
+        self._address = (host, port, tls, server_hostname, limits)
+        self._channel = channel
+        self._metadata = tuple((headers or {}).items())
+        self.retry = retry
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self) -> InferenceClient:
+        if self._channel is None:
+            host, port, tls, server_hostname, limits = self._address
+            self._stack = AsyncExitStack()
+            self._channel = await self._stack.enter_async_context(
+                open_channel(host, port, tls=tls, server_hostname=server_hostname, limits=limits)
+            )
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            self._channel = None
+            await stack.__aexit__(*exc)
+
+    @property
+    def channel(self) -> Channel:
+        if self._channel is None:
+            raise RuntimeError("use the client as `async with InferenceClient(...)`")
+        return self._channel
+
+    async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
+        return await unary_message(
+            self.channel,
+            SERVICE + method,
+            request,
+            response_type,
+            _error,
+            metadata=self._metadata,
+            timeout=timeout,
+            retry=self.retry,
+        )
+
+    # -- health and metadata ------------------------------------------------------------
+
+    async def server_live(self, *, timeout: float | None = None) -> bool:
+        req = pb.ServerLiveRequest()
+        return (await self._call("ServerLive", req, pb.ServerLiveResponse, timeout)).live
+
+    async def server_ready(self, *, timeout: float | None = None) -> bool:
+        req = pb.ServerReadyRequest()
+        return (await self._call("ServerReady", req, pb.ServerReadyResponse, timeout)).ready
+
+    async def server_metadata(self, *, timeout: float | None = None) -> Any:
+        """``ServerMetadataResponse`` (name, version, extensions)."""
+        req = pb.ServerMetadataRequest()
+        return await self._call("ServerMetadata", req, pb.ServerMetadataResponse, timeout)
+
+    async def model_ready(
+        self, model: str, version: str = "", *, timeout: float | None = None
+    ) -> bool:
+        req = pb.ModelReadyRequest(name=model, version=version)
+        return (await self._call("ModelReady", req, pb.ModelReadyResponse, timeout)).ready
+
+    async def model_metadata(
+        self, model: str, version: str = "", *, timeout: float | None = None
+    ) -> Any:
+        """``ModelMetadataResponse`` (versions, platform, inputs and outputs)."""
+        req = pb.ModelMetadataRequest(name=model, version=version)
+        return await self._call("ModelMetadata", req, pb.ModelMetadataResponse, timeout)
+
+    async def model_config(
+        self, model: str, version: str = "", *, timeout: float | None = None
+    ) -> model_config_pb2.ModelConfig:
+        """The model's Triton ``ModelConfig``."""
+        req = pb.ModelConfigRequest(name=model, version=version)
+        return (await self._call("ModelConfig", req, pb.ModelConfigResponse, timeout)).config
+
+    async def model_statistics(
+        self, model: str = "", version: str = "", *, timeout: float | None = None
+    ) -> Any:
+        """``ModelStatisticsResponse`` (every ready model when ``model`` is empty)."""
+        req = pb.ModelStatisticsRequest(name=model, version=version)
+        return await self._call("ModelStatistics", req, pb.ModelStatisticsResponse, timeout)
+
+    # -- the repository -----------------------------------------------------------------
+
+    async def repository_index(
+        self, *, ready: bool = False, timeout: float | None = None
+    ) -> list[Any]:
+        """``RepositoryIndexResponse.ModelIndex`` entries (name, version, state, reason)."""
+        req = pb.RepositoryIndexRequest(ready=ready)
+        return list(
+            (await self._call("RepositoryIndex", req, pb.RepositoryIndexResponse, timeout)).models
+        )
+
+    async def load_model(
+        self,
+        model: str,
+        *,
+        config: str | None = None,
+        files: Mapping[str, bytes] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """RepositoryModelLoad (explicit mode): ``config`` a JSON ModelConfig override,
+        ``files`` ``{"file:1/model.b1.mlir": bytes}`` overrides."""
+        req = pb.RepositoryModelLoadRequest(model_name=model)
+        if config is not None:
+            req.parameters["config"].string_param = config
+        for name, data in (files or {}).items():
+            req.parameters[name].bytes_param = data
+        await self._call("RepositoryModelLoad", req, pb.RepositoryModelLoadResponse, timeout)
+
+    async def unload_model(
+        self, model: str, *, unload_dependents: bool = False, timeout: float | None = None
+    ) -> None:
+        req = pb.RepositoryModelUnloadRequest(model_name=model)
+        if unload_dependents:
+            req.parameters["unload_dependents"].bool_param = True
+        await self._call("RepositoryModelUnload", req, pb.RepositoryModelUnloadResponse, timeout)
+
+    # -- inference ----------------------------------------------------------------------
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray | ShmInput],
+        outputs: Sequence[str | ShmOutput] | None = None,
+        *,
+        version: str = "",
+        request_id: str = "",
+        parameters: Mapping[str, bool | int | float | str] | None = None,
+        timeout: float | None = None,
+    ) -> InferResult:
+        """Run ``model`` on ``inputs`` (name -> array, or :class:`ShmInput` for data in
+        a registered shared-memory region); ``outputs`` names the outputs to return (or
+        :class:`ShmOutput` to have one written to a region), None for all. Raises
+        ValueError / TypeError for an input with no KServe datatype."""
+        request = build_request(
+            model,
+            inputs,
+            outputs,
+            version=version,
+            request_id=request_id,
+            parameters=parameters,
+        )
+        return InferResult(await self._call("ModelInfer", request, pb.ModelInferResponse, timeout))
+
+    @asynccontextmanager
+    async def stream(self, *, timeout: float | None = None) -> AsyncIterator[InferStream]:
+        """A ModelStreamInfer stream (see :class:`InferStream`); ``timeout`` bounds the
+        whole stream. Leaving the block normally half-closes the stream and waits for
+        the server to end it (answers not read are dropped); a stream that ended with
+        an error status raises InferenceServerError then."""
+        channel = self.channel
+        try:
+            async with channel.stream(
+                SERVICE + "ModelStreamInfer", metadata=self._metadata, timeout=timeout
+            ) as call:
+                async with trio.open_nursery() as nursery:
+                    stream = InferStream(call)
+                    nursery.start_soon(stream._read)
+                    try:
+                        yield stream
+                    except BaseException:
+                        call.cancel()
+                        raise
+                    await call.end()
+        except BaseExceptionGroup as group:  # the block's own exception, not a group
+            while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+                group = group.exceptions[0]
+            raise group from None
+        if call.status is not StatusCode.OK:
+            raise InferenceServerError(
+                call.status, call.message, reached_server=call.reached_server
+            )
+
+    # -- system shared memory -----------------------------------------------------------
+
+    async def register_system_shared_memory(
+        self, name: str, key: str, byte_size: int, offset: int = 0, *, timeout=None
+    ) -> None:
+        """Register ``byte_size`` bytes at ``offset`` of POSIX shared-memory object
+        ``key`` (see ``create_shared_memory_region``) as region ``name``."""
+        req = pb.SystemSharedMemoryRegisterRequest(
+            name=name, key=key, offset=offset, byte_size=byte_size
+        )
+        await self._call(
+            "SystemSharedMemoryRegister", req, pb.SystemSharedMemoryRegisterResponse, timeout
+        )
+
+    async def unregister_system_shared_memory(self, name: str = "", *, timeout=None) -> None:
+        """Unregister region ``name`` (every region when empty)."""
+        req = pb.SystemSharedMemoryUnregisterRequest(name=name)
+        await self._call(
+            "SystemSharedMemoryUnregister", req, pb.SystemSharedMemoryUnregisterResponse, timeout
+        )
+
+    async def system_shared_memory_status(self, name: str = "", *, timeout=None) -> dict:
+        """Registered regions by name (``RegionStatus``: name, key, offset, byte_size)."""
+        req = pb.SystemSharedMemoryStatusRequest(name=name)
+        response = await self._call(
+            "SystemSharedMemoryStatus", req, pb.SystemSharedMemoryStatusResponse, timeout
+        )
+        return dict(response.regions)

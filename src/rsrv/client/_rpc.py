@@ -1,0 +1,99 @@
+"""Unary calls for the clients: protobuf in and out over a ``Channel``, retried with
+exponential backoff when the server certainly never saw them."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.transport import Channel, UnaryResult
+
+__all__ = ["RetryPolicy", "call_unary", "unary_message"]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Retries of a call that failed UNAVAILABLE without reaching the server (refused
+    connection, GOAWAY before it was processed, REFUSED_STREAM) — never of one the
+    server may have processed. ``attempts`` counts the first one (1: never retry);
+    attempt *n* waits ``initial_backoff * multiplier**n`` seconds (at most
+    ``max_backoff``, ±20% jitter) before the next. A call's timeout covers every
+    attempt and wait."""
+
+    attempts: int = 5
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+
+    def backoff(self, attempt: int) -> float:
+        delay = min(self.initial_backoff * self.multiplier**attempt, self.max_backoff)
+        return delay * random.uniform(0.8, 1.2)
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+async def call_unary(
+    channel: Channel,
+    path: str,
+    payload: bytes,
+    *,
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout: float | None = None,
+    retry: RetryPolicy = NO_RETRY,
+) -> UnaryResult:
+    """``channel.unary`` with ``retry``; the last attempt's result (never raises)."""
+    deadline = math.inf if timeout is None else trio.current_time() + timeout
+    attempt = 0
+    while True:
+        remaining = None if deadline == math.inf else deadline - trio.current_time()
+        if remaining is not None and remaining <= 0:
+            return UnaryResult(
+                StatusCode.DEADLINE_EXCEEDED,
+                "deadline exceeded (client timeout) before the server could be reached",
+                reached_server=False,
+            )
+        result = await channel.unary(path, payload, metadata=metadata, timeout=remaining)
+        attempt += 1
+        if (
+            result.status is not StatusCode.UNAVAILABLE
+            or result.reached_server
+            or attempt >= retry.attempts
+        ):
+            return result
+        delay = retry.backoff(attempt - 1)
+        if trio.current_time() + delay >= deadline:
+            return result
+        await trio.sleep(delay)
+
+
+async def unary_message(
+    channel: Channel,
+    path: str,
+    request: Any,
+    response_type: Any,
+    error: Callable[[UnaryResult], BaseException],
+    *,
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout: float | None = None,
+    retry: RetryPolicy = NO_RETRY,
+) -> Any:
+    """Call ``path`` with protobuf ``request``; the parsed ``response_type`` message.
+    A call that does not succeed raises ``error(result)``."""
+    result = await call_unary(
+        channel,
+        path,
+        request.SerializeToString(),
+        metadata=metadata,
+        timeout=timeout,
+        retry=retry,
+    )
+    if not result.ok:
+        raise error(result)
+    return response_type.FromString(result.response)

@@ -1,0 +1,122 @@
+"""POSIX system shared memory from the client's side: create, write, read, destroy a
+region that ``InferenceClient.register_system_shared_memory`` then registers.
+
+Behaves like ``tritonclient.utils.shared_memory`` (create / set / get_contents_as_numpy
+/ destroy), with one difference: a region is an object with methods. Linux only (the
+objects live under ``/dev/shm``, as the server expects). BYTES tensors are written and
+read in the length-prefixed wire format, so a BYTES input or output in shared memory is
+what ``raw_input_contents`` would hold.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from rsrv.client._tensors import deserialize_bytes, numpy_dtype, serialize_bytes
+
+__all__ = ["SharedMemoryRegion", "create_shared_memory_region"]
+
+_SHM_DIR = "/dev/shm"
+
+
+class SharedMemoryRegion:
+    """A mapped POSIX shared-memory object: ``name`` (the region name to register),
+    ``key`` (the object, e.g. ``/input0``), ``byte_size``. Use as a context manager, or
+    call :meth:`destroy` (unmap, and unlink the object if this process created it)."""
+
+    def __init__(self, name: str, key: str, byte_size: int, *, create: bool = True):
+        self.name = name
+        self.key = key if key.startswith("/") else "/" + key
+        path = os.path.join(_SHM_DIR, self.key[1:])
+        if "/" in self.key[1:] or not self.key[1:]:
+            raise ValueError(f"shared memory key {key!r} must be one name, e.g. '/input0'")
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, byte_size)
+            elif os.fstat(fd).st_size < byte_size:
+                raise ValueError(f"shared memory object {self.key} is smaller than {byte_size}")
+            self._map = mmap.mmap(fd, byte_size) if byte_size else None
+        except BaseException:
+            os.close(fd)
+            if create:
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self.byte_size = byte_size
+        self._path = path
+        self._owner = create
+
+    def write(self, arrays: np.ndarray | Sequence[np.ndarray], offset: int = 0) -> int:
+        """Copy ``arrays`` (one array, or several one after the other) into the region
+        at ``offset``; returns the bytes written. BYTES (object) arrays are written
+        serialized. Raises ValueError when they do not fit."""
+        if isinstance(arrays, np.ndarray):
+            arrays = [arrays]
+        pieces = [_wire(a) for a in arrays]
+        size = sum(len(p) for p in pieces)
+        if offset < 0 or offset + size > self.byte_size:
+            raise ValueError(
+                f"{size} bytes at offset {offset} do not fit region '{self.name}' "
+                f"of {self.byte_size} bytes"
+            )
+        position = offset
+        for piece in pieces:
+            self._map[position : position + len(piece)] = piece
+            position += len(piece)
+        return size
+
+    def read(self, datatype: str | np.dtype, shape: Sequence[int], offset: int = 0) -> np.ndarray:
+        """A copy of the tensor at ``offset``: ``datatype`` a KServe name ("FP32",
+        "BYTES"...) or a numpy dtype, ``shape`` its shape."""
+        count = int(np.prod(shape, dtype=np.int64))
+        dtype = numpy_dtype(datatype)
+        if dtype == np.dtype(object):
+            return deserialize_bytes(self._map[offset:], count, exact=False).reshape(shape)
+        end = offset + count * dtype.itemsize
+        if offset < 0 or end > self.byte_size:
+            raise ValueError(
+                f"a {list(shape)} {datatype} tensor at offset {offset} runs past region "
+                f"'{self.name}' of {self.byte_size} bytes"
+            )
+        return np.frombuffer(self._map[offset:end], dtype=dtype).reshape(shape).copy()
+
+    def close(self) -> None:
+        """Unmap the region (the object stays)."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def destroy(self) -> None:
+        """Unmap, and remove the object if this process created it."""
+        self.close()
+        if self._owner:
+            self._owner = False
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> SharedMemoryRegion:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+
+def create_shared_memory_region(name: str, key: str, byte_size: int) -> SharedMemoryRegion:
+    """Create POSIX shared-memory object ``key`` of ``byte_size`` bytes, mapped, to be
+    registered as region ``name``. Raises FileExistsError when ``key`` exists."""
+    return SharedMemoryRegion(name, key, byte_size, create=True)
+
+
+def _wire(array: np.ndarray) -> bytes | memoryview:
+    if array.dtype == np.dtype(object) or array.dtype.kind in "SU":
+        return serialize_bytes(array)
+    array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return memoryview(array.reshape(-1).view(np.uint8))

@@ -1,0 +1,142 @@
+"""Streaming inference (ModelStreamInfer): requests sent on one stream, answers
+received as they come and matched to their requests by id."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.client._errors import InferenceServerError
+from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.transport import CallEnded, StreamingCall
+
+__all__ = ["InferStream"]
+
+_ids = itertools.count(1)
+
+
+class InferStream:
+    """One ModelStreamInfer stream (from ``InferenceClient.stream()``).
+
+    :meth:`infer` sends a request and returns its own answer (other answers are not
+    consumed); :meth:`send` only sends, and :meth:`receive` (or ``async for``) returns
+    the answers no :meth:`infer` is waiting for, in arrival order. A request without
+    an id gets a unique one (``rsrv-<n>``), since answers are matched by id. A failed
+    request raises :class:`InferenceServerError` (code UNKNOWN: a stream's error
+    answer carries only the server's text; ``request_id`` says which). Once the stream
+    has ended, waiting calls raise InferenceServerError with its status. Several tasks
+    may send and wait at once.
+    """
+
+    def __init__(self, call: StreamingCall):
+        self._call = call
+        self._send_lock = trio.StrictFIFOLock()
+        self._waiting: dict[str, list] = {}  # id -> [event, answer]
+        self._unclaimed_in, self._unclaimed = trio.open_memory_channel(math.inf)
+        self._ended: InferenceServerError | None = None
+
+    async def send(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray | ShmInput],
+        outputs: Sequence[str | ShmOutput] | None = None,
+        *,
+        version: str = "",
+        request_id: str = "",
+        parameters: Mapping[str, bool | int | float | str] | None = None,
+    ) -> str:
+        """Send one request (as ``InferenceClient.infer`` takes it); returns its id."""
+        request_id = request_id or f"rsrv-{next(_ids)}"
+        request = build_request(
+            model,
+            inputs,
+            outputs,
+            version=version,
+            request_id=request_id,
+            parameters=parameters,
+        )
+        await self._send(request.SerializeToString())
+        return request_id
+
+    async def infer(self, model: str, inputs, outputs=None, **kwargs) -> InferResult:
+        """Send one request and wait for its answer (same arguments as :meth:`send`)."""
+        request_id = kwargs.pop("request_id", "") or f"rsrv-{next(_ids)}"
+        slot = self._waiting[request_id] = [trio.Event(), None]
+        try:
+            await self.send(model, inputs, outputs, request_id=request_id, **kwargs)
+            await slot[0].wait()
+        finally:
+            del self._waiting[request_id]
+        if slot[1] is None:  # the stream ended first
+            error = self._ended
+            raise InferenceServerError(
+                error.code,
+                error.message,
+                reached_server=error.reached_server,
+                request_id=request_id,
+            )
+        return _result(slot[1])
+
+    async def receive(self) -> InferResult:
+        """The next answer no :meth:`infer` claimed; raises InferenceServerError for a
+        failed request, or once the stream has ended (with the stream's status)."""
+        try:
+            answer = await self._unclaimed.receive()
+        except trio.EndOfChannel:
+            raise self._ended from None
+        return _result(answer)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> InferResult:
+        try:
+            answer = await self._unclaimed.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        return _result(answer)
+
+    async def _send(self, payload: bytes) -> None:
+        async with self._send_lock:
+            try:
+                await self._call.send(payload)
+            except CallEnded:
+                raise self._stream_error() from None
+
+    def _stream_error(self) -> InferenceServerError:
+        call = self._call
+        if call.done:
+            code = call.status
+            message = call.message or "the stream has ended"
+            return InferenceServerError(code, message, reached_server=call.reached_server)
+        return InferenceServerError(StatusCode.CANCELLED, "the stream was half-closed")
+
+    async def _read(self) -> None:
+        """Deliver every answer to its waiter, or to the unclaimed queue."""
+        async with self._unclaimed_in:
+            async for message in self._call:
+                answer = pb.ModelStreamInferResponse.FromString(message)
+                slot = self._waiting.get(answer.infer_response.id)
+                if slot is not None and slot[1] is None:
+                    slot[1] = answer
+                    slot[0].set()
+                else:
+                    self._unclaimed_in.send_nowait(answer)
+            self._ended = self._stream_error()
+            for slot in self._waiting.values():
+                slot[0].set()
+
+
+def _result(answer: Any) -> InferResult:
+    if answer.error_message:
+        raise InferenceServerError(
+            StatusCode.UNKNOWN, answer.error_message, request_id=answer.infer_response.id
+        )
+    return InferResult(answer.infer_response)

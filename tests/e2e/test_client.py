@@ -1,0 +1,288 @@
+"""rsrv.client against a real worker: InferenceClient (and its synchronous facade)
+gives what tritonclient gives for every example bundle, streams, shared memory, error
+statuses, deadlines, and retries a call until a late server starts."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+from purerpc.grpclib.status import StatusCode
+from support import BUNDLES
+from support.bundles import make_repo
+from support.clients import connect, infer_input
+from support.echo import FAIL, echo_server, wait_for
+from support.serving import ServerProcess, free_port, held_device
+
+from rsrv.client import (
+    InferenceClient,
+    InferenceServerError,
+    RetryPolicy,
+    ShmInput,
+    ShmOutput,
+    SyncInferenceClient,
+    create_shared_memory_region,
+)
+from rsrv.client._rpc import call_unary
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+
+EXAMPLES = ["classifier", "severity_grader", "region_scorer", "patch_classifier", "region_pipeline"]
+MODELS = [*EXAMPLES, "simple", "simple_string"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = make_repo(tmp_path_factory.mktemp("client") / "repo", "simple", "simple_string")
+    for name in EXAMPLES:
+        shutil.copytree(BUNDLES / name, root / name)
+    return root
+
+
+def client_of(worker, **kwargs) -> InferenceClient:
+    return InferenceClient("127.0.0.1", worker.port, **kwargs)
+
+
+def inputs_for(metadata, rng: np.random.Generator, rows: int = 2) -> dict[str, np.ndarray]:
+    """Random inputs of every input in ``metadata`` (-1 axes: ``rows``)."""
+    out = {}
+    for tensor in metadata.inputs:
+        shape = [rows if d == -1 else d for d in tensor.shape]
+        if tensor.datatype == "BYTES":
+            values = rng.integers(0, 100, shape)
+            out[tensor.name] = np.vectorize(lambda v: str(v).encode(), otypes=[object])(values)
+        elif tensor.datatype == "UINT8":
+            out[tensor.name] = rng.integers(0, 256, shape, dtype=np.uint8)
+        elif tensor.datatype.startswith("INT"):
+            out[tensor.name] = rng.integers(-50, 50, shape).astype(tensor.datatype.lower())
+        else:
+            out[tensor.name] = rng.random(shape).astype(np.float32)
+    return out
+
+
+def triton_outputs(worker, model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    with connect(worker) as triton:
+        result = triton.infer(model, [infer_input(k, v) for k, v in inputs.items()])
+        return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
+
+
+async def test_results_equal_tritonclients(worker):
+    rng = np.random.default_rng(0)
+    async with client_of(worker) as client:
+        assert await client.server_live() and await client.server_ready()
+        for model in MODELS:
+            metadata = await client.model_metadata(model)
+            inputs = inputs_for(metadata, rng)
+            ours = await client.infer(model, inputs)
+            theirs = await trio.to_thread.run_sync(triton_outputs, worker, model, inputs)
+            assert sorted(ours.outputs) == sorted(theirs), model
+            for name, expected in theirs.items():
+                assert ours[name].dtype == expected.dtype, (model, name)
+                np.testing.assert_array_equal(ours[name], expected, err_msg=f"{model}.{name}")
+            assert ours.model_name == model and ours.model_version == "1"
+
+
+async def test_metadata_calls_answer_what_tritonclient_gets(worker):
+    with connect(worker) as triton:
+        expected = {
+            "server": triton.get_server_metadata().SerializeToString(),
+            "model": triton.get_model_metadata("classifier").SerializeToString(),
+            "config": triton.get_model_config("classifier").config.SerializeToString(),
+            "index": [m.SerializeToString() for m in triton.get_model_repository_index().models],
+        }
+    async with client_of(worker) as client:
+        assert (await client.server_metadata()).SerializeToString() == expected["server"]
+        assert (await client.model_metadata("classifier")).SerializeToString() == expected["model"]
+        assert (await client.model_config("classifier")).SerializeToString() == expected["config"]
+        index = await client.repository_index()
+        assert [m.SerializeToString() for m in index] == expected["index"]
+        assert await client.model_ready("classifier")
+        assert not await client.model_ready("no_such_model")
+        await client.infer("classifier", {"x": np.ones((1, 256), np.float32)})
+        (stats,) = (await client.model_statistics("classifier")).model_stats
+        assert stats.name == "classifier" and stats.inference_count >= 1
+
+
+async def test_error_statuses(worker):
+    async with client_of(worker) as client:
+        with pytest.raises(InferenceServerError) as info:
+            await client.infer("classifier", {"x": np.ones((1, 255), np.float32)})
+        assert info.value.code is StatusCode.INVALID_ARGUMENT
+        assert "axis 1 has extent 255" in info.value.message
+        with pytest.raises(InferenceServerError) as info:
+            await client.infer("no_such_model", {"x": np.ones((1, 256), np.float32)})
+        assert info.value.code is StatusCode.NOT_FOUND
+        assert "no_such_model" in info.value.message and info.value.reached_server
+        with pytest.raises(InferenceServerError) as info:
+            await client.infer("classifier", {"x": np.ones((1, 256), np.float32)}, ["nope"])
+        assert info.value.code is StatusCode.INVALID_ARGUMENT
+        with pytest.raises(InferenceServerError) as info:
+            await client.model_metadata("no_such_model")
+        assert info.value.code is StatusCode.NOT_FOUND
+
+
+async def test_deadline(worker):
+    async with client_of(worker) as client:
+        with held_device(worker):
+            with pytest.raises(InferenceServerError) as info:
+                await client.infer("classifier", {"x": np.ones((1, 256), np.float32)}, timeout=0.3)
+        assert info.value.code is StatusCode.DEADLINE_EXCEEDED
+        result = await client.infer("classifier", {"x": np.ones((1, 256), np.float32)}, timeout=30)
+        assert result["logits"].shape == (1, 10)
+
+
+async def test_streaming(worker):
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal((1, 256)).astype(np.float32) for _ in range(12)]
+    async with client_of(worker) as client:
+        expected = [(await client.infer("classifier", {"x": x}))["logits"] for x in rows]
+        async with client.stream() as stream:
+            got = [None] * len(rows)
+
+            async def one(i):
+                got[i] = (await stream.infer("classifier", {"x": rows[i]}))["logits"]
+
+            async with trio.open_nursery() as nursery:  # concurrent, matched by id
+                for i in range(len(rows)):
+                    nursery.start_soon(one, i)
+            for a, b in zip(got, expected, strict=True):  # coalesced: another batch size
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+            # a failed request answers on the stream, which goes on
+            with pytest.raises(InferenceServerError) as info:
+                await stream.infer(
+                    "classifier", {"x": np.ones((1, 7), np.float32)}, request_id="r7"
+                )
+            assert info.value.request_id == "r7" and "extent 7" in info.value.message
+            sent = [await stream.send("classifier", {"x": x}) for x in rows[:3]]
+            answers = [await stream.receive() for _ in sent]
+            assert sorted(a.id for a in answers) == sorted(sent)
+
+
+async def test_system_shared_memory(worker):
+    suffix = uuid.uuid4().hex[:10]
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), 3, dtype=np.int32)
+    with (
+        create_shared_memory_region("in", f"/rsrv_in_{suffix}", 128) as inp,
+        create_shared_memory_region("out", f"/rsrv_out_{suffix}", 128) as out,
+    ):
+        inp.write([a, b])
+        async with client_of(worker) as client:
+            await client.register_system_shared_memory("in", inp.key, 128)
+            await client.register_system_shared_memory("out", out.key, 128)
+            try:
+                assert set(await client.system_shared_memory_status()) == {"in", "out"}
+                result = await client.infer(
+                    "simple",
+                    {
+                        "INPUT0": ShmInput("in", 64, (1, 16), "INT32"),
+                        "INPUT1": b,  # one from shared memory, one in the request
+                    },
+                    [ShmOutput("OUTPUT0", "out", 64), ShmOutput("OUTPUT1", "out", 64, 64)],
+                )
+                sum_, diff = result.tensors["OUTPUT0"], result.tensors["OUTPUT1"]
+                assert (sum_.region, sum_.byte_size, diff.offset) == ("out", 64, 64)
+                assert result.as_numpy("OUTPUT0") is None
+                np.testing.assert_array_equal(out.read("INT32", sum_.shape), a + b)
+                np.testing.assert_array_equal(out.read("INT32", diff.shape, 64), a - b)
+                with pytest.raises(InferenceServerError) as info:
+                    await client.infer(
+                        "simple", {"INPUT0": ShmInput("nope", 64, (1, 16), "INT32"), "INPUT1": b}
+                    )
+                assert info.value.code is StatusCode.NOT_FOUND
+            finally:
+                await client.unregister_system_shared_memory()
+            assert await client.system_shared_memory_status() == {}
+
+
+def test_sync_client(worker):
+    """The facade from plain code: same answers, errors, and its one thread joined."""
+    import threading
+
+    before = threading.active_count()
+    x = np.ones((2, 256), np.float32)
+    with SyncInferenceClient("127.0.0.1", worker.port) as client:
+        assert client.server_ready()
+        assert threading.active_count() == before + 1
+        logits = client.infer("classifier", {"x": x})["logits"]
+        np.testing.assert_array_equal(
+            logits, triton_outputs(worker, "classifier", {"x": x})["logits"]
+        )
+        with pytest.raises(InferenceServerError) as info:
+            client.model_metadata("no_such_model")
+        assert info.value.code is StatusCode.NOT_FOUND
+    assert threading.active_count() == before
+
+
+async def test_retry_until_a_late_server_starts(tmp_path, cache_dir):
+    port = free_port()
+    retries = []
+
+    class Counted(RetryPolicy):
+        def backoff(self, attempt: int) -> float:
+            retries.append(attempt)
+            return super().backoff(attempt)
+
+    policy = Counted(attempts=400, initial_backoff=0.02, max_backoff=0.2)
+    server = None
+    try:
+        async with InferenceClient("127.0.0.1", port, retry=policy) as client:
+            async with trio.open_nursery() as nursery:
+                ready = []
+
+                async def ask():
+                    ready.append(await client.server_live(timeout=60))
+
+                nursery.start_soon(ask)
+                await wait_for(lambda: retries, "a refused first attempt")
+                repo = make_repo(tmp_path / "repo", "simple")
+                server = ServerProcess(
+                    tmp_path,
+                    f'model_repo = "{repo}"\nbase_port = {port}\n\n[global]\n'
+                    f'cache_dir = "{cache_dir}"\n',
+                )
+            assert ready == [True]
+            assert len(retries) >= 1
+    finally:
+        if server is not None:
+            server.kill()
+
+
+async def test_only_calls_that_never_reached_the_server_are_retried():
+    policy = RetryPolicy(attempts=5, initial_backoff=0.001)
+    async with echo_server() as echo:
+        from rsrv.transport import open_channel
+
+        async with open_channel("127.0.0.1", echo.port) as channel:
+            result = await call_unary(channel, FAIL, b"14:busy", retry=policy)
+            assert (result.status, result.reached_server) == (StatusCode.UNAVAILABLE, True)
+            assert echo.started == 1  # answered UNAVAILABLE by the server: not retried
+
+
+def test_client_request_matches_tritonclients():
+    """The ModelInferRequest we build is the one tritonclient builds."""
+    from rsrv.client._tensors import build_request
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    s = np.array([[b"a", b"bc"]], dtype=object)
+    ours = build_request("m", {"x": x, "s": s}, ["y"], request_id="7", parameters={"k": 3})
+    theirs = pb.ModelInferRequest()
+    theirs.ParseFromString(
+        grpcclient._utils._get_inference_request(
+            model_name="m",
+            inputs=[infer_input("x", x), infer_input("s", s, "BYTES")],
+            model_version="",
+            request_id="7",
+            outputs=[grpcclient.InferRequestedOutput("y")],
+            sequence_id=0,
+            sequence_start=False,
+            sequence_end=False,
+            priority=0,
+            timeout=None,
+            parameters={"k": 3},
+        ).SerializeToString()
+    )
+    assert ours == theirs
