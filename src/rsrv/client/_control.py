@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Mapping
-from contextlib import AsyncExitStack
 from typing import Any
 
 from purerpc.grpclib.exceptions import RpcFailedError, raise_status
 from purerpc.grpclib.status import Status
 
-from rsrv.client._rpc import unary_message
+from rsrv.client._rpc import ChannelClient, unary_message
 from rsrv.protocol import FROM_RESIDENCY, RESIDENCY
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
 from rsrv.transport import Channel, UnaryResult, open_channel
@@ -34,7 +33,7 @@ def _error(result: UnaryResult) -> RpcFailedError:
     return RpcFailedError(Status(result.status, result.message))
 
 
-class ControlClient:
+class ControlClient(ChannelClient):
     """Failed calls raise purerpc's ``RpcFailedError`` subclasses (e.g. ``NotFoundError``;
     a server that cannot be reached: ``UnavailableError``).
 
@@ -53,29 +52,12 @@ class ControlClient:
         ssl_context: ssl.SSLContext | None = None,
         channel: Channel | None = None,
     ):
-        self._address = (host, port, ssl_context)
-        self._channel = channel
+        super().__init__(channel, lambda: open_channel(host, port, tls=ssl_context))
         self._metadata = tuple((headers or {}).items())
-        self._stack: AsyncExitStack | None = None
-
-    async def __aenter__(self) -> ControlClient:
-        if self._channel is None:
-            host, port, context = self._address
-            self._stack = AsyncExitStack()
-            self._channel = await self._stack.enter_async_context(
-                open_channel(host, port, tls=context)
-            )
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            self._channel = None
-            await stack.__aexit__(*exc)
 
     async def _call(self, method: str, request: Any, response_type: Any) -> Any:
         return await unary_message(
-            self._channel, SERVICE + method, request, response_type, _error, metadata=self._metadata
+            self.channel, SERVICE + method, request, response_type, _error, metadata=self._metadata
         )
 
     async def status(self) -> pb.ModelControlStatusResponse:

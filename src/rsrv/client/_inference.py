@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
-from rsrv.client._rpc import RetryPolicy, unary_message
+from rsrv.client._rpc import ChannelClient, RetryPolicy, unary_message
 from rsrv.client._streaming import InferStream
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -39,7 +39,7 @@ def _error(result: UnaryResult) -> InferenceServerError:
     return InferenceServerError(result.status, result.message, reached_server=result.reached_server)
 
 
-class InferenceClient:
+class InferenceClient(ChannelClient):
     """Inference, health, metadata, repository, statistics and shared-memory calls.
 
     Connects to ``host:port`` (``tls``: a client ``ssl.SSLContext``, verified against
@@ -61,32 +61,14 @@ class InferenceClient:
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
         channel: Channel | None = None,
     ):
-        self._address = (host, port, tls, server_hostname, limits)
-        self._channel = channel
+        super().__init__(
+            channel,
+            lambda: open_channel(
+                host, port, tls=tls, server_hostname=server_hostname, limits=limits
+            ),
+        )
         self._metadata = tuple((headers or {}).items())
         self.retry = retry
-        self._stack: AsyncExitStack | None = None
-
-    async def __aenter__(self) -> InferenceClient:
-        if self._channel is None:
-            host, port, tls, server_hostname, limits = self._address
-            self._stack = AsyncExitStack()
-            self._channel = await self._stack.enter_async_context(
-                open_channel(host, port, tls=tls, server_hostname=server_hostname, limits=limits)
-            )
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            self._channel = None
-            await stack.__aexit__(*exc)
-
-    @property
-    def channel(self) -> Channel:
-        if self._channel is None:
-            raise RuntimeError("use the client as `async with InferenceClient(...)`")
-        return self._channel
 
     async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
         return await unary_message(

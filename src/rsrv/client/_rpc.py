@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import Channel, UnaryResult
 
-__all__ = ["RetryPolicy", "call_unary", "unary_message"]
+__all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +98,35 @@ async def unary_message(
     if not result.ok:
         raise error(result)
     return response_type.FromString(result.response)
+
+
+class ChannelClient:
+    """A client on a :class:`Channel`: one it was given (running, owned by the caller),
+    or one it opens with ``open()`` on ``async with`` and closes on exit."""
+
+    def __init__(
+        self,
+        channel: Channel | None,
+        open: Callable[[], AbstractAsyncContextManager[Channel]],
+    ):
+        self._channel = channel
+        self._open = open
+        self._stack: AsyncExitStack | None = None
+
+    async def __aenter__(self):
+        if self._channel is None:
+            self._stack = AsyncExitStack()
+            self._channel = await self._stack.enter_async_context(self._open())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            self._channel = None
+            await stack.__aexit__(*exc)
+
+    @property
+    def channel(self) -> Channel:
+        if self._channel is None:
+            raise RuntimeError(f"use the client as `async with {type(self).__name__}(...)`")
+        return self._channel

@@ -8,10 +8,11 @@ connection and call is a trio task with a defined lifetime (see ``_connection``)
 bound what one client can hold (``TransportLimits``), and TLS is served by
 ``trio.SSLStream``.
 
-The client side (``_client``, ``_channel``) shares the HTTP/2 endpoint code
-(``_endpoint``) and the message framing: a :class:`Channel` pools connections to one
-endpoint and makes unary and bidirectional-streaming calls on raw message bytes
-(``open_channel``, ``UnaryResult``, ``StreamingCall``, ``ClientLimits``).
+The client side (``_channel``: the pool and calls; ``_client``: a connection;
+``_client_stream``: a call's stream; ``_client_calls``: what callers get) shares the
+HTTP/2 endpoint code (``_endpoint``) and the message framing: a :class:`Channel` pools
+connections to one endpoint and makes unary and bidirectional-streaming calls on raw
+message bytes (``open_channel``, ``UnaryResult``, ``StreamingCall``, ``ClientLimits``).
 """
 
 from rsrv.transport._call import ServerCall
@@ -23,7 +24,7 @@ from rsrv.transport._channel import (
     grpc_timeout,
     open_channel,
 )
-from rsrv.transport._client import CallEnded
+from rsrv.transport._client_stream import CallEnded
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     GrpcServer,

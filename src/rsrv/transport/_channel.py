@@ -33,7 +33,9 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import _frames as F
-from rsrv.transport._client import CallEnded, ClientConnection, ClientStream, connect
+from rsrv.transport._client import ClientConnection, connect
+from rsrv.transport._client_calls import StreamingCall, UnaryResult, unary_result
+from rsrv.transport._client_stream import CallEnded, ClientStream
 
 __all__ = ["Channel", "ClientLimits", "StreamingCall", "UnaryResult", "open_channel"]
 
@@ -64,26 +66,6 @@ class ClientLimits:
     max_receive_message_bytes: int = 1 << 28
     connect_timeout: float = 10.0
     accept_compressed: bool = False
-
-
-@dataclass(slots=True)
-class UnaryResult:
-    """The outcome of a unary call. ``response`` is the message's bytes when ``status``
-    is OK (None otherwise); ``message`` is grpc-message, percent-decoded;
-    ``initial_metadata`` and ``trailers`` are the server's custom headers (name, value).
-    ``reached_server`` is False only when the server certainly did not process the
-    call (connection refused, GOAWAY below the call's stream, REFUSED_STREAM)."""
-
-    status: StatusCode
-    message: str = ""
-    response: bytes | None = None
-    initial_metadata: tuple[tuple[str, str], ...] = ()
-    trailers: tuple[tuple[str, str], ...] = ()
-    reached_server: bool = True
-
-    @property
-    def ok(self) -> bool:
-        return self.status is StatusCode.OK
 
 
 class _Unreachable(Exception):
@@ -208,7 +190,7 @@ class Channel:
             if stream is not None and not stream.done:
                 stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel
             slots.release()
-        return _unary_result(stream)
+        return unary_result(stream)
 
     @asynccontextmanager
     async def stream(
@@ -332,88 +314,6 @@ class Channel:
         return block + F.header_fields(extra)
 
 
-class StreamingCall:
-    """One bidirectional-streaming call (from :meth:`Channel.stream`).
-
-    ``await send(message)``, ``await end()`` (half-close), ``async for message in call``
-    (raw bytes, until the call ends); then ``status`` (a purerpc ``StatusCode``),
-    ``message``, ``initial_metadata``, ``trailers`` and ``reached_server`` are final.
-    ``send`` raises :class:`CallEnded` once the call has ended or was half-closed. The
-    call's deadline ends it with DEADLINE_EXCEEDED (stream reset) in whichever of
-    ``send`` or the iteration is waiting.
-    """
-
-    def __init__(self, deadline: float):
-        self._stream: ClientStream | None = None
-        self._deadline = deadline
-        self._status: tuple[StatusCode, str, bool] | None = None  # failed before a stream
-
-    def _failed(self, code: StatusCode, message: str, *, reached_server: bool = False) -> None:
-        self._status = (code, message, reached_server)
-
-    async def send(self, message: bytes) -> None:
-        stream = self._stream
-        if stream is None:
-            raise CallEnded(self.message)
-        with trio.move_on_at(self._deadline) as timer:
-            await stream.send(message)
-        if timer.cancelled_caught:
-            stream.cancel(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
-            raise CallEnded(self.message)
-
-    async def end(self) -> None:
-        if self._stream is not None:
-            self._stream.end()
-
-    def __aiter__(self) -> StreamingCall:
-        return self
-
-    async def __anext__(self) -> bytes:
-        stream = self._stream
-        if stream is None:
-            raise StopAsyncIteration
-        message = None
-        with trio.move_on_at(self._deadline):
-            message = await stream.receive()
-        if message is None:
-            if not stream.done:  # the deadline
-                stream.cancel(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
-            raise StopAsyncIteration
-        return message
-
-    def cancel(self) -> None:
-        """End the call now (RST_STREAM CANCEL, status CANCELLED) unless it has ended."""
-        if self._stream is not None:
-            self._stream.cancel()
-
-    @property
-    def done(self) -> bool:
-        return self._stream is None or self._stream.done
-
-    @property
-    def status(self) -> StatusCode | None:
-        """None while the call is running."""
-        if self._stream is None:
-            return self._status[0]
-        return self._stream.status
-
-    @property
-    def message(self) -> str:
-        return self._status[1] if self._stream is None else self._stream.message
-
-    @property
-    def reached_server(self) -> bool:
-        return self._status[2] if self._stream is None else self._stream.reached_server
-
-    @property
-    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
-        return () if self._stream is None else self._stream.metadata
-
-    @property
-    def trailers(self) -> tuple[tuple[str, str], ...]:
-        return () if self._stream is None else self._stream.trailers
-
-
 @asynccontextmanager
 async def open_channel(
     host: str,
@@ -438,21 +338,6 @@ async def open_channel(
         while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
             group = group.exceptions[0]
         raise group from None
-
-
-def _unary_result(stream: ClientStream) -> UnaryResult:
-    code, message = stream.status, stream.message
-    response = None
-    if code is StatusCode.OK:
-        messages = stream.take_messages()
-        if len(messages) == 1:
-            response = messages[0]
-        else:
-            code = StatusCode.INTERNAL
-            message = f"a unary call received {len(messages)} response messages, not 1"
-    return UnaryResult(
-        code, message, response, stream.metadata, stream.trailers, stream.reached_server
-    )
 
 
 def grpc_timeout(seconds: float) -> bytes:

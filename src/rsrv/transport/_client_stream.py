@@ -1,0 +1,271 @@
+"""One call's stream on a client connection (:class:`ClientStream`): the caller's side
+(send, half-close, receive, wait, cancel) and what the connection's reader delivers
+into it (response headers, messages, trailers, resets, loss). The lifetime guarantees
+are in ``_client``'s docstring."""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.transport import _frames as F
+from rsrv.transport._messages import MessageError, MessageReader, frame
+
+if TYPE_CHECKING:
+    from rsrv.transport._client import ClientConnection
+
+INBOX_LIMIT = 4  # complete messages a stream may hold unread before flow control stops
+#: RST_STREAM error codes as gRPC statuses (gRPC's HTTP/2 mapping).
+_RESET_STATUS = {
+    F.REFUSED_STREAM: StatusCode.UNAVAILABLE,
+    F.CANCEL: StatusCode.CANCELLED,
+    F.ENHANCE_YOUR_CALM: StatusCode.RESOURCE_EXHAUSTED,
+    0xC: StatusCode.PERMISSION_DENIED,  # INADEQUATE_SECURITY
+}
+#: HTTP statuses of a response without grpc-status, as gRPC statuses.
+_HTTP_STATUS = {
+    b"400": StatusCode.INTERNAL,
+    b"401": StatusCode.UNAUTHENTICATED,
+    b"403": StatusCode.PERMISSION_DENIED,
+    b"404": StatusCode.UNIMPLEMENTED,
+    b"429": StatusCode.UNAVAILABLE,
+    b"502": StatusCode.UNAVAILABLE,
+    b"503": StatusCode.UNAVAILABLE,
+    b"504": StatusCode.UNAVAILABLE,
+}
+
+
+class CallEnded(Exception):
+    """Sending on a call that has ended (its status says why) or was half-closed."""
+
+
+def _status_of(code: int) -> StatusCode:
+    try:
+        return StatusCode(code)
+    except ValueError:
+        return StatusCode.UNKNOWN
+
+
+class ClientStream:
+    """One call's stream. The reader feeds it (``_on_*``); the caller sends with
+    :meth:`send` / :meth:`end`, reads with :meth:`receive`, and waits with
+    :meth:`wait_done`. Once ``done``, ``status``, ``message``, ``trailers`` and
+    ``reached_server`` are final; ``metadata`` holds the response headers' metadata."""
+
+    __slots__ = (
+        "conn",
+        "id",
+        "send_window",
+        "recv_window",
+        "recv_unacked",
+        "done",
+        "status",
+        "message",
+        "metadata",
+        "trailers",
+        "reached_server",
+        "half_closed",
+        "_closed",
+        "_reader",
+        "_inbox",
+        "_deferred",
+        "_waiter",
+        "_window",
+    )
+
+    def __init__(self, conn: ClientConnection, sid: int):
+        self.conn = conn
+        self.id = sid
+        self.send_window = conn.peer_initial_window
+        self.recv_window = conn.stream_window
+        self.recv_unacked = 0
+        self.done = False
+        self.status: StatusCode | None = None
+        self.message = ""
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.trailers: tuple[tuple[str, str], ...] = ()
+        self.reached_server = True
+        self.half_closed = False  # we sent END_STREAM
+        self._closed = False  # no more acknowledgements owed (ended)
+        self._reader: MessageReader | None = None
+        self._inbox: collections.deque = collections.deque()
+        self._deferred = 0  # flow-controlled bytes not yet acknowledged
+        self._waiter: trio.lowlevel.Task | None = None  # the caller, parked in _wait
+        self._window: trio.Event | None = None
+
+    # -- from the reader ----------------------------------------------------------------
+
+    def _on_headers(self, parsed: tuple, end_stream: bool) -> None:
+        if self.done:
+            return
+        http, grpc, message, encoding, metadata = parsed
+        if self._reader is None:  # the response headers (or trailers-only)
+            self.metadata = metadata
+            self._reader = MessageReader(
+                encoding,
+                self.conn.max_receive,
+                self.conn.budget,
+                "ClientLimits.max_receive_message_bytes",
+            )
+            if not end_stream:
+                if http != b"200":
+                    self._abort(*_http_status(http))
+                return
+        elif not end_stream:
+            self._abort(StatusCode.INTERNAL, "the server sent headers twice without ending")
+            return
+        else:
+            self.trailers = metadata
+        if grpc is not None:
+            self._finish(_status_of(grpc), message)
+        elif http not in (None, b"200"):
+            self._finish(*_http_status(http))
+        else:
+            self._finish(StatusCode.INTERNAL, "the server ended the call without a grpc-status")
+
+    def _on_data(self, data: bytes, flow: int) -> None:
+        if self.done:
+            self.conn.acknowledge(None, flow)
+            return
+        if self._reader is None:
+            self.conn.acknowledge(None, flow)
+            self._abort(StatusCode.INTERNAL, "the server sent DATA before its headers")
+            return
+        for message in self._reader.feed(data):
+            if isinstance(message, MessageError):
+                self.conn.acknowledge(None, flow)
+                status = message.status
+                self._abort(status.status_code, status.status_message)
+                return
+            self._inbox.append(message)
+        if len(self._inbox) <= INBOX_LIMIT:
+            self.conn.acknowledge(self, flow)
+        else:
+            self._deferred += flow
+        self._wake()
+
+    def _on_end(self) -> None:
+        if not self.done:
+            self._finish(StatusCode.INTERNAL, "the server ended the stream without trailers")
+
+    def _on_reset(self, code: int) -> None:
+        if self.done:
+            return
+        if code == F.REFUSED_STREAM:
+            self.reached_server = False
+        status = _RESET_STATUS.get(code, StatusCode.INTERNAL)
+        self._finish(status, f"the server reset the stream (HTTP/2 error code {code})")
+
+    def _lost(self, reached_server: bool, message: str) -> None:
+        if not self.done:
+            self.reached_server = reached_server
+            self._finish(StatusCode.UNAVAILABLE, message)
+
+    def _window_opened(self) -> None:
+        if self._window is not None:
+            self._window.set()
+            self._window = None
+
+    def _wake(self) -> None:
+        task = self._waiter
+        if task is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(task)
+
+    async def _wait(self) -> None:
+        """Until the reader wakes this stream (no Event: the caller's task is parked)."""
+        self._waiter = trio.lowlevel.current_task()
+
+        def abort(_) -> trio.lowlevel.Abort:
+            self._waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _abort(self, code: StatusCode, message: str) -> None:
+        """End the stream on our side: RST_STREAM CANCEL, status ``code``."""
+        self.conn.reset_stream(self.id, F.CANCEL)
+        self._finish(code, message)
+        self.conn.flush()
+
+    def _finish(self, code: StatusCode, message: str) -> None:
+        self.done = self._closed = True
+        self.status, self.message = code, message
+        if self._deferred:
+            self.conn.acknowledge(None, self._deferred)
+            self._deferred = 0
+        if self._reader is not None:
+            self._reader.release()
+        self.conn.forget(self)
+        self._wake()
+        self._window_opened()
+
+    # -- for the caller ---------------------------------------------------------------
+
+    async def send(self, payload: bytes, *, end: bool = False) -> None:
+        """Send one message (``end``: and half-close). Raises :class:`CallEnded` once
+        the call has ended or was half-closed; waits for flow control."""
+        if self.done or self.half_closed:
+            raise CallEnded(f"the call has ended ({self.status})" if self.done else "half-closed")
+        if len(payload) > self.conn.max_send:
+            self._abort(
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"message of {len(payload)} bytes is larger than the channel's maximum "
+                f"{self.conn.max_send} (ClientLimits.max_send_message_bytes)",
+            )
+            raise CallEnded(self.message)
+        conn = self.conn
+        data = memoryview(frame(payload))
+        self.half_closed = end
+        while True:
+            data = data[conn.write_data(self, data, end) :]
+            if not data:
+                break
+            conn.flush()
+            waiter = self._window = trio.Event()
+            await waiter.wait()
+            if self.done:
+                raise CallEnded(f"the call has ended ({self.status})")
+        conn.flush()
+
+    def end(self) -> None:
+        """Half-close: tell the server no more messages follow (idempotent)."""
+        if not self.half_closed and not self.done:
+            self.half_closed = True
+            self.conn._out.append(F.frame(F.DATA, F.END_STREAM, self.id))
+            self.conn.flush()
+
+    async def receive(self) -> bytes | None:
+        """The next response message, or None once the call has ended (see ``status``)."""
+        while not self._inbox:
+            if self.done:
+                return None
+            await self._wait()
+        message = self._inbox.popleft()
+        if self._deferred and len(self._inbox) < INBOX_LIMIT:
+            self.conn.acknowledge(self, self._deferred)
+            self._deferred = 0
+            self.conn.flush()
+        return message
+
+    async def wait_done(self) -> None:
+        while not self.done:
+            await self._wait()
+
+    def take_messages(self) -> list[bytes]:
+        messages = list(self._inbox)
+        self._inbox.clear()
+        return messages
+
+    def cancel(self, code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:
+        """End the call now (RST_STREAM CANCEL) unless it has ended; never raises."""
+        if not self.done:
+            self._abort(code, message or "the call was cancelled by the client")
+
+
+def _http_status(http: bytes | None) -> tuple[StatusCode, str]:
+    code = _HTTP_STATUS.get(http or b"", StatusCode.UNKNOWN)
+    return code, f"the server answered HTTP {(http or b'?').decode('latin-1')}, not gRPC"
