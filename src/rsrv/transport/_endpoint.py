@@ -164,8 +164,10 @@ class Http2Endpoint:
                 if sid == 0:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "PRIORITY on stream 0")
             elif kind == F.GOAWAY:
-                if sid != 0 or len(payload) < 8:
-                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "malformed GOAWAY")
+                if sid != 0:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "GOAWAY on a stream")
+                if len(payload) < 8:
+                    raise F.ConnectionError_(F.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
                 self._on_goaway(F.parse_u32(payload[:4], "GOAWAY"), F.parse_u32(payload[4:8], ""))
             elif kind == F.PUSH_PROMISE:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "push is disabled")
