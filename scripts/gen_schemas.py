@@ -5,6 +5,7 @@
 * specs/manifest.schema.json: a bundle's manifest.yaml / manifest.toml
   (``rsrv.bundle._manifest.Manifest``);
 * specs/node.schema.json: a node file (``rsrv.config.node_json_schema()``).
+* specs/gateway.schema.json: a gateway file (``rsrv.config.gateway_json_schema()``).
 
 Output is deterministic (sorted keys, two-space indent, trailing newline), so the
 committed files change only when the types do. ``--check`` writes nothing and exits 1
@@ -33,6 +34,12 @@ def node_schema() -> dict[str, Any]:
     return node_json_schema()
 
 
+def gateway_schema() -> dict[str, Any]:
+    from rsrv.config import gateway_json_schema
+
+    return gateway_json_schema()
+
+
 def manifest_schema() -> dict[str, Any]:
     from rsrv.bundle._manifest import Manifest
 
@@ -44,6 +51,7 @@ def render() -> dict[str, str]:
     return {
         "manifest.schema.json": _dump(manifest_schema()),
         "node.schema.json": _dump(node_schema()),
+        "gateway.schema.json": _dump(gateway_schema()),
     }
 
 

@@ -1,4 +1,4 @@
-"""The ``rsrv`` command line: ``serve``, ``node``, ``bundle check`` and ``export``."""
+"""The ``rsrv`` command line: ``serve``, ``node``, ``gateway``, ``bundle check``, ``export``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,22 @@ def main(argv: list[str] | None = None) -> int:
         help="node file (YAML or TOML); default: the built-in node, as for serve",
     )
 
+    gateway = sub.add_parser(
+        "gateway",
+        help="run a gateway: one gRPC endpoint in front of workers (specs/gateway.md); "
+        "`rsrv gateway status|repack|set-replicas|set-policy` steer a running one",
+    )
+    gateway.add_argument(
+        "gateway_args",
+        nargs="*",
+        metavar="GATEWAY_FILE | COMMAND ARGS",
+        help="gateway file (YAML or TOML; default: INFERENCE_GATEWAY_* variables only), or "
+        "status | repack [--wait S] | set-replicas MODEL N|all|default | set-policy K=V ...",
+    )
+    from rsrv.gateway import add_ctl_arguments
+
+    add_ctl_arguments(gateway)
+
     bundle = sub.add_parser("bundle", help="bundle tools")
     bundle_sub = bundle.add_subparsers(dest="bundle_command", required=True)
     check = bundle_sub.add_parser("check", help="validate and compile bundles")
@@ -59,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         if len(rest) > 1:
             parser.error("node: give at most one node file")
         return command(rest[0] if rest else None)
+    if args.command == "gateway":
+        from rsrv.gateway import COMMANDS, ctl_main, gateway_main
+
+        rest = list(args.gateway_args)
+        if rest and rest[0] in COMMANDS:
+            return ctl_main(rest[0], rest[1:], args)
+        if len(rest) > 1:
+            parser.error("gateway: give at most one gateway file")
+        return gateway_main(rest[0] if rest else None)
     if args.command == "serve":
         from rsrv.worker import serve_main
 

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, 
 
 TWO_WORKERS = """
 model_repo = "repo"
+port = {node_port}
 metrics_port = {metrics_port}
 workers = [{name = "worker0", port = {port}}, {name = "worker1", port = {port_b}}]
 
@@ -40,6 +41,9 @@ model_control_mode = "static"
 [global.endpoints]
 max_concurrent_requests = 0
 shutdown_grace_seconds = 20
+
+[gateway]
+metrics_port = {gateway_metrics_port}
 
 [supervisor]
 backoff_seconds = 0.2
@@ -106,15 +110,19 @@ def test_two_cpu_workers_each_answer_on_their_own_port(tmp_path, node):
     export_linear(tmp_path / "repo" / "lin", seed=3)
     n = node()
     children = n.wait_serving()
-    assert sorted(children) == ["worker0", "worker1"]
+    assert sorted(children) == ["gateway", "worker0", "worker1"]
     ports = [children[w]["port"] for w in ("worker0", "worker1")]
     assert ports == [n.port, n.ports["port_b"]]
     pids = {c["pid"] for c in children.values()}
-    assert len(pids) == 2 and os.getpid() not in pids
-    for port in ports:
+    assert len(pids) == 3 and os.getpid() not in pids
+    # Each worker answers on its own port, and the gateway on the node's.
+    assert children["gateway"]["port"] == n.ports["node_port"]
+    for port in [*ports, n.ports["node_port"]]:
         with tc.InferenceServerClient(f"127.0.0.1:{port}") as client:
             assert client.is_server_ready()
             assert matches(infer_y(client, "lin", X), 3, X)
+    gateway = Scrape(n.ports["gateway_metrics_port"])
+    assert gateway.value("rsrv_gateway_worker_up", worker="worker1") == 1
     # The node says it is ready, per child and as a whole.
     assert get(n.metrics_port, "/readyz")[0] == 200
     scrape = Scrape(n.metrics_port)
@@ -174,6 +182,7 @@ def test_the_restart_limit_stops_the_node_non_zero(tmp_path, node):
     assert "b exited 3 time(s) in a row" in log and "giving up" in log
     assert "Traceback" not in log
     assert "a exited (code 0)" in log  # the healthy worker was stopped gracefully
+    assert "gateway exited (code 0)" in log
 
 
 def test_sigterm_under_load_answers_every_accepted_request(tmp_path, node):
@@ -184,6 +193,7 @@ def test_sigterm_under_load_answers_every_accepted_request(tmp_path, node):
     children = n.wait_serving()
     answers: dict[int, object] = {}
     lock = threading.Lock()
+    # Through the front door (the gateway) and straight to each worker.
     clients = [tc.InferenceServerClient(f"127.0.0.1:{c['port']}") for c in children.values()]
     try:
 
@@ -192,7 +202,7 @@ def test_sigterm_under_load_answers_every_accepted_request(tmp_path, node):
                 with lock:
                     answers[i] = error if error else result.as_numpy("y")
 
-            clients[i % 2].async_infer("slow", [x_input(X)], callback)
+            clients[i % len(clients)].async_infer("slow", [x_input(X)], callback)
 
         for i in range(40):
             send(i)
@@ -231,7 +241,7 @@ def test_json_logs_stay_json_with_the_child_named(tmp_path, node):
     assert n.wait_exit(60) == 0
     entries = [json.loads(line) for line in n.stderr if line.strip()]
     workers = {e["worker"] for e in entries}
-    assert {"node", "worker0", "worker1"} <= workers
+    assert {"node", "gateway", "worker0", "worker1"} <= workers
     assert any(e["worker"] == "worker1" and "gRPC listening" in e["message"] for e in entries)
 
 

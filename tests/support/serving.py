@@ -168,6 +168,8 @@ class ServerProcess:
     ``{metrics_port}``, ``{port_b}``, ...) is replaced by a free port, found in
     ``self.ports`` (``self.port`` and ``self.metrics_port`` for the first two). Runs in
     ``workdir`` with no ``INFERENCE_SERVER_*`` variables but those in ``env``.
+    ``command="gateway"`` runs ``rsrv gateway`` on the file instead (``node`` is then a
+    gateway file).
     """
 
     def __init__(
@@ -176,13 +178,14 @@ class ServerProcess:
         node: str,
         env: Mapping[str, str] | None = None,
         command: str = "serve",
+        file_name: str = "node.toml",
     ):
         names = dict.fromkeys(["port", "metrics_port", *re.findall(r"\{(\w*port\w*)\}", node)])
         self.ports = {name: free_port() for name in names}
         self.port, self.metrics_port = self.ports["port"], self.ports["metrics_port"]
         for name, port in self.ports.items():
             node = node.replace("{" + name + "}", str(port))
-        self.path = workdir / "node.toml"
+        self.path = workdir / file_name
         self.path.write_text(node)
         environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
         environ.update(env or {})

@@ -19,6 +19,15 @@ from ._env import (
     parse_env_value,
 )
 from ._errors import ConfigError
+from ._gateway import (
+    GATEWAY_ENV_PREFIX,
+    GatewayConfig,
+    ModelPlacementConfig,
+    SchedulingConfig,
+    gateway_json_schema,
+    load_gateway,
+    split_address,
+)
 from ._load import DEFAULT_NODE_NAME, load_node, load_worker
 from ._resolve import NodePlan, effective_config_dict, plan_node, resolve_worker
 from ._schema import (
@@ -42,19 +51,23 @@ __all__ = [
     "CPU_WORKERS_VARIABLE",
     "DEFAULT_NODE_NAME",
     "ENV_PREFIX",
+    "GATEWAY_ENV_PREFIX",
     "GPUS_VARIABLE",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
     "ConfigError",
     "EndpointsConfig",
+    "GatewayConfig",
     "GlobalConfig",
     "LoggingConfig",
+    "ModelPlacementConfig",
     "ModelSchedConfig",
     "NodeConfig",
     "NodePlan",
     "RestrictedConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "SchedulingConfig",
     "SupervisorConfig",
     "WorkerConfig",
     "WorkerEntry",
@@ -62,10 +75,13 @@ __all__ = [
     "detect_devices",
     "effective_config_dict",
     "env_variables",
+    "gateway_json_schema",
+    "load_gateway",
     "load_node",
     "load_worker",
     "node_json_schema",
     "parse_env_value",
     "plan_node",
     "resolve_worker",
+    "split_address",
 ]

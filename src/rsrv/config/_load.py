@@ -20,7 +20,7 @@ from ._errors import ConfigError, convert
 from ._resolve import plan_node, resolve_worker
 from ._schema import NodeConfig, WorkerConfig
 
-__all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker"]
+__all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker", "read_document"]
 
 #: How errors name the embedded default node file.
 DEFAULT_NODE_NAME = "<embedded default.toml>"
@@ -40,6 +40,20 @@ def _decode(data: bytes, fmt: str, where: str) -> Any:
     return {} if raw is None else raw
 
 
+def read_document(path: Path) -> Any:
+    """A YAML (``.yaml``/``.yml``) or TOML (``.toml``) file as plain data; an empty
+    YAML file is an empty table. Raises ConfigError naming the file."""
+    where = os.fspath(path)
+    fmt = _FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"{where}: unsupported extension; use .yaml, .yml or .toml")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
+    return _decode(data, fmt, where)
+
+
 def load_node(path: str | os.PathLike[str] | None = None) -> NodeConfig:
     """Read and validate a node file; None reads the embedded ``default.toml``.
 
@@ -54,18 +68,11 @@ def load_node(path: str | os.PathLike[str] | None = None) -> NodeConfig:
     errors and invalid contents.
     """
     if path is None:
-        where, fmt = DEFAULT_NODE_NAME, "TOML"
         data = importlib.resources.files(__package__).joinpath("default.toml").read_bytes()
+        where, raw = DEFAULT_NODE_NAME, _decode(data, "TOML", DEFAULT_NODE_NAME)
     else:
-        where = os.fspath(path)
-        fmt = _FORMATS.get(Path(where).suffix.lower())
-        if fmt is None:
-            raise ConfigError(f"{where}: unsupported extension; use .yaml, .yml or .toml")
-        try:
-            data = Path(where).read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
-    node = convert(_decode(data, fmt, where), NodeConfig, where)
+        where, raw = os.fspath(path), read_document(Path(path))
+    node = convert(raw, NodeConfig, where)
     # Resolve every worker with no environment and no device detection: a file
     # that cannot yield a worker is rejected now rather than when its worker starts.
     plan_node(node, {}, source=None if path is None else Path(where), detect=False)

@@ -60,6 +60,9 @@ class NodePlan:
     devices: list[str]
     device_source: str
     supervisor: SupervisorConfig
+    host: str = "127.0.0.1"  # where the node's own servers listen (global endpoints.host)
+    gateway_file: str | None = None  # absolute
+    gateway_metrics_port: int | None = None
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> None:
@@ -325,7 +328,20 @@ def plan_node(
     _check_ports(workers, where)
     public = workers[0].endpoints.port if len(workers) == 1 else node.port
     assert public is not None  # resolved by _resolve_one
-    return NodePlan(workers, public, node.metrics_port, devices, found, node.supervisor)
+    gateway_file = node.gateway.file
+    if gateway_file is not None:
+        gateway_file = _absolute(gateway_file, base)
+    return NodePlan(
+        workers,
+        public,
+        node.metrics_port,
+        devices,
+        found,
+        node.supervisor,
+        host=node.global_.endpoints.host,
+        gateway_file=gateway_file,
+        gateway_metrics_port=node.gateway.metrics_port,
+    )
 
 
 def resolve_worker(

@@ -1,6 +1,15 @@
-"""A child process's link to the ``rsrv node`` supervisor that started it: status
-reports up, and a graceful stop when the supervisor dies (see ``_lifeline``)."""
+"""A server process's life: signals and graceful stop (``serve_process``), and its link
+to the ``rsrv node`` supervisor that started it: status reports up, and a graceful stop
+when the supervisor dies (``_lifeline``)."""
 
 from rsrv.lifeline._lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
+from rsrv.lifeline._process import Server, serve_process
 
-__all__ = ["LINK_FD_VARIABLE", "ChildStatus", "SupervisorLink", "read_status"]
+__all__ = [
+    "LINK_FD_VARIABLE",
+    "ChildStatus",
+    "Server",
+    "SupervisorLink",
+    "read_status",
+    "serve_process",
+]

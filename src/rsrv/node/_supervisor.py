@@ -5,9 +5,10 @@ The process tree::
     rsrv node                      the supervisor: this module, admin HTTP on metrics_port
     ├── rsrv serve --worker worker0   one per worker, CUDA_VISIBLE_DEVICES = its device
     ├── rsrv serve --worker worker1
-    └── ...
+    ├── ...
+    └── rsrv gateway                  two or more workers: on the node's public port
 
-A one-worker node's worker listens on the node's public port itself. Stopping
+A one-worker node's worker listens on the node's public port itself, no gateway. Stopping
 (SIGTERM or SIGINT): the front door first, then every worker drains and exits, each
 within its grace period, after which it is killed. Exit status: 0 when every child
 stopped by itself, 1 when the node gave up on a child or had to kill one, 2 for an
@@ -25,6 +26,7 @@ from pathlib import Path
 import trio
 
 from rsrv.config import (
+    GATEWAY_ENV_PREFIX,
     GPUS_VARIABLE,
     ConfigError,
     NodePlan,
@@ -69,6 +71,44 @@ def worker_spec(
     )
 
 
+def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
+    """How to run the gateway in front of ``plan``'s workers: ``rsrv gateway`` with the
+    node's gateway file (if any), listening on the node's public port, the workers as
+    its endpoints (each at its own port on this host)."""
+    argv = [sys.executable, "-m", "rsrv.cli", "gateway"]
+    if plan.gateway_file is not None:
+        argv.append(plan.gateway_file)
+    connect = "127.0.0.1" if plan.host in ("0.0.0.0", "::", "") else plan.host
+    endpoints = [f"{connect}:{w.endpoints.port}" for w in plan.workers]
+    env = {
+        **base_env,
+        "PYTHONUNBUFFERED": "1",
+        f"{GATEWAY_ENV_PREFIX}LISTEN_GRPC": f"{plan.host}:{plan.port}",
+        f"{GATEWAY_ENV_PREFIX}LISTEN_METRICS": "none"
+        if plan.gateway_metrics_port is None
+        else f"{plan.host}:{plan.gateway_metrics_port}",
+        f"{GATEWAY_ENV_PREFIX}ENDPOINTS": ",".join(endpoints),
+        f"{GATEWAY_ENV_PREFIX}WORKER_NAMES": ",".join(w.name for w in plan.workers),
+    }
+    # The gateway accepts what its workers accept, and logs as they do, unless told
+    # otherwise.
+    env.setdefault(
+        f"{GATEWAY_ENV_PREFIX}GRPC_MAX_MESSAGE_BYTES",
+        str(max(w.endpoints.max_message_bytes for w in plan.workers)),
+    )
+    env.setdefault(f"{GATEWAY_ENV_PREFIX}LOGGING_FORMAT", plan.workers[0].logging.format)
+    env.setdefault(f"{GATEWAY_ENV_PREFIX}LOGGING_LEVEL", plan.workers[0].logging.level)
+    grace = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
+    return ChildSpec(
+        name="gateway",
+        kind="gateway",
+        argv=argv,
+        env=env,
+        grace=grace + plan.supervisor.kill_after_seconds,
+        port=plan.port,
+    )
+
+
 def check_node_ports(plan: NodePlan) -> None:
     """The node's admin port (and, with two or more workers, its public port) must
     not be a port of any worker. Raises ConfigError."""
@@ -80,8 +120,16 @@ def check_node_ports(plan: NodePlan) -> None:
             taken[worker.endpoints.metrics_port] = f"the metrics port of worker {worker.name!r}"
     if plan.metrics_port in taken:
         raise ConfigError(f"metrics_port {plan.metrics_port} is {taken[plan.metrics_port]}")
-    if len(plan.workers) > 1 and plan.port in taken:
-        raise ConfigError(f"port {plan.port} (the node's public port) is {taken[plan.port]}")
+    if len(plan.workers) > 1:
+        taken[plan.metrics_port] = "the node's metrics_port"
+        if plan.port in taken:
+            raise ConfigError(f"port {plan.port} (the gateway's) is {taken[plan.port]}")
+        taken[plan.port] = "the gateway's port"
+        if plan.gateway_metrics_port in taken:
+            raise ConfigError(
+                f"gateway.metrics_port {plan.gateway_metrics_port} is "
+                f"{taken[plan.gateway_metrics_port]}"
+            )
 
 
 class Supervisor:
@@ -164,16 +212,14 @@ def node_main(node_file: str | None) -> int:
         log.info("devices: %s (from %s)", ", ".join(plan.devices) or "none", plan.device_source)
     env = dict(os.environ)
     specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
+    if len(specs) > 1:
+        specs.append(gateway_spec(plan, env))
     for spec in specs:
         log.info(
-            "%s %s: port %d, device %s",
+            "%s %s: port %d%s",
             spec.kind,
             spec.name,
             spec.port,
-            spec.device or "none",
-        )
-    if len(specs) > 1:
-        log.warning(
-            "%d workers and no gateway yet: clients connect to each worker's port", len(specs)
+            f", device {spec.device or 'none'}" if spec.kind == "worker" else "",
         )
     return trio.run(Supervisor(plan, specs, node.global_.endpoints.host).run)

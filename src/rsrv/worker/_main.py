@@ -10,26 +10,20 @@ exits 0 once every accepted request has been answered.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import resource
-import signal
 import sys
 from pathlib import Path
 
 import msgspec
-import trio
 
 from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
-from rsrv.lifeline import ChildStatus, SupervisorLink
+from rsrv.lifeline import ChildStatus, serve_process
 from rsrv.logsetup import configure_logging
 from rsrv.runtime import DeviceUnavailable, configure, open_device
 from rsrv.worker._worker import Worker
 
 log = logging.getLogger("rsrv.worker")
-
-_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
 
 
 def serve_main(node_file: str | None, worker_name: str | None) -> int:
@@ -64,39 +58,17 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
         )
     else:
         log.info("device: %s", device.describe())
-    _raise_descriptor_limit()
     try:
         worker = Worker(config, device=device)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    unbound = None
-    try:
-        trio.run(_serve_until_signal, worker)
-    except* OSError as group:
-        unbound, rest = group.split(lambda e: getattr(e, "errno", None) in _LISTEN_ERRORS)
-        if rest is not None:
-            raise
-    if unbound is not None:
-        # One line, and an exit status a supervisor restarts after (the port may free up).
-        first = unbound
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        print(f"rsrv: worker {config.name}: cannot listen: {first}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _raise_descriptor_limit() -> None:
-    """Raise the soft limit on open descriptors to the hard one: every connection
-    holds one (see endpoints.max_connections), and 1024 is a common soft default."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            return
-        log.info("open descriptor limit raised from %d to %d", soft, hard)
+    # What a supervising `rsrv node` is told.
+    return serve_process(
+        f"worker {config.name}",
+        worker,
+        lambda: ChildStatus(ready=worker.ready, port=worker.port),
+    )
 
 
 def _default_repo(config: WorkerConfig) -> WorkerConfig:
@@ -117,21 +89,3 @@ def _default_repo(config: WorkerConfig) -> WorkerConfig:
         )
         return msgspec.structs.replace(config, model_repo=str(checkout))
     return config
-
-
-async def _serve_until_signal(worker: Worker) -> None:
-    stopping = False
-
-    def status() -> ChildStatus:  # what a supervising `rsrv node` is told
-        return ChildStatus(ready=worker.ready and not stopping, port=worker.port)
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            nursery.start_soon(SupervisorLink(status).run)
-            async for signum in signals:
-                log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
-                stopping = True
-                await worker.shutdown()
-                nursery.cancel_scope.cancel()
-                return

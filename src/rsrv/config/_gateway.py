@@ -1,0 +1,355 @@
+"""The gateway file (``rsrv gateway GATEWAY_FILE``): schema, loading, env overrides.
+
+Its keys follow the seed's ``gateway.yml`` so its users recognise the file:
+``listen.grpc`` / ``listen.metrics`` as ``"host:port"``, a flat ``endpoints`` list of
+worker ``"host:port"``, ``grpc`` and ``worker_client`` limits, a ``scheduling`` block.
+``INFERENCE_GATEWAY_<SECTION>_<FIELD>`` variables override scalar keys, as
+``INFERENCE_SERVER_*`` do for a worker; ``INFERENCE_GATEWAY_ENDPOINTS``,
+``INFERENCE_GATEWAY_ENDPOINTS_DNS`` and ``INFERENCE_GATEWAY_WORKER_NAMES`` take
+comma-separated lists. See specs/gateway.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from ._env import parse_env_value
+from ._errors import ConfigError, convert
+from ._load import read_document
+from ._schema import LoggingConfig, _doc, _Strict
+
+__all__ = [
+    "GATEWAY_ENV_PREFIX",
+    "GatewayConfig",
+    "ModelPlacementConfig",
+    "SchedulingConfig",
+    "gateway_json_schema",
+    "load_gateway",
+    "split_address",
+]
+
+GATEWAY_ENV_PREFIX = "INFERENCE_GATEWAY_"
+_ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]\s]+):(?P<port>\d{1,5})")
+Address = Annotated[str, msgspec.Meta(description="host:port, [v6 address]:port")]
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[::1]:8001"`` for IPv6) as (host, port); ValueError if not.
+    Port 0 (listen on a free port) is allowed here; endpoints must name a port."""
+    match = _ADDRESS.fullmatch(text)
+    if match is None or not 0 <= int(match["port"]) <= 65535:
+        raise ValueError(f"{text!r} is not host:port")
+    return match["host"].strip("[]"), int(match["port"])
+
+
+class ListenConfig(_Strict):
+    grpc: Annotated[Address, _doc("Where clients connect (gRPC), host:port.")] = "127.0.0.1:8001"
+    metrics: Annotated[
+        Address | None, _doc("Admin HTTP (/healthz, /readyz, /metrics), host:port; null: none.")
+    ] = "127.0.0.1:8002"
+
+
+class GrpcConfig(_Strict):
+    """The gateway's own gRPC server (what clients may hold of it)."""
+
+    max_message_bytes: Annotated[
+        int, msgspec.Meta(ge=1 << 20, le=(1 << 31) - 1), _doc("Largest message, in bytes.")
+    ] = 1 << 28
+    max_concurrent_requests_per_worker: Annotated[
+        int,
+        msgspec.Meta(ge=1),
+        _doc("Inbound cap: this times the number of workers; more get RESOURCE_EXHAUSTED."),
+    ] = 64
+    max_connections: Annotated[int, msgspec.Meta(ge=1), _doc("Open client connections.")] = 1000
+    max_streams_per_connection: Annotated[
+        int, msgspec.Meta(ge=1), _doc("Calls open at once on one client connection.")
+    ] = 128
+    max_requests_per_stream: Annotated[
+        int, msgspec.Meta(ge=1), _doc("Requests of one ModelStreamInfer stream in flight at once.")
+    ] = 16
+    receive_timeout_seconds: Annotated[
+        float, msgspec.Meta(gt=0), _doc("A request must arrive whole within this.")
+    ] = 60.0
+    idle_connection_seconds: Annotated[
+        float, msgspec.Meta(ge=0), _doc("A client connection idle this long is closed; 0: never.")
+    ] = 600.0
+    shutdown_grace_seconds: Annotated[
+        float, msgspec.Meta(ge=0), _doc("How long calls in flight may finish after a stop signal.")
+    ] = 30.0
+    tls_cert_file: Annotated[str | None, _doc("PEM certificate chain: serve TLS.")] = None
+    tls_key_file: Annotated[str | None, _doc("PEM private key of tls_cert_file.")] = None
+    tls_client_ca_file: Annotated[str | None, _doc("PEM CA: require client certificates.")] = None
+
+
+class WorkerClientConfig(_Strict):
+    """How the gateway talks to its workers."""
+
+    request_timeout_seconds: Annotated[
+        float,
+        msgspec.Meta(gt=0),
+        _doc("Longest a forwarded call may take when the client gave no deadline."),
+    ] = 60.0
+    max_concurrent_streams: Annotated[
+        int, msgspec.Meta(ge=1), _doc("Calls in flight to one worker at once; more wait.")
+    ] = 64
+    tls_ca_file: Annotated[
+        str | None, _doc("PEM CA: connect to workers over TLS, verifying them with it.")
+    ] = None
+    tls_cert_file: Annotated[
+        str | None, _doc("PEM client certificate for workers that require one.")
+    ] = None
+    tls_key_file: Annotated[str | None, _doc("PEM private key of tls_cert_file.")] = None
+    headers: Annotated[
+        dict[str, str],
+        _doc(
+            "Headers sent with the gateway's own calls (probes, fan-outs), e.g. the header "
+            "of a restricted protocol; clients' headers are forwarded with their calls."
+        ),
+    ] = {}
+
+
+class DiscoveryConfig(_Strict):
+    """How the gateway finds out which worker is up and what it serves."""
+
+    interval_seconds: Annotated[
+        float, msgspec.Meta(gt=0), _doc("Time between probe rounds (ServerReady, index).")
+    ] = 2.0
+    probe_timeout_seconds: Annotated[
+        float, msgspec.Meta(gt=0), _doc("A probe unanswered this long counts as a failure.")
+    ] = 2.0
+    refresh_min_seconds: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        _doc("An unknown model triggers a refresh at most this often before NOT_FOUND."),
+    ] = 1.0
+    startup_wait_seconds: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        _doc("lpt_packing: how long to wait for every worker's status at start; 0: forever."),
+    ] = 0.0
+
+
+class ModelPlacementConfig(_Strict):
+    """Per-model scheduling overrides (``scheduling.models.<name>``)."""
+
+    replicas: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | Literal["all"] | None,
+        _doc("Workers holding the model under lpt_packing; null: default_replicas."),
+    ] = None
+    fill_mode: Annotated[
+        Literal["run", "spread", "inflight"] | None, _doc("null: routing_fill_mode.")
+    ] = None
+    fill_factor: Annotated[
+        Annotated[float, msgspec.Meta(gt=0)] | None, _doc("null: routing_fill_factor.")
+    ] = None
+
+
+class SchedulingConfig(_Strict):
+    """Which worker answers a request (specs/gateway.md, Scheduling)."""
+
+    mode: Annotated[
+        Literal["round_robin", "least_outstanding", "lpt_packing"],
+        _doc("round_robin, least_outstanding or lpt_packing (placement that fills batches)."),
+    ] = "round_robin"
+    work_basis: Annotated[
+        Literal["requests", "items", "compute"],
+        _doc("What a request weighs for least_outstanding and fill_least: 1, rows, or seconds."),
+    ] = "requests"
+    rebalance_compute_seconds: Annotated[
+        float, msgspec.Meta(gt=0), _doc("Repack after the fleet computes this many seconds.")
+    ] = 300.0
+    first_rebalance_compute_seconds: Annotated[
+        float, msgspec.Meta(gt=0), _doc("The same, until the first traffic-driven repack.")
+    ] = 60.0
+    hysteresis: Annotated[
+        float,
+        msgspec.Meta(ge=0, lt=1),
+        _doc("A model keeps its home unless another is better by more than this fraction."),
+    ] = 0.0
+    ema_halflife_compute_seconds: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        _doc("Half-life of the arrival and cost averages; 0: rebalance_compute_seconds."),
+    ] = 0.0
+    forbid_memory_oversubscription: Annotated[
+        bool, _doc("Place a model only where its weights fit the budget, when any worker can.")
+    ] = True
+    default_replicas: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | Literal["all"],
+        _doc("Workers holding each model under lpt_packing."),
+    ] = 1
+    routing_policy: Annotated[
+        Literal["fill_least", "fill_rr"],
+        _doc("fill_least: open a run on the least loaded replica; fill_rr: rotate."),
+    ] = "fill_least"
+    routing_fill_mode: Annotated[
+        Literal["run", "spread", "inflight"], _doc("How requests fill a replica's batches.")
+    ] = "run"
+    routing_fill_factor: Annotated[
+        float, msgspec.Meta(gt=0), _doc("Rows per run: this times the largest compiled batch.")
+    ] = 1.0
+    compaction_mode: Annotated[
+        Literal["eager", "off", "scheduled"],
+        _doc("After a repack that moved models: CompactMemory on the workers it changed."),
+    ] = "eager"
+    compaction_interval: Annotated[
+        int, msgspec.Meta(ge=1), _doc("Compact after every Nth repack that moved something.")
+    ] = 1
+    models: Annotated[
+        dict[str, ModelPlacementConfig], _doc("Per-model overrides (file only).")
+    ] = {}
+
+
+class GatewayConfig(_Strict):
+    """The gateway file."""
+
+    listen: ListenConfig = msgspec.field(default_factory=ListenConfig)
+    endpoints: Annotated[
+        list[Address], _doc("Workers, as host:port (any hosts), in a fixed order.")
+    ] = []
+    endpoints_dns: Annotated[
+        list[Address],
+        _doc(
+            "host:port whose host name resolves to every worker (e.g. a Kubernetes headless "
+            "Service); re-resolved each discovery round, so workers come and go."
+        ),
+    ] = []
+    worker_names: Annotated[
+        list[str], _doc("Names of the endpoints, index-aligned (metric labels); default host:port.")
+    ] = []
+    grpc: GrpcConfig = msgspec.field(default_factory=GrpcConfig)
+    worker_client: WorkerClientConfig = msgspec.field(default_factory=WorkerClientConfig)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    scheduling: SchedulingConfig = msgspec.field(default_factory=SchedulingConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+    @property
+    def names(self) -> list[str]:
+        """Each endpoint's name: ``worker_names[i]``, else the address."""
+        return list(self.worker_names) or list(self.endpoints)
+
+
+_SECTIONS = {
+    "listen": ListenConfig,
+    "grpc": GrpcConfig,
+    "worker_client": WorkerClientConfig,
+    "discovery": DiscoveryConfig,
+    "scheduling": SchedulingConfig,
+    "logging": LoggingConfig,
+}
+_LISTS = ("endpoints", "endpoints_dns", "worker_names")
+
+
+def _variables() -> dict[str, tuple[tuple[str, ...], Any]]:
+    table: dict[str, tuple[tuple[str, ...], Any]] = {}
+    for name in _LISTS:
+        table[GATEWAY_ENV_PREFIX + name.upper()] = ((name,), list)
+    for section, cls in _SECTIONS.items():
+        for f in msgspec.structs.fields(cls):
+            if f.name != "models":
+                table[f"{GATEWAY_ENV_PREFIX}{section.upper()}_{f.name.upper()}"] = (
+                    (section, f.name),
+                    f.type,
+                )
+    return table
+
+
+def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    table = _variables()
+    for variable in sorted(k for k in env if k.startswith(GATEWAY_ENV_PREFIX)):
+        text = env[variable]
+        if variable not in table:
+            close = difflib.get_close_matches(variable, table, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"{variable}: unknown gateway variable{hint}")
+        path, tp = table[variable]
+        if tp is list:
+            value: Any = [item.strip() for item in text.split(",") if item.strip()]
+        else:
+            try:
+                value = parse_env_value(text, tp)
+            except ValueError as exc:
+                raise ConfigError(f"{variable}={text!r}: {exc}") from None
+        target = raw
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{variable}: the file's {key} is not a table")
+        target[path[-1]] = value
+
+
+def load_gateway(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] = os.environ
+) -> GatewayConfig:
+    """Read and check a gateway file (None: defaults only), with ``INFERENCE_GATEWAY_*``
+    overrides from ``env`` applied over it. Checks: at least one endpoint, no endpoint
+    twice, ``worker_names`` (when given) one per endpoint and unique, a per-model
+    ``fill_mode`` or ``replicas`` well formed. Raises ConfigError naming the file, the
+    key or the variable."""
+    where = "<gateway defaults>" if path is None else os.fspath(path)
+    raw: dict[str, Any] = {} if path is None else read_document(Path(where))
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table at the top level")
+    _apply_env(raw, env)
+    config = convert(raw, GatewayConfig, where)
+    if not config.endpoints and not config.endpoints_dns:
+        raise ConfigError(
+            f"{where}: no endpoints: list the workers as host:port in endpoints, or a name "
+            f"resolving to all of them in endpoints_dns (or set {GATEWAY_ENV_PREFIX}ENDPOINTS)"
+        )
+    addresses = [(f"endpoints[{i}]", a) for i, a in enumerate(config.endpoints)]
+    addresses += [(f"endpoints_dns[{i}]", a) for i, a in enumerate(config.endpoints_dns)]
+    addresses.append(("listen.grpc", config.listen.grpc))
+    if config.listen.metrics is not None:
+        addresses.append(("listen.metrics", config.listen.metrics))
+    for key, address in addresses:
+        try:
+            _, port = split_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: $.{key}: {exc}") from None
+        if port == 0 and key.startswith("endpoints"):
+            raise ConfigError(f"{where}: $.{key}: {address!r} has no port")
+    if len(set(config.endpoints)) != len(config.endpoints):
+        raise ConfigError(f"{where}: an endpoint is listed twice in {config.endpoints}")
+    names = config.worker_names
+    if names and (len(names) != len(config.endpoints) or len(set(names)) != len(names)):
+        raise ConfigError(
+            f"{where}: worker_names must name each of the {len(config.endpoints)} endpoints "
+            f"once; got {names}"
+        )
+    config = _absolute_files(config, Path.cwd() if path is None else Path(where).absolute().parent)
+    grpc = config.grpc
+    if (grpc.tls_cert_file is None) != (grpc.tls_key_file is None):
+        raise ConfigError(f"{where}: grpc.tls_cert_file and tls_key_file go together")
+    client = config.worker_client
+    if (client.tls_cert_file is None) != (client.tls_key_file is None):
+        raise ConfigError(f"{where}: worker_client.tls_cert_file and tls_key_file go together")
+    return config
+
+
+def _absolute_files(config: GatewayConfig, base: Path) -> GatewayConfig:
+    """TLS file paths relative to the gateway file's directory made absolute."""
+
+    def fix(section: msgspec.Struct) -> msgspec.Struct:
+        changes = {
+            f.name: os.path.normpath(base / os.path.expanduser(value))
+            for f in msgspec.structs.fields(section)
+            if f.name.endswith("_file") and (value := getattr(section, f.name)) is not None
+        }
+        return msgspec.structs.replace(section, **changes)
+
+    return msgspec.structs.replace(
+        config, grpc=fix(config.grpc), worker_client=fix(config.worker_client)
+    )
+
+
+def gateway_json_schema() -> dict[str, Any]:
+    """JSON Schema of the gateway file, constraints and descriptions included."""
+    return msgspec.json.schema(GatewayConfig)

@@ -1,0 +1,108 @@
+"""``rsrv gateway status | repack | set-replicas | set-policy``: the gateway's control
+service from the command line.
+
+Each subcommand makes one call to ``--address`` (default 127.0.0.1:8001) and prints
+the answer; exit status 0 on success, 1 when the gateway refused (its status and
+message are printed), 2 when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import trio
+from google.protobuf import json_format
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.config import split_address
+from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
+from rsrv.transport import open_channel
+
+__all__ = ["add_ctl_arguments", "ctl_main"]
+
+SERVICE = "/rsrv.gateway.v1.GatewayControl/"
+COMMANDS = ("status", "repack", "set-replicas", "set-policy")
+
+
+def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="127.0.0.1:8001", help="the gateway, host:port")
+    parser.add_argument("--wait", type=float, default=0.0, help="repack: seconds to wait")
+    parser.add_argument("--fill-mode", default="", help="set-replicas: run|spread|inflight|inherit")
+    parser.add_argument("--fill-factor", type=float, help="set-replicas: rows per run / max batch")
+    parser.add_argument(
+        "--allow-unknown", action="store_true", help="set-replicas: a model no worker serves yet"
+    )
+
+
+def _request(command: str, args: list[str], options: argparse.Namespace):
+    if command == "status":
+        return "GetSchedulingStatus", pb.GetSchedulingStatusRequest(), pb.SchedulingStatus
+    if command == "repack":
+        return "Repack", pb.RepackRequest(wait_seconds=options.wait), pb.RepackResponse
+    if command == "set-replicas":
+        if len(args) != 2:
+            raise ValueError("set-replicas MODEL N|all|default")
+        model, count = args
+        request = pb.SetModelPlacementRequest(
+            name=model, fill_mode=options.fill_mode, allow_unknown_model=options.allow_unknown
+        )
+        special = {"all": -1, "default": 0}
+        request.replicas = special[count] if count in special else int(count)
+        if options.fill_factor is not None:
+            request.fill_factor = options.fill_factor
+        return "SetModelPlacement", request, pb.SetModelPlacementResponse
+    # set-policy key=value ...
+    if not args:
+        raise ValueError("set-policy KEY=VALUE ...")
+    policy, mask = {}, []
+    for item in args:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r}: expected KEY=VALUE")
+        policy[key] = value
+        mask.append(key)
+    message = pb.SchedulingPolicy()
+    try:
+        json_format.ParseDict({k: _typed(message, k, v) for k, v in policy.items()}, message)
+    except json_format.ParseError as e:
+        raise ValueError(str(e)) from None
+    return (
+        "SetSchedulingPolicy",
+        pb.SetSchedulingPolicyRequest(update_mask=mask, policy=message),
+        pb.SetSchedulingPolicyResponse,
+    )
+
+
+def _typed(message, key: str, value: str):
+    field = message.DESCRIPTOR.fields_by_name.get(key)
+    if field is None:
+        return value  # the gateway names the unknown field
+    if field.type == field.TYPE_BOOL:
+        return value.lower() in ("1", "true", "yes", "on")
+    if field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):
+        return float(value)
+    if field.type in (field.TYPE_INT32, field.TYPE_UINT32, field.TYPE_INT64, field.TYPE_UINT64):
+        return -1 if value == "all" else int(value)
+    return value
+
+
+async def _call(address: str, method: str, request, response_type):
+    host, port = split_address(address)
+    async with open_channel(host, port) as channel:
+        return await channel.unary(SERVICE + method, request.SerializeToString(), timeout=130)
+
+
+def ctl_main(command: str, args: list[str], options: argparse.Namespace) -> int:
+    try:
+        method, request, response_type = _request(command, args, options)
+    except ValueError as e:
+        print(f"rsrv gateway {command}: {e}", file=sys.stderr)
+        return 2
+    result = trio.run(_call, options.address, method, request, response_type)
+    if result.status != StatusCode.OK:
+        print(f"rsrv gateway {command}: {result.status.name}: {result.message}", file=sys.stderr)
+        return 2 if not result.reached_server else 1
+    answer = response_type.FromString(result.response or b"")
+    print(json_format.MessageToJson(answer, preserving_proto_field_name=True, indent=1))
+    return 0

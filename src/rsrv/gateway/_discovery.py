@@ -1,0 +1,142 @@
+"""Discovery: which worker is up and what it serves, learnt by probing on an interval.
+
+Each round asks every worker, concurrently and each within ``probe_timeout_seconds``,
+for ServerReady and RepositoryIndex (and ModelControlStatus when the scheduling mode
+reads it), then swaps the new routes in. A worker that does not answer gets no traffic
+from that round on, and gets it back at the first round it answers. A request for a
+model no worker is known to serve triggers one refresh (single-flight, at most one per
+``refresh_min_seconds``) before it is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.config import GatewayConfig
+from rsrv.gateway._fleet import Fleet, IndexRow, WorkerLink
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
+
+__all__ = ["CONTROL_STATUS", "Discovery", "SERVER_READY", "REPOSITORY_INDEX"]
+
+log = logging.getLogger("rsrv.gateway")
+
+SERVER_READY = "/inference.GRPCInferenceService/ServerReady"
+REPOSITORY_INDEX = "/inference.GRPCInferenceService/RepositoryIndex"
+CONTROL_STATUS = "/rsrv.control.v1.ControlService/ModelControlStatus"
+_EMPTY = b""
+
+
+class Discovery:
+    """Keeps ``fleet`` current. ``before_round()`` runs first in every round (the
+    fleet's membership, from DNS); ``on_round()`` after it (the scheduler's tick);
+    ``needs_control`` asks each ready worker for ModelControlStatus too."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: GatewayConfig,
+        *,
+        needs_control: bool,
+        on_round: Callable[[], None] = lambda: None,
+        before_round: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.fleet = fleet
+        self.settings = config.discovery
+        self.headers: Iterable[tuple[str, str]] = tuple(config.worker_client.headers.items())
+        self.needs_control = needs_control
+        self.on_round = on_round
+        self.before_round = before_round
+        self.rounds = 0
+        self._round_done = trio.Event()
+        self._wake = trio.Event()
+        self._running: trio.Event | None = None
+        self._last_refresh = -float("inf")
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Probe every interval until cancelled; ``started()`` after the first round."""
+        await self.round()
+        task_status.started()
+        while True:
+            with trio.move_on_after(self.settings.interval_seconds):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            await self.round()
+
+    def wake(self) -> None:
+        """Run the next round now (an operator's repack, a failed call)."""
+        self._wake.set()
+
+    async def round(self) -> None:
+        if self._running is not None:  # single flight: wait for the round under way
+            await self._running.wait()
+            return
+        self._running = trio.Event()
+        try:
+            if self.before_round is not None:
+                await self.before_round()  # membership first (DNS)
+            async with trio.open_nursery() as nursery:
+                for worker in self.fleet.workers:
+                    nursery.start_soon(self._probe, worker)
+            self.fleet.rebuild_routes()
+            self.rounds += 1
+            self.on_round()
+        finally:
+            self._running.set()
+            self._running = None
+
+    async def refresh(self) -> None:
+        """A round now, unless one ran within ``refresh_min_seconds`` (an unknown model
+        must not turn every request into a probe of the whole fleet)."""
+        now = trio.current_time()
+        if now - self._last_refresh < self.settings.refresh_min_seconds:
+            return
+        self._last_refresh = now
+        await self.round()
+
+    async def _call(self, worker: WorkerLink, path: str) -> bytes | None:
+        timeout = self.settings.probe_timeout_seconds
+        result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
+        if result.status != StatusCode.OK or result.response is None:
+            if result.status != StatusCode.UNAVAILABLE:
+                log.warning(
+                    "worker %s answered %s to %s: %s",
+                    worker.name,
+                    result.status.name,
+                    path.rsplit("/", 1)[1],
+                    result.message,
+                )
+            return None
+        return result.response
+
+    async def _probe(self, worker: WorkerLink) -> None:
+        was_ready = worker.ready
+        ready, index, control = False, worker.index, worker.control
+        with trio.move_on_after(self.settings.probe_timeout_seconds * 3):
+            answer = await self._call(worker, SERVER_READY)
+            if answer is not None:
+                worker.ever_answered = True
+                ready = pb.ServerReadyResponse.FromString(answer).ready
+                answer = await self._call(worker, REPOSITORY_INDEX)
+                if answer is not None:
+                    index = tuple(
+                        IndexRow(m.name, m.version, m.state, m.reason)
+                        for m in pb.RepositoryIndexResponse.FromString(answer).models
+                    )
+                else:
+                    ready = False
+                if ready and self.needs_control:
+                    answer = await self._call(worker, CONTROL_STATUS)
+                    if answer is not None:
+                        control = control_pb.ModelControlStatusResponse.FromString(answer)
+        worker.probe_failures = 0 if ready else worker.probe_failures + 1
+        worker.ready, worker.index, worker.control = ready, index, control
+        if ready != was_ready:
+            if ready:
+                log.info("worker %s (%s) is ready", worker.name, worker.address)
+            else:
+                log.warning("worker %s (%s) is not ready", worker.name, worker.address)

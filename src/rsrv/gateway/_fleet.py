@@ -1,0 +1,152 @@
+"""The workers behind the gateway, and the routes: which ready worker serves which model.
+
+The worker list is fixed by the gateway file; what each worker serves and whether it is
+up is learnt by discovery (``_discovery``) and by the calls themselves. Routes are
+rebuilt from that knowledge and swapped in one assignment, so a request sees either the
+old table or the new one, never half of each.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from purerpc.grpclib.status import StatusCode
+
+__all__ = ["CallResult", "Fleet", "IndexRow", "WorkerChannel", "WorkerLink", "is_local_host"]
+
+
+class CallResult(Protocol):
+    """The outcome of one unary call to a worker (see ``rsrv.transport``)."""
+
+    status: StatusCode
+    message: str
+    response: bytes | None
+    reached_server: bool
+
+
+class WorkerChannel(Protocol):
+    """What the gateway needs of a connection to one worker: raw-bytes unary calls and
+    bidirectional streams (``rsrv.transport.Channel`` implements it)."""
+
+    async def unary(
+        self,
+        path: str,
+        request: bytes,
+        *,
+        metadata: Iterable[tuple[str, str]] = (),
+        timeout: float | None = None,
+    ) -> CallResult: ...
+
+    def stream(
+        self, path: str, *, metadata: Iterable[tuple[str, str]] = (), timeout: float | None = None
+    ) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRow:
+    """One row of a worker's RepositoryIndex."""
+
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, or an address of one of its
+    interfaces), so that a system shared-memory region here is visible there."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        if host == "localhost":
+            return True
+    try:
+        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return bool(theirs & ours) or all(ipaddress.ip_address(a).is_loopback for a in theirs)
+
+
+@dataclass
+class WorkerLink:
+    """One worker: its address, its channel, and what the gateway knows of it.
+
+    ``ready``: its last probe answered ServerReady true, and no call has since found it
+    unreachable. ``index``: its last RepositoryIndex. ``control``: its last
+    ModelControlStatus (a protobuf message), when the scheduling mode reads it.
+    """
+
+    name: str
+    address: str
+    host: str
+    port: int
+    channel: WorkerChannel
+    local: bool
+    from_dns: bool = False
+    ready: bool = False
+    index: tuple[IndexRow, ...] = ()
+    control: Any = None
+    ever_answered: bool = False
+    probe_failures: int = 0  # probe rounds in a row without an answer
+    inflight: int = 0  # calls the gateway has open on it
+    leaving: Any = None  # a trio.Event set when the worker leaves the fleet
+
+    @property
+    def serving(self) -> frozenset[str]:
+        """Models READY on this worker (any version)."""
+        return frozenset(row.name for row in self.index if row.state == "READY")
+
+
+@dataclass
+class Fleet:
+    """Every worker, and ``routes``: model name -> names of the ready workers on which
+    it is READY, sorted."""
+
+    workers: list[WorkerLink]
+    routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.by_name = {w.name: w for w in self.workers}
+
+    def add(self, worker: WorkerLink) -> None:
+        """A worker found by DNS; it gets traffic once a probe finds it ready."""
+        self.workers.append(worker)
+        self.by_name[worker.name] = worker
+
+    def remove(self, name: str) -> WorkerLink:
+        """A worker DNS no longer lists: no more traffic, at once."""
+        worker = self.by_name.pop(name)
+        self.workers.remove(worker)
+        worker.ready = False
+        self.rebuild_routes()
+        return worker
+
+    @property
+    def ready(self) -> list[WorkerLink]:
+        return [w for w in self.workers if w.ready]
+
+    def rebuild_routes(self) -> None:
+        routes: dict[str, list[str]] = {}
+        for worker in self.workers:
+            if worker.ready:
+                for model in worker.serving:
+                    routes.setdefault(model, []).append(worker.name)
+        self.routes = {model: tuple(sorted(names)) for model, names in routes.items()}
+
+    def mark_unreachable(self, worker: WorkerLink) -> None:
+        """A call found ``worker`` unreachable: it gets no traffic until a probe
+        answers again."""
+        if worker.ready:
+            worker.ready = False
+            self.rebuild_routes()
+
+    def holders(self, model: str) -> list[WorkerLink]:
+        """Ready workers where ``model`` is in the index in any state (for control
+        calls that act on a model that is loading or unavailable too)."""
+        return [w for w in self.workers if w.ready and any(r.name == model for r in w.index)]

@@ -1,0 +1,251 @@
+"""Forwarding a call to workers: to the replica the scheduler picks (with failover), to
+a worker holding a model, or to every ready worker at once.
+
+Bodies travel as bytes, untouched. A worker's status reaches the client unchanged,
+with one exception: NOT_FOUND and UNAVAILABLE move the call on to the next replica
+(the model is not there, or the worker is going away), and only when every replica
+has answered so does the client see the last of them. The client's deadline goes
+with every hop as the time left, and the client's headers go with the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.errors import DeadlineExceeded, RsrvError, Unavailable
+from rsrv.gateway._discovery import Discovery
+from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
+from rsrv.gateway._peek import InferHead
+
+__all__ = ["Forwarder", "Relayed", "RouteTicket", "Router", "forwarded_headers"]
+
+log = logging.getLogger("rsrv.gateway")
+
+#: Statuses after which the call moves on to the next replica.
+FAILOVER = frozenset({StatusCode.NOT_FOUND, StatusCode.UNAVAILABLE})
+_HOP_HEADERS = frozenset({"te", "content-type", "user-agent", "grpc-timeout"})
+
+
+class Relayed(RsrvError):
+    """A worker's status, passed on to the client as it was."""
+
+    def __init__(self, status: StatusCode, message: str):
+        super().__init__(message)
+        self.code = status.name
+
+
+class RouteTicket(Protocol):
+    """One routing decision: the replicas to try in order; released exactly once."""
+
+    order: list[str]
+
+    def release(self) -> None: ...
+
+
+class Router(Protocol):
+    """The scheduling mode (``_scheduling``): picks replicas for one request."""
+
+    def route(
+        self, model: str, head: InferHead | None, replicas: tuple[str, ...]
+    ) -> RouteTicket: ...
+
+
+def forwarded_headers(metadata: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The client's own headers (restricted-protocol headers included), without the
+    ones each hop sets itself."""
+    return tuple(
+        (k, v) for k, v in metadata.items() if k not in _HOP_HEADERS and not k.startswith("grpc-")
+    )
+
+
+@dataclass
+class ForwardCounters:
+    """What the gateway's metrics report about forwarded calls."""
+
+    routed: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, status)
+    failovers: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, status)
+
+    def count(self, table: dict[tuple[str, str], int], worker: str, status: StatusCode) -> None:
+        key = (worker, status.name)
+        table[key] = table.get(key, 0) + 1
+
+
+class Forwarder:
+    """Sends calls to workers for the gateway's services."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        discovery: Discovery,
+        router: Router,
+        *,
+        request_timeout: float,
+        headers: Iterable[tuple[str, str]] = (),
+    ):
+        self.fleet = fleet
+        self.discovery = discovery
+        self.router = router
+        self.request_timeout = request_timeout
+        self.headers = tuple(headers)  # the gateway's own calls (fan-outs)
+        self.counters = ForwardCounters()
+        self._rotation = 0
+
+    # -- one call to one worker -------------------------------------------------------
+
+    async def call(
+        self,
+        worker: WorkerLink,
+        path: str,
+        body: bytes,
+        metadata: Iterable[tuple[str, str]],
+        deadline: float,
+    ) -> CallResult:
+        """One unary call with the time left of ``deadline`` (at most the worker
+        client's request timeout). Raises DeadlineExceeded when no time is left. A
+        worker that could not be reached is taken out of the routes at once."""
+        remaining = deadline - trio.current_time()
+        if remaining <= 0:
+            raise DeadlineExceeded("deadline exceeded before the request reached a worker")
+        worker.inflight += 1
+        try:
+            result = await worker.channel.unary(
+                path, body, metadata=metadata, timeout=min(remaining, self.request_timeout)
+            )
+        finally:
+            worker.inflight -= 1
+        if result.status == StatusCode.UNAVAILABLE and not result.reached_server:
+            self.fleet.mark_unreachable(worker)
+            self.discovery.wake()
+        return result
+
+    # -- routed by the scheduler ------------------------------------------------------
+
+    async def replicas(self, model: str) -> tuple[str, ...]:
+        """The ready workers serving ``model``; after one refresh if none is known.
+        Empty when still none (the caller then asks any ready worker, whose answer
+        is the one a client of a single worker would get)."""
+        found = self.fleet.routes.get(model)
+        if not found:
+            await self.discovery.refresh()
+            found = self.fleet.routes.get(model)
+        return found or ()
+
+    def any_ready(self) -> list[WorkerLink]:
+        """Every ready worker, starting from a rotating one."""
+        ready = self.fleet.ready
+        if not ready:
+            raise Unavailable("no worker is ready")
+        self._rotation = (self._rotation + 1) % len(ready)
+        return ready[self._rotation :] + ready[: self._rotation]
+
+    async def infer(
+        self, path: str, head: InferHead, body: bytes, metadata: Mapping[str, str], deadline: float
+    ) -> bytes:
+        """A ModelInfer body to the replica the router picks, failing over on
+        NOT_FOUND / UNAVAILABLE. Returns the worker's response bytes; raises
+        :class:`Relayed` with the worker's status otherwise."""
+        replicas = await self.replicas(head.model)
+        if replicas:
+            ticket = self.router.route(head.model, head, replicas)
+            try:
+                return await self.try_in_order(
+                    path, body, metadata, deadline, ticket.order, on_failover=ticket.redirect
+                )
+            finally:
+                ticket.release()
+        # No worker is known to serve it, even after a refresh: one worker's answer (its
+        # NOT_FOUND, with the text a client of that worker would get) is the answer.
+        return await self.try_in_order(path, body, metadata, deadline, [self.any_ready()[0].name])
+
+    async def to_model(
+        self, path: str, model: str, body: bytes, metadata: Mapping[str, str], deadline: float
+    ) -> bytes:
+        """A call about ``model`` (ModelReady, ModelMetadata, ModelConfig) to a worker
+        serving it, failing over like ModelInfer."""
+        names = list(await self.replicas(model)) or [w.name for w in self.any_ready()]
+        return await self.try_in_order(path, body, metadata, deadline, names)
+
+    async def try_in_order(
+        self,
+        path: str,
+        body: bytes,
+        metadata: Mapping[str, str],
+        deadline: float,
+        order: list[str],
+        on_failover: Callable[[str], object] | None = None,
+    ) -> bytes:
+        """``body`` to the workers named in ``order``, one after the other until one
+        answers with a status other than NOT_FOUND / UNAVAILABLE."""
+        headers = forwarded_headers(metadata)
+        last: CallResult | None = None
+        for name in order:
+            worker = self.fleet.by_name[name]
+            if not worker.ready and last is not None:
+                continue  # found down since routing: try it only if nothing else answered
+            if last is not None and on_failover is not None:
+                on_failover(name)  # the work in flight is now on this worker
+            result = await self.call(worker, path, body, headers, deadline)
+            if result.status == StatusCode.OK and result.response is not None:
+                self.counters.count(self.counters.routed, name, result.status)
+                return result.response
+            self.counters.count(self.counters.routed, name, result.status)
+            if result.status not in FAILOVER:
+                raise Relayed(result.status, result.message)
+            self.counters.count(self.counters.failovers, name, result.status)
+            if result.status == StatusCode.NOT_FOUND:
+                self.discovery.wake()  # its index is stale
+            last = result
+        if last is None:
+            raise Unavailable("no worker is ready")
+        raise Relayed(last.status, last.message)
+
+    # -- every ready worker ---------------------------------------------------------------
+
+    async def fan_out(
+        self,
+        path: str,
+        body: bytes,
+        metadata: Mapping[str, str] | None = None,
+        deadline: float = math.inf,
+        workers: list[WorkerLink] | None = None,
+    ) -> dict[str, CallResult]:
+        """``body`` to every ready worker (or ``workers``) at once; each one's result
+        by worker name. Raises Unavailable when no worker is ready."""
+        targets = self.fleet.ready if workers is None else workers
+        if not targets:
+            raise Unavailable("no worker is ready")
+        headers = self.headers if metadata is None else forwarded_headers(metadata)
+        results: dict[str, CallResult] = {}
+
+        async def one(worker: WorkerLink) -> None:
+            results[worker.name] = await self.call(worker, path, body, headers, deadline)
+
+        async with trio.open_nursery() as nursery:
+            for worker in targets:
+                nursery.start_soon(one, worker)
+        return results
+
+
+def first_failure(results: Mapping[str, CallResult]) -> Relayed | None:
+    """The first worker's failure (by name order) as the client will see it."""
+    for name in sorted(results):
+        result = results[name]
+        if result.status != StatusCode.OK:
+            return Relayed(result.status, f"worker {name}: {result.message}")
+    return None
+
+
+def merge_each(results: Mapping[str, CallResult], decode: Callable[[bytes], object]) -> list:
+    """The decoded OK responses, by worker name order."""
+    return [
+        decode(results[name].response)
+        for name in sorted(results)
+        if results[name].status == StatusCode.OK and results[name].response is not None
+    ]

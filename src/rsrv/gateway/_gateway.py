@@ -1,0 +1,237 @@
+"""The ``rsrv gateway`` process: its task tree, readiness and graceful stop.
+
+One nursery holds the worker channels, the discovery prober (which also drives the
+scheduler's tick and repacks), the gRPC server and the admin HTTP server; signals and
+the supervisor link are ``rsrv.lifeline.serve_process``'s, as for a worker::
+
+    Gateway.run
+    ├── worker channels        one pooled HTTP/2 client per worker (joining and leaving
+    │                          with DNS when endpoints_dns is set)
+    ├── Discovery.run          probe every worker each interval; routes; scheduler tick
+    ├── GrpcServer.serve       the KServe V2 surface and the control services
+    └── serve_gateway_admin    /healthz /readyz /metrics  (when listen.metrics is set)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.config import GatewayConfig, split_address
+from rsrv.gateway._admin import serve_gateway_admin
+from rsrv.gateway._control import GatewayControl
+from rsrv.gateway._discovery import Discovery
+from rsrv.gateway._fleet import Fleet, WorkerLink, is_local_host
+from rsrv.gateway._forward import Forwarder
+from rsrv.gateway._scheduling import Scheduling
+from rsrv.gateway._services import CONTROL, GatewayServices
+from rsrv.protocol import Admission, grpc_status, guard
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
+from rsrv.transport import (
+    ClientLimits,
+    GrpcServer,
+    TransportLimits,
+    open_channel,
+    server_tls_context,
+)
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("rsrv.gateway")
+
+
+def _worker_tls(config: GatewayConfig) -> ssl.SSLContext | None:
+    client = config.worker_client
+    if client.tls_ca_file is None:
+        return None
+    context = ssl.create_default_context(cafile=client.tls_ca_file)
+    if client.tls_cert_file is not None:
+        context.load_cert_chain(client.tls_cert_file, client.tls_key_file)
+    return context
+
+
+class Gateway:
+    """Everything one ``rsrv gateway`` process serves. Start it with :meth:`run`."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        workers = []
+        for name, address in zip(config.names, config.endpoints, strict=True):
+            host, port = split_address(address)
+            workers.append(WorkerLink(name, address, host, port, None, is_local_host(host)))
+        self.fleet = Fleet(workers)
+        self.scheduler = Scheduling(config.scheduling, self.fleet)
+        self.discovery = Discovery(
+            self.fleet,
+            config,
+            needs_control=self.scheduler.needs_control,
+            on_round=self._after_round,
+            before_round=self._resolve_dns,
+        )
+        self.forwarder = Forwarder(
+            self.fleet,
+            self.discovery,
+            self.scheduler,
+            request_timeout=config.worker_client.request_timeout_seconds,
+            headers=config.worker_client.headers.items(),
+        )
+        grpc = config.grpc
+        self.admission = Admission(grpc.max_concurrent_requests_per_worker * len(workers))
+        self.services = GatewayServices(
+            self.fleet, self.forwarder, self.admission, grpc.max_requests_per_stream
+        )
+        self.control = GatewayControl(self.scheduler, self.discovery.wake)
+        self.stopping = False
+        self.port: int | None = None
+        self.server: GrpcServer | None = None
+        self._was_ready: set[str] = set()
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Serving, and at least one worker ready."""
+        return self.port is not None and not self.stopping and bool(self.fleet.ready)
+
+    def scheduler_metrics(self):
+        return self.scheduler.metrics()
+
+    def _after_round(self) -> None:
+        now_ready = {w.name for w in self.fleet.ready}
+        back = [self.fleet.by_name[n] for n in now_ready - self._was_ready]
+        self._was_ready = now_ready
+        if back and self.services.regions and self._nursery is not None:
+            self._nursery.start_soon(self.services.replay_regions, back)
+        outcome = self.scheduler.tick()
+        if outcome is not None and outcome.compaction is not None and self._nursery:
+            self._nursery.start_soon(self._compact, outcome.compaction.reload)
+
+    async def _compact(self, reload: dict[str, list[str]]) -> None:
+        """CompactMemory on the workers a repack changed (scheduling.compaction_mode)."""
+        for name, models in reload.items():
+            worker = self.fleet.by_name.get(name)
+            if worker is None or not worker.ready:
+                continue
+            body = control_pb.CompactMemoryRequest(reload_models=models).SerializeToString()
+            result = await self.forwarder.call(
+                worker, CONTROL + "CompactMemory", body, self.forwarder.headers, math.inf
+            )
+            if result.status != StatusCode.OK:
+                log.warning("CompactMemory on %s after a repack: %s", name, result.message)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled (or :meth:`shutdown`); ``started(port)`` once the
+        gRPC server listens (after the first discovery round)."""
+        cfg = self.config
+        grpc = cfg.grpc
+        host, port = split_address(cfg.listen.grpc)
+        self.server = GrpcServer(
+            guard([*self.services.methods(), *self.control.methods()], self.admission),
+            host,
+            port,
+            limits=TransportLimits(
+                max_message_bytes=grpc.max_message_bytes,
+                max_connections=grpc.max_connections,
+                max_streams_per_connection=grpc.max_streams_per_connection,
+                receive_timeout=grpc.receive_timeout_seconds,
+                handshake_timeout=grpc.receive_timeout_seconds,
+                idle_timeout=grpc.idle_connection_seconds,
+            ),
+            tls=server_tls_context(grpc.tls_cert_file, grpc.tls_key_file, grpc.tls_client_ca_file)
+            if grpc.tls_cert_file
+            else None,
+            status_of=grpc_status,
+        )
+        limits = ClientLimits(
+            max_concurrent_streams=cfg.worker_client.max_concurrent_streams,
+            max_send_message_bytes=grpc.max_message_bytes,
+            max_receive_message_bytes=grpc.max_message_bytes,
+        )
+        tls = _worker_tls(cfg)
+        self._channel_settings = (tls, limits)
+        async with trio.open_nursery() as channels:
+            self._channels = channels
+            for worker in self.fleet.workers:
+                await channels.start(self._hold_channel, worker)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.discovery.run)
+                self.port = await nursery.start(self.server.serve)
+                log.info(
+                    "gateway listening on %s:%d%s, %d worker(s), scheduling %s",
+                    host,
+                    self.port,
+                    " (TLS)" if self.server.tls else "",
+                    len(self.fleet.workers),
+                    cfg.scheduling.mode,
+                )
+                if cfg.listen.metrics is not None:
+                    admin_host, admin_port = split_address(cfg.listen.metrics)
+                    await nursery.start(serve_gateway_admin, self, admin_host, admin_port)
+                    log.info("admin HTTP on %s:%d", admin_host, admin_port)
+                task_status.started(self.port)
+            channels.cancel_scope.cancel()  # the last call has been answered: close them
+
+    async def _hold_channel(self, worker: WorkerLink, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Keep ``worker``'s channel open until the worker leaves the fleet."""
+        tls, limits = self._channel_settings
+        worker.leaving = trio.Event()
+        async with open_channel(worker.host, worker.port, tls=tls, limits=limits) as channel:
+            worker.channel = channel
+            task_status.started()
+            await worker.leaving.wait()
+            with trio.move_on_after(self.config.worker_client.request_timeout_seconds):
+                while worker.inflight:  # calls already sent finish first
+                    await trio.sleep(0.05)
+
+    async def _resolve_dns(self) -> None:
+        """Bring the fleet in line with what ``endpoints_dns`` resolves to now: new
+        addresses join (probed before they get traffic), vanished ones leave."""
+        if not self.config.endpoints_dns:
+            return
+        found: dict[str, tuple[str, int]] = {}
+        for entry in self.config.endpoints_dns:
+            host, port = split_address(entry)
+            try:
+                infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+            except OSError as e:
+                log.warning("cannot resolve %s: %s (keeping its workers)", entry, e)
+                found.update({w.name: (w.host, w.port) for w in self.fleet.workers if w.from_dns})
+                continue
+            for info in infos:
+                address = info[4][0]
+                name = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+                found[name] = (address, port)
+        current = {w.name for w in self.fleet.workers if w.from_dns}
+        for name in sorted(current - found.keys()):
+            log.info("worker %s left (no longer in DNS)", name)
+            self.fleet.remove(name).leaving.set()
+        for name in sorted(found.keys() - current):
+            host, port = found[name]
+            worker = WorkerLink(name, name, host, port, None, is_local_host(host), from_dns=True)
+            self.fleet.add(worker)
+            await self._channels.start(self._hold_channel, worker)
+            log.info("worker %s joined (from DNS)", name)
+        self.admission.limit = self.config.grpc.max_concurrent_requests_per_worker * max(
+            1, len(self.fleet.workers)
+        )
+
+    async def shutdown(self) -> None:
+        """Graceful stop: refuse new calls, let the ones in flight finish (within
+        ``grpc.shutdown_grace_seconds``), then close the connections and stop."""
+        self.stopping = True
+        self.admission.close()
+        with trio.move_on_after(self.config.grpc.shutdown_grace_seconds) as scope:
+            while self.admission.inflight:
+                await trio.sleep(0.01)
+        if scope.cancelled_caught:
+            log.warning(
+                "shutdown grace period expired with %d call(s) in flight", self.admission.inflight
+            )
+        if self.server is not None:
+            await self.server.close()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()

@@ -1,0 +1,36 @@
+"""The ``rsrv gateway`` process: configuration, logging, then the gateway until a signal.
+
+Exit status: 0 after a graceful stop; 1 when its port cannot be bound; 2 when the
+gateway file or its environment overrides are invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import msgspec
+
+from rsrv.config import ConfigError, load_gateway
+from rsrv.gateway._gateway import Gateway
+from rsrv.lifeline import ChildStatus, serve_process
+from rsrv.logsetup import configure_logging
+
+__all__ = ["gateway_main"]
+
+log = logging.getLogger("rsrv.gateway")
+
+
+def gateway_main(gateway_file: str | None) -> int:
+    """Entry point of ``rsrv gateway [GATEWAY_FILE]``."""
+    try:
+        config = load_gateway(gateway_file)
+    except ConfigError as e:
+        print(f"rsrv: {e}", file=sys.stderr)
+        return 2
+    configure_logging("gateway", config.logging.level, config.logging.format)
+    log.info("effective configuration: %s", msgspec.json.encode(config).decode())
+    gateway = Gateway(config)
+    return serve_process(
+        "gateway", gateway, lambda: ChildStatus(ready=gateway.ready, port=gateway.port)
+    )

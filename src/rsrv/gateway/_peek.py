@@ -1,0 +1,143 @@
+"""Reading the few fields the gateway needs straight from a message's wire bytes.
+
+A ModelInfer body is forwarded as received: the gateway reads the model's name and
+version, the request id and, when it routes by work, the shape of one input, and never
+decodes or re-encodes the rest (tensor contents are skipped by length, not read).
+Field numbers are those of proto/inference/grpc_service.proto.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["InferHead", "WireError", "peek_infer", "peek_name", "stream_error", "stream_response"]
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed protobuf message."""
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise WireError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(data: bytes, start: int = 0, end: int | None = None):
+    """(field number, wire type, value) of each field; a length-delimited value is
+    (start, end) into ``data``, not a copy."""
+    pos, end = start, len(data) if end is None else end
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(data, pos)
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            value, pos = (pos, pos + length), pos + length
+        elif wire == 1:
+            value, pos = None, pos + 8
+        elif wire == 5:
+            value, pos = None, pos + 4
+        else:
+            raise WireError(f"unsupported wire type {wire}")
+        if pos > end:
+            raise WireError("truncated field")
+        yield number, wire, value
+
+
+def _text(data: bytes, span: tuple[int, int]) -> str:
+    try:
+        return data[span[0] : span[1]].decode()
+    except UnicodeDecodeError:
+        raise WireError("a string field is not UTF-8") from None
+
+
+@dataclass(frozen=True, slots=True)
+class InferHead:
+    """What the gateway reads of a ModelInferRequest."""
+
+    model: str
+    version: str
+    id: str
+    _body: bytes
+    _inputs: tuple[tuple[int, int], ...]
+
+    def input_shape(self, name: str) -> list[int] | None:
+        """The shape of input ``name`` as sent, or None if there is no such input."""
+        for start, end in self._inputs:
+            found, shape = None, []
+            for number, wire, value in _fields(self._body, start, end):
+                if number == 1 and wire == 2:
+                    found = _text(self._body, value)
+                elif number == 3 and wire == 2:  # packed int64
+                    pos, stop = value
+                    while pos < stop:
+                        dim, pos = _varint(self._body, pos)
+                        shape.append(dim - (1 << 64) if dim >= 1 << 63 else dim)
+                elif number == 3 and wire == 0:  # unpacked
+                    shape.append(value - (1 << 64) if value >= 1 << 63 else value)
+            if found == name:
+                return shape
+        return None
+
+
+def peek_infer(body: bytes) -> InferHead:
+    """The head of a ModelInferRequest. Raises WireError when it does not parse."""
+    model = version = request_id = ""
+    inputs = []
+    for number, wire, value in _fields(body):
+        if wire != 2:
+            continue
+        if number == 1:
+            model = _text(body, value)
+        elif number == 2:
+            version = _text(body, value)
+        elif number == 3:
+            request_id = _text(body, value)
+        elif number == 5:
+            inputs.append(value)
+    return InferHead(model, version, request_id, body, tuple(inputs))
+
+
+def peek_name(body: bytes) -> tuple[str, str]:
+    """(name, version) of a request whose field 1 is the model's name and field 2 its
+    version (ModelReady, ModelMetadata, ModelConfig, ModelStatistics, ...)."""
+    name = version = ""
+    for number, wire, value in _fields(body):
+        if wire == 2 and number == 1:
+            name = _text(body, value)
+        elif wire == 2 and number == 2:
+            version = _text(body, value)
+    return name, version
+
+
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    out = bytearray([(number << 3) | 2])
+    length = len(payload)
+    while length >= 0x80:
+        out.append((length & 0x7F) | 0x80)
+        length >>= 7
+    out.append(length)
+    return bytes(out) + payload
+
+
+def stream_response(infer_response: bytes) -> bytes:
+    """A ModelStreamInferResponse carrying a worker's ModelInferResponse bytes as is."""
+    return _length_delimited(2, infer_response)
+
+
+def stream_error(message: str, model: str, request_id: str) -> bytes:
+    """A ModelStreamInferResponse with ``error_message``, naming the model and the id as
+    the worker does (its infer_response carries model_name and id)."""
+    head = _length_delimited(1, model.encode()) if model else b""
+    if request_id:
+        head += _length_delimited(3, request_id.encode())
+    return _length_delimited(1, message.encode()) + _length_delimited(2, head)

@@ -1,0 +1,214 @@
+"""The scheduling mode as the gateway runs it: one object that routes each request and,
+once per discovery round, learns from the workers' reports (and repacks).
+
+* ``round_robin``: each model's replicas in turn (``_routing.RoundRobinRouter``).
+* ``least_outstanding``: the replica with the least work in flight, work counted by
+  ``work_basis`` (``_routing.LeastOutstandingRouter``).
+* ``lpt_packing``: models placed on ``replicas`` workers each by longest-processing-time
+  packing over measured load and weight bytes (``_placement``), repacked as the fleet
+  computes (``_planner``), requests routed to fill one replica's batch before the next
+  (``_fill``).
+
+The pure parts (costs, placement, routing, repack clock) take the time and the
+measurements as arguments; this module feeds them from the fleet and the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from rsrv.config import SchedulingConfig
+from rsrv.gateway._costs import CostTracker, RoutingMeta, WorkerReport
+from rsrv.gateway._fill import FillRouter, FillSettings, ModelFill, fill_mode_warning
+from rsrv.gateway._fleet import Fleet
+from rsrv.gateway._peek import InferHead
+from rsrv.gateway._placement import ALL_REPLICAS, PlacementPolicy, WorkerBudget
+from rsrv.gateway._planner import PackingSettings, RepackOutcome, RepackPlanner
+from rsrv.gateway._routing import (
+    InflightLedger,
+    LeastOutstandingRouter,
+    RoundRobinRouter,
+    Ticket,
+)
+
+__all__ = ["Scheduling", "packing_settings"]
+
+log = logging.getLogger("rsrv.gateway")
+
+#: Worker disciplines under which lpt_packing's batch filling pays off: a fair worker
+#: interleaves models and breaks the runs the gateway builds.
+PACKING_DISCIPLINES = frozenset({"fifo", "edf"})
+
+
+def _replicas(value: int | str) -> int:
+    return ALL_REPLICAS if value == "all" else int(value)
+
+
+def packing_settings(config: SchedulingConfig) -> PackingSettings:
+    """lpt_packing's knobs from the gateway file's ``scheduling`` block."""
+    return PackingSettings(
+        first_rebalance_compute_seconds=config.first_rebalance_compute_seconds,
+        rebalance_compute_seconds=config.rebalance_compute_seconds,
+        ema_halflife_compute_seconds=config.ema_halflife_compute_seconds,
+        compaction_mode=config.compaction_mode,
+        compaction_interval=config.compaction_interval,
+        placement=PlacementPolicy(
+            default_replicas=_replicas(config.default_replicas),
+            replicas={
+                name: _replicas(m.replicas)
+                for name, m in config.models.items()
+                if m.replicas is not None
+            },
+            hysteresis=config.hysteresis,
+            forbid_memory_oversubscription=config.forbid_memory_oversubscription,
+        ),
+    )
+
+
+def fill_settings(config: SchedulingConfig) -> FillSettings:
+    return FillSettings(
+        mode=config.routing_fill_mode,
+        factor=config.routing_fill_factor,
+        models={
+            name: ModelFill(m.fill_mode, m.fill_factor)
+            for name, m in config.models.items()
+            if m.fill_mode is not None or m.fill_factor is not None
+        },
+    )
+
+
+class Scheduling:
+    """Routes requests over ``fleet`` in the configured mode (see the module docstring).
+
+    :meth:`route` is the hot path; :meth:`tick` runs after every discovery round and
+    returns the repack it ran (lpt_packing), whose compaction the gateway carries out.
+    """
+
+    def __init__(self, config: SchedulingConfig, fleet: Fleet):
+        self.config = config
+        self.mode = config.mode
+        self.fleet = fleet
+        self.ledger = InflightLedger()
+        self.meta = RoutingMeta()
+        self.warnings: list[str] = []
+        self.planner: RepackPlanner | None = None
+        self.repacks = 0
+        self.moves = 0
+        self.last_repack_unix: float | None = None
+        if self.mode == "round_robin":
+            self.router = RoundRobinRouter(self.ledger)
+        elif self.mode == "least_outstanding":
+            self.router = LeastOutstandingRouter(work_basis=config.work_basis, ledger=self.ledger)
+        else:
+            settings = packing_settings(config)
+            self.planner = RepackPlanner(settings, now=time.monotonic())
+            self.router = FillRouter(
+                settings=fill_settings(config),
+                policy=config.routing_policy,
+                work_basis=config.work_basis,
+                ledger=self.ledger,
+            )
+            if warning := fill_mode_warning(config.routing_fill_mode):
+                self.warnings.append(warning)
+                log.warning("%s", warning)
+        halflife = self.planner.settings.halflife_compute_seconds if self.planner else 300.0
+        self.tracker = CostTracker(halflife_compute_seconds=halflife)
+        self._disciplines_checked = False
+
+    @property
+    def needs_control(self) -> bool:
+        """Whether discovery must poll ModelControlStatus (costs, batch axes, budgets)."""
+        return self.router.needs_control
+
+    def route(self, model: str, head: InferHead | None, replicas: tuple[str, ...]) -> Ticket:
+        units = 1
+        if head is not None and self.router.needs_units:
+            meta = self.meta.get(model)
+            if meta is not None:
+                units = meta.units(head.input_shape)
+        return self.router.route(model, replicas, units)
+
+    def tick(self) -> RepackOutcome | None:
+        if not self.needs_control:
+            return None
+        ready = self.fleet.ready
+        reports = [
+            WorkerReport.from_response(w.name, w.control) for w in ready if w.control is not None
+        ]
+        delta = self.tracker.observe(reports)
+        self.meta = self.tracker.snapshot()
+        self.router.set_meta(self.meta)
+        if self.planner is None:
+            return None
+        self._check_disciplines(reports)
+        outcome = self.planner.tick(
+            now=time.monotonic(),
+            compute_seconds=max(delta.compute_seconds, 0.0),
+            meta=self.meta,
+            workers=[WorkerBudget(w.name, self.meta.budgets.get(w.name)) for w in ready],
+            arrivals=self.ledger.arrivals(),
+            holders=self.fleet.routes,
+        )
+        if outcome is not None:
+            self._apply(outcome)
+        return outcome
+
+    def _apply(self, outcome: RepackOutcome) -> None:
+        assert isinstance(self.router, FillRouter)
+        self.router.set_placement(outcome.result.assignment())
+        self.repacks += 1
+        self.moves += outcome.result.moved
+        self.last_repack_unix = time.time()
+        log.info("%s", outcome.summary())
+        for worker in outcome.result.oversubscribed:
+            log.warning(
+                "lpt_packing: worker %s: assigned weight footprint %d bytes exceeds its "
+                "weight budget of %d bytes; expect eviction churn",
+                worker,
+                outcome.result.assigned_bytes.get(worker, 0),
+                self.meta.budgets.get(worker, 0),
+            )
+
+    def _check_disciplines(self, reports: list[WorkerReport]) -> None:
+        """Once every worker has reported: say loudly if one runs a discipline that
+        breaks the batches lpt_packing builds."""
+        if self._disciplines_checked or len(reports) < len(self.fleet.workers):
+            return
+        self._disciplines_checked = True
+        for report in reports:
+            if report.discipline and report.discipline not in PACKING_DISCIPLINES:
+                warning = (
+                    f"lpt_packing needs workers on scheduler.discipline fifo or edf; worker "
+                    f"{report.worker} runs {report.discipline!r}, which interleaves models "
+                    "and breaks the batches the gateway fills"
+                )
+                self.warnings.append(warning)
+                log.error("%s", warning)
+
+    def request_repack(self) -> int:
+        """An operator repack at the next round (lpt_packing); its sequence number."""
+        if self.planner is None:
+            raise ValueError("repacking needs scheduling.mode lpt_packing")
+        return self.planner.request_repack()
+
+    def metrics(self) -> Iterator:
+        loads = GaugeMetricFamily(
+            "rsrv_gateway_worker_load",
+            "Work in flight per worker, by the scheduling work basis",
+            labels=["worker"],
+        )
+        for worker in self.fleet.workers:
+            loads.add_metric([worker.name], self.ledger.load(worker.name))
+        yield loads
+        yield CounterMetricFamily(
+            "rsrv_gateway_repacks", "lpt_packing repacks run", value=self.repacks
+        )
+        yield CounterMetricFamily(
+            "rsrv_gateway_placement_moves",
+            "Models moved to another worker by lpt_packing repacks",
+            value=self.moves,
+        )

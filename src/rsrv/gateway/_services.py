@@ -1,0 +1,370 @@
+"""The gateway's KServe V2 / Triton surface and rsrv's control service, over its workers.
+
+Clients see one server:
+
+* ServerLive answered here; ServerReady true while at least one worker is ready;
+  ServerMetadata, trace and log settings from a ready worker (log settings go to all).
+* ModelInfer forwarded as bytes to the replica the scheduler picks; ModelStreamInfer
+  routes each request on its own (requests on a stream run concurrently, each answer
+  sent when ready, a failed request answered in-band); ModelReady, ModelMetadata and
+  ModelConfig forwarded to a worker serving the model.
+* RepositoryIndex: the union, one row per model and version, READY when it is ready
+  somewhere, its reason naming the workers. ModelStatistics: summed over workers.
+  RepositoryModelLoad / Unload: every ready worker, all must succeed.
+* System shared memory: register/unregister on every ready worker, all or nothing
+  (a register that fails anywhere is undone everywhere); registrations are replayed on
+  a worker that becomes ready later. Refused with FAILED_PRECONDITION when a worker is
+  not on this host (its memory is not this machine's).
+* Control service: ModelControlStatus merged; SetModelResidency and SetModelPolicy on
+  every worker holding the model; CompactMemory on every ready worker, counts summed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+from google.protobuf.message import Message
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
+from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._forward import Forwarder, Relayed, first_failure, merge_each
+from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
+from rsrv.protocol import Admission, grpc_status
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
+from rsrv.transport import Method, ServerCall
+
+__all__ = ["GatewayServices"]
+
+log = logging.getLogger("rsrv.gateway")
+
+INFERENCE = "/inference.GRPCInferenceService/"
+CONTROL = "/rsrv.control.v1.ControlService/"
+
+
+def _method(path: str, handler, *, streaming: bool = False) -> Method:
+    return Method(
+        path=path,
+        handler=handler,
+        decode=bytes,
+        encode=bytes,
+        client_streaming=streaming,
+        server_streaming=streaming,
+    )
+
+
+def _parse(kind: type[Message], body: bytes) -> Message:
+    try:
+        return kind.FromString(body)
+    except Exception:  # protobuf's DecodeError, or a nested one
+        raise InvalidArgument(f"malformed {kind.__name__}") from None
+
+
+class GatewayServices:
+    """Every RPC the gateway answers; :meth:`methods` is its table for the server."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        forwarder: Forwarder,
+        admission: Admission,
+        max_requests_per_stream: int,
+    ):
+        self.fleet = fleet
+        self.admission = admission
+        self.forward = forwarder
+        self.max_requests_per_stream = max_requests_per_stream
+        self.regions: dict[str, bytes] = {}  # shared-memory registrations, to replay
+
+    def methods(self) -> list[Method]:
+        unary: dict[str, Callable] = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ServerMetadata": self.any_worker,
+            "ModelReady": self.model_call,
+            "ModelMetadata": self.model_call,
+            "ModelConfig": self.model_call,
+            "ModelInfer": self.model_infer,
+            "ModelStatistics": self.model_statistics,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.every_worker,
+            "RepositoryModelUnload": self.every_worker,
+            "SystemSharedMemoryStatus": self.any_worker,
+            "SystemSharedMemoryRegister": self.shm_register,
+            "SystemSharedMemoryUnregister": self.shm_unregister,
+            "CudaSharedMemoryStatus": self.any_worker,
+            "CudaSharedMemoryRegister": self.any_worker,
+            "CudaSharedMemoryUnregister": self.any_worker,
+            "TraceSetting": self.any_worker,
+            "LogSettings": self.every_worker,
+        }
+        control: dict[str, Callable] = {
+            "ModelControlStatus": self.control_status,
+            "SetModelResidency": self.model_holders,
+            "SetModelPolicy": self.model_holders,
+            "CompactMemory": self.compact_memory,
+        }
+        return [
+            *(_method(INFERENCE + name, fn) for name, fn in unary.items()),
+            _method(INFERENCE + "ModelStreamInfer", self.model_stream_infer, streaming=True),
+            *(_method(CONTROL + name, fn) for name, fn in control.items()),
+        ]
+
+    # -- health and metadata --------------------------------------------------------------
+
+    async def server_live(self, body: bytes, call: ServerCall) -> bytes:
+        return pb.ServerLiveResponse(live=True).SerializeToString()
+
+    async def server_ready(self, body: bytes, call: ServerCall) -> bytes:
+        return pb.ServerReadyResponse(ready=bool(self.fleet.ready)).SerializeToString()
+
+    async def any_worker(self, body: bytes, call: ServerCall) -> bytes:
+        """Answered by one ready worker (failing over to the next)."""
+        order = [w.name for w in self.forward.any_ready()]
+        return await self.forward.try_in_order(call.path, body, call.metadata, call.deadline, order)
+
+    async def every_worker(self, body: bytes, call: ServerCall) -> bytes:
+        """Done on every ready worker; the first failure is the answer, else the first
+        worker's response."""
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        if (failure := first_failure(results)) is not None:
+            raise failure
+        return results[min(results)].response or b""
+
+    async def model_call(self, body: bytes, call: ServerCall) -> bytes:
+        try:
+            name, _ = peek_name(body)
+        except WireError as e:
+            raise InvalidArgument(f"malformed request: {e}") from None
+        return await self.forward.to_model(call.path, name, body, call.metadata, call.deadline)
+
+    # -- inference --------------------------------------------------------------------------
+
+    async def model_infer(self, body: bytes, call: ServerCall) -> bytes:
+        try:
+            head = peek_infer(body)
+        except WireError as e:
+            raise InvalidArgument(f"malformed ModelInferRequest: {e}") from None
+        return await self.forward.infer(call.path, head, body, call.metadata, call.deadline)
+
+    async def model_stream_infer(self, messages, call: ServerCall):
+        async with self._stream(messages, call) as responses:
+            async for response in responses:
+                yield response
+
+    @trio.as_safe_channel
+    async def _stream(self, messages, call: ServerCall):
+        send, receive = trio.open_memory_channel(0)
+        slots = trio.Semaphore(self.max_requests_per_stream)
+        path = INFERENCE + "ModelInfer"
+
+        async def one(body: bytes) -> None:
+            model = request_id = ""
+            try:
+                head = peek_infer(body)
+                model, request_id = head.model, head.id
+                with self.admission:  # each request on a stream is one call in flight
+                    answer = stream_response(
+                        await self.forward.infer(path, head, body, call.metadata, call.deadline)
+                    )
+            except Exception as e:
+                answer = stream_error(grpc_status(e)[1], model, request_id)
+            try:
+                await send.send(answer)
+            finally:
+                slots.release()
+
+        async def pump() -> None:
+            async with send, trio.open_nursery() as requests:
+                while True:
+                    await slots.acquire()
+                    body = await anext(messages, None)
+                    if body is None:
+                        break
+                    requests.start_soon(one, body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump)
+            async with receive:
+                async for answer in receive:
+                    yield answer
+
+    # -- repository and statistics ------------------------------------------------------------
+
+    async def repository_index(self, body: bytes, call: ServerCall) -> bytes:
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        answers = merge_each(results, pb.RepositoryIndexResponse.FromString)
+        if not answers and (failure := first_failure(results)) is not None:
+            raise failure
+        where: dict[tuple[str, str], list[tuple[str, pb.RepositoryIndexResponse.ModelIndex]]] = {}
+        names = sorted(n for n, r in results.items() if r.status == StatusCode.OK)
+        for worker, answer in zip(names, answers, strict=True):
+            for row in answer.models:
+                where.setdefault((row.name, row.version), []).append((worker, row))
+        merged = pb.RepositoryIndexResponse()
+        for (name, version), rows in sorted(where.items()):
+            ready = [w for w, row in rows if row.state == "READY"]
+            if ready:
+                state, reason = "READY", "ready on " + ", ".join(ready)
+            else:
+                state = rows[0][1].state
+                reason = "; ".join(f"{w}: {row.reason or row.state}" for w, row in rows)
+            merged.models.add(name=name, version=version, state=state, reason=reason)
+        return merged.SerializeToString()
+
+    async def model_statistics(self, body: bytes, call: ServerCall) -> bytes:
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        answers = merge_each(results, pb.ModelStatisticsResponse.FromString)
+        if not answers:
+            raise first_failure(results) or NotFound("no worker has statistics")
+        merged: dict[tuple[str, str], pb.ModelStatistics] = {}
+        for answer in answers:
+            for stats in answer.model_stats:
+                key = (stats.name, stats.version)
+                if key in merged:
+                    _add(merged[key], stats)
+                else:
+                    merged[key] = stats
+        response = pb.ModelStatisticsResponse(model_stats=[merged[k] for k in sorted(merged)])
+        return response.SerializeToString()
+
+    # -- shared memory -------------------------------------------------------------------------
+
+    def _require_local(self) -> None:
+        remote = [w for w in self.fleet.workers if not w.local]
+        if remote:
+            raise FailedPrecondition(
+                "system shared memory needs every worker on the gateway's host; "
+                + ", ".join(f"{w.name} is at {w.address}" for w in remote)
+            )
+
+    async def shm_register(self, body: bytes, call: ServerCall) -> bytes:
+        self._require_local()
+        request = _parse(pb.SystemSharedMemoryRegisterRequest, body)
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        failure = first_failure(results)
+        if failure is not None:
+            done = [self.fleet.by_name[n] for n, r in results.items() if r.status == StatusCode.OK]
+            if done:  # all or nothing: undo where it succeeded
+                undo = pb.SystemSharedMemoryUnregisterRequest(name=request.name)
+                await self.forward.fan_out(
+                    INFERENCE + "SystemSharedMemoryUnregister",
+                    undo.SerializeToString(),
+                    call.metadata,
+                    workers=done,
+                )
+            raise failure
+        self.regions[request.name] = body
+        return pb.SystemSharedMemoryRegisterResponse().SerializeToString()
+
+    async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
+        self._require_local()
+        request = _parse(pb.SystemSharedMemoryUnregisterRequest, body)
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        if request.name:
+            self.regions.pop(request.name, None)
+        else:
+            self.regions.clear()
+        if (failure := first_failure(results)) is not None:
+            raise failure
+        return pb.SystemSharedMemoryUnregisterResponse().SerializeToString()
+
+    async def replay_regions(self, workers: list[WorkerLink]) -> None:
+        """Register every region the gateway holds on ``workers`` (newly ready)."""
+        for name, body in list(self.regions.items()):
+            results = await self.forward.fan_out(
+                INFERENCE + "SystemSharedMemoryRegister", body, workers=workers
+            )
+            for worker, result in results.items():
+                if result.status not in (StatusCode.OK, StatusCode.ALREADY_EXISTS):
+                    log.warning(
+                        "could not register shared memory region %r on %s: %s",
+                        name,
+                        worker,
+                        result.message,
+                    )
+
+    # -- control service ----------------------------------------------------------------------
+
+    async def control_status(self, body: bytes, call: ServerCall) -> bytes:
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        answers = merge_each(results, control_pb.ModelControlStatusResponse.FromString)
+        if not answers:
+            raise first_failure(results) or NotFound("no worker answered")
+        merged = control_pb.ModelControlStatusResponse(
+            discipline=answers[0].discipline, control_mode=answers[0].control_mode
+        )
+        models: dict[str, control_pb.ModelStatus] = {}
+        for answer in answers:
+            merged.weight_cache_budget_bytes += answer.weight_cache_budget_bytes
+            merged.weight_cache_resident_bytes += answer.weight_cache_resident_bytes
+            merged.weight_cache_loads += answer.weight_cache_loads
+            merged.weight_cache_evictions += answer.weight_cache_evictions
+            for model in answer.models:
+                if model.name in models:
+                    _add(models[model.name], model)
+                else:
+                    models[model.name] = model
+        merged.models.extend(models[name] for name in sorted(models))
+        return merged.SerializeToString()
+
+    async def model_holders(self, body: bytes, call: ServerCall) -> bytes:
+        name, _ = peek_name(body)
+        holders = self.fleet.holders(name)
+        if not holders:
+            raise NotFound(f"model {name!r} is not on any ready worker")
+        results = await self.forward.fan_out(
+            call.path, body, call.metadata, call.deadline, workers=holders
+        )
+        if (failure := first_failure(results)) is not None:
+            raise failure
+        return results[min(results)].response or b""
+
+    async def compact_memory(self, body: bytes, call: ServerCall) -> bytes:
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        answers = merge_each(results, control_pb.CompactMemoryResponse.FromString)
+        if not answers:
+            raise first_failure(results) or Relayed(StatusCode.UNAVAILABLE, "no worker answered")
+        merged = control_pb.CompactMemoryResponse()
+        for answer in answers:
+            merged.reloaded_models += answer.reloaded_models
+            merged.resident_bytes_after += answer.resident_bytes_after
+        return merged.SerializeToString()
+
+
+#: Fields that are not counters: kept from the first message, or the latest time.
+_KEEP = frozenset(
+    {"name", "version", "kind", "state", "batch_input_name", "batch_axis", "weight", "weight_bytes"}
+)
+_LATEST = frozenset({"last_inference"})
+_LARGEST = frozenset({"max_batch_size"})
+
+
+def _add(into: Message, other: Message) -> None:
+    """Add ``other``'s counters into ``into``: numbers summed (times since the epoch
+    take the latest), sub-messages recursively, repeated batch statistics matched by
+    batch size."""
+    for fd, value in other.ListFields():
+        name = fd.name
+        if name in _KEEP or fd.type == fd.TYPE_STRING:
+            continue
+        if fd.label == fd.LABEL_REPEATED:
+            if name == "batch_stats":
+                sizes = {b.batch_size: b for b in getattr(into, name)}
+                for item in value:
+                    if item.batch_size in sizes:
+                        _add(sizes[item.batch_size], item)
+                    else:
+                        getattr(into, name).add().CopyFrom(item)
+            continue  # memory usage, response maps: per worker, not additive
+        if fd.type == fd.TYPE_MESSAGE:
+            _add(getattr(into, name), value)
+        elif fd.type == fd.TYPE_BOOL:
+            setattr(into, name, getattr(into, name) or value)
+        elif name in _LATEST or name in _LARGEST:
+            setattr(into, name, max(getattr(into, name), value))
+        else:
+            setattr(into, name, getattr(into, name) + value)

@@ -1,0 +1,87 @@
+"""Running a serving process (a worker, a gateway) from start to exit status.
+
+Signals, the supervisor link and the exit status are the same for every rsrv server
+process: SIGINT and SIGTERM start its graceful shutdown; under ``rsrv node`` its status
+goes up the link; a port that cannot be bound is one line and exit status 1.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import resource
+import signal
+import sys
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+from rsrv.lifeline._lifeline import ChildStatus, SupervisorLink
+
+__all__ = ["Server", "serve_process"]
+
+log = logging.getLogger("rsrv.lifeline")
+
+_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
+
+
+class Server(Protocol):
+    """A server process's root: ``run`` starts its task tree (``started()`` once it
+    serves); ``shutdown`` stops it gracefully."""
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def serve_process(name: str, server: Server, status: Callable[[], ChildStatus]) -> int:
+    """Run ``server`` until a signal has stopped it. Returns the exit status: 0 after
+    a graceful stop, 1 (after one line on stderr) when a port cannot be bound."""
+    _raise_descriptor_limit()
+    unbound = None
+    try:
+        trio.run(_serve_until_signal, server, status)
+    except* OSError as group:
+        unbound, rest = group.split(lambda e: getattr(e, "errno", None) in _LISTEN_ERRORS)
+        if rest is not None:
+            raise
+    if unbound is not None:
+        # One line, and an exit status a supervisor restarts after (the port may free up).
+        first = unbound
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"rsrv: {name}: cannot listen: {first}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus]) -> None:
+    stopping = False
+
+    def reported() -> ChildStatus:
+        current = status()
+        return ChildStatus(ready=current.ready and not stopping, port=current.port)
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            nursery.start_soon(SupervisorLink(reported).run)
+            async for signum in signals:
+                log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
+                stopping = True
+                await server.shutdown()
+                nursery.cancel_scope.cancel()
+                return
+
+
+def _raise_descriptor_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one: every connection
+    holds one, and 1024 is a common soft default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return
+        log.info("open descriptor limit raised from %d to %d", soft, hard)

@@ -1,0 +1,292 @@
+"""``rsrv gateway`` in front of real ``rsrv serve`` processes, driven by tritonclient.
+
+Clients see one server: unary, async, streaming and shared-memory inference, metadata,
+the repository index and statistics summed over the workers; a worker's status reaches
+the client unchanged; a worker killed under load loses no request (those it held fail
+over); and under lpt_packing, requests fill one replica's batch before the next, which
+coalesces more rows per execution than round robin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tc
+import tritonclient.utils.shared_memory as shm
+from support.bundles import X, export_linear, matches, x_input
+from support.clients import connect, raises_status
+from support.metrics import Scrape, get
+from support.serving import ServerProcess
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /dev/shm")
+
+WORKER = """
+model_repo = "{repo}"
+base_port = {{port}}
+
+[global]
+cache_dir = "{cache}"
+model_control_mode = "static"
+
+[global.scheduler]
+discipline = "{discipline}"
+
+[global.endpoints]
+max_concurrent_requests = 0
+"""
+
+GATEWAY = """
+endpoints = [{endpoints}]
+worker_names = [{names}]
+
+[listen]
+grpc = "127.0.0.1:{{port}}"
+metrics = "127.0.0.1:{{metrics_port}}"
+
+[discovery]
+interval_seconds = 0.5
+
+[scheduling]
+{scheduling}
+"""
+
+
+def start_workers(root: Path, cache: Path, count: int, discipline: str = "fair") -> list:
+    workers = []
+    for i in range(count):
+        workdir = root / f"w{i}"
+        workdir.mkdir()
+        text = WORKER.format(repo=root / "repo", cache=cache, discipline=discipline)
+        workers.append(ServerProcess(workdir, text))
+    for worker in workers:
+        with connect(worker) as client:
+            worker.wait_ready(client)
+    return workers
+
+
+def start_gateway(root: Path, workers: list, scheduling: str = "") -> ServerProcess:
+    workdir = root / f"gateway-{len(list(root.glob('gateway-*')))}"
+    workdir.mkdir()
+    text = GATEWAY.format(
+        endpoints=", ".join(f'"127.0.0.1:{w.port}"' for w in workers),
+        names=", ".join(f'"w{i}"' for i in range(len(workers))),
+        scheduling=scheduling,
+    )
+    gateway = ServerProcess(workdir, text, command="gateway", file_name="gateway.toml")
+    names = {f"w{i}" for i in range(len(workers))}
+
+    def every_worker_ready():
+        assert gateway.process.poll() is None, "\n".join(gateway.stderr[-30:])
+        try:
+            status, _, body = get(gateway.metrics_port, "/healthz")
+        except OSError:
+            return False
+        return (
+            status == 200
+            and {w["name"] for w in json.loads(body)["workers"] if w["ready"]} == names
+        )
+
+    wait_until(every_worker_ready, 60, "the gateway to see every worker", interval=0.1)
+    return gateway
+
+
+@pytest.fixture
+def processes():
+    started: list[ServerProcess] = []
+    yield started
+    for process in started:
+        process.kill()
+
+
+def test_clients_see_one_server(tmp_path, cache_dir, processes):
+    export_linear(tmp_path / "repo" / "lin", seed=11)
+    workers = start_workers(tmp_path, cache_dir, 3)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+
+    with connect(gateway) as client:
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("lin")
+        assert client.get_model_metadata("lin").inputs[0].name == "x"
+        assert client.get_model_config("lin").config.name == "lin"
+        # unary, spread over the workers
+        for _ in range(6):
+            assert matches(client.infer("lin", [x_input(X)]).as_numpy("y"), 11, X)
+        # async
+        done = threading.Event()
+        answers = []
+
+        def callback(result, error):
+            answers.append(error or result.as_numpy("y"))
+            if len(answers) == 4:
+                done.set()
+
+        for _ in range(4):
+            client.async_infer("lin", [x_input(X)], callback)
+        assert done.wait(30)
+        assert all(matches(a, 11, X) for a in answers)
+        # streaming: answers matched by id, a bad request answered in-band
+        streamed: list = []
+        client.start_stream(lambda result, error: streamed.append((result, error)))
+        for i in range(5):
+            client.async_stream_infer("lin", [x_input(X)], request_id=str(i))
+        bad = tc.InferInput("x", [2, 4], "FP32")
+        bad.set_data_from_numpy(np.zeros((2, 4), np.float32))
+        client.async_stream_infer("lin", [bad], request_id="bad")
+        wait_until(lambda: len(streamed) == 6, 30, "every stream answer")
+        client.stop_stream()
+        ok = {r.get_response().id: r.as_numpy("y") for r, e in streamed if e is None}
+        assert sorted(ok) == ["0", "1", "2", "3", "4"]
+        assert all(matches(y, 11, X) for y in ok.values())
+        (error,) = [e for _, e in streamed if e is not None]
+        assert "expects 3" in str(error) or "axis 1" in str(error)
+
+        # statuses pass through unchanged
+        with raises_status("INVALID_ARGUMENT", "axis 1"):
+            client.infer("lin", [bad])
+        with raises_status("NOT_FOUND", "unknown model: 'nope'"):
+            client.infer("nope", [x_input(X)])
+
+        # the index is the union; statistics are summed over the workers
+        (row,) = [m for m in client.get_model_repository_index().models if m.name == "lin"]
+        assert row.state == "READY" and row.reason == "ready on w0, w1, w2"
+        stats = client.get_inference_statistics("lin").model_stats[0]
+        assert stats.inference_stats.success.count == 6 + 4 + 5
+        per_worker = []
+        for worker in workers:
+            with connect(worker) as direct:
+                per_worker.append(
+                    direct.get_inference_statistics("lin").model_stats[0].inference_count
+                )
+        assert sum(per_worker) == stats.inference_count == 15 * len(X)  # rows
+        assert sum(1 for n in per_worker if n) == 3  # round robin reached every worker
+
+        # system shared memory: registered on every worker, used through the gateway
+        key = f"/rsrv_gw_{os.getpid()}"
+        region = shm.create_shared_memory_region("gw_x", key, X.nbytes)
+        try:
+            shm.set_shared_memory_region(region, [X])
+            client.register_system_shared_memory("gw_x", key, X.nbytes)
+            for worker in workers:
+                with connect(worker) as direct:
+                    assert "gw_x" in direct.get_system_shared_memory_status(as_json=True)["regions"]
+            for _ in range(3):  # whichever worker answers, it reads the same region
+                x = tc.InferInput("x", list(X.shape), "FP32")
+                x.set_shared_memory("gw_x", X.nbytes)
+                assert matches(client.infer("lin", [x]).as_numpy("y"), 11, X)
+            client.unregister_system_shared_memory("gw_x")
+            for worker in workers:
+                with connect(worker) as direct:
+                    assert not direct.get_system_shared_memory_status(as_json=True).get("regions")
+        finally:
+            shm.destroy_shared_memory_region(region)
+
+    metrics = Scrape(gateway.metrics_port)
+    assert metrics.value("rsrv_gateway_worker_up", worker="w1") == 1
+    assert metrics.total("rsrv_gateway_routed_requests", worker="w0", status="OK") >= 1
+
+
+def test_a_worker_killed_under_load_loses_no_request(tmp_path, cache_dir, processes):
+    """Requests held 50 ms in a preprocess hook, 30 at a time, through the gateway; one
+    worker is killed with SIGKILL while it holds some: every request is answered
+    correctly (those it held fail over to the others), and the gateway stops sending it
+    traffic."""
+    export_linear(tmp_path / "repo" / "slow", seed=2, hook_seconds=0.05)
+    workers = start_workers(tmp_path, cache_dir, 3)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+
+    answers: dict[int, object] = {}
+    lock = threading.Lock()
+    with connect(gateway) as client:
+
+        def send(i: int) -> None:
+            def callback(result, error):
+                with lock:
+                    answers[i] = error if error else result.as_numpy("y")
+
+            client.async_infer("slow", [x_input(X)], callback)
+
+        for i in range(30):
+            send(i)
+        wait_until(lambda: len(answers) >= 5, 30, "the first answers")
+        os.kill(workers[1].process.pid, signal.SIGKILL)
+        for i in range(30, 90):
+            send(i)
+        wait_until(lambda: len(answers) == 90, 60, "every answer")
+    failed = {i: a for i, a in answers.items() if not isinstance(a, np.ndarray)}
+    assert not failed, failed
+    assert all(matches(a, 2, X) for a in answers.values())
+    metrics = Scrape(gateway.metrics_port)
+    wait_until(
+        lambda: Scrape(gateway.metrics_port).value("rsrv_gateway_worker_up", worker="w1") == 0, 10
+    )
+    assert (
+        sum(s.value for s in metrics.samples("rsrv_gateway_failovers", "_total", worker="w1")) >= 1
+    )
+
+
+def rows_per_execution(workers: list, model: str) -> float:
+    rows = executions = 0
+    for worker in workers:
+        with connect(worker) as client:
+            stats = client.get_inference_statistics(model).model_stats[0]
+            rows += stats.inference_count
+            executions += stats.execution_count
+    return rows / executions
+
+
+def closed_loop(gateway: ServerProcess, model: str, clients: int, requests: int) -> None:
+    """``clients`` threads, each sending ``requests`` one-row requests one after the
+    other through the gateway."""
+    x = X[:1]
+    errors: list = []
+
+    def loop() -> None:
+        with connect(gateway) as client:
+            for _ in range(requests):
+                try:
+                    client.infer(model, [x_input(x)])
+                except Exception as e:  # recorded, asserted below
+                    errors.append(e)
+
+    threads = [threading.Thread(target=loop) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
+def test_fill_routing_coalesces_more_rows_than_round_robin(tmp_path, cache_dir, processes):
+    """Two workers on fifo, a model compiled at batch sizes 1 and 8, two replicas, 16
+    closed-loop clients: rows per execution (ModelStatistics, summed over the workers)
+    under lpt_packing's fill routing are at least 1.5x round robin's."""
+    export_linear(tmp_path / "repo" / "m", seed=5, batch_sizes=(1, 8), work=300)
+    measured = {}
+    for mode, scheduling in (
+        ("round_robin", 'mode = "round_robin"'),
+        ("lpt_packing", 'mode = "lpt_packing"\ndefault_replicas = "all"'),
+    ):
+        root = tmp_path / mode
+        root.mkdir()
+        (root / "repo").symlink_to(tmp_path / "repo")
+        workers = start_workers(root, cache_dir, 2, discipline="fifo")
+        processes.extend(workers)
+        gateway = start_gateway(root, workers, scheduling)
+        processes.append(gateway)
+        closed_loop(gateway, "m", clients=16, requests=25)
+        measured[mode] = rows_per_execution(workers, "m")
+        for process in (gateway, *workers):
+            process.kill()
+    assert measured["lpt_packing"] >= 1.5 * measured["round_robin"], measured

@@ -1,0 +1,67 @@
+"""Reading a request's routing fields from its wire bytes, against protobuf's encoder."""
+
+from __future__ import annotations
+
+import pytest
+
+from rsrv.gateway._peek import (
+    WireError,
+    peek_infer,
+    peek_name,
+    stream_error,
+    stream_response,
+)
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+
+
+def request(**fields) -> bytes:
+    return pb.ModelInferRequest(**fields).SerializeToString()
+
+
+def test_the_head_of_an_infer_request():
+    body = request(
+        model_name="classifier",
+        model_version="2",
+        id="req-7",
+        inputs=[
+            pb.ModelInferRequest.InferInputTensor(name="mask", datatype="BOOL", shape=[3, 5]),
+            pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[8, 256]),
+        ],
+        raw_input_contents=[b"\x01" * 15, b"\x00" * (8 * 256 * 4)],
+    )
+    head = peek_infer(body)
+    assert (head.model, head.version, head.id) == ("classifier", "2", "req-7")
+    assert head.input_shape("x") == [8, 256]
+    assert head.input_shape("mask") == [3, 5]
+    assert head.input_shape("y") is None
+
+
+def test_negative_and_unpacked_dims():
+    tensor = pb.ModelInferRequest.InferInputTensor(name="x", shape=[-1, 4])
+    assert peek_infer(request(model_name="m", inputs=[tensor])).input_shape("x") == [-1, 4]
+    # An encoder may write repeated int64 unpacked: field 3 as varints, one per dim.
+    unpacked = b"\x0a\x01x" + b"\x18\x02" + b"\x18\x07"
+    body = b"\x0a\x01m" + b"\x2a" + bytes([len(unpacked)]) + unpacked
+    assert peek_infer(body).input_shape("x") == [2, 7]
+
+
+def test_empty_and_malformed_bodies():
+    assert peek_infer(b"").model == ""
+    for broken in (b"\x0a\x05ab", b"\x0a", b"\x0b\x01", b"\x0a\x02\xff\xfe"):
+        with pytest.raises(WireError):
+            peek_infer(broken)
+
+
+def test_name_and_version_of_model_requests():
+    body = pb.ModelMetadataRequest(name="grader", version="3").SerializeToString()
+    assert peek_name(body) == ("grader", "3")
+    assert peek_name(pb.ModelReadyRequest(name="a").SerializeToString()) == ("a", "")
+
+
+def test_stream_answers_are_what_protobuf_decodes():
+    inner = pb.ModelInferResponse(model_name="m", id="7", raw_output_contents=[b"x" * 300])
+    wrapped = pb.ModelStreamInferResponse.FromString(stream_response(inner.SerializeToString()))
+    assert wrapped.infer_response == inner and wrapped.error_message == ""
+    error = pb.ModelStreamInferResponse.FromString(stream_error("bad shape", "m", "7"))
+    assert error.error_message == "bad shape"
+    assert (error.infer_response.model_name, error.infer_response.id) == ("m", "7")
