@@ -210,7 +210,7 @@ class InferenceClient(ChannelClient):
         except BaseExceptionGroup as group:  # the block's own exception, not a group
             while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
                 group = group.exceptions[0]
-            raise group from None
+            raise group from group.__cause__  # (keeps the exception's own cause)
         if call.status is not StatusCode.OK:
             raise InferenceServerError(
                 call.status, call.message, reached_server=call.reached_server

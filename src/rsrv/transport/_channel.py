@@ -337,7 +337,7 @@ async def open_channel(
     except BaseExceptionGroup as group:
         while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
             group = group.exceptions[0]
-        raise group from None
+        raise group from group.__cause__  # (keeps the exception's own cause)
 
 
 def grpc_timeout(seconds: float) -> bytes:

@@ -59,6 +59,14 @@ async def test_unary_answers_and_statuses():
         assert missing.status is StatusCode.UNIMPLEMENTED
 
 
+async def test_an_exception_in_the_block_comes_out_as_itself():
+    async with echo_server() as echo:
+        with pytest.raises(KeyError, match="mine"):
+            async with open_channel("127.0.0.1", echo.port) as channel:
+                assert (await channel.unary(UNARY, b"")).ok
+                raise KeyError("mine")
+
+
 async def test_metadata_and_grpc_timeout_reach_the_server():
     async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
         plain = await channel.unary(HEADERS, b"")
