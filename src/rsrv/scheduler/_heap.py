@@ -17,7 +17,7 @@ T = TypeVar("T", bound=Hashable)
 class KeyedHeap(Generic[T]):
     """Items with updatable keys; the item with the smallest key is on top.
 
-    ``set``, ``discard``, ``peek`` and ``pop`` are O(log n) amortised. An update
+    ``set``, ``discard``, ``take``, ``peek`` and ``pop`` are O(log n) amortised. An update
     pushes a fresh entry and leaves the old one behind as stale (lazy deletion);
     ``peek`` drops stale entries as they surface, and the heap is rebuilt once stale
     entries outnumber live ones, so memory stays O(live items). Ties on the key are
@@ -55,6 +55,15 @@ class KeyedHeap(Generic[T]):
         """Remove ``item`` if present."""
         if self._live.pop(item, None) is not None:
             self._compact()
+
+    def take(self, item: T) -> Any:
+        """Remove ``item`` and return its key (None if absent); ``set(item, key)`` puts
+        it back."""
+        live = self._live.pop(item, None)
+        if live is None:
+            return None
+        self._compact()
+        return live[0]
 
     def peek(self) -> tuple[Any, T] | None:
         """``(key, item)`` with the smallest key, or None when empty."""

@@ -41,6 +41,16 @@ class Policy:
     def backlogged(self) -> Iterator[ScheduledModel]:
         raise NotImplementedError
 
+    def withhold(self, m: ScheduledModel) -> object:
+        """Hide backlogged ``m`` from :meth:`select` within one decision (it waits for
+        more requests); :meth:`restore` with the token returned brings it back. ``m``
+        must not be updated in between."""
+        raise NotImplementedError
+
+    def restore(self, m: ScheduledModel, token: object) -> None:
+        """Undo :meth:`withhold` (a discipline may charge the wait, see Fair)."""
+        raise NotImplementedError
+
     def dispatched(self, m: ScheduledModel, estimate: float) -> None:
         """``m`` starts a batch expected to take ``estimate`` seconds."""
 
@@ -84,6 +94,12 @@ class HeadOrder(Policy):
 
     def backlogged(self) -> Iterator[ScheduledModel]:
         return iter(self._ready)
+
+    def withhold(self, m: ScheduledModel) -> object:
+        return self._ready.take(m)
+
+    def restore(self, m: ScheduledModel, token: object) -> None:
+        self._ready.set(m, token)
 
 
 class Fair(Policy):
@@ -143,6 +159,21 @@ class Fair(Policy):
 
     def backlogged(self) -> Iterator[ScheduledModel]:
         return iter(self._ready)
+
+    def withhold(self, m: ScheduledModel) -> object:
+        return self._ready.take(m), self._urgent.take(m)
+
+    def restore(self, m: ScheduledModel, token: object) -> None:
+        # A model that waits for company banks no credit, as an idle one banks none:
+        # its tag is at least V when it comes back (else a model that keeps waiting
+        # while others run would fall ever further behind, then take the device).
+        ready, urgent = token  # type: ignore[misc]
+        if m.tag < self.vtime:
+            m.tag = self.vtime
+            ready = (m.tag + m.next_cost() / m.weight, m.index)
+        self._ready.set(m, ready)
+        if urgent is not None:
+            self._urgent.set(m, urgent)
 
     def reweight(self, m: ScheduledModel, weight: float, now: float) -> None:
         # The tag's distance from V is service (or its lack) per unit weight: keep it

@@ -36,6 +36,7 @@ class Version:
 
     spec: ModelSpec
     costs: CostTable
+    delay: float = 0.0  # queue delay: spec.max_queue_delay, else the scheduler's default
     outstanding: int = 0  # requests queued or running
     retired: bool = False  # replaced or removed: no new requests
 

@@ -69,6 +69,10 @@ class Scheduler:
       label it names.
     * Selection touches only backlogged models: O(log b) per decision for b
       backlogged models, independent of how many are registered.
+    * A model with a queue delay (``ModelSpec.max_queue_delay``, else the config's
+      ``max_queue_delay_seconds``) whose queued rows would not fill ``max_rows`` waits
+      up to that delay for more, unless a deadline, a latency budget or a drain says
+      otherwise; meanwhile other models run (specs/scheduler.md, Queue delay).
     """
 
     def __init__(
@@ -89,6 +93,9 @@ class Scheduler:
         self._queued = 0  # requests queued over all models
         self._running = False
         self._draining = False
+        self._delayed = 0  # registered current versions with a queue delay
+        self._hurry = False  # no queue delay any more: draining or stopping
+        self._due: float | None = None  # when the idle loop must decide again: a held model
         self._closed = False
         self._wake = trio.Event()
         self._drained = trio.Event()
@@ -107,7 +114,11 @@ class Scheduler:
         :meth:`warm_costs`). The spec added last is the default of requests that name
         no label.
         """
-        version = Version(spec, CostTable(self._config.cost_ema_alpha))
+        delay = spec.max_queue_delay
+        if delay is None:
+            delay = self._config.max_queue_delay_seconds
+        version = Version(spec, CostTable(self._config.cost_ema_alpha), delay)
+        self._delayed += delay > 0
         label = spec.version
         m = self._models.get(spec.name)
         if m is None:
@@ -122,6 +133,7 @@ class Scheduler:
         m.counters.setdefault(label, VersionCounters())
         m.version, m.weight = version, spec.weight
         if old is not None:
+            self._delayed -= old.delay > 0
             self._retire(old)
         self._policy.update(m, self._clock())
 
@@ -137,6 +149,7 @@ class Scheduler:
             self.remove_model(name)
             return
         old = m.versions.pop(label)
+        self._delayed -= old.delay > 0
         m.counters.pop(label, None)
         if m.version is old:
             m.version = next(reversed(m.versions.values()))
@@ -154,6 +167,7 @@ class Scheduler:
             self._unqueue(req, State.DONE)
             self._settle(req, error=NotFound(f"model {name!r} was unloaded"))
         for version in m.versions.values():
+            self._delayed -= version.delay > 0
             self._retire(version)
 
     def set_weight(self, name: str, weight: float) -> None:
@@ -178,6 +192,12 @@ class Scheduler:
         """The current spec of ``name`` (of its label ``version``, or the default's);
         NotFound if unknown."""
         return self._version(self._model(name), version).spec
+
+    def queue_delay(self, name: str, version: str | None = None) -> float:
+        """Seconds a batch of the current version of label ``version`` (None: the
+        default's) may wait for more requests: its spec's ``max_queue_delay``, else the
+        config's ``max_queue_delay_seconds``; NotFound if unknown."""
+        return self._version(self._model(name), version).delay
 
     def version_stats(self, name: str, version: str) -> VersionStats:
         """Executions of label ``version`` of ``name`` since it was added (a
@@ -367,7 +387,13 @@ class Scheduler:
                     await trio.lowlevel.checkpoint()
                     batch = self._next_batch()
                     if batch is None:
-                        await self._wake.wait()
+                        due = self._due
+                        if due is None:
+                            await self._wake.wait()
+                        else:  # a held model is due then, unless a submit comes first
+                            self._due = None
+                            with trio.move_on_at(self._trio_time(due)):
+                                await self._wake.wait()
                         self._wake = trio.Event()
                         continue
                     self._prefetch(background, batch)
@@ -381,6 +407,8 @@ class Scheduler:
         """The decision: select a model, plan its batch. Requests found expired or
         shed on the way are answered; no device work happens here."""
         now = self._clock()
+        if self._delayed and not self._hurry:
+            return self._next_batch_holding(now)
         while (m := self._policy.select(now)) is not None:
             batch = self._plan(m, now)
             if batch is not None:
@@ -389,6 +417,63 @@ class Scheduler:
             if batch is not None:
                 return batch
         return None
+
+    def _next_batch_holding(self, now: float) -> Batch | None:
+        """:meth:`_next_batch` when some model has a queue delay: a selected model
+        that waits for more requests (:meth:`_held_until`) is withheld from the policy
+        for the rest of this decision, and the next one is selected; if none is ready,
+        ``_due`` is the earliest moment a withheld model is due."""
+        held: list[tuple[ScheduledModel, object]] = []
+        due = None
+        try:
+            while (m := self._policy.select(now)) is not None:
+                until = self._held_until(m, now)
+                if until is not None:
+                    held.append((m, self._policy.withhold(m)))
+                    due = until if due is None else min(due, until)
+                    continue
+                batch = self._plan(m, now)
+                if batch is not None:
+                    self._policy.dispatched(m, batch.estimate)
+                self._policy.update(m, now)
+                if batch is not None:
+                    return batch
+            self._due = due
+            return None
+        finally:
+            for m, token in held:
+                self._policy.restore(m, token)
+
+    def _held_until(self, m: ScheduledModel, now: float) -> float | None:
+        """When ``m``'s batch is due, if it should wait for more requests now; None:
+        dispatch it now. It waits while its head request's version has a queue delay
+        ``D``, the queued rows are fewer than that version's ``max_rows``, and ``now``
+        is before ``until = oldest arrival + D``, unless waiting until then would let a
+        queued request expire (``until >= expiry``) or finish after its deadline or
+        latency budget (``until + ĉ > deadline``, ``until + ĉ > enqueued + budget``,
+        ``ĉ`` the learned cost of the batch it would run now)."""
+        queue = m.queue
+        head = queue.peek()
+        if head is None:
+            return None
+        version = head.version
+        delay = version.delay
+        spec = version.spec
+        if delay <= 0 or not spec.batched or queue.rows >= spec.max_rows:
+            return None
+        oldest = queue.oldest()
+        assert oldest is not None
+        until = oldest.enqueued + delay
+        if now >= until:
+            return None
+        end = until + version.costs.estimate(spec.size_for(queue.rows))
+        for r in queue.queued():  # fewer than max_rows requests, unless some have 0 rows
+            if until >= r.expiry or (r.deadline is not None and end > r.deadline):
+                return None
+            budget = r.version.spec.latency_budget
+            if budget is not None and end > r.enqueued + budget:
+                return None
+        return until
 
     def _plan(self, m: ScheduledModel, now: float) -> Batch | None:
         """Take the longest prefix of ``m``'s queue that one batch can hold: same
@@ -513,12 +598,19 @@ class Scheduler:
 
     # -- shutdown -------------------------------------------------------------------
 
+    def hurry(self) -> None:
+        """Dispatch without queue delays from now on (a graceful stop has begun);
+        admission is unchanged. :meth:`drain` implies it."""
+        self._hurry = True
+        self._wake.set()
+
     async def drain(self) -> None:
         """Stop admitting (new submits get Unavailable) and return once every queued
         request has been answered; :meth:`run` then returns. Needs :meth:`run`
-        running (or starting later) when requests are queued."""
+        running (or starting later) when requests are queued. Queued requests are
+        dispatched without queue delays."""
         self._draining = True
-        self._wake.set()
+        self.hurry()
         if not self._running and self._queued == 0:
             self._closed = True
             self._drained.set()

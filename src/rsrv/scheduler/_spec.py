@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,9 @@ class ModelSpec:
     requests queued before a replacement run on the version they were queued for.
     ``version`` labels the version among those of the same name served side by side
     (a request names the label it is for; see :meth:`Scheduler.add_model`).
+    ``max_queue_delay`` is how long, in seconds, a batch smaller than ``max_rows`` may
+    wait for more requests (None: the scheduler's ``max_queue_delay_seconds``; 0:
+    dispatch at once; specs/scheduler.md, Queue delay).
 
     Construction validates the fields and raises InvalidArgument naming the fault.
     """
@@ -51,6 +55,7 @@ class ModelSpec:
     latency_budget: float | None = None
     executable: str | None = None
     version: str = ""
+    max_queue_delay: float | None = None
 
     def __post_init__(self) -> None:
         sizes = tuple(sorted(int(s) for s in self.batch_sizes))
@@ -84,6 +89,11 @@ class ModelSpec:
             raise InvalidArgument(
                 f"{where}: latency_budget must be positive, got {self.latency_budget}"
             )
+        delay = self.max_queue_delay
+        if delay is not None and not (delay >= 0 and math.isfinite(delay)):
+            raise InvalidArgument(
+                f"{where}: max_queue_delay must be a finite number of seconds >= 0, got {delay}"
+            )
 
     @property
     def batched(self) -> bool:
@@ -113,8 +123,9 @@ class ModelSpec:
         return self.batch_sizes[min(i, len(self.batch_sizes) - 1)]
 
     def with_policy(self, policy: ModelSchedConfig | None) -> ModelSpec:
-        """This spec with the configured weight, max_batch_size and latency budget
-        (``scheduler.models.<name>``) laid over it; unset config fields keep ours."""
+        """This spec with the configured weight, max_batch_size, latency budget and
+        queue delay (``scheduler.models.<name>``) laid over it; unset config fields keep
+        ours."""
         if policy is None:
             return self
         changes: dict[str, object] = {"weight": policy.weight}
@@ -122,4 +133,6 @@ class ModelSpec:
             changes["max_batch_size"] = policy.max_batch_size
         if policy.latency_budget_seconds is not None:
             changes["latency_budget"] = policy.latency_budget_seconds
+        if policy.max_queue_delay_seconds is not None:
+            changes["max_queue_delay"] = policy.max_queue_delay_seconds
         return dataclasses.replace(self, **changes)
