@@ -1,0 +1,90 @@
+"""``grpc.health.v1.Health``: the standard gRPC health service, on every rsrv port.
+
+Kubernetes' gRPC probes, ``grpc_health_probe`` and gRPC load balancers ask it for the
+status of a *service name*. rsrv answers four names, two for each question a probe asks
+(:data:`HEALTH_SERVICES`):
+
+* ``""`` (a probe's default) and ``"live"``: liveness, SERVING whenever the server
+  answers at all, while models load and while it drains too;
+* ``"ready"`` and ``"inference.GRPCInferenceService"``: readiness, SERVING when the
+  server's ``ready()`` says so (a worker: ServerReady and not draining; a gateway: a ready
+  worker behind it and not draining), else NOT_SERVING;
+* any other name: Check fails NOT_FOUND; Watch streams SERVICE_UNKNOWN and stays open
+  (the gRPC rule for unknown services).
+
+Guarantees:
+
+* ``Check`` never waits: it reads ``ready()`` once and answers.
+* ``Watch`` sends the current status at once, then every change, each within
+  ``poll_seconds`` (0.25 s) of ``ready()`` changing, never the same status twice in a
+  row; it ends only when the client ends it or the server closes the connection.
+* Neither takes an in-flight slot nor is refused while the server drains:
+  :func:`rsrv.protocol.guard` lets them through (``UNADMITTED``), so a probe is never shed
+  at ``max_concurrent_requests`` and sees NOT_SERVING, not UNAVAILABLE, during a graceful
+  shutdown. Restricted protocols still apply (they belong to the ``health`` group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import trio
+
+from rsrv.errors import NotFound
+from rsrv.protocol.generated.grpc.health.v1 import health_pb2 as pb
+from rsrv.protocol.generated.grpc.health.v1.health_grpc import HealthServicer
+from rsrv.transport import Method, methods_of
+
+__all__ = ["HEALTH_SERVICES", "HealthService"]
+
+#: Service names the health service knows, and what each reports: ``live`` or ``ready``.
+HEALTH_SERVICES: Mapping[str, str] = {
+    "": "live",
+    "live": "live",
+    "ready": "ready",
+    "inference.GRPCInferenceService": "ready",
+}
+
+SERVING = pb.HealthCheckResponse.SERVING
+NOT_SERVING = pb.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = pb.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class HealthService(HealthServicer):
+    """The health service of one server, over one question: ``ready()``, is it ready
+    now? (It is live as long as it answers.)"""
+
+    def __init__(self, ready: Callable[[], bool], *, poll_seconds: float = 0.25):
+        self.ready = ready
+        self.poll_seconds = poll_seconds
+
+    def status(self, service: str) -> int:
+        """The ServingStatus of ``service`` now: SERVICE_UNKNOWN for an unknown name."""
+        kind = HEALTH_SERVICES.get(service)
+        if kind is None:
+            return SERVICE_UNKNOWN
+        if kind == "live":
+            return SERVING
+        return SERVING if self.ready() else NOT_SERVING
+
+    def methods(self) -> list[Method]:
+        """Check and Watch, for the server's method table (pass them through ``guard``)."""
+        return methods_of(self.service)
+
+    async def Check(self, message, request):
+        status = self.status(message.service)
+        if status == SERVICE_UNKNOWN:
+            raise NotFound(
+                f"unknown service {message.service!r}; this server reports "
+                + ", ".join(repr(name) for name in HEALTH_SERVICES)
+            )
+        return pb.HealthCheckResponse(status=status)
+
+    async def Watch(self, message, request):
+        last = None
+        while True:
+            status = self.status(message.service)
+            if status != last:
+                last = status
+                yield pb.HealthCheckResponse(status=status)
+            await trio.sleep(self.poll_seconds)
