@@ -1,0 +1,343 @@
+"""The KServe V2 REST protocol (Triton's HTTP endpoint) as an ASGI app over the same
+backend and checks as the gRPC service: :class:`RestService`.
+
+What every request goes through, in order (specs/http.md):
+
+1. **Routing** (``_rest_routes.route``): an unknown path is 404, a known path with
+   another method 405 (with ``Allow``).
+2. **Restricted protocols**: the endpoint's protocol group, as on gRPC; a request
+   without the header (or with another value) is 403 with Triton's message.
+3. **The body**, for POST: a ``Content-Length`` above ``max_body_bytes`` is 413 before a
+   byte of it is kept (what the client goes on sending is read and dropped, so that it
+   sees the answer); a chunked body is counted as it arrives and refused the same way
+   once it passes the limit. It must arrive within ``receive_timeout`` (else 408).
+   ``Content-Encoding: gzip`` or ``deflate`` is inflated up to the same limit (above:
+   413; another encoding: 415; corrupt: 400).
+4. **Admission**: the in-flight cap and shutdown, shared with the gRPC port (429 / 503).
+5. **The handler**: ``/infer`` here, the others in ``_rest_routes`` (through the gRPC
+   handlers). Any exception becomes ``{"error": message}`` with the HTTP status of its
+   gRPC status (``http_status``), the message exactly the gRPC one.
+
+Inference responses are compressed when the request's ``Accept-Encoding`` names gzip or
+deflate (others never are: tritonclient inflates only those).
+A client that disconnects while its inference is under way cancels it (withdrawn from
+the scheduler's queue as a reset gRPC call is).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import zlib
+from collections.abc import Iterable
+
+import trio
+
+from rsrv.errors import InvalidArgument, ResourceExhausted, RsrvError, Unavailable
+from rsrv.protocol._calls import Admission, Restriction
+from rsrv.protocol._infer_flow import infer_counted
+from rsrv.protocol._inference import InferenceService
+from rsrv.protocol._rest_codec import (
+    decode_rest_inputs,
+    encode_rest_response,
+    parse_rest_request,
+    rest_deadline,
+    rest_outputs,
+    rest_priority,
+)
+from rsrv.protocol._rest_routes import Call, NoRoute, Reply, RestRoutes, json_reply, route
+from rsrv.protocol._status import http_status
+from rsrv.versions import parse_version
+
+__all__ = ["RestService"]
+
+log = logging.getLogger(__name__)
+_EMPTY = memoryview(b"")
+
+
+class _HttpError(RsrvError):
+    """A failure of the HTTP exchange itself, with its own HTTP status (its gRPC
+    counterpart's status in ``code``, for the statistics)."""
+
+    def __init__(self, message: str, status: int, code: str):
+        super().__init__(message)
+        self.http_status = status
+        self.code = code
+
+
+class _BodyTooLarge(ResourceExhausted):
+    http_status = 413
+
+
+class _Forbidden(Unavailable):
+    http_status = 403
+
+
+class _Disconnected(Exception):
+    """The client went away before its request was read."""
+
+
+class RestService:
+    """The ASGI app. ``service`` is the gRPC service of the same backend: the endpoints
+    other than ``/infer`` call its handlers. ``restrictions`` as on the gRPC port;
+    ``max_body_bytes``: the largest request body, before and after inflating;
+    ``receive_timeout``: seconds a request body may take to arrive."""
+
+    def __init__(
+        self,
+        service: InferenceService,
+        restrictions: Iterable[Restriction] = (),
+        *,
+        max_body_bytes: int,
+        receive_timeout: float = 60.0,
+    ):
+        self.backend = service.backend
+        self.routes = RestRoutes(service)
+        self.admission: Admission = self.backend.admission
+        self.max_body_bytes = max_body_bytes
+        self.receive_timeout = receive_timeout
+        self._restricted = {p: r for r in restrictions for p in r.protocols}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in scope["headers"]
+        }
+        try:
+            reply = await self._handle(scope, headers, receive)
+        except _Disconnected:
+            return
+        except Exception as e:
+            status, message = http_status(e)
+            reply = json_reply({"error": message}, status)
+            if isinstance(e, NoRoute) and e.allowed:
+                reply.headers.append((b"allow", ", ".join(e.allowed).encode()))
+        # Only inference responses are compressed (as Triton does): clients such as
+        # aiohttp ask for gzip on every request but inflate only what tritonclient does.
+        infer = scope["path"].endswith("/infer") and 200 <= reply.status < 300
+        await _send(send, reply, headers.get("accept-encoding", "") if infer else "")
+
+    async def _handle(self, scope, headers: dict[str, str], receive) -> Reply:
+        method = scope["method"]
+        name, group, params = route(method, scope["path"])
+        restriction = self._restricted.get(group)
+        if restriction is not None:
+            try:
+                restriction.check(headers)
+            except Unavailable as e:
+                raise _Forbidden(str(e)) from None
+        body = b""
+        if method == "POST":
+            body = await self._body(headers, receive)
+        call = Call(method, scope["path"], params, headers, body)
+        with self.admission:
+            if name == "infer":
+                return await _cancel_on_disconnect(self.infer(call), receive)
+            return await getattr(self.routes, name)(call)
+
+    async def _body(self, headers: dict[str, str], receive) -> bytes:
+        limit = self.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                raise _HttpError(f"invalid Content-Length {length!r}", 400, "INVALID_ARGUMENT")
+            if int(length) > limit:
+                await self._discard(receive)
+                raise _BodyTooLarge(
+                    f"request body of {int(length)} bytes is larger than the maximum "
+                    f"{limit} (endpoints.max_message_bytes)"
+                )
+        chunks: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self.receive_timeout) as scope:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Disconnected
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    if message.get("more_body", False):
+                        await self._discard(receive)
+                    raise _BodyTooLarge(
+                        f"request body of more than {limit} bytes is larger than the maximum "
+                        f"{limit} (endpoints.max_message_bytes)"
+                    )
+                if chunk:
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if scope.cancelled_caught:
+            raise _HttpError(
+                f"the request body did not arrive in full within {self.receive_timeout:g} s "
+                "(endpoints.receive_timeout_seconds)",
+                408,
+                "DEADLINE_EXCEEDED",
+            )
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return _inflate(body, headers.get("content-encoding", ""), limit)
+
+    async def _discard(self, receive) -> None:
+        """Read and drop what the client keeps sending of a refused body (never held), so
+        that a client still writing it (tritonclient) reads the 413 rather than a reset;
+        a pause of 0.25 s, or ``receive_timeout`` in all, ends it."""
+        with trio.move_on_after(self.receive_timeout):
+            while True:
+                with trio.move_on_after(0.25):
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        return
+                    continue
+                return
+
+    async def infer(self, call: Call) -> Reply:
+        """``POST /v2/models/{m}[/versions/{v}]/infer``: JSON (and binary data) in, the
+        same checks, queue and statistics as ModelInfer, JSON (and binary data) out."""
+        model = call.params["m"]
+        if not model:
+            raise InvalidArgument("model_name is empty")
+        body = call.body
+        binary = _EMPTY
+        header = call.headers.get("inference-header-content-length")
+        if header is not None:
+            size = int(header) if header.strip().isdigit() else -1
+            if not 0 <= size <= len(body):
+                raise InvalidArgument(
+                    f"invalid Inference-Header-Content-Length {header!r}: the JSON header "
+                    f"must be a length between 0 and the body's {len(body)} bytes"
+                )
+            view = memoryview(body)
+            body, binary = view[:size], view[size:]
+        request = parse_rest_request(body)
+        backend = self.backend
+        start = time.perf_counter()
+        served = backend.model(model, parse_version(call.params.get("v", "")))
+        sig = served.bundle.signature
+        produced = [t.name for t in sig.client_outputs]
+        plan = None
+
+        def prepare():
+            nonlocal plan
+            inputs = decode_rest_inputs(request, model, sig.client_inputs, binary, backend.shm)
+            plan = rest_outputs(request, model, produced, backend.shm)
+            rest_priority(request)  # validated; the scheduler has no priorities
+            return inputs, rest_deadline(request, trio.current_time())
+
+        def finish(outputs):
+            order, as_values = plan
+            return encode_rest_response(
+                request, served.name, served.version, outputs, order, as_values, backend.shm
+            )
+
+        header_json, parts = await infer_counted(backend, served, start, prepare, finish)
+        if not parts:
+            return Reply(200, header_json)
+        return Reply(
+            200,
+            b"".join([header_json, *parts]),
+            "application/octet-stream",
+            [(b"inference-header-content-length", str(len(header_json)).encode())],
+        )
+
+
+async def _cancel_on_disconnect(work, receive):
+    """Await ``work``; a client that disconnects meanwhile cancels it (_Disconnected).
+    Its exception, if any, propagates as itself."""
+    outcome: list = []
+
+    async def run():
+        try:
+            outcome.append((True, await work))
+        except Exception as e:
+            outcome.append((False, e))
+        nursery.cancel_scope.cancel()
+
+    async def watch():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        nursery.start_soon(watch)
+    if not outcome:
+        raise _Disconnected
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise _HttpError(
+            f"request body encoded with {encoding!r}; rsrv accepts gzip and deflate "
+            "(or no Content-Encoding)",
+            415,
+            "UNIMPLEMENTED",
+        )
+    # gzip: its header; deflate: the zlib format (what tritonclient sends) or raw deflate
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    if encoding == "deflate" and body[:1] and body[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise InvalidArgument(f"cannot decompress the {encoding} request body: {e}") from None
+    if len(out) > limit:
+        raise _BodyTooLarge(
+            f"request body of more than {limit} (decompressed) bytes is larger than the "
+            f"maximum {limit} (endpoints.max_message_bytes)"
+        )
+    if not inflater.eof:
+        raise InvalidArgument(f"cannot decompress the {encoding} request body: it is truncated")
+    return out
+
+
+def _accepted(accept: str) -> str | None:
+    """gzip or deflate, if ``Accept-Encoding`` names one (gzip first), else None."""
+    offered = {}
+    for item in accept.lower().split(","):
+        name, _, params = item.strip().partition(";")
+        q = 1.0
+        if params.strip().startswith("q="):
+            try:
+                q = float(params.strip()[2:])
+            except ValueError:
+                q = 0.0
+        offered[name.strip()] = q
+    for name in ("gzip", "deflate"):
+        if offered.get(name, 0.0) > 0 and math.isfinite(offered[name]):
+            return name
+    return None
+
+
+async def _send(send, reply: Reply, accept: str) -> None:
+    body = reply.body
+    headers = [(b"content-type", reply.content_type.encode()), *reply.headers]
+    encoding = _accepted(accept) if accept and body else None
+    if encoding == "gzip":
+        compressor = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        body = compressor.compress(body) + compressor.flush()
+    elif encoding == "deflate":
+        body = zlib.compress(body)
+    if encoding is not None:
+        headers.append((b"content-encoding", encoding.encode()))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

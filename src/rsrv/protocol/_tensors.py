@@ -1,0 +1,237 @@
+"""The wire-neutral core of input decoding: every check an input goes through, whichever
+wire it came on (gRPC protobuf in ``_decode``, REST JSON and binary in ``_rest_codec``).
+
+A wire adapter walks the request's inputs and, for each, calls :func:`plan_input`
+(names, datatype, rank, fixed axes, negative dims, size from the shape alone), then
+checks the data source it found (:func:`check_data_size` for bytes in the request,
+:func:`check_shm_input` for a shared-memory region, its own count check for typed
+values), then :func:`check_missing`; only once every input has passed does it call
+:func:`materialize`, so nothing sized by the request is allocated for a request that
+fails. Every failure is InvalidArgument naming the tensor, except the shared-memory
+statuses of ``_parameters`` (NotFound, FailedPrecondition).
+
+Decoded arrays are read-only: bytes in the request are zero-copy ``np.frombuffer``
+views; shared-memory inputs are copied out of the region first (the client may reuse it
+as soon as the response arrives); typed values are converted. BYTES inputs are object
+arrays of ``bytes``. The codec assumes a little-endian host (as Triton and tritonclient
+do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rsrv.bundle import Tensor
+from rsrv.dtypes import DType
+from rsrv.errors import InvalidArgument, RsrvError
+from rsrv.protocol._bytes import deserialize_bytes
+from rsrv.protocol._parameters import ShmTarget, check_region, registry, with_context
+from rsrv.protocol._shm import SharedMemoryRegistry
+
+__all__ = [
+    "DEFAULT_MAX_TENSOR_BYTES",
+    "InputPlan",
+    "check_data_size",
+    "check_missing",
+    "check_shm_input",
+    "materialize",
+    "narrow",
+    "plan_input",
+]
+
+DEFAULT_MAX_TENSOR_BYTES = 2**31 - 1
+"""Largest tensor (elements x itemsize; 4 bytes per BYTES element at least) accepted."""
+
+
+@dataclass(slots=True)
+class InputPlan:
+    """One validated input and where its data is: ``raw`` (bytes of the request), ``shm``
+    (a region), or ``values`` (typed values, converted by the wire's own function);
+    ``field`` names the typed source for messages."""
+
+    spec: Tensor
+    what: str
+    shape: tuple[int, ...]
+    count: int
+    raw: Any = None  # bytes-like
+    shm: ShmTarget | None = None
+    values: Any = None
+    field: str | None = None
+
+
+def _names(specs: Sequence[Tensor]) -> str:
+    return "[" + ", ".join(f"'{s.name}'" for s in specs) + "]"
+
+
+def _check_shape(spec: Tensor, shape: tuple[int, ...], what: str) -> None:
+    if len(shape) != spec.rank:
+        raise InvalidArgument(
+            f"{what}: rank {len(shape)} (shape {list(shape)}) does not match the model's "
+            f"rank {spec.rank} ({spec.describe()})"
+        )
+    for axis, (got, want) in enumerate(zip(shape, spec.shape, strict=True)):
+        if got < 0:
+            raise InvalidArgument(
+                f"{what}: negative dimension {got} on axis {axis} of shape {list(shape)}"
+            )
+        if axis == spec.batch_axis:
+            if got == 0:
+                raise InvalidArgument(
+                    f"{what}: the batch axis (axis {axis}) has 0 rows in shape "
+                    f"{list(shape)}; a request needs at least one"
+                )
+        elif want >= 0 and got != want:
+            raise InvalidArgument(
+                f"{what}: axis {axis} has extent {got} but the model expects {want} "
+                f"(shape {list(shape)} vs {spec.describe()})"
+            )
+
+
+def plan_input(
+    model: str,
+    name: str,
+    datatype: str,
+    shape: tuple[int, ...],
+    by_name: Mapping[str, Tensor],
+    seen: set[str],
+    max_tensor_bytes: int,
+) -> InputPlan:
+    """Check one input's header against the model's client-facing specs (``by_name``):
+    declared, not repeated (``seen`` is updated), datatype, shape, and size from the
+    shape alone (above ``max_tensor_bytes``: refused before anything is allocated)."""
+    what = f"input tensor '{name}' for model '{model}'"
+    spec = by_name.get(name)
+    if spec is None:
+        raise InvalidArgument(
+            f"unexpected {what}: the model's inputs are {_names(list(by_name.values()))}"
+        )
+    if name in seen:
+        raise InvalidArgument(f"{what} appears more than once in the request")
+    seen.add(name)
+    if datatype != spec.dtype.kserve:
+        raise InvalidArgument(
+            f"{what}: got datatype {datatype or '(empty)'}, expected {spec.dtype.kserve}"
+        )
+    _check_shape(spec, shape, what)
+    count = math.prod(shape)
+    least = count * (spec.dtype.itemsize or 4)  # BYTES: a 4-byte prefix per element
+    if least > max_tensor_bytes:
+        raise InvalidArgument(
+            f"{what}: shape {list(shape)} has {count} elements ({least} bytes"
+            f"{' at least' if spec.dtype is DType.BYTES else ''}), above the limit of "
+            f"{max_tensor_bytes} bytes per tensor"
+        )
+    return InputPlan(spec, what, shape, count)
+
+
+def check_data_size(plan: InputPlan, nbytes: int, source: str, limit: int) -> None:
+    """``nbytes`` of data from ``source`` must fit the shape exactly (BYTES: at least a
+    4-byte prefix per element, at most ``limit``)."""
+    spec = plan.spec
+    if spec.dtype is DType.BYTES:
+        if nbytes < 4 * plan.count:
+            raise InvalidArgument(
+                f"{plan.what}: {source} holds {nbytes} bytes, too few for {plan.count} "
+                f"BYTES elements (each needs a 4-byte length prefix)"
+            )
+        if nbytes > limit:
+            raise InvalidArgument(
+                f"{plan.what}: {source} holds {nbytes} bytes, above the limit of {limit} "
+                "bytes per tensor"
+            )
+        return
+    expected = plan.count * spec.dtype.itemsize
+    if nbytes != expected:
+        raise InvalidArgument(
+            f"{plan.what}: {source} holds {nbytes} bytes but shape {list(plan.shape)} of "
+            f"{spec.dtype.kserve} needs {plan.count} x {spec.dtype.itemsize} = {expected}"
+        )
+
+
+def check_shm_input(
+    plan: InputPlan,
+    target: ShmTarget,
+    shm: SharedMemoryRegistry | None,
+    limit: int,
+    *,
+    other_data: str | None = None,
+) -> None:
+    """An input in shared memory: no other data (``other_data`` names what the request
+    also carries), its byte size fits the tensor, the region is registered and the
+    window lies within it."""
+    if other_data is not None:
+        raise InvalidArgument(
+            f"{plan.what}: {other_data} must not be set when the input is in shared "
+            f"memory region '{target.region}'"
+        )
+    check_data_size(
+        plan, target.byte_size, f"shared_memory_byte_size of region '{target.region}'", limit
+    )
+    check_region(shm, target, plan.what)
+    plan.shm = target
+
+
+def check_missing(model: str, specs: Sequence[Tensor], seen: set[str]) -> None:
+    missing = [s.name for s in specs if s.name not in seen]
+    if missing:
+        raise InvalidArgument(
+            f"model '{model}' expects input tensor(s) "
+            f"{', '.join(repr(m) for m in missing)}, missing from the request"
+        )
+
+
+def materialize(
+    plan: InputPlan,
+    shm: SharedMemoryRegistry | None,
+    typed: Callable[[InputPlan], np.ndarray],
+) -> np.ndarray:
+    """The input's read-only array; ``typed`` converts typed values (the wire's own)."""
+    if plan.shm is not None:
+        target = plan.shm
+        found = registry(shm, target, plan.what)
+        try:
+            data = found.read(target.region, target.offset, target.byte_size)
+        except RsrvError as e:  # e.g. unregistered since validation
+            raise with_context(e, plan.what) from None
+        array = _from_buffer(plan, data)
+    elif plan.raw is not None:
+        array = _from_buffer(plan, plan.raw)
+    elif plan.field is None:  # no elements, no data
+        array = np.empty(0, dtype=plan.spec.dtype.numpy)
+    else:
+        array = typed(plan)
+    array = array.reshape(plan.shape)
+    array.flags.writeable = False
+    return array
+
+
+def _from_buffer(plan: InputPlan, data) -> np.ndarray:
+    spec = plan.spec
+    if spec.dtype is DType.BYTES:
+        return deserialize_bytes(data, plan.count, plan.what)
+    if spec.dtype is DType.BOOL and plan.count:
+        if np.frombuffer(data, dtype=np.uint8).max() > 1:
+            raise InvalidArgument(f"{plan.what}: BOOL bytes must be 0 or 1")
+    return np.frombuffer(data, dtype=spec.dtype.numpy)
+
+
+def narrow(array: np.ndarray, plan: InputPlan, source: str) -> np.ndarray:
+    """``array`` (typed values widened to a wire type) as the input's dtype; values
+    outside its range are InvalidArgument naming ``source``."""
+    spec = plan.spec
+    target = spec.dtype.numpy
+    if array.dtype == target:
+        return array
+    if array.dtype.kind in "iu" and target.kind in "iu":
+        info = np.iinfo(target)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise InvalidArgument(
+                f"{plan.what}: {source} holds values outside the "
+                f"{spec.dtype.kserve} range [{info.min}, {info.max}]"
+            )
+    return array.astype(target)

@@ -1,0 +1,49 @@
+"""The worker's KServe V2 REST endpoint (``endpoints.http_port``): the protocol's
+:class:`~rsrv.protocol.RestService` over the worker, served by hypercorn on trio in the
+worker's own nursery, beside the gRPC port (specs/http.md)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+from rsrv.asgi import serve_http
+from rsrv.protocol import InferenceService, RestService
+
+if TYPE_CHECKING:
+    from rsrv.worker._worker import Worker
+
+
+async def serve_rest(
+    worker: Worker, service: InferenceService, *, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve until cancelled; ``task_status.started(port)`` with the port bound once
+    listening (``endpoints.http_port``; 0: a free one). The endpoint shares the gRPC
+    port's address, restrictions, in-flight cap, message limit, receive timeout and TLS
+    files; a connection idle for ``endpoints.idle_connection_seconds`` is closed (0:
+    never)."""
+    ep = worker.config.endpoints
+    app = RestService(
+        service,
+        worker.restrictions,
+        max_body_bytes=ep.max_message_bytes,
+        receive_timeout=ep.receive_timeout_seconds,
+    )
+    idle = ep.idle_connection_seconds or math.inf
+    tls = (ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file) if ep.tls_cert_file else None
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            lambda task_status: serve_http(
+                app,
+                ep.host,
+                ep.http_port,
+                "rsrv.rest",
+                keep_alive_timeout=idle,
+                read_timeout=max(idle, ep.receive_timeout_seconds),
+                tls=tls,
+                task_status=task_status,
+            )
+        )
+        task_status.started(int(binds[0].rsplit(":", 1)[1]))
