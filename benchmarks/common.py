@@ -305,9 +305,12 @@ def closed_loop(
     at_end: Callable[[], None] | None = None,
     max_requests: int = 2_000_000,
     timeout: float = 60.0,
+    http: bool = False,
 ) -> LoadResult:
     """``concurrency`` threads, each with its own ``tritonclient.grpc`` client (its own
-    connection), send back-to-back requests for ``warmup + duration`` seconds.
+    connection), send back-to-back requests for ``warmup + duration`` seconds. With
+    ``http`` the clients are ``tritonclient.http`` ones (KServe V2 REST, inputs and
+    outputs as binary data) and ``url`` is the server's HTTP address.
 
     ``inputs`` maps model name -> input name -> array; each request of thread ``i`` goes
     to ``choose(rng, i)`` (default: the first model). Only requests that start after the
@@ -316,6 +319,9 @@ def closed_loop(
     (e.g. to read server counters).
     """
     import tritonclient.grpc as grpcclient
+
+    if http:
+        import tritonclient.http as httpclient
 
     names = list(inputs)
     choose = choose or (lambda rng, i: names[0])
@@ -330,14 +336,21 @@ def closed_loop(
 
     def worker(index: int) -> None:
         rng = random.Random(seed * 7919 + index)
-        client = grpcclient.InferenceServerClient(
-            url, channel_args=[("grpc.use_local_subchannel_pool", 1)]
-        )
+        if http:
+            lib = httpclient
+            client = httpclient.InferenceServerClient(url, network_timeout=timeout)
+            options = {}
+        else:
+            lib = grpcclient
+            client = grpcclient.InferenceServerClient(
+                url, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+            )
+            options = {"client_timeout": timeout}
         prepared = {}
         for model, tensors in inputs.items():
             prepared[model] = []
             for name, array in tensors.items():
-                t = grpcclient.InferInput(name, list(array.shape), triton_dtype(array.dtype))
+                t = lib.InferInput(name, list(array.shape), triton_dtype(array.dtype))
                 t.set_data_from_numpy(array)
                 prepared[model].append(t)
         mine: list[float] = []
@@ -352,7 +365,7 @@ def closed_loop(
                     break
                 model = choose(rng, index)
                 try:
-                    client.infer(model, prepared[model], client_timeout=timeout)
+                    client.infer(model, prepared[model], **options)
                 except Exception as e:
                     with lock:
                         errors[0] += 1

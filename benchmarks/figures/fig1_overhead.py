@@ -32,6 +32,15 @@ ratio in parentheses:
      keep no statistics: their answer is checked once with tritonclient (as is rsrv's
      and Triton's, whose logits must agree). Skipped, saying how to install h2load,
      when it is not on PATH.
+
+and, for the KServe V2 REST protocol (the REST column):
+
+  c. tritonclient.http closed loop: rsrv's REST endpoint (``endpoints.http_port``, the
+     same ``rsrv serve`` process) against Triton's own HTTP endpoint (the same Triton
+     process), as in a (c threads, each its own ``tritonclient.http`` client and
+     connection; the input and the output as binary data, tritonclient's default),
+     interleaved rounds at c = 1, 8, 32. The echoes speak gRPC only. Each REST answer is
+     checked once with tritonclient.http: the same logits as over gRPC.
 """
 
 from __future__ import annotations
@@ -93,10 +102,13 @@ def run(quick: bool) -> dict:
     repo = bundles.classifier()
     notes: list[str] = []
     servers: dict[str, ServerProcess] = {}
+    rest: dict[str, str] = {}  # name -> HTTP address (REST)
+    closed_rest = {}
     try:
-        servers = _start(repo, quick, notes)
+        servers, rest = _start(repo, quick, notes)
         x = np.random.default_rng(0).random((1, 256), dtype=np.float32)
         checked = _check_answers(servers, x, notes)
+        checked.update(_check_rest(rest, x, notes))
         log(f"fig 1a: tritonclient closed loop: {', '.join(servers)}")
         closed = {}
         for c in p.concurrency:
@@ -108,6 +120,16 @@ def run(quick: bool) -> dict:
                     s.url, {MODEL: {"x": x}}, c, p.seconds, warmup=p.warmup
                 ),
             )
+        log(f"fig 1c: tritonclient.http (REST) closed loop: {', '.join(rest)}")
+        for c in p.concurrency:
+            log(f"fig 1c: concurrency {c}")
+            closed_rest[c] = interleave(
+                {n: servers[n] for n in rest},
+                p.rounds,
+                lambda n, s, c=c: closed_loop(
+                    rest[n], {MODEL: {"x": x}}, c, p.seconds, warmup=p.warmup, http=True
+                ),
+            )
         try:
             h2, refused = _h2load_part(servers, x, p, notes)
         except Exception as e:  # part a stands on its own
@@ -116,10 +138,11 @@ def run(quick: bool) -> dict:
             log(notes[-1])
     finally:
         stop_all(servers.values())
-    for c, by in closed.items():
-        for name, r in by.items():
-            if r.errors:
-                notes.append(f"a: {name} c={c}: {r.errors} errors, first: {r.first_error}")
+    for part, points in (("a", closed), ("c", closed_rest)):
+        for c, by in points.items():
+            for name, r in by.items():
+                if r.errors:
+                    notes.append(f"{part}: {name} c={c}: {r.errors} errors, first: {r.first_error}")
     data = {
         "figure": NUMBER,
         "title": "Serving overhead: classifier (256->64->10 MLP), 1 row",
@@ -143,6 +166,14 @@ def run(quick: bool) -> dict:
             "seconds_per_round": p.seconds,
             "rows": _rows(closed),
         },
+        "rest": {
+            "load": "closed loop, one tritonclient.http client (own connection) per thread, "
+            "threads in the driver process; binary tensor data both ways",
+            "servers": list(rest),
+            "rounds": p.rounds,
+            "seconds_per_round": p.seconds,
+            "rows": _rows(closed_rest),
+        },
         "h2load": h2,
         "h2load_skipped": None
         if h2 is not None
@@ -159,11 +190,19 @@ def run(quick: bool) -> dict:
 # -- the servers ----------------------------------------------------------------------------
 
 
-def _start(repo: Path, quick: bool, notes: list[str]) -> dict[str, ServerProcess]:
-    servers = {"rsrv": start_rsrv("overhead", repo, COMPILE_CACHE)}
+def _start(
+    repo: Path, quick: bool, notes: list[str]
+) -> tuple[dict[str, ServerProcess], dict[str, str]]:
+    """The servers, and the HTTP (REST) address of those that speak it."""
+    http_port = free_port()
+    servers = {
+        "rsrv": start_rsrv("overhead", repo, COMPILE_CACHE, endpoints={"http_port": http_port})
+    }
+    rest = {"rsrv": f"127.0.0.1:{http_port}"}
     py, why = triton_python(quick)
     if py is not None:
         ports = [free_port() for _ in range(3)]
+        rest["Triton"] = f"127.0.0.1:{ports[1]}"
         weights = repo / MODEL / "weights.safetensors"
         servers["Triton"] = ServerProcess(
             "triton",
@@ -189,7 +228,8 @@ def _start(repo: Path, quick: bool, notes: list[str]) -> dict[str, ServerProcess
             notes.append(f"Triton skipped: it did not start: {str(e)[:400]}")
             log(notes[-1])
             servers.pop("Triton").stop()
-    return servers
+            rest.pop("Triton")
+    return servers, rest
 
 
 def triton_python(quick: bool) -> tuple[Path | None, str]:
@@ -261,6 +301,31 @@ def _check_answers(servers: dict[str, ServerProcess], x: np.ndarray, notes: list
         checked["Triton"] += ", same logits as rsrv" if same else ", logits DIFFER from rsrv"
     notes += [f"answer of {n}: {v}" for n, v in checked.items() if not v.startswith("logits")]
     notes += [f"answer of {n}: {v}" for n, v in checked.items() if "DIFFER" in v]
+    return checked
+
+
+def _check_rest(rest: dict[str, str], x: np.ndarray, notes: list[str]) -> dict:
+    """One inference per REST endpoint with tritonclient.http: the logits of rsrv's and
+    Triton's must agree."""
+    import tritonclient.http as httpclient
+
+    outs, checked = {}, {}
+    for name, url in rest.items():
+        client = httpclient.InferenceServerClient(url)
+        try:
+            t = httpclient.InferInput("x", list(x.shape), "FP32")
+            t.set_data_from_numpy(x)
+            outs[name] = client.infer(MODEL, [t]).as_numpy("logits")
+            good = outs[name].shape == (1, 10) and outs[name].dtype == np.float32
+            checked[f"{name} REST"] = "logits FP32 [1, 10]" if good else "WRONG"
+        except Exception as e:
+            checked[f"{name} REST"] = f"FAILED: {type(e).__name__}: {e}"[:300]
+        finally:
+            client.close()
+    if "Triton" in outs and "rsrv" in outs:
+        same = np.allclose(outs["rsrv"], outs["Triton"], atol=1e-4)
+        checked["Triton REST"] += ", same logits as rsrv" if same else ", logits DIFFER"
+    notes += [f"answer of {n}: {v}" for n, v in checked.items() if v != "logits FP32 [1, 10]"]
     return checked
 
 
@@ -422,6 +487,15 @@ def report(d: dict) -> tuple[list[str], list[list]]:
         _table(d["tritonclient"], servers),
         "",
     ]
+    if d.get("rest") is not None:
+        r = d["rest"]
+        out += [
+            f"**c. KServe V2 REST, tritonclient.http closed loop** ({r['load']}; "
+            f"{rounds(r['rounds'])} of {r['seconds_per_round']} s).",
+            "",
+            _table(r, r["servers"]),
+            "",
+        ]
     if d["h2load"] is not None:
         h = d["h2load"]
         out += [
@@ -439,11 +513,13 @@ def report(d: dict) -> tuple[list[str], list[list]]:
         rows.append(["1 overhead (h2load)", "skipped", d["h2load_skipped"], "-"])
     cs = ", ".join(str(r["concurrency"]) for r in d["tritonclient"]["rows"])
     parts = [("tritonclient", d["tritonclient"])]
+    if d.get("rest") is not None:
+        parts.append(("REST", d["rest"]))
     if d["h2load"] is not None:
         parts.append(("h2load", d["h2load"]))
     for label, part in parts:
         how = f"interleaved, {rounds(part['rounds'])}"
-        for n in servers[1:]:
+        for n in part.get("servers", servers)[1:]:
             values = [r["rsrv_over"][n]["req_s"] for r in part["rows"]]
             rows.append(
                 [
@@ -468,14 +544,16 @@ def report(d: dict) -> tuple[list[str], list[list]]:
 
 def _draw(plt, data: dict):
     parts = [("tritonclient closed loop", data["tritonclient"])]
+    if data.get("rest") is not None:
+        parts.append(("REST: tritonclient.http", data["rest"]))
     if data["h2load"] is not None:
         parts.append(("h2load", data["h2load"]))
     fig, axes = plt.subplots(1, len(parts) + 1, figsize=(5 * (len(parts) + 1), 4))
-    servers = data["servers"]
-    width = 0.8 / len(servers)
     for ax, (label, part), key in zip(
         axes, parts + [parts[-1]], ["req_s"] * len(parts) + ["p50_ms"], strict=True
     ):
+        servers = part.get("servers", data["servers"])
+        width = 0.8 / len(servers)
         cs = [r["concurrency"] for r in part["rows"]]
         for i, name in enumerate(servers):
             xs = [j + i * width for j in range(len(cs))]

@@ -6,7 +6,8 @@ routing does to batches.
 to the worker and through the gateway, in interleaved rounds whose order rotates.
 Ratio: gateway / direct req/s over all rounds (per-round lowest-highest), p50 of each.
 
-(b) Coalescing: two workers on fifo with a dense model compiled at [1, 8], and two
+(b) Coalescing: two workers on fifo with a 2 ms queue delay
+(``scheduler.max_queue_delay_seconds``) and a dense model compiled at [1, 8], and two
 gateways in front of the same two workers, one round robin and one lpt_packing (two
 replicas, fill routing); 16 closed-loop clients through each gateway in interleaved
 rounds. Rows per execution from the workers' ModelControlStatus (rows served over
@@ -44,6 +45,7 @@ from common import (
 import bundles
 
 NUMBER = 9
+QUEUE_DELAY = 0.002  # seconds a batch may wait to fill (b)
 WIDTH, DEPTH = 1024, 4
 MODES = {
     "round_robin": 'mode = "round_robin"',
@@ -118,7 +120,12 @@ def coalescing(p: Params) -> dict:
     try:
         for i in range(2):
             workers.append(
-                start_rsrv(f"gw_fill{i}", repo, COMPILE_CACHE, scheduler={"discipline": "fifo"})
+                start_rsrv(
+                    f"gw_fill{i}",
+                    repo,
+                    COMPILE_CACHE,
+                    scheduler={"discipline": "fifo", "max_queue_delay_seconds": QUEUE_DELAY},
+                )
             )
         for w in workers:
             wait_ready(w, START_TIMEOUT, ["dense"])
@@ -175,7 +182,8 @@ def run(quick: bool) -> dict:
         "method": f"(a) a worker and a gateway in front of it side by side, tritonclient "
         f"closed loop in interleaved rounds whose order rotates ({rounds(p.rounds)} of "
         f"{p.seconds} s per concurrency); (b) two gateways (round robin, lpt_packing) in "
-        f"front of the same two fifo workers, {p.fill_clients} closed-loop clients, "
+        f"front of the same two fifo workers (queue delay {QUEUE_DELAY * 1e3:g} ms), "
+        f"{p.fill_clients} closed-loop clients, "
         "interleaved rounds; rows per execution from the workers' ModelControlStatus",
         "overhead": overhead(p),
         "coalescing": coalescing(p),

@@ -10,6 +10,9 @@
   model repositories, weights files;
 * :mod:`support.references`: numpy references of the example bundles in bundles/;
 * :mod:`support.metrics`: the admin HTTP endpoint and a parsed /metrics scrape;
+* :mod:`support.health`: grpcio's own gRPC health client (Check, and Watch in a thread);
+* :mod:`support.k8s_schemas`: JSON Schemas of the KServe and Prometheus Operator custom
+  resources, on Kubernetes' definitions (for the manifests under deploy/);
 * :mod:`support.procfs`: this process's TCP sockets, from /proc;
 * :mod:`support.rawh2`: an ill-behaved HTTP/2 gRPC client, frame by frame;
 * :mod:`support.echo`: rsrv's own ``GrpcServer`` with raw-bytes test methods in the

@@ -1,8 +1,10 @@
-"""A GET-only ASGI app answering from a route function, and hypercorn serving it."""
+"""A GET-only ASGI app answering from a route function, and hypercorn serving it (or
+any other ASGI app, e.g. the worker's KServe V2 REST endpoint)."""
 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -60,18 +62,38 @@ class PlainApp:
 
 
 async def serve_http(
-    app: PlainApp,
+    app,
     host: str,
     port: int,
     logger: str,
     *,
+    keep_alive_timeout: float | None = None,
+    read_timeout: float | None = None,
+    tls: tuple[str, str, str | None] | None = None,
+    backlog: int | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on host:port until cancelled; ``task_status.started()`` once
-    listening. Errors are logged to ``logger``; no access log."""
+    """Serve the ASGI app ``app`` (a :class:`PlainApp` or any other) on host:port until
+    cancelled; ``task_status.started(binds)`` once listening, ``binds`` the bound
+    addresses (``["http://127.0.0.1:8000"]``: port 0 becomes the port bound). Errors are
+    logged to ``logger``; no access log. ``keep_alive_timeout``: an idle connection is
+    closed after it (hypercorn's default, 5 s, when None); ``read_timeout``: a read of
+    the socket that takes longer closes the connection; ``tls``: (certificate chain,
+    key, client CA or None) in PEM files, to serve HTTPS (with the CA: clients must
+    present a certificate it signed)."""
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)
     config.graceful_timeout = 1.0
+    if keep_alive_timeout is not None:
+        config.keep_alive_timeout = keep_alive_timeout
+    if read_timeout is not None:
+        config.read_timeout = read_timeout
+    if backlog is not None:
+        config.backlog = backlog
+    if tls is not None:
+        config.certfile, config.keyfile, config.ca_certs = tls
+        if tls[2] is not None:
+            config.verify_mode = ssl.CERT_REQUIRED
     await serve(app, config, mode="asgi", task_status=task_status)

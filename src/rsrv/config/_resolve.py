@@ -61,6 +61,7 @@ class NodePlan:
     device_source: str
     supervisor: SupervisorConfig
     host: str = "127.0.0.1"  # where the node's own servers listen (global endpoints.host)
+    gateway: bool = True  # a gateway in front of two or more workers
     gateway_file: str | None = None  # absolute
     gateway_metrics_port: int | None = None
 
@@ -193,6 +194,12 @@ def _resolve_one(
     )
     if metrics_port == port:
         raise ConfigError(f"{here}: metrics port and gRPC port are both {port}")
+    http_port = _derived_port(
+        endpoints.http_port, node.http_base_port, index, "http_base_port", here
+    )
+    if http_port is not None and http_port in (port, metrics_port):
+        other = "gRPC" if http_port == port else "metrics"
+        raise ConfigError(f"{here}: REST (http) port and {other} port are both {http_port}")
 
     gpu = device if merged.runtime.backend != "cpu" else None
 
@@ -211,7 +218,9 @@ def _resolve_one(
         model_poll_seconds=merged.model_poll_seconds,
         runtime=merged.runtime,
         scheduler=merged.scheduler,
-        endpoints=msgspec.structs.replace(endpoints, port=port, metrics_port=metrics_port),
+        endpoints=msgspec.structs.replace(
+            endpoints, port=port, metrics_port=metrics_port, http_port=http_port
+        ),
         logging=merged.logging,
         gpu=gpu,
         workers=workers,
@@ -279,6 +288,18 @@ def _check_ports(workers: list[WorkerConfig], where: str) -> None:
                 f"{where}: gRPC port {port} of worker {name!r} is the metrics port "
                 f"of worker {metrics[port]!r}"
             )
+    http: dict[int, str] = {}
+    for worker in workers:
+        http_port = worker.endpoints.http_port
+        if http_port is None:
+            continue
+        for ports, kind in ((http, "REST (http)"), (grpc, "gRPC"), (metrics, "metrics")):
+            if http_port in ports and ports[http_port] != worker.name:
+                raise ConfigError(
+                    f"{where}: REST (http) port {http_port} of worker {worker.name!r} is "
+                    f"the {kind} port of worker {ports[http_port]!r}"
+                )
+        http[http_port] = worker.name
 
 
 def plan_node(
@@ -339,6 +360,7 @@ def plan_node(
         found,
         node.supervisor,
         host=node.global_.endpoints.host,
+        gateway=node.gateway.enabled and len(workers) > 1,
         gateway_file=gateway_file,
         gateway_metrics_port=node.gateway.metrics_port,
     )

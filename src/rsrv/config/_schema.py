@@ -142,6 +142,13 @@ class ModelSchedConfig(_Strict):
         Annotated[float, Meta(gt=0)] | None,
         _doc("Target latency per request, the deadline under edf; null means none."),
     ] = None
+    max_queue_delay_seconds: Annotated[
+        Annotated[float, Meta(ge=0, le=1)] | None,
+        _doc(
+            "Longest a batch smaller than the largest one it can run waits for more "
+            "requests (Triton's max_queue_delay_microseconds); null: the scheduler's."
+        ),
+    ] = None
     version_policy: Annotated[
         VersionPolicy | None,
         _doc(
@@ -174,6 +181,14 @@ class SchedulerConfig(_Strict):
     dispatch_timeout_seconds: Annotated[
         float, Meta(gt=0), _doc("Longest a request may wait in the queue before it fails.")
     ] = 30.0
+    max_queue_delay_seconds: Annotated[
+        float,
+        Meta(ge=0, le=1),
+        _doc(
+            "Default max_queue_delay_seconds of every model: how long a batch smaller than "
+            "the largest one it can run waits for more requests; 0: dispatch at once."
+        ),
+    ] = 0.0
     compaction_interval: Annotated[
         int,
         Meta(ge=0),
@@ -227,6 +242,13 @@ class EndpointsConfig(_Strict):
         _doc(
             "Admin HTTP (metrics, health) port; null means metrics_base_port + worker index "
             "when metrics_base_port is set, else no admin HTTP server."
+        ),
+    ] = None
+    http_port: Annotated[
+        Port | None,
+        _doc(
+            "KServe V2 REST (HTTP/JSON) port, Triton's is 8000; null means http_base_port + "
+            "worker index when http_base_port is set, else no REST endpoint."
         ),
     ] = None
     max_concurrent_requests: Annotated[
@@ -417,6 +439,14 @@ class WorkerEntry(_Strict):
 class NodeGatewayConfig(_Strict):
     """The gateway `rsrv node` runs in front of two or more workers (specs/node.md)."""
 
+    enabled: Annotated[
+        bool,
+        _doc(
+            "Run a gateway in front of two or more workers; off where another gateway "
+            "(e.g. a cluster's) fronts the workers."
+        ),
+    ] = True
+
     file: Annotated[
         str | None,
         _doc(
@@ -455,6 +485,13 @@ class NodeConfig(_Strict):
     metrics_base_port: Annotated[
         Port | None, _doc("Admin HTTP port of worker 0; null disables derived admin ports.")
     ] = None
+    http_base_port: Annotated[
+        Port | None,
+        _doc(
+            "KServe V2 REST port of worker 0; worker i gets http_base_port + i. Null "
+            "disables derived REST ports."
+        ),
+    ] = None
     gpus: Annotated[
         Literal["auto"] | Annotated[int, Meta(ge=0)] | list[int | str],
         _doc(
@@ -490,7 +527,8 @@ class WorkerConfig(_Strict):
 
     Guarantees: `model_repo` and `cache_dir` are absolute; `endpoints.port`
     is a concrete port; `endpoints.metrics_port` is a concrete port or
-    ``None`` meaning "no admin HTTP server"; the pin map has been folded
+    ``None`` meaning "no admin HTTP server" (`endpoints.http_port` likewise for the
+    REST endpoint); the pin map has been folded
     into `scheduler.models`; environment overrides have been applied and
     are listed, as ``NAME=value``, in `overrides`.
     """

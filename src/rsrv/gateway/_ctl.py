@@ -63,9 +63,11 @@ def _request(command: str, args: list[str], options: argparse.Namespace):
         policy[key] = value
         mask.append(key)
     message = pb.SchedulingPolicy()
-    try:
-        json_format.ParseDict({k: _typed(message, k, v) for k, v in policy.items()}, message)
-    except json_format.ParseError as e:
+    known = message.DESCRIPTOR.fields_by_name
+    try:  # an unknown key goes in the mask alone: the gateway names what is wrong with it
+        values = {k: _typed(message, k, v) for k, v in policy.items() if k in known}
+        json_format.ParseDict(values, message)
+    except (json_format.ParseError, ValueError) as e:
         raise ValueError(str(e)) from None
     return (
         "SetSchedulingPolicy",
@@ -75,9 +77,7 @@ def _request(command: str, args: list[str], options: argparse.Namespace):
 
 
 def _typed(message, key: str, value: str):
-    field = message.DESCRIPTOR.fields_by_name.get(key)
-    if field is None:
-        return value  # the gateway names the unknown field
+    field = message.DESCRIPTOR.fields_by_name[key]
     if field.type == field.TYPE_BOOL:
         return value.lower() in ("1", "true", "yes", "on")
     if field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):

@@ -29,7 +29,7 @@ from rsrv.gateway._fleet import Fleet, WorkerLink, is_local_host
 from rsrv.gateway._forward import Forwarder
 from rsrv.gateway._scheduling import Scheduling
 from rsrv.gateway._services import CONTROL, GatewayServices
-from rsrv.protocol import Admission, grpc_status, guard
+from rsrv.protocol import Admission, HealthService, grpc_status, guard
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 from rsrv.transport import (
     ClientLimits,
@@ -129,7 +129,15 @@ class Gateway:
         grpc = cfg.grpc
         host, port = split_address(cfg.listen.grpc)
         self.server = GrpcServer(
-            guard([*self.services.methods(), *self.control.methods()], self.admission),
+            guard(
+                [
+                    *self.services.methods(),
+                    *self.control.methods(),
+                    # grpc.health.v1: "ready" is gateway.ready (a ready worker, not stopping)
+                    *HealthService(lambda: self.ready).methods(),
+                ],
+                self.admission,
+            ),
             host,
             port,
             limits=TransportLimits(

@@ -120,7 +120,7 @@ def check_node_ports(plan: NodePlan) -> None:
             taken[worker.endpoints.metrics_port] = f"the metrics port of worker {worker.name!r}"
     if plan.metrics_port in taken:
         raise ConfigError(f"metrics_port {plan.metrics_port} is {taken[plan.metrics_port]}")
-    if len(plan.workers) > 1:
+    if plan.gateway:
         taken[plan.metrics_port] = "the node's metrics_port"
         if plan.port in taken:
             raise ConfigError(f"port {plan.port} (the gateway's) is {taken[plan.port]}")
@@ -212,7 +212,7 @@ def node_main(node_file: str | None) -> int:
         log.info("devices: %s (from %s)", ", ".join(plan.devices) or "none", plan.device_source)
     env = dict(os.environ)
     specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
-    if len(specs) > 1:
+    if plan.gateway:
         specs.append(gateway_spec(plan, env))
     for spec in specs:
         log.info(

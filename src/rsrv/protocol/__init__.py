@@ -1,8 +1,10 @@
 """The KServe V2 / Triton protocol: services, tensor codec, shared memory, statuses.
 
-The services translate protobuf to and from a backend (:class:`InferenceBackend`,
-:class:`ControlBackend`) that the serving process implements. The generated message and
-service modules live in ``rsrv.protocol.generated``.
+The services translate protobuf (gRPC) and JSON (REST: :class:`RestService`, an ASGI
+app) to and from a backend (:class:`InferenceBackend`,
+:class:`ControlBackend`) that the serving process implements; the standard gRPC health
+service (:class:`HealthService`) over one question, is the server ready. The generated
+message and service modules live in ``rsrv.protocol.generated``.
 """
 
 from rsrv.protocol._backend import (
@@ -21,18 +23,22 @@ from rsrv.protocol._calls import PROTOCOLS, Admission, Restriction, call_deadlin
 from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
 from rsrv.protocol._decode import DEFAULT_MAX_TENSOR_BYTES, decode_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
+from rsrv.protocol._health import HEALTH_SERVICES, HealthService
 from rsrv.protocol._inference import InferenceService
 from rsrv.protocol._logs import LogSettings
 from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import ShmTarget, request_deadline, request_priority
+from rsrv.protocol._rest import RestService
 from rsrv.protocol._shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
-from rsrv.protocol._status import MAX_MESSAGE_CHARS, grpc_status
+from rsrv.protocol._status import HTTP_STATUS, MAX_MESSAGE_CHARS, grpc_status, http_status
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",
     "DURATIONS",
     "DISABLED_MESSAGE",
+    "HTTP_STATUS",
     "FROM_RESIDENCY",
+    "HEALTH_SERVICES",
     "MAX_MESSAGE_CHARS",
     "PROTOCOLS",
     "RESIDENCY",
@@ -42,6 +48,7 @@ __all__ = [
     "ControlService",
     "ControlSnapshot",
     "Duration",
+    "HealthService",
     "IndexEntry",
     "InferenceBackend",
     "InferenceService",
@@ -50,6 +57,7 @@ __all__ = [
     "ModelControl",
     "ModelStatisticsSnapshot",
     "RegionInfo",
+    "RestService",
     "Restriction",
     "ServedModelView",
     "SharedMemoryRegistry",
@@ -59,6 +67,7 @@ __all__ = [
     "encode_response",
     "grpc_status",
     "guard",
+    "http_status",
     "load_parameters",
     "model_config",
     "request_deadline",

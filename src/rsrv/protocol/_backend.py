@@ -66,6 +66,11 @@ class ServedModelView(Protocol):
         """The version policy its model is served under."""
         ...
 
+    @property
+    def max_queue_delay(self) -> float:
+        """Seconds a batch of it may wait for more requests (the scheduler's queue delay)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class IndexEntry:
@@ -81,8 +86,9 @@ class IndexEntry:
 @dataclass(frozen=True, slots=True)
 class LoadOverride:
     """What RepositoryModelLoad's ``config`` parameter changes for that load (the
-    documented subset, specs/protocol.md §2): the scheduler's cap on rows per execution
-    and the version policy. ``check(bundle, max_batch_size, policy)`` raises
+    documented subset, specs/protocol.md §2): the scheduler's cap on rows per execution,
+    the version policy and the queue delay (seconds). ``check(bundle, max_batch_size,
+    policy)`` raises
     InvalidArgument when the config asks for something the version about to load cannot
     be (a field that must equal what rsrv derives); the backend calls it for every
     version it loads, before anything changes."""
@@ -90,6 +96,7 @@ class LoadOverride:
     max_batch_size: int | None = None
     version_policy: VersionPolicy | None = None
     check: Callable[[Bundle, int, VersionPolicy], None] | None = None
+    max_queue_delay: float | None = None
 
 
 class Duration(Protocol):

@@ -28,6 +28,7 @@ from rsrv.transport import Method
 
 __all__ = [
     "PROTOCOLS",
+    "UNADMITTED",
     "Admission",
     "Restriction",
     "call_deadline",
@@ -42,7 +43,7 @@ call_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
 
 #: Protocol groups: Triton's names for its RPCs, and ``control`` for rsrv's control service.
 PROTOCOLS: Mapping[str, tuple[str, ...]] = {
-    "health": ("ServerLive", "ServerReady", "ModelReady"),
+    "health": ("ServerLive", "ServerReady", "ModelReady", "Check", "Watch"),
     "metadata": ("ServerMetadata", "ModelMetadata"),
     "inference": ("ModelInfer", "ModelStreamInfer"),
     "model-config": ("ModelConfig",),
@@ -66,6 +67,11 @@ PROTOCOLS: Mapping[str, tuple[str, ...]] = {
     ),
 }
 _GROUP_OF = {rpc: group for group, rpcs in PROTOCOLS.items() for rpc in rpcs}
+
+#: Methods that take no in-flight slot and are not refused while the server drains: the
+#: standard health service (``grpc.health.v1.Health``), so that a probe is never shed at
+#: the cap and sees NOT_SERVING, not UNAVAILABLE, during a graceful shutdown.
+UNADMITTED = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
 
 def protocol_of(path: str) -> str | None:
@@ -121,7 +127,8 @@ class Admission:
 def guard(
     methods: Iterable[Method], admission: Admission, restrictions: Iterable[Restriction] = ()
 ) -> list[Method]:
-    """``methods`` with restriction, admission and deadline around their handlers."""
+    """``methods`` with restriction, admission and deadline around their handlers
+    (admission not for :data:`UNADMITTED` methods)."""
     by_protocol: dict[str, Restriction] = {}
     for r in restrictions:
         for protocol in r.protocols:
@@ -129,10 +136,12 @@ def guard(
     guarded = []
     for method in methods:
         restriction = by_protocol.get(protocol_of(method.path) or "")
+        # An uncapped admission of its own, never closed: counts nothing the server reads.
+        gate = Admission(0) if method.path in UNADMITTED else admission
         if method.client_streaming or method.server_streaming:
-            handler = _stream_handler(method.handler, admission, restriction)
+            handler = _stream_handler(method.handler, gate, restriction)
         else:
-            handler = _unary_handler(method.handler, admission, restriction)
+            handler = _unary_handler(method.handler, gate, restriction)
         guarded.append(replace(method, handler=handler))
     return guarded
 

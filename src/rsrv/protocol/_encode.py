@@ -13,12 +13,15 @@ Statuses: an unknown or duplicate requested output, a ``classification`` output
 parameter (not supported), an output larger than its ``shared_memory_byte_size``
 (Triton says INTERNAL there; it is the caller's sizing mistake): INVALID_ARGUMENT. The
 model not producing a requested output, or producing a dtype with no KServe datatype:
-INTERNAL. Shared-memory statuses as ``_parameters`` says.
+INTERNAL. Shared-memory statuses as ``_parameters`` says. ``check_output``,
+``stage_outputs`` and ``write_output`` are the wire-neutral part, which the REST codec
+(``_rest_codec``) goes through too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +40,16 @@ from rsrv.protocol._parameters import (
 from rsrv.protocol._shm import SharedMemoryRegistry
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
-__all__ = ["encode_response", "requested_outputs", "tensor_metadata"]
+__all__ = [
+    "StagedOutput",
+    "check_output",
+    "encode_response",
+    "output_bytes",
+    "requested_outputs",
+    "stage_outputs",
+    "tensor_metadata",
+    "write_output",
+]
 
 
 def tensor_metadata(spec: Tensor) -> Any:
@@ -65,27 +77,35 @@ def requested_outputs(
     if not request.outputs:
         return [(name, None) for name in produced]
     model = request.model_name
-    available = set(produced)
     seen: set[str] = set()
     result: list[tuple[str, ShmTarget | None]] = []
     for output in request.outputs:
         name = output.name
-        what = f"output tensor '{name}' for model '{model}'"
-        if name not in available:
-            raise InvalidArgument(
-                f"unexpected inference {what}: the model's outputs are "
-                f"[{', '.join(repr(p) for p in produced)}]"
-            )
-        if name in seen:
-            raise InvalidArgument(f"{what} is requested more than once")
-        seen.add(name)
-        if "classification" in output.parameters:
-            raise InvalidArgument(f"{what}: the classification extension is not supported")
+        what = check_output(model, name, produced, seen, "classification" in output.parameters)
         target = shm_target(output, what)
         if target is not None and shm is not None:
             check_region(shm, target, what)
         result.append((name, target))
     return result
+
+
+def check_output(
+    model: str, name: str, produced: Sequence[str], seen: set[str], classification: bool
+) -> str:
+    """One requested output, any wire: produced by the model, not repeated (``seen`` is
+    updated), no ``classification`` parameter. Returns how messages name it."""
+    what = f"output tensor '{name}' for model '{model}'"
+    if name not in produced:
+        raise InvalidArgument(
+            f"unexpected inference {what}: the model's outputs are "
+            f"[{', '.join(repr(p) for p in produced)}]"
+        )
+    if name in seen:
+        raise InvalidArgument(f"{what} is requested more than once")
+    seen.add(name)
+    if classification:
+        raise InvalidArgument(f"{what}: the classification extension is not supported")
+    return what
 
 
 def _output_dtype(array: np.ndarray, what: str) -> DType:
@@ -98,7 +118,7 @@ def _output_dtype(array: np.ndarray, what: str) -> DType:
         raise Internal(f"{what} has dtype {array.dtype}, which has no KServe datatype") from None
 
 
-def _wire(array: np.ndarray, dtype: DType, what: str) -> bytes | memoryview:
+def output_bytes(array: np.ndarray, dtype: DType, what: str) -> bytes | memoryview:
     """The output's row-major little-endian bytes (a view where no conversion is needed)."""
     if dtype is DType.BYTES:
         return serialize_bytes(array, what)
@@ -107,6 +127,61 @@ def _wire(array: np.ndarray, dtype: DType, what: str) -> bytes | memoryview:
         array = array.astype(native)
     array = np.ascontiguousarray(array)
     return memoryview(array.reshape(-1).view(np.uint8))
+
+
+@dataclass(slots=True)
+class StagedOutput:
+    """One output ready to go out: its KServe datatype, its array, and its bytes (None
+    for an output a wire sends otherwise, e.g. as JSON)."""
+
+    name: str
+    what: str
+    dtype: DType
+    array: np.ndarray
+    target: ShmTarget | None
+    data: bytes | memoryview | None
+
+
+def stage_outputs(
+    model_name: str,
+    outputs: Mapping[str, np.ndarray],
+    order: Sequence[tuple[str, ShmTarget | None]],
+    shm: SharedMemoryRegistry | None,
+    as_values: frozenset[str] = frozenset(),
+) -> list[StagedOutput]:
+    """Every output of ``order``, any wire, checked before anything is written: produced
+    (else Internal), a KServe datatype (else Internal), no larger than its shared-memory
+    window (else InvalidArgument), its region usable. Bytes are computed for every
+    output but those named in ``as_values`` that are not in shared memory."""
+    staged = []
+    for name, target in order:
+        what = f"output tensor '{name}' for model '{model_name}'"
+        if name not in outputs:
+            raise Internal(f"the model did not produce {what}")
+        array = np.asarray(outputs[name])
+        dtype = _output_dtype(array, what)
+        data = None
+        if target is not None or name not in as_values:
+            data = output_bytes(array, dtype, what)
+        if target is not None:
+            nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+            if nbytes > target.byte_size:
+                raise InvalidArgument(
+                    f"{what} needs {nbytes} bytes but its shared_memory_byte_size in region "
+                    f"'{target.region}' is {target.byte_size}"
+                )
+            registry(shm, target, what)
+        staged.append(StagedOutput(name, what, dtype, array, target, data))
+    return staged
+
+
+def write_output(shm: SharedMemoryRegistry, out: StagedOutput) -> int:
+    """Write a staged output into its region; returns the bytes written."""
+    target = out.target
+    try:
+        return shm.write(target.region, target.offset, out.data)
+    except RsrvError as e:
+        raise with_context(e, out.what) from None
 
 
 def encode_response(
@@ -127,33 +202,15 @@ def encode_response(
     response = pb.ModelInferResponse(
         model_name=model_name, model_version=str(model_version), id=request.id
     )
-    staged: list[tuple[str, DType, tuple[int, ...], bytes | memoryview, ShmTarget | None]] = []
-    for name, target in order:
-        what = f"output tensor '{name}' for model '{model_name}'"
-        if name not in outputs:
-            raise Internal(f"the model did not produce {what}")
-        array = np.asarray(outputs[name])
-        dtype = _output_dtype(array, what)
-        data = _wire(array, dtype, what)
-        if target is not None:
-            nbytes = len(data) if isinstance(data, bytes) else data.nbytes
-            if nbytes > target.byte_size:
-                raise InvalidArgument(
-                    f"{what} needs {nbytes} bytes but its shared_memory_byte_size in region "
-                    f"'{target.region}' is {target.byte_size}"
-                )
-            registry(shm, target, what)
-        staged.append((name, dtype, array.shape, data, target))
-    for name, dtype, shape, data, target in staged:
-        tensor = response.outputs.add(name=name, datatype=dtype.kserve, shape=shape)
+    for out in stage_outputs(model_name, outputs, order, shm):
+        tensor = response.outputs.add(
+            name=out.name, datatype=out.dtype.kserve, shape=out.array.shape
+        )
+        target = out.target
         if target is None:
-            response.raw_output_contents.append(bytes(data))
+            response.raw_output_contents.append(bytes(out.data))
             continue
-        what = f"output tensor '{name}' for model '{model_name}'"
-        try:
-            written = shm.write(target.region, target.offset, data)
-        except RsrvError as e:
-            raise with_context(e, what) from None
+        written = write_output(shm, out)
         response.raw_output_contents.append(b"")
         tensor.parameters["shared_memory_region"].string_param = target.region
         tensor.parameters["shared_memory_byte_size"].int64_param = written

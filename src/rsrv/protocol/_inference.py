@@ -13,7 +13,6 @@ import time
 import trio
 
 import rsrv
-from rsrv.bundle import Tensor
 from rsrv.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -23,6 +22,7 @@ from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
 from rsrv.protocol._decode import decode_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
+from rsrv.protocol._infer_flow import infer_counted
 from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import request_deadline, request_priority
 from rsrv.protocol._status import grpc_status
@@ -87,6 +87,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                 self.backend.platform,
                 served.max_batch_size,
                 served.version_policy,
+                served.max_queue_delay,
             )
         )
 
@@ -158,9 +159,11 @@ class InferenceService(GRPCInferenceServiceServicer):
         backend = self.backend
         start = time.perf_counter()
         served = backend.model(message.model_name, parse_version(message.model_version))
-        name = served.name
-        try:
-            sig = served.bundle.signature
+        sig = served.bundle.signature
+        order = None
+
+        def prepare():
+            nonlocal order
             inputs = decode_request(message, sig.client_inputs, backend.shm)
             order = requested_outputs(message, [t.name for t in sig.client_outputs], backend.shm)
             deadline = min(
@@ -168,21 +171,14 @@ class InferenceService(GRPCInferenceServiceServicer):
                 request_deadline(message, trio.current_time()) or float("inf"),
             )
             request_priority(message)  # validated; the scheduler has no priorities
-            outputs = await backend.infer(
-                served, inputs, None if deadline == float("inf") else deadline
+            return inputs, None if deadline == float("inf") else deadline
+
+        def finish(outputs):
+            return encode_response(
+                message, served.name, served.version, outputs, order, backend.shm
             )
-            response = encode_response(message, name, served.version, outputs, order, backend.shm)
-        except Exception as e:  # counted under the status the client receives
-            backend.record(served, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
-            raise
-        except BaseException:  # cancelled: grpc-timeout expired, or the call was abandoned
-            expired = trio.current_time() >= call_deadline.get()
-            status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
-            backend.record(served, False, time.perf_counter() - start, status, 0)
-            raise
-        rows = _rows(sig.client_inputs, inputs)
-        backend.record(served, True, time.perf_counter() - start, "OK", rows)
-        return response
+
+        return await infer_counted(backend, served, start, prepare, finish)
 
     async def ModelStatistics(self, message, request):
         """Every ready version of every model (no name), of the model named, or the
@@ -285,13 +281,6 @@ class InferenceService(GRPCInferenceServiceServicer):
         for key, value in message.settings.items():
             logs.update(key, value)
         return pb.LogSettingsResponse(settings=logs.to_proto())
-
-
-def _rows(specs: tuple[Tensor, ...], inputs) -> int:
-    for spec in specs:
-        if spec.batch_axis is not None and spec.name in inputs:
-            return int(inputs[spec.name].shape[spec.batch_axis])
-    return 1
 
 
 def model_statistics(snapshot: ModelStatisticsSnapshot) -> pb.ModelStatistics:

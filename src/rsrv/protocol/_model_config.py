@@ -28,6 +28,11 @@ APPLIED = ("name", "max_batch_size", "version_policy", "dynamic_batching")
 DERIVED = ("platform", "backend", "input", "output", "parameters")
 #: RepositoryModelLoad parameters naming a file's contents (Triton's prefix).
 FILE_PREFIX = "file:"
+#: The largest dynamic_batching.max_queue_delay_microseconds an override may set: the
+#: bound of scheduler.models.<name>.max_queue_delay_seconds (1 s, specs/config.md).
+MAX_QUEUE_DELAY_US = 1_000_000
+#: dynamic_batching fields an override may give (the others are refused).
+_BATCHING = ("preferred_batch_size", "max_queue_delay_microseconds")
 
 _FORMATS = {
     "chw": mc.ModelInput.FORMAT_NCHW,
@@ -36,9 +41,14 @@ _FORMATS = {
 
 
 def model_config(
-    bundle: Bundle, platform: str, max_batch_size: int, policy: VersionPolicy
+    bundle: Bundle,
+    platform: str,
+    max_batch_size: int,
+    policy: VersionPolicy,
+    max_queue_delay: float = 0.0,
 ) -> mc.ModelConfig:
-    """A Triton ModelConfig of one version, derived from its manifest.
+    """A Triton ModelConfig of one version, derived from its manifest, with the
+    scheduler's queue delay (seconds) as ``dynamic_batching.max_queue_delay_microseconds``.
 
     Triton's config has an implicit *leading* batch axis: when every client tensor has
     its batch letter first, ``max_batch_size`` is the scheduler's cap and dims omit that
@@ -82,6 +92,7 @@ def model_config(
         config.dynamic_batching.preferred_batch_size.extend(
             n for n in bundle.batch_sizes if n <= cap
         )
+        config.dynamic_batching.max_queue_delay_microseconds = round(max_queue_delay * 1e6)
     for key, value in _parameters(bundle).items():
         config.parameters[key].string_value = value
     return config
@@ -169,22 +180,36 @@ def _config_override(name: str, text: str, platform: str) -> LoadOverride:
         )
     policy = _policy_of(name, config) if "version_policy" in given else None
     preferred: list[int] | None = None
+    delay: float | None = None
     if "dynamic_batching" in given:
-        extra = [
-            f.name
-            for f, _ in config.dynamic_batching.ListFields()
-            if f.name != "preferred_batch_size"
-        ]
+        batching = config.dynamic_batching
+        extra = [f.name for f, _ in batching.ListFields() if f.name not in _BATCHING]
         if extra:
             raise InvalidArgument(
                 f"config override for {name!r}: field 'dynamic_batching.{extra[0]}' is not "
                 "supported by rsrv (requests are coalesced at the compiled batch sizes; "
-                "only preferred_batch_size may be given, as a subset of them)"
+                "only preferred_batch_size, as a subset of them, and "
+                "max_queue_delay_microseconds may be given)"
             )
-        preferred = list(config.dynamic_batching.preferred_batch_size)
+        preferred = list(batching.preferred_batch_size)
+        if _given_delay(raw):  # also when 0, which ListFields does not show
+            micros = batching.max_queue_delay_microseconds
+            if micros > MAX_QUEUE_DELAY_US:
+                raise InvalidArgument(
+                    f"config override for {name!r}: field "
+                    f"'dynamic_batching.max_queue_delay_microseconds' must be at most "
+                    f"{MAX_QUEUE_DELAY_US} (1 s), got {micros}"
+                )
+            delay = micros / 1e6
     derived = [f for f in given if f in DERIVED]
 
     def check(bundle: Bundle, rows: int, served: VersionPolicy) -> None:
+        if delay and not bundle.batch_sizes:
+            raise InvalidArgument(
+                f"config override for {name!r}: dynamic_batching.max_queue_delay_microseconds "
+                f"must be 0: {bundle.path} has no compiled batch sizes (it runs one request "
+                "at a time)"
+            )
         if preferred is not None:
             bad = sorted(set(preferred) - set(bundle.batch_sizes))
             if bad:
@@ -202,7 +227,16 @@ def _config_override(name: str, text: str, platform: str) -> LoadOverride:
                     "ModelConfig reports it, or leave it out)"
                 )
 
-    return LoadOverride(max_batch_size, policy, check)
+    return LoadOverride(max_batch_size, policy, check, delay)
+
+
+def _given_delay(raw: dict) -> bool:
+    """Whether the override's JSON names dynamic_batching.max_queue_delay_microseconds
+    (by its proto or its JSON name)."""
+    batching = raw.get("dynamic_batching", raw.get("dynamicBatching"))
+    return isinstance(batching, dict) and (
+        "max_queue_delay_microseconds" in batching or "maxQueueDelayMicroseconds" in batching
+    )
 
 
 def _policy_of(name: str, config: mc.ModelConfig) -> VersionPolicy:

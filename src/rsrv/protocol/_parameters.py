@@ -10,17 +10,37 @@
   shared memory is disabled is FAILED_PRECONDITION; an unregistered one NOT_FOUND with
   Triton's message (``Unable to find shared memory region: '<name>'``); a window past
   the region INVALID_ARGUMENT.
+
+The checks are the same on both wires: the protobuf accessors (``shm_target``,
+``request_deadline``, ``request_priority``) and the REST codec's JSON one
+(``json_param``) read a value, then ``shm_target_of`` / ``deadline_of`` /
+``priority_of`` decide.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, RsrvError
 from rsrv.protocol._shm import DISABLED_MESSAGE, SharedMemoryRegistry
 
-__all__ = ["ShmTarget", "request_deadline", "request_priority"]
+__all__ = [
+    "Getter",
+    "ShmTarget",
+    "deadline_of",
+    "json_param",
+    "priority_of",
+    "request_deadline",
+    "request_priority",
+    "shm_target",
+    "shm_target_of",
+]
+
+#: ``get(key, kind)``: a parameter's value (None if absent); InvalidArgument for a value
+#: of another kind (``kind``: the protobuf oneof name, e.g. ``"int64_param"``).
+Getter = Callable[[str, str], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +65,20 @@ def _param(params: Any, key: str, kind: str, what: str) -> Any:
 
 
 def shm_target(tensor: Any, what: str) -> ShmTarget | None:
+    """The shared-memory window a protobuf tensor names (None: not in shared memory)."""
     params = tensor.parameters
-    region = _param(params, "shared_memory_region", "string_param", what)
-    byte_size = _param(params, "shared_memory_byte_size", "int64_param", what)
-    offset = _param(params, "shared_memory_offset", "int64_param", what)
+    if not params:
+        return None
+    return shm_target_of(lambda key, kind: _param(params, key, kind, what), what)
+
+
+def shm_target_of(get: Getter, what: str) -> ShmTarget | None:
+    """The checks of a tensor's shared-memory parameters, whatever the wire: ``get(key,
+    kind)`` returns a parameter's value (None if absent) or raises InvalidArgument for a
+    value of another kind."""
+    region = get("shared_memory_region", "string_param")
+    byte_size = get("shared_memory_byte_size", "int64_param")
+    offset = get("shared_memory_offset", "int64_param")
     if region is None:
         if byte_size is not None or offset is not None:
             raise InvalidArgument(
@@ -70,6 +100,30 @@ def shm_target(tensor: Any, what: str) -> ShmTarget | None:
             f"'{region}' for {what}"
         )
     return ShmTarget(region, byte_size, offset)
+
+
+#: JSON value types of the protobuf parameter kinds (the REST wire's parameters).
+_JSON_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "string_param": ((str,), "a string"),
+    "int64_param": ((int,), "an integer"),
+    "uint64_param": ((int,), "an integer >= 0"),
+    "bool_param": ((bool,), "a boolean"),
+    "double_param": ((int, float), "a number"),
+}
+
+
+def json_param(params: Mapping[str, Any], key: str, kind: str, what: str) -> Any:
+    """The value of JSON parameter ``key`` (None if absent or null), which must be the
+    JSON type of protobuf kind ``kind`` (a boolean is never a number)."""
+    value = params.get(key)
+    if value is None:
+        return None
+    types, words = _JSON_KINDS[kind]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise InvalidArgument(
+            f"invalid value type for '{key}' parameter for {what}, expected {words}"
+        )
+    return value
 
 
 def registry(shm: SharedMemoryRegistry | None, target: ShmTarget, what: str):
@@ -99,7 +153,11 @@ def request_deadline(request: Any, now: float) -> float | None:
     Absent or 0 means no deadline; negative or a non-int64 value is INVALID_ARGUMENT.
     ``now`` and the result are in seconds on the caller's clock (e.g. ``trio.current_time``).
     """
-    value = _param(request.parameters, "timeout", "int64_param", "the request")
+    return deadline_of(_param(request.parameters, "timeout", "int64_param", "the request"), now)
+
+
+def deadline_of(value: int | None, now: float) -> float | None:
+    """The deadline of a ``timeout`` value already read as an integer (µs), any wire."""
     if not value:
         return None
     if value < 0:
@@ -123,9 +181,14 @@ def request_priority(request: Any) -> int:
     if which == "uint64_param":
         return value.uint64_param
     if which == "int64_param":
-        if value.int64_param < 0:
-            raise InvalidArgument("invalid value for 'priority', expected value >= 0")
-        return value.int64_param
+        return priority_of(value.int64_param)
     raise InvalidArgument(
         "invalid value type for 'priority' parameter, expected uint64_param or int64_param"
     )
+
+
+def priority_of(value: int) -> int:
+    """A signed ``priority`` value, any wire: it must be >= 0."""
+    if value < 0:
+        raise InvalidArgument("invalid value for 'priority', expected value >= 0")
+    return value

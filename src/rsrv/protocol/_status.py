@@ -28,7 +28,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import RsrvError
 
-__all__ = ["MAX_MESSAGE_CHARS", "grpc_status"]
+__all__ = ["HTTP_STATUS", "MAX_MESSAGE_CHARS", "grpc_status", "http_status"]
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -73,3 +73,32 @@ def grpc_status(exc: BaseException) -> tuple[StatusCode, str]:
     if not isinstance(exc, Exception):
         return StatusCode.CANCELLED, _cap(str(exc) or "cancelled")
     return StatusCode.INTERNAL, _cap(_type_message(exc))
+
+
+#: The HTTP status of each gRPC status (the REST wire, specs/http.md §4).
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "ABORTED": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNIMPLEMENTED": 501,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+
+
+def http_status(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status and message a REST client receives for ``exc``: the message is
+    :func:`grpc_status`'s; the status is the exception's own ``http_status`` attribute
+    when it has one (a wire-level case such as 413 for a body above the limit), else
+    :data:`HTTP_STATUS` of its gRPC status (500 for any other)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    code, message = grpc_status(exc)
+    explicit = getattr(exc, "http_status", None)
+    return explicit or HTTP_STATUS.get(code.name, 500), message

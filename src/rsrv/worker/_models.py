@@ -43,7 +43,8 @@ class ServedModel:
     for a bundle directly in the model directory); ``generation`` counts loads in this
     process, so that a reload and the load it replaces have distinct keys while both
     serve. ``max_batch_size`` is the rows one execution holds (the scheduler's cap; 0:
-    unbatched or meta), ``version_policy`` the policy its model is served under.
+    unbatched or meta), ``version_policy`` the policy its model is served under,
+    ``max_queue_delay`` the seconds a batch of it may wait for more requests.
     """
 
     bundle: Bundle
@@ -53,6 +54,7 @@ class ServedModel:
     residency: str = "system"
     max_batch_size: int = 0
     version_policy: VersionPolicy = DEFAULT_POLICY
+    max_queue_delay: float = 0.0
 
     @property
     def name(self) -> str:

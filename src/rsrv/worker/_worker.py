@@ -20,6 +20,7 @@ from rsrv.protocol import (
     Admission,
     ControlService,
     ControlSnapshot,
+    HealthService,
     IndexEntry,
     InferenceService,
     LoadOverride,
@@ -122,6 +123,7 @@ class Worker:
         self.admission = Admission(config.endpoints.max_concurrent_requests)
         self.restrictions = restrictions_of(config.endpoints)
         self.port: int | None = None
+        self.http_port: int | None = None  # the REST port bound, once serving
         self.compiler: Compiler | None = None
         self._loading: dict[str, trio.Lock] = {}
         self._residency: dict[str, str] = {}  # floors set by SetModelResidency, by name
@@ -202,19 +204,21 @@ class Worker:
         has been tried (ready or reported unavailable) and the gRPC port accepts calls.
 
         Tasks: weight transfers, the dispatch loop, the gRPC server, and when configured
-        the admin HTTP server and the repository watcher.
+        the admin HTTP server, the KServe V2 REST server and the repository watcher.
         """
         from rsrv.worker._admin import serve_admin
+        from rsrv.worker._rest import serve_rest
         from rsrv.worker._watcher import RepositoryWatcher
 
         cfg = self.config
         ep = cfg.endpoints
         self.compiler = Compiler(Path(cfg.cache_dir))
+        inference = InferenceService(self)  # the REST endpoint answers through it too
         methods = [
-            m
-            for service in (InferenceService(self), ControlService(self))
-            for m in methods_of(service.service)
+            m for service in (inference, ControlService(self)) for m in methods_of(service.service)
         ]
+        # grpc.health.v1: ready while ServerReady is and the worker is not draining.
+        methods += HealthService(lambda: self.ready and not self.admission.closed).methods()
         server = self.server = GrpcServer(
             guard(methods, self.admission, self.restrictions),
             ep.host,
@@ -249,6 +253,9 @@ class Worker:
                         serve_admin, self, cfg.endpoints.host, cfg.endpoints.metrics_port
                     )
                     log.info("admin HTTP on %s:%d", cfg.endpoints.host, cfg.endpoints.metrics_port)
+                if ep.http_port is not None:
+                    self.http_port = await nursery.start(serve_rest, self, inference)
+                    log.info("KServe V2 REST on %s:%d", ep.host, self.http_port)
                 if cfg.model_control_mode == "dynamic":
                     self.watcher = RepositoryWatcher(
                         Path(cfg.model_repo), cfg.model_poll_seconds, self._load, self._unload
@@ -269,6 +276,7 @@ class Worker:
         ``endpoints.shutdown_grace_seconds``), release shared memory, then cancel."""
         grace = self.config.endpoints.shutdown_grace_seconds
         self.admission.close()
+        self.scheduler.hurry()  # what is accepted runs without waiting for company
         with trio.move_on_after(grace) as scope:
             # Accepted calls may still be decoding or in a preprocess hook: the scheduler
             # keeps admitting and dispatching until every one has been answered.
@@ -479,6 +487,8 @@ class Worker:
             return
         if override is not None and override.max_batch_size is not None:
             sched = msgspec.structs.replace(sched, max_batch_size=override.max_batch_size or None)
+        if override is not None and override.max_queue_delay is not None:
+            sched = msgspec.structs.replace(sched, max_queue_delay_seconds=override.max_queue_delay)
         prints = {n: await trio.to_thread.run_sync(fingerprint, found[n]) for n in selected}
         bundles: dict[int, Bundle] = {}
         if override is not None:  # checked before anything changes
@@ -602,6 +612,7 @@ class Worker:
         if spec is not None:
             self.scheduler.add_model(spec)
             self.scheduler.warm_costs(name, costs, served.version)
+            served.max_queue_delay = self.scheduler.queue_delay(name, served.version)
 
     def _retire(self, entry: ModelEntry, number: int, why: str) -> None:
         """Stop serving version ``number``; requests queued for it finish first."""

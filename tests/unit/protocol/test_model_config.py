@@ -45,6 +45,18 @@ def test_model_config_derives_what_the_manifest_knows(image):
     assert capped.max_batch_size == 2
     assert list(capped.dynamic_batching.preferred_batch_size) == [1]  # sizes above the cap
     assert capped.version_policy.latest.num_versions == 1
+    assert capped.dynamic_batching.max_queue_delay_microseconds == 0
+
+
+def test_model_config_reports_the_queue_delay(image, unbatched):
+    config = model_config(image, "cpu", 4, DEFAULT_POLICY, 0.0025)
+    assert config.dynamic_batching.max_queue_delay_microseconds == 2500
+    as_json = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    assert as_json["dynamic_batching"]["max_queue_delay_microseconds"] == "2500"
+    # no batch axis: no dynamic batching at all
+    assert not model_config(unbatched, "cpu", 0, DEFAULT_POLICY, 0.0025).HasField(
+        "dynamic_batching"
+    )
 
 
 def test_model_config_formats(unbatched, image):
@@ -84,18 +96,47 @@ def test_config_override_applies_the_subset(image):
     assert files == {}
     assert override.max_batch_size == 2
     assert override.version_policy == VersionPolicy(specific=(1, 3))
+    assert override.max_queue_delay is None  # not given: the node file's
     override.check(image, 2, override.version_policy)  # nothing it asks contradicts
+
+
+@pytest.mark.parametrize(
+    ("batching", "delay"),
+    [
+        ({"max_queue_delay_microseconds": 2500}, 0.0025),
+        ({"maxQueueDelayMicroseconds": "1000000", "preferred_batch_size": [4]}, 1.0),
+        ({"max_queue_delay_microseconds": 0}, 0.0),  # given as 0: no delay, for this load
+        ({"preferred_batch_size": [1]}, None),
+    ],
+)
+def test_config_override_sets_the_queue_delay(image, batching, delay):
+    config = json.dumps({"dynamic_batching": batching})
+    override, _ = load_parameters("image", params(config=config), "cpu")
+    assert override.max_queue_delay == delay
+    assert override.max_batch_size is None and override.version_policy is None
+    override.check(image, 4, DEFAULT_POLICY)
+
+
+def test_a_queue_delay_needs_compiled_batch_sizes(unbatched):
+    config = '{"dynamic_batching": {"max_queue_delay_microseconds": 100}}'
+    override, _ = load_parameters("unbatched", params(config=config), "cpu")
+    with pytest.raises(InvalidArgument, match="max_queue_delay_microseconds must be 0"):
+        override.check(unbatched, 0, DEFAULT_POLICY)
+    config = '{"dynamic_batching": {"max_queue_delay_microseconds": 0}}'
+    override, _ = load_parameters("unbatched", params(config=config), "cpu")
+    override.check(unbatched, 0, DEFAULT_POLICY)
 
 
 def test_config_override_may_repeat_what_model_config_reports(image):
     """A round trip: ModelConfig as JSON (what tritonclient's as_json gives), with a new
     max_batch_size, is accepted; changing a derived field is not."""
     reported = json_format.MessageToDict(
-        model_config(image, "cpu", 4, DEFAULT_POLICY), preserving_proto_field_name=True
+        model_config(image, "cpu", 4, DEFAULT_POLICY, 0.002), preserving_proto_field_name=True
     )
     reported["max_batch_size"] = 2
     override, _ = load_parameters("image", params(config=json.dumps(reported)), "cpu")
     override.check(image, 2, DEFAULT_POLICY)
+    assert override.max_queue_delay == 0.002
 
     reported["input"][0]["dims"] = ["3", "16", "16"]
     override, _ = load_parameters("image", params(config=json.dumps(reported)), "cpu")
@@ -116,8 +157,16 @@ def test_config_override_may_repeat_what_model_config_reports(image):
         ('{"version_policy": {}}', "give one of latest, all or specific"),
         ('{"version_policy": {"latest": {"num_versions": 0}}}', "num_versions must be >= 1"),
         (
-            '{"dynamic_batching": {"max_queue_delay_microseconds": 100}}',
-            "field 'dynamic_batching.max_queue_delay_microseconds' is not supported",
+            '{"dynamic_batching": {"preserve_ordering": true}}',
+            "field 'dynamic_batching.preserve_ordering' is not supported",
+        ),
+        (
+            '{"dynamic_batching": {"max_queue_delay_microseconds": 1000001}}',
+            "'dynamic_batching.max_queue_delay_microseconds' must be at most 1000000 (1 s)",
+        ),
+        (
+            '{"dynamic_batching": {"max_queue_delay_microseconds": -1}}',
+            "Invalid config override: ",
         ),
     ],
 )
