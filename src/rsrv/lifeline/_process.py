@@ -8,6 +8,7 @@ goes up the link; a port that cannot be bound is one line and exit status 1.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import resource
 import signal
@@ -66,6 +67,11 @@ async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus])
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(server.run)
+            # What start-up built (modules, bundles, compiled models) lives as long as the
+            # process: out of the cyclic collector's passes, which then cost less per
+            # request (figure 1: +10% req/s at c = 32 under h2load, paired).
+            gc.collect()
+            gc.freeze()
             nursery.start_soon(SupervisorLink(reported).run)
             async for signum in signals:
                 log.info("received %s: shutting down gracefully", signal.Signals(signum).name)

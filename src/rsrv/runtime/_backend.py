@@ -68,6 +68,10 @@ def configure(
     jax.config.update("jax_platforms", platforms)
     # Keep 64-bit inputs 64-bit: without this, device_put narrows int64/float64 arrays.
     jax.config.update("jax_enable_x64", True)
+    # A CPU execution runs on the calling thread: handing each one to PJRT's own thread
+    # and waiting for it costs more than a small model's execution (figure 1: +13% req/s
+    # at c = 1 under h2load, paired). It does not affect accelerator backends.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     _configured = settings
 
 
