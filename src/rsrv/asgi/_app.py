@@ -1,18 +1,29 @@
-"""A GET-only ASGI app answering from a route function, and hypercorn serving it (or
-any other ASGI app, e.g. the worker's KServe V2 REST endpoint)."""
+"""A GET-only ASGI app answering from a route function, the admin endpoints built on it,
+and hypercorn serving it (or any other ASGI app, e.g. the worker's KServe V2 REST
+endpoint)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-__all__ = ["NOT_FOUND", "PlainApp", "Response", "serve_http"]
+__all__ = [
+    "NOT_FOUND",
+    "PROMETHEUS",
+    "PlainApp",
+    "Response",
+    "admin_app",
+    "answer_lifespan",
+    "json_response",
+    "serve_http",
+]
 
 
 class Response(NamedTuple):
@@ -22,6 +33,28 @@ class Response(NamedTuple):
 
 
 NOT_FOUND = Response(404, b"not found\n")
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"  # the text exposition format
+_OK = Response(200, b"ok\n")
+_READY = Response(200, b"ready\n")
+_NOT_READY = Response(503, b"not ready\n")
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    """``value`` as indented JSON."""
+    return Response(status, json.dumps(value, indent=1).encode() + b"\n", "application/json")
+
+
+async def answer_lifespan(receive, send) -> None:
+    """Complete an ASGI lifespan exchange: startup, then (returning) shutdown."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 _NOT_ALLOWED = Response(405, b"method not allowed\n")
 
 
@@ -34,13 +67,7 @@ class PlainApp:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
         if scope["type"] != "http":
             return
         if scope["method"] in ("GET", "HEAD"):
@@ -59,6 +86,28 @@ class PlainApp:
         )
         body = b"" if scope["method"] == "HEAD" else response.body
         await send({"type": "http.response.body", "body": body})
+
+
+def admin_app(
+    *,
+    ready: Callable[[], bool],
+    metrics: Callable[[], Response],
+    health: Callable[[], Response] = lambda: _OK,
+) -> PlainApp:
+    """The admin endpoints of an rsrv process, each answer computed when asked:
+    ``/healthz`` (``health()``; 200 "ok" by default), ``/readyz`` (200 while ``ready()``,
+    else 503) and ``/metrics`` (``metrics()``); any other path 404."""
+
+    def route(path: str) -> Response:
+        if path == "/healthz":
+            return health()
+        if path == "/readyz":
+            return _READY if ready() else _NOT_READY
+        if path == "/metrics":
+            return metrics()
+        return NOT_FOUND
+
+    return PlainApp(route)
 
 
 async def serve_http(

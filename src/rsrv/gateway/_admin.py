@@ -8,21 +8,18 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rsrv.asgi import NOT_FOUND, PlainApp, Response, serve_http
+from rsrv.asgi import PROMETHEUS, Response, admin_app, json_response, serve_http
 
 if TYPE_CHECKING:
     from rsrv.gateway._gateway import Gateway
 
 __all__ = ["serve_gateway_admin"]
-
-_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _health(gateway: Gateway) -> dict:
@@ -93,23 +90,15 @@ class _GatewayCollector:
         yield from g.scheduler_metrics()
 
 
-def _route(gateway: Gateway, registry: CollectorRegistry, path: str) -> Response:
-    if path == "/healthz":
-        return Response(
-            200, json.dumps(_health(gateway), indent=1).encode() + b"\n", "application/json"
-        )
-    if path == "/readyz":
-        return Response(200, b"ready\n") if gateway.ready else Response(503, b"not ready\n")
-    if path == "/metrics":
-        return Response(200, generate_latest(registry), _PROMETHEUS)
-    return NOT_FOUND
-
-
 async def serve_gateway_admin(
     gateway: Gateway, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve until cancelled; ``task_status.started()`` once listening."""
     registry = CollectorRegistry()
     registry.register(_GatewayCollector(gateway))
-    app = PlainApp(lambda path: _route(gateway, registry, path))
+    app = admin_app(
+        ready=lambda: gateway.ready,
+        metrics=lambda: Response(200, generate_latest(registry), PROMETHEUS),
+        health=lambda: json_response(_health(gateway)),
+    )
     await serve_http(app, host, port, "rsrv.gateway.admin", task_status=task_status)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING
 
@@ -18,14 +17,12 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rsrv.asgi import NOT_FOUND, PlainApp, Response, serve_http
+from rsrv.asgi import PROMETHEUS, Response, admin_app, json_response, serve_http
 
 if TYPE_CHECKING:
     from rsrv.node._supervisor import Supervisor
 
 __all__ = ["health", "serve_node_admin"]
-
-_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def health(supervisor: Supervisor) -> dict:
@@ -79,22 +76,15 @@ class _NodeCollector:
         yield from (up, ready, restarts)
 
 
-def _route(supervisor: Supervisor, registry: CollectorRegistry, path: str) -> Response:
-    if path == "/healthz":
-        body = json.dumps(health(supervisor), indent=1).encode() + b"\n"
-        return Response(200, body, "application/json")
-    if path == "/readyz":
-        return Response(200, b"ready\n") if supervisor.ready else Response(503, b"not ready\n")
-    if path == "/metrics":
-        return Response(200, generate_latest(registry), _PROMETHEUS)
-    return NOT_FOUND
-
-
 async def serve_node_admin(
     supervisor: Supervisor, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve until cancelled; ``task_status.started()`` once listening."""
     registry = CollectorRegistry()
     registry.register(_NodeCollector(supervisor))
-    app = PlainApp(lambda path: _route(supervisor, registry, path))
+    app = admin_app(
+        ready=lambda: supervisor.ready,
+        metrics=lambda: Response(200, generate_latest(registry), PROMETHEUS),
+        health=lambda: json_response(health(supervisor)),
+    )
     await serve_http(app, host, port, "rsrv.node.admin", task_status=task_status)

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 import trio
 
+from rsrv.asgi import answer_lifespan
 from rsrv.errors import InvalidArgument, ResourceExhausted, RsrvError, Unavailable
 from rsrv.protocol._calls import Admission, Restriction
 from rsrv.protocol._infer_flow import infer_counted
@@ -101,13 +102,7 @@ class RestService:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
         if scope["type"] != "http":
             return
         headers = {

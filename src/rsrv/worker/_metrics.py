@@ -21,8 +21,6 @@ from rsrv.worker._statistics import LATENCY_BUCKETS
 if TYPE_CHECKING:
     from rsrv.worker._worker import Worker
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 
 class WorkerCollector:
     def __init__(self, worker: Worker):
