@@ -1,4 +1,5 @@
-"""Tensor element types: manifest tokens, numpy dtypes, KServe datatype names, MLIR types.
+"""Tensor element types: manifest tokens, numpy dtypes, KServe datatype names, MLIR types;
+and the BYTES tensor wire format the server and the client share.
 
 One table is the single source of truth; every conversion in rsrv goes through it.
 """
@@ -6,6 +7,7 @@ One table is the single source of truth; every conversion in rsrv goes through i
 from __future__ import annotations
 
 import enum
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -122,3 +124,58 @@ _FROM_KSERVE = {v: k for k, v in _KSERVE.items()}
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items() if k is not DType.BYTES}
 _FROM_MLIR = {v: k for k, v in _MLIR.items()}
 TOKENS = tuple(d.value for d in DType)
+
+
+# -- BYTES tensors on the wire: per element, a 4-byte little-endian length, then the bytes --
+
+_U32 = struct.Struct("<I")
+
+
+def encode_bytes_tensor(array) -> bytes:
+    """BYTES elements in row-major order: bytes as they are, str as UTF-8, anything else
+    as its ``str()``. Raises ValueError for an element of 4 GiB or more."""
+    parts: list[bytes] = []
+    for item in np.asarray(array, dtype=object).ravel(order="C"):
+        if isinstance(item, bytes):
+            data = item
+        elif isinstance(item, str):
+            data = item.encode("utf-8")
+        elif isinstance(item, bytearray | memoryview):
+            data = bytes(item)
+        else:
+            data = str(item).encode("utf-8")
+        if len(data) > 0xFFFFFFFF:
+            raise ValueError("a BYTES element exceeds 4 GiB")
+        parts.append(_U32.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def decode_bytes_tensor(data, count: int, *, exact: bool = True) -> np.ndarray:
+    """``count`` BYTES elements as a 1-D object array of ``bytes``. Raises ValueError
+    when ``data`` ends inside an element or (``exact``) has bytes left after the last."""
+    out = np.empty(count, dtype=object)
+    view = memoryview(data)
+    size = len(view)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > size:
+            raise ValueError(
+                f"BYTES data ends inside the length prefix of element {i} (offset {pos} of {size})"
+            )
+        (length,) = _U32.unpack_from(view, pos)
+        pos += 4
+        end = pos + length
+        if end > size:
+            raise ValueError(
+                f"BYTES element {i} claims {length} bytes at offset {pos}, past the "
+                f"end of the {size}-byte buffer"
+            )
+        out[i] = bytes(view[pos:end])
+        pos = end
+    if exact and pos != size:
+        raise ValueError(
+            f"BYTES data has {size - pos} trailing bytes after {count} elements "
+            "(element count does not match the shape)"
+        )
+    return out

@@ -12,14 +12,13 @@ shared-memory region (:class:`ShmInput`), an output may be written into one
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rsrv.dtypes import DType
+from rsrv.dtypes import DType, decode_bytes_tensor, encode_bytes_tensor
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "serialize_bytes",
 ]
 
-_U32 = struct.Struct("<I")
 _TYPED = {  # typed contents field of each datatype (servers that answer without raw)
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -102,42 +100,8 @@ def datatype_of(array: np.ndarray) -> str:
     return DType.from_numpy(array.dtype.newbyteorder("=")).kserve
 
 
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES elements (bytes, str as UTF-8, anything else as ``str()``), each a 4-byte
-    little-endian length then the bytes."""
-    parts: list[bytes] = []
-    for item in np.asarray(array, dtype=object).ravel(order="C"):
-        if isinstance(item, bytes):
-            data = item
-        elif isinstance(item, str):
-            data = item.encode("utf-8")
-        elif isinstance(item, bytearray | memoryview):
-            data = bytes(item)
-        else:
-            data = str(item).encode("utf-8")
-        parts.append(_U32.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
-
-
-def deserialize_bytes(data, count: int, *, exact: bool = True) -> np.ndarray:
-    """``count`` length-prefixed BYTES elements as a 1-D object array of ``bytes``.
-    Raises ValueError when ``data`` ends early (or, ``exact``, has bytes left over)."""
-    out = np.empty(count, dtype=object)
-    view = memoryview(data)
-    pos, size = 0, len(view)
-    for i in range(count):
-        if pos + 4 > size:
-            raise ValueError(f"BYTES data ends inside element {i} of {count}")
-        (length,) = _U32.unpack_from(view, pos)
-        pos += 4
-        if pos + length > size:
-            raise ValueError(f"BYTES element {i} runs past the end of the data")
-        out[i] = bytes(view[pos : pos + length])
-        pos += length
-    if exact and pos != size:
-        raise ValueError(f"{size - pos} bytes left after {count} BYTES elements")
-    return out
+serialize_bytes = encode_bytes_tensor
+deserialize_bytes = decode_bytes_tensor
 
 
 def _set_parameter(params: Any, key: str, value: bool | int | float | str) -> None:
