@@ -34,9 +34,7 @@ from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 from rsrv.transport import (
     ClientLimits,
     GrpcServer,
-    TransportLimits,
     open_channel,
-    server_tls_context,
 )
 
 __all__ = ["Gateway"]
@@ -128,7 +126,7 @@ class Gateway:
         cfg = self.config
         grpc = cfg.grpc
         host, port = split_address(cfg.listen.grpc)
-        self.server = GrpcServer(
+        self.server = GrpcServer.configured(
             guard(
                 [
                     *self.services.methods(),
@@ -140,17 +138,7 @@ class Gateway:
             ),
             host,
             port,
-            limits=TransportLimits(
-                max_message_bytes=grpc.max_message_bytes,
-                max_connections=grpc.max_connections,
-                max_streams_per_connection=grpc.max_streams_per_connection,
-                receive_timeout=grpc.receive_timeout_seconds,
-                handshake_timeout=grpc.receive_timeout_seconds,
-                idle_timeout=grpc.idle_connection_seconds,
-            ),
-            tls=server_tls_context(grpc.tls_cert_file, grpc.tls_key_file, grpc.tls_client_ca_file)
-            if grpc.tls_cert_file
-            else None,
+            grpc,
             status_of=grpc_status,
         )
         limits = ClientLimits(

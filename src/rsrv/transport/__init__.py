@@ -28,6 +28,7 @@ from rsrv.transport._client_stream import CallEnded
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     GrpcServer,
+    ListenSettings,
     Method,
     TransportLimits,
     default_status,
@@ -40,6 +41,7 @@ __all__ = [
     "Channel",
     "ClientLimits",
     "GrpcServer",
+    "ListenSettings",
     "MessageError",
     "Method",
     "ServerCall",

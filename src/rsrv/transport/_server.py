@@ -15,7 +15,7 @@ import ssl
 from collections.abc import Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import purerpc
 import trio
@@ -83,6 +83,20 @@ class TransportLimits:
     idle_timeout: float = 600.0  # a connection with no call open is closed; 0: never
 
 
+class ListenSettings(Protocol):
+    """A server's listening settings as rsrv's configuration files name them (a
+    worker's ``endpoints``, a gateway's ``grpc``)."""
+
+    max_message_bytes: int
+    max_connections: int
+    max_streams_per_connection: int
+    receive_timeout_seconds: float
+    idle_connection_seconds: float
+    tls_cert_file: str | None
+    tls_key_file: str | None
+    tls_client_ca_file: str | None
+
+
 def default_status(exc: BaseException) -> tuple[StatusCode, str]:
     """The status of an exception when the server is given no mapping."""
     if isinstance(exc, RpcFailedError):
@@ -115,6 +129,38 @@ class GrpcServer:
         self.connections: set[ServerConnection] = set()
         self.refused_connections = 0
         self._listeners: list[trio.SocketListener] = []
+
+    @classmethod
+    def configured(
+        cls,
+        methods: Iterable[Method],
+        host: str,
+        port: int,
+        settings: ListenSettings,
+        *,
+        status_of: Callable[[BaseException], tuple[StatusCode, str]] = default_status,
+    ) -> GrpcServer:
+        """A server with the limits and TLS (when a certificate is set) of ``settings``;
+        the TLS handshake must finish within the receive timeout. Raises OSError /
+        ssl.SSLError when a TLS file cannot be read or used."""
+        s = settings
+        return cls(
+            methods,
+            host,
+            port,
+            limits=TransportLimits(
+                max_message_bytes=s.max_message_bytes,
+                max_connections=s.max_connections,
+                max_streams_per_connection=s.max_streams_per_connection,
+                receive_timeout=s.receive_timeout_seconds,
+                handshake_timeout=s.receive_timeout_seconds,
+                idle_timeout=s.idle_connection_seconds,
+            ),
+            tls=server_tls_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+            if s.tls_cert_file
+            else None,
+            status_of=status_of,
+        )
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled or closed; ``task_status.started(port)`` once

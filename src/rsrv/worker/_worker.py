@@ -43,7 +43,7 @@ from rsrv.runtime import (
 )
 from rsrv.runtime import device as default_device
 from rsrv.scheduler import Scheduler
-from rsrv.transport import GrpcServer, TransportLimits, methods_of, server_tls_context
+from rsrv.transport import GrpcServer, methods_of
 from rsrv.versions import DEFAULT_POLICY, VersionPolicy
 from rsrv.worker import _files as files_override
 from rsrv.worker import _reporting as reporting
@@ -219,21 +219,11 @@ class Worker:
         ]
         # grpc.health.v1: ready while ServerReady is and the worker is not draining.
         methods += HealthService(lambda: self.ready and not self.admission.closed).methods()
-        server = self.server = GrpcServer(
+        server = self.server = GrpcServer.configured(
             guard(methods, self.admission, self.restrictions),
             ep.host,
             ep.port,
-            limits=TransportLimits(
-                max_message_bytes=ep.max_message_bytes,
-                max_connections=ep.max_connections,
-                max_streams_per_connection=ep.max_streams_per_connection,
-                receive_timeout=ep.receive_timeout_seconds,
-                handshake_timeout=ep.receive_timeout_seconds,
-                idle_timeout=ep.idle_connection_seconds,
-            ),
-            tls=server_tls_context(ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file)
-            if ep.tls_cert_file
-            else None,
+            ep,
             status_of=grpc_status,
         )
         try:
