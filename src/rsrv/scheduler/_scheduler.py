@@ -405,29 +405,19 @@ class Scheduler:
 
     def _next_batch(self) -> Batch | None:
         """The decision: select a model, plan its batch. Requests found expired or
-        shed on the way are answered; no device work happens here."""
-        now = self._clock()
-        if self._delayed and not self._hurry:
-            return self._next_batch_holding(now)
-        while (m := self._policy.select(now)) is not None:
-            batch = self._plan(m, now)
-            if batch is not None:
-                self._policy.dispatched(m, batch.estimate)
-            self._policy.update(m, now)
-            if batch is not None:
-                return batch
-        return None
+        shed on the way are answered; no device work happens here.
 
-    def _next_batch_holding(self, now: float) -> Batch | None:
-        """:meth:`_next_batch` when some model has a queue delay: a selected model
-        that waits for more requests (:meth:`_held_until`) is withheld from the policy
-        for the rest of this decision, and the next one is selected; if none is ready,
-        ``_due`` is the earliest moment a withheld model is due."""
+        When some model has a queue delay (and the scheduler is not hurrying), a
+        selected model that waits for more requests (:meth:`_held_until`) is withheld
+        from the policy for the rest of this decision and the next one is selected; if
+        none is ready, ``_due`` is the earliest moment a withheld model is due."""
+        now = self._clock()
+        holding = self._delayed and not self._hurry
         held: list[tuple[ScheduledModel, object]] = []
         due = None
         try:
             while (m := self._policy.select(now)) is not None:
-                until = self._held_until(m, now)
+                until = self._held_until(m, now) if holding else None
                 if until is not None:
                     held.append((m, self._policy.withhold(m)))
                     due = until if due is None else min(due, until)
@@ -438,7 +428,8 @@ class Scheduler:
                 self._policy.update(m, now)
                 if batch is not None:
                     return batch
-            self._due = due
+            if holding:
+                self._due = due
             return None
         finally:
             for m, token in held:
