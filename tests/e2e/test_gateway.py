@@ -268,8 +268,7 @@ def test_lpt_packing_places_replicas_and_fills_runs(tmp_path, cache_dir, process
     lpt_packing with two replicas: the startup repack places it on both workers with
     weight 1/2 each and a fill quantum of 8 rows; 16 closed-loop clients are all answered
     correctly, both replicas take requests, and the control service and the CLI report
-    it. (How many more rows per execution fill routing gets than round robin is a
-    measurement, not a property: `just bench` figure 9b.)"""
+    it."""
     export_linear(tmp_path / "repo" / "m", seed=5, batch_sizes=(1, 8), work=300)
     workers = start_workers(tmp_path, cache_dir, 2, discipline="fifo", delay=0.002)
     processes.extend(workers)
@@ -322,3 +321,41 @@ def test_lpt_packing_places_replicas_and_fills_runs(tmp_path, cache_dir, process
         timeout=60,
     )
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def row_totals(workers: list, model: str) -> tuple[int, int]:
+    """(rows, executions) of ``model`` summed over the workers: ModelStatistics
+    inference_count and execution_count."""
+    rows = executions = 0
+    for worker in workers:
+        with connect(worker) as client:
+            stats = client.get_inference_statistics(model).model_stats[0]
+            rows += stats.inference_count
+            executions += stats.execution_count
+    return rows, executions
+
+
+def test_fill_routing_coalesces_more_rows_than_round_robin(tmp_path, cache_dir, processes):
+    """The same two fifo workers (2 ms queue delay, a model compiled at [1, 8]) behind a
+    round-robin gateway and then an lpt_packing one (two replicas), 16 closed-loop
+    clients each: fill routing sends a replica runs of 8 rows, so its executions hold
+    more rows than when every other request goes elsewhere. The margin asserted is below
+    what this machine gives (1.35-1.46x measured by hand, specs/gateway.md §5; the issue
+    asked for 1.5x, not reached); a fill router degraded to alternation gives about 1x."""
+    export_linear(tmp_path / "repo" / "m", seed=5, batch_sizes=(1, 8), work=300)
+    workers = start_workers(tmp_path, cache_dir, 2, discipline="fifo", delay=0.002)
+    processes.extend(workers)
+    measured = {}
+    for mode, scheduling in (
+        ("round_robin", 'mode = "round_robin"'),
+        ("lpt_packing", 'mode = "lpt_packing"\ndefault_replicas = "all"'),
+    ):
+        gateway = start_gateway(tmp_path, workers, scheduling)
+        processes.append(gateway)
+        closed_loop(gateway, "m", clients=16, requests=5)  # warm-up, not measured
+        rows, executions = row_totals(workers, "m")
+        closed_loop(gateway, "m", clients=16, requests=60)
+        rows_after, executions_after = row_totals(workers, "m")
+        measured[mode] = (rows_after - rows) / (executions_after - executions)
+        gateway.kill()
+    assert measured["lpt_packing"] >= 1.15 * measured["round_robin"], measured
