@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 
 import grpc
@@ -178,6 +179,19 @@ def test_silent_and_idle_connections_are_closed(worker):
     assert silent.wait_closed(10)
     assert idle.goaway(10)
     assert idle.closed
+
+
+def test_a_busy_connection_stays_open_and_closes_once_idle(worker):
+    """Calls 0.5 s apart for longer than the idle timeout (2 s) keep the connection open;
+    once they stop it is closed with GOAWAY."""
+    raw = RawH2(worker.port)
+    for _ in range(7):
+        sid = raw.call(b"", path="/inference.GRPCInferenceService/ServerLive")
+        assert raw.status(sid) == (0, "")
+        time.sleep(0.5)
+    assert not raw.closed
+    assert raw.goaway(10)
+    assert raw.closed
 
 
 def test_one_stream_cannot_take_every_slot(worker, triton):

@@ -87,6 +87,7 @@ class ServerConnection(Http2Endpoint):
         self._preface = b""  # the client preface received so far (24 bytes in all)
         self._opened = trio.current_time()
         self._read_scope = trio.CancelScope()  # the reader's; its deadline: see _reader
+        self._idle_since: float | None = self._opened  # None while a call is open
 
     @property
     def calls(self) -> dict[int, ServerCall]:
@@ -102,8 +103,15 @@ class ServerConnection(Http2Endpoint):
                 nursery.start_soon(self._writer)
                 self.flush()
                 self._read_scope.deadline = self._opened + self.server.limits.handshake_timeout
-                with self._read_scope:
-                    await self._reader()
+                while True:
+                    with self._read_scope:
+                        await self._reader()
+                    if not self._read_scope.cancelled_caught or self._goaway_sent:
+                        break
+                    again = self._idle_deadline()
+                    if again is None:
+                        break
+                    self._read_scope = trio.CancelScope(deadline=again)
                 if self._read_scope.cancelled_caught and not self._goaway_sent:
                     why = "an idle" if self._settled else "a silent (no HTTP/2 preface)"
                     log.debug("closing %s connection from %s", why, self.peer)
@@ -129,10 +137,26 @@ class ServerConnection(Http2Endpoint):
 
     async def _reader(self) -> None:
         """Read until the peer closes, breaks the protocol, or ``_read_scope`` ends:
-        its deadline is the handshake's, then the idle timeout's while no call is open
-        (set by ``_on_settled``, ``_on_request`` and ``forget``), and :meth:`goaway`
-        cancels it."""
+        its deadline is the handshake's, then an idle check's (``_on_settled``,
+        :meth:`_idle_deadline`), and :meth:`goaway` cancels it."""
         await self._read_loop()
+
+    def _idle_deadline(self) -> float | None:
+        """The read scope's deadline passed: None to close the connection (no preface
+        yet, or no call open for ``idle_timeout``), else the next moment to check.
+
+        Calls only record when the connection became idle (``_idle_since``), so no
+        request moves a deadline; the check runs at most once per ``idle_timeout``
+        while the connection is busy."""
+        idle = self.server.limits.idle_timeout
+        if not self._settled or not idle:
+            return None
+        now = trio.current_time()
+        if self._idle_since is None:
+            return now + idle
+        if now - self._idle_since >= idle:
+            return None
+        return self._idle_since + idle
 
     def _protocol_error(self, error: F.ConnectionError_) -> None:
         log.debug("HTTP/2 protocol error from %s: %s", self.peer, error)
@@ -212,8 +236,7 @@ class ServerConnection(Http2Endpoint):
             self.budget,
         )
         self.streams[sid] = call
-        if len(self.streams) == 1:
-            self._read_scope.deadline = math.inf  # not idle
+        self._idle_since = None
         if timeout is not None:
             seconds = _parse_timeout(timeout)
             if seconds is None:
@@ -234,8 +257,8 @@ class ServerConnection(Http2Endpoint):
     def forget(self, call: ServerCall) -> None:
         if self.streams.get(call.id) is call:
             del self.streams[call.id]
-            if not self.streams and self.server.limits.idle_timeout:
-                self._read_scope.deadline = trio.current_time() + self.server.limits.idle_timeout
+            if not self.streams:
+                self._idle_since = trio.current_time()
 
 
 def _parse_timeout(value: bytes) -> float | None:
