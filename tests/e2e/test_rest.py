@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import uuid
 import zlib
 
@@ -411,10 +412,25 @@ def test_simple_http_shm_client(worker):
         with raises_http(400, "CUDA shared memory is not supported by this cpu worker"):
             triton_client.register_cuda_shared_memory("c", b"\0" * 64, 0, 64)
         assert triton_client.get_cuda_shared_memory_status() == []
+        assert request(worker, "GET", "/v2/cudasharedmemory/region/c/status").json() == []
     finally:
         triton_client.close()
         shm.destroy_shared_memory_region(shm_ip_handle)
         shm.destroy_shared_memory_region(shm_op_handle)
+
+
+def test_a_register_request_with_a_null_offset_starts_at_0(worker):
+    key = f"/rest_null_offset_{os.getpid()}"
+    region = shm.create_shared_memory_region("null_offset", key, 64)
+    try:
+        path = "/v2/systemsharedmemory/region/null_offset"
+        body = {"key": key, "byte_size": 64, "offset": None}
+        assert request(worker, "POST", f"{path}/register", body).status == 200
+        (status,) = request(worker, "GET", f"{path}/status").json()
+        assert (status["offset"], status["byte_size"]) == (0, 64)
+        assert request(worker, "POST", f"{path}/unregister").status == 200
+    finally:
+        shm.destroy_shared_memory_region(region)
 
 
 # -- the command ------------------------------------------------------------------------------

@@ -404,7 +404,25 @@ def test_undecodable_json_and_unknown_endpoints(worker):
     assert "method GET is not allowed" in answer.error
 
 
-@pytest.mark.parametrize("value", ["-1", "x", "999999"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v2/models/simple/infer", b'{"id":"\xff","inputs":[]}'),
+        (
+            "/v2/models/simple_string/infer",
+            b'{"inputs":[{"name":"INPUT0","datatype":"BYTES","shape":[1,16],"data":["\xff"]}]}',
+        ),
+        ("/v2/systemsharedmemory/region/r/register", b'{"key":"\xff","byte_size":4}'),
+        ("/v2/repository/index", b'{"\xff":true}'),
+    ],
+)
+def test_a_json_string_that_is_not_utf8_is_400(worker, path, body):
+    answer = request(worker, "POST", path, body)
+    assert answer.status == 400, answer.body
+    assert "'utf-8' codec can't decode byte 0xff" in answer.error
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "999999", "\u00b2", "108\u00b9"])
 def test_bad_inference_header_length(worker, value):
     body = json.dumps({"inputs": [tensor(**X, binary=1024)]}).encode() + ONE_ROW
     answer = request(
@@ -582,6 +600,25 @@ def test_body_that_does_not_arrive_in_time_is_408(repo, cache_dir):
         assert b"did not arrive in full within 0.5 s" in reply
 
 
+def test_an_inference_longer_than_the_idle_timeout_is_answered(repo, cache_dir):
+    """Idle and receive timeouts of 1 s do not cut off a request that takes 2 s to
+    answer: the connection is busy, not idle."""
+    config = with_http(
+        worker_config(
+            repo,
+            cache_dir,
+            ENDPOINTS_RECEIVE_TIMEOUT_SECONDS=1,
+            ENDPOINTS_IDLE_CONNECTION_SECONDS=1,
+        )
+    )
+    with running(config) as w:
+        x = np.array([[2.0, 1.0, 0.0, 0.0]], np.float32)  # the hook sleeps x[0, 0] s
+        client = http_connect(w, network_timeout=60)
+        y = client.infer("slow", [http_input("x", x)]).as_numpy("y")
+        np.testing.assert_array_equal(y, 2 * x)
+        client.close()
+
+
 def test_unsupported_and_corrupt_compression(worker, client):
     body = json.dumps({"inputs": [tensor(**X, data=[0.0] * 256)]}).encode()
     path = "/v2/models/classifier/infer"
@@ -594,6 +631,14 @@ def test_unsupported_and_corrupt_compression(worker, client):
     for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
         answer = request(worker, "POST", path, packed, {"Content-Encoding": encoding})
         assert answer.status == 200, answer.body
+        answer = request(worker, "POST", path, packed + b"GARBAGE", {"Content-Encoding": encoding})
+        assert answer.status == 400
+        assert answer.error == f"the {encoding} request body has 7 bytes after its compressed data"
+    # gzip members one after another are one body (RFC 1952)
+    half = len(body) // 2
+    members = gzip.compress(body[:half]) + gzip.compress(body[half:])
+    answer = request(worker, "POST", path, members, {"Content-Encoding": "gzip"})
+    assert answer.status == 200, answer.body
     assert client.is_server_live()
 
 

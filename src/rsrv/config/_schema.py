@@ -235,7 +235,7 @@ class RestrictedConfig(_Strict):
 class EndpointsConfig(_Strict):
     """Where and how the worker listens."""
 
-    host: Annotated[str, _doc("Address the gRPC and admin HTTP servers bind.")] = "127.0.0.1"
+    host: Annotated[str, _doc("Address the gRPC, REST and admin HTTP servers bind.")] = "127.0.0.1"
     port: Annotated[Port | None, _doc("gRPC port; null means base_port + worker index.")] = None
     metrics_port: Annotated[
         Port | None,
@@ -252,7 +252,9 @@ class EndpointsConfig(_Strict):
         ),
     ] = None
     max_concurrent_requests: Annotated[
-        int, Meta(ge=0), _doc("In-flight gRPC requests per worker; 0 means uncapped.")
+        int,
+        Meta(ge=0),
+        _doc("In-flight requests per worker (gRPC and REST together); 0 means uncapped."),
     ] = 64
     max_message_bytes: Annotated[
         int,

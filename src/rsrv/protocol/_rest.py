@@ -145,7 +145,7 @@ class RestService:
         limit = self.max_body_bytes
         length = headers.get("content-length")
         if length is not None:
-            if not length.strip().isdigit():
+            if not _is_count(length):
                 raise _HttpError(f"invalid Content-Length {length!r}", 400, "INVALID_ARGUMENT")
             if int(length) > limit:
                 await self._discard(receive)
@@ -206,7 +206,7 @@ class RestService:
         binary = _EMPTY
         header = call.headers.get("inference-header-content-length")
         if header is not None:
-            size = int(header) if header.strip().isdigit() else -1
+            size = int(header) if _is_count(header) else -1
             if not 0 <= size <= len(body):
                 raise InvalidArgument(
                     f"invalid Inference-Header-Content-Length {header!r}: the JSON header "
@@ -274,6 +274,12 @@ async def _cancel_on_disconnect(work, receive):
     return value
 
 
+def _is_count(text: str) -> bool:
+    """A decimal count as HTTP writes one: ASCII digits, nothing else."""
+    text = text.strip()
+    return text.isascii() and text.isdigit()
+
+
 def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
@@ -289,19 +295,31 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
     if encoding == "deflate" and body[:1] and body[0] & 0x0F != 8:
         wbits = -zlib.MAX_WBITS
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise InvalidArgument(f"cannot decompress the {encoding} request body: {e}") from None
-    if len(out) > limit:
-        raise _BodyTooLarge(
-            f"request body of more than {limit} (decompressed) bytes is larger than the "
-            f"maximum {limit} (endpoints.max_message_bytes)"
-        )
-    if not inflater.eof:
-        raise InvalidArgument(f"cannot decompress the {encoding} request body: it is truncated")
-    return out
+    parts: list[bytes] = []
+    size = 0
+    data = body
+    while True:  # gzip: one member after another (RFC 1952 §2.2)
+        inflater = zlib.decompressobj(wbits)
+        try:
+            part = inflater.decompress(data, limit + 1 - size)
+        except zlib.error as e:
+            raise InvalidArgument(f"cannot decompress the {encoding} request body: {e}") from None
+        size += len(part)
+        parts.append(part)
+        if size > limit:
+            raise _BodyTooLarge(
+                f"request body of more than {limit} (decompressed) bytes is larger than the "
+                f"maximum {limit} (endpoints.max_message_bytes)"
+            )
+        if not inflater.eof:
+            raise InvalidArgument(f"cannot decompress the {encoding} request body: it is truncated")
+        data = inflater.unused_data
+        if not data:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if encoding != "gzip" or data[:2] != b"\x1f\x8b":
+            raise InvalidArgument(
+                f"the {encoding} request body has {len(data)} bytes after its compressed data"
+            )
 
 
 def _accepted(accept: str) -> str | None:

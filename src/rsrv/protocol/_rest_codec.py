@@ -118,7 +118,7 @@ def parse_rest_request(body) -> RestRequest:
     """The JSON part of an inference request; InvalidArgument naming what is wrong."""
     try:
         return _REQUEST.decode(body)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # the latter: a string not UTF-8
         raise InvalidArgument(
             f"cannot parse the request as a KServe V2 inference request (JSON): {e}"
         ) from None
@@ -227,12 +227,12 @@ def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
     decoder, words = found
     try:
         values = decoder.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         values = None
     if values is None:  # nested arrays (row-major), or values of the wrong type
         try:
             nested = _ANY.decode(raw)
-        except msgspec.DecodeError as e:  # cannot happen: it parsed as part of the request
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             raise InvalidArgument(f"{plan.what}: 'data' is not valid JSON: {e}") from None
         flat: list = []
         _flatten(nested, flat)

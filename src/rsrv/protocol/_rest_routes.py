@@ -98,7 +98,7 @@ def _json_body(call: Call, what: str) -> dict:
         return {}
     try:
         value = msgspec.json.decode(call.body)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # the latter: a string not UTF-8
         raise InvalidArgument(f"cannot parse the {what} request body as JSON: {e}") from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"the {what} request body must be a JSON object")
@@ -208,7 +208,8 @@ class RestRoutes:
         what = "register"
         key = _typed(body.get("key"), str, "key", what)
         byte_size = _typed(body.get("byte_size"), int, "byte_size", what)
-        offset = _typed(body.get("offset", 0), int, "offset", what)
+        offset = body.get("offset")
+        offset = 0 if offset is None else _typed(offset, int, "offset", what)
         if key is None or byte_size is None:
             raise InvalidArgument("a register request needs 'key' and 'byte_size'")
         if byte_size < 0 or offset < 0 or byte_size >= 2**64 or offset >= 2**64:
@@ -227,9 +228,9 @@ class RestRoutes:
         return Reply(200)
 
     async def cuda_status(self, call: Call) -> Reply:
-        if call.params.get("r"):
-            raise InvalidArgument(f"Unable to find cuda shared memory region: '{call.params['r']}'")
-        return json_reply([])
+        request = pb.CudaSharedMemoryStatusRequest(name=call.params.get("r", ""))
+        response = await self.grpc.CudaSharedMemoryStatus(request, None)
+        return json_reply([message_dict(r) for r in response.regions.values()])
 
     async def cuda_register(self, call: Call) -> Reply:
         await self.grpc.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(), None)

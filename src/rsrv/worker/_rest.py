@@ -22,8 +22,9 @@ async def serve_rest(
     """Serve until cancelled; ``task_status.started(port)`` with the port bound once
     listening (``endpoints.http_port``; 0: a free one). The endpoint shares the gRPC
     port's address, restrictions, in-flight cap, message limit, receive timeout and TLS
-    files; a connection idle for ``endpoints.idle_connection_seconds`` is closed (0:
-    never)."""
+    files. A connection without a whole request for ``endpoints.idle_connection_seconds``
+    (0: never) is closed: one idle between requests, and one whose request headers do not
+    complete. No timeout applies while a request is being answered."""
     ep = worker.config.endpoints
     app = RestService(
         service,
@@ -40,8 +41,10 @@ async def serve_rest(
                 ep.host,
                 ep.http_port,
                 "rsrv.rest",
+                # hypercorn's idle timer runs until a request's headers are complete and
+                # again after each answer. Its read_timeout is not used: it would apply to
+                # every read, also while a long inference runs, and drop its answer.
                 keep_alive_timeout=idle,
-                read_timeout=max(idle, ep.receive_timeout_seconds),
                 tls=tls,
                 task_status=task_status,
             )
