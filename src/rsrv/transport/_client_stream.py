@@ -229,7 +229,12 @@ class ClientStream:
             await waiter.wait()
             if self.done:
                 raise CallEnded(f"the call has ended ({self.status})")
-        conn.flush()
+        if len(conn.streams) > 1:
+            # Other calls are in flight on this connection: what they send in this pass
+            # of the event loop goes out with this in one write, by the writer task.
+            conn.wake_writer()
+        else:
+            conn.flush()
 
     def end(self) -> None:
         """Half-close: tell the server no more messages follow (idempotent)."""
