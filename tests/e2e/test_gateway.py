@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 import tritonclient.grpc as tc
 import tritonclient.utils.shared_memory as shm
 from support.bundles import X, export_linear, matches, x_input
@@ -27,6 +28,9 @@ from support.clients import connect, raises_status
 from support.metrics import Scrape, get
 from support.serving import ServerProcess, rsrv_command
 from support.waiting import wait_until
+
+from rsrv.client import ControlClient
+from rsrv.transport import open_channel
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /dev/shm")
 
@@ -198,6 +202,73 @@ def test_clients_see_one_server(tmp_path, cache_dir, processes):
     metrics = Scrape(gateway.metrics_port)
     assert metrics.value("rsrv_gateway_worker_up", worker="w1") == 1
     assert metrics.total("rsrv_gateway_routed_requests", worker="w0", status="OK") >= 1
+
+
+def raw_unary(server: ServerProcess, path: str, body: bytes) -> tuple[str, str]:
+    """(status name, message) of one call carrying ``body`` as it is."""
+
+    async def call():
+        async with open_channel("127.0.0.1", server.port) as channel:
+            result = await channel.unary(path, body, timeout=30)
+        return result.status.name, result.message
+
+    return trio.run(call)
+
+
+def control_status(server: ServerProcess):
+    async def call():
+        async with ControlClient("127.0.0.1", server.port) as control:
+            return await control.status()
+
+    return trio.run(call)
+
+
+def test_what_the_gateway_merges_and_fans_out(tmp_path, cache_dir, processes):
+    """Statistics and control status summed as counters, identity fields kept (batch
+    sizes, residency); a trace-setting update made on every worker; unknown-model
+    requests refresh discovery at most once per refresh_min_seconds; malformed control
+    bodies are INVALID_ARGUMENT."""
+    export_linear(tmp_path / "repo" / "lin", seed=11)
+    workers = start_workers(tmp_path, cache_dir, 2)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+    with connect(gateway) as client:
+        for _ in range(4):
+            client.infer("lin", [x_input(X)])
+        executions: dict[int, int] = {}
+        for worker in workers:
+            with connect(worker) as direct:
+                for b in direct.get_inference_statistics("lin").model_stats[0].batch_stats:
+                    executions[b.batch_size] = executions.get(b.batch_size, 0) + (
+                        b.compute_infer.count
+                    )
+        merged = client.get_inference_statistics("lin").model_stats[0].batch_stats
+        assert {b.batch_size: b.compute_infer.count for b in merged} == executions
+
+        (direct_row,) = [m for m in control_status(workers[0]).models if m.name == "lin"]
+        (merged_row,) = [m for m in control_status(gateway).models if m.name == "lin"]
+        assert merged_row.residency == direct_row.residency
+        assert merged_row.rows_served == 4 * len(X)
+
+        client.update_trace_settings(settings={"trace_rate": "5"})
+        for worker in workers:
+            with connect(worker) as direct:
+                assert direct.get_trace_settings().settings["trace_rate"].value == ["5"]
+
+        rounds = Scrape(gateway.metrics_port).total("rsrv_gateway_discovery_rounds")
+        for _ in range(30):
+            with raises_status("NOT_FOUND", "unknown model: 'nope'"):
+                client.infer("nope", [x_input(X)])
+        more = Scrape(gateway.metrics_port).total("rsrv_gateway_discovery_rounds") - rounds
+        assert more <= 10, more  # one per request before the limit
+
+    for path in (
+        "/rsrv.control.v1.ControlService/SetModelPolicy",
+        "/rsrv.gateway.v1.GatewayControl/SetSchedulingPolicy",
+    ):
+        code, message = raw_unary(gateway, path, b"\xff\xff\xff")
+        assert code == "INVALID_ARGUMENT", (path, code, message)
 
 
 def test_a_worker_killed_under_load_loses_no_request(tmp_path, cache_dir, processes):

@@ -20,7 +20,7 @@ from rsrv.gateway._fill import INFLIGHT_WARNING, FillRouter, fill_quantum
 from rsrv.gateway._scheduling import Scheduling, fill_settings, packing_settings
 from rsrv.gateway._status import model_views, worker_views
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
-from rsrv.transport import Method, ServerCall
+from rsrv.transport import Method, ServerCall, request_decoder
 
 __all__ = ["GatewayControl"]
 
@@ -53,7 +53,7 @@ def _method(name: str, handler, request_type) -> Method:
     return Method(
         path=SERVICE + name,
         handler=handler,
-        decode=request_type.FromString,
+        decode=request_decoder(request_type),  # malformed: INVALID_ARGUMENT
         encode=lambda message: message.SerializeToString(),
     )
 

@@ -68,8 +68,17 @@ class Discovery:
             await self.round()
 
     def wake(self) -> None:
-        """Run the next round now (an operator's repack, a failed call)."""
+        """Run the next round now (an operator's repack, a worker found unreachable)."""
         self._wake.set()
+
+    def stale(self) -> None:
+        """A worker answered NOT_FOUND for a model the routes gave it: wake the next
+        round, at most once per ``refresh_min_seconds`` (a client asking for an unknown
+        model must not turn each request into a probe of the whole fleet)."""
+        now = trio.current_time()
+        if now - self._last_refresh >= self.settings.refresh_min_seconds:
+            self._last_refresh = now
+            self._wake.set()
 
     async def round(self) -> None:
         if self._running is not None:  # single flight: wait for the round under way
@@ -127,6 +136,10 @@ class Discovery:
                         IndexRow(m.name, m.version, m.state, m.reason)
                         for m in pb.RepositoryIndexResponse.FromString(answer).models
                     )
+                    # A worker is not ServerReady while it loads a model (strict
+                    # readiness); its READY models still serve, and control RPCs (the
+                    # next load) must still reach it.
+                    ready = ready or any(row.state == "LOADING" for row in index)
                 else:
                     ready = False
                 if ready and self.needs_control:

@@ -185,23 +185,24 @@ class Forwarder:
         answers with a status other than NOT_FOUND / UNAVAILABLE."""
         headers = forwarded_headers(metadata)
         last: CallResult | None = None
+        last_name = ""
         for name in order:
             worker = self.fleet.by_name[name]
             if not worker.ready and last is not None:
                 continue  # found down since routing: try it only if nothing else answered
-            if last is not None and on_failover is not None:
-                on_failover(name)  # the work in flight is now on this worker
+            if last is not None:
+                self.counters.count(self.counters.failovers, last_name, last.status)
+                if on_failover is not None:
+                    on_failover(name)  # the work in flight is now on this worker
             result = await self.call(worker, path, body, headers, deadline)
-            if result.status == StatusCode.OK and result.response is not None:
-                self.counters.count(self.counters.routed, name, result.status)
-                return result.response
             self.counters.count(self.counters.routed, name, result.status)
+            if result.status == StatusCode.OK and result.response is not None:
+                return result.response
             if result.status not in FAILOVER:
                 raise Relayed(result.status, result.message)
-            self.counters.count(self.counters.failovers, name, result.status)
             if result.status == StatusCode.NOT_FOUND:
-                self.discovery.wake()  # its index is stale
-            last = result
+                self.discovery.stale()  # its index may be stale
+            last, last_name = result, name
         if last is None:
             raise Unavailable("no worker is ready")
         raise Relayed(last.status, last.message)

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 
 import trio
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -98,7 +98,7 @@ class GatewayServices:
             "CudaSharedMemoryStatus": self.any_worker,
             "CudaSharedMemoryRegister": self.any_worker,
             "CudaSharedMemoryUnregister": self.any_worker,
-            "TraceSetting": self.any_worker,
+            "TraceSetting": self.trace_setting,
             "LogSettings": self.every_worker,
         }
         control: dict[str, Callable] = {
@@ -125,6 +125,17 @@ class GatewayServices:
         """Answered by one ready worker (failing over to the next)."""
         order = [w.name for w in self.forward.any_ready()]
         return await self.forward.try_in_order(call.path, body, call.metadata, call.deadline, order)
+
+    async def trace_setting(self, body: bytes, call: ServerCall) -> bytes:
+        """A read is one worker's answer; an update (settings given) is made on every
+        ready worker, as LogSettings, so that reads agree whichever worker answers."""
+        try:
+            update = bool(pb.TraceSettingRequest.FromString(body).settings)
+        except DecodeError as e:
+            raise InvalidArgument(f"cannot parse the request as TraceSettingRequest: {e}") from None
+        if update:
+            return await self.every_worker(body, call)
+        return await self.any_worker(body, call)
 
     async def every_worker(self, body: bytes, call: ServerCall) -> bytes:
         """Done on every ready worker; the first failure is the answer, else the first
@@ -312,7 +323,10 @@ class GatewayServices:
         return merged.SerializeToString()
 
     async def model_holders(self, body: bytes, call: ServerCall) -> bytes:
-        name, _ = peek_name(body)
+        try:
+            name, _ = peek_name(body)
+        except WireError as e:
+            raise InvalidArgument(f"malformed request: {e}") from None
         holders = self.fleet.holders(name)
         if not holders:
             raise NotFound(f"model {name!r} is not on any ready worker")
@@ -336,8 +350,21 @@ class GatewayServices:
 
 
 #: Fields that are not counters: kept from the first message, or the latest time.
+# Identity fields: the first worker's value stands (a number here is a label, a size or an
+# enum, not a counter).
 _KEEP = frozenset(
-    {"name", "version", "kind", "state", "batch_input_name", "batch_axis", "weight", "weight_bytes"}
+    {
+        "name",
+        "version",
+        "kind",
+        "state",
+        "batch_input_name",
+        "batch_axis",
+        "batch_size",
+        "weight",
+        "weight_bytes",
+        "residency",
+    }
 )
 _LATEST = frozenset({"last_inference"})
 _LARGEST = frozenset({"max_batch_size"})

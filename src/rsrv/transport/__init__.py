@@ -33,6 +33,7 @@ from rsrv.transport._server import (
     TransportLimits,
     default_status,
     methods_of,
+    request_decoder,
     server_tls_context,
 )
 
@@ -52,5 +53,6 @@ __all__ = [
     "grpc_timeout",
     "methods_of",
     "open_channel",
+    "request_decoder",
     "server_tls_context",
 ]

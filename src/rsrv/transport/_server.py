@@ -62,7 +62,7 @@ def methods_of(service: purerpc.Service) -> list[Method]:
             Method(
                 path=f"/{service.name}/{name}",
                 handler=bound.method_fn,
-                decode=_parser(sig.request_type),
+                decode=request_decoder(sig.request_type),
                 encode=sig.response_type.SerializeToString,
                 client_streaming=card in (Cardinality.STREAM_UNARY, Cardinality.STREAM_STREAM),
                 server_streaming=card in (Cardinality.UNARY_STREAM, Cardinality.STREAM_STREAM),
@@ -292,7 +292,7 @@ async def _requests(method: Method, call: ServerCall):
         yield method.decode(raw)
 
 
-def _parser(message_type) -> Callable[[bytes], Any]:
+def request_decoder(message_type) -> Callable[[bytes], Any]:
     """``message_type.FromString``, failing the call with INVALID_ARGUMENT."""
     parse = message_type.FromString
     name = message_type.DESCRIPTOR.full_name
