@@ -258,6 +258,15 @@ def run_node(tmp_path: Path, text: str, *args: str, env=None) -> subprocess.Comp
     )
 
 
+def test_an_invalid_gateway_file_stops_the_node_before_it_starts(tmp_path):
+    (tmp_path / "gateway.toml").write_text('[scheduling]\nmode = "lpt_packin"\n')
+    text = 'cpu_workers = 2\n[gateway]\nfile = "gateway.toml"\n'
+    result = run_node(tmp_path, text, "node")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()  # nothing started, nothing else logged
+    assert line.startswith("rsrv: ") and "lpt_packin" in line, line
+
+
 def test_two_workers_on_one_device_is_an_error_naming_them(tmp_path):
     text = """
 gpus = 2

@@ -31,6 +31,7 @@ from rsrv.config import (
     ConfigError,
     NodePlan,
     WorkerConfig,
+    load_gateway,
     load_node,
     plan_node,
 )
@@ -203,6 +204,12 @@ def node_main(node_file: str | None) -> int:
         node = load_node(node_file)
         plan = plan_node(node, os.environ, source=None if node_file is None else Path(node_file))
         check_node_ports(plan)
+        env = dict(os.environ)
+        specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
+        if plan.gateway:
+            gateway = gateway_spec(plan, env)
+            load_gateway(plan.gateway_file, gateway.env)  # its checks, before anything starts
+            specs.append(gateway)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
@@ -210,10 +217,6 @@ def node_main(node_file: str | None) -> int:
     configure_logging("node", logging_config.level, logging_config.format)
     if plan.device_source:
         log.info("devices: %s (from %s)", ", ".join(plan.devices) or "none", plan.device_source)
-    env = dict(os.environ)
-    specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
-    if plan.gateway:
-        specs.append(gateway_spec(plan, env))
     for spec in specs:
         log.info(
             "%s %s: port %d%s",
