@@ -95,16 +95,20 @@ def start_gateway(root: Path, workers: list, scheduling: str = "") -> ServerProc
     def every_worker_ready():
         assert gateway.process.poll() is None, "\n".join(gateway.stderr[-30:])
         try:
-            status, _, body = get(gateway.metrics_port, "/healthz")
+            return ready_workers(gateway) == names
         except OSError:
             return False
-        return (
-            status == 200
-            and {w["name"] for w in json.loads(body)["workers"] if w["ready"]} == names
-        )
 
     wait_until(every_worker_ready, 60, "the gateway to see every worker", interval=0.1)
     return gateway
+
+
+def ready_workers(gateway: ServerProcess) -> set[str]:
+    """The workers the gateway's last probe found ready (its /healthz)."""
+    status, _, body = get(gateway.metrics_port, "/healthz")
+    if status != 200:
+        return set()
+    return {w["name"] for w in json.loads(body)["workers"] if w["ready"]}
 
 
 @pytest.fixture
@@ -269,6 +273,40 @@ def test_what_the_gateway_merges_and_fans_out(tmp_path, cache_dir, processes):
     ):
         code, message = raw_unary(gateway, path, b"\xff\xff\xff")
         assert code == "INVALID_ARGUMENT", (path, code, message)
+
+
+def test_shared_memory_changes_reach_a_worker_that_was_away(tmp_path, cache_dir, processes):
+    """A region unregistered through the gateway while a worker was unresponsive
+    (SIGSTOP) is unregistered there too once it is back; one registered meanwhile is
+    registered there."""
+    export_linear(tmp_path / "repo" / "lin", seed=11)
+    workers = start_workers(tmp_path, cache_dir, 2)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+    key = f"/rsrv_gw_away_{os.getpid()}"
+    region = shm.create_shared_memory_region("away", key, 64)
+
+    def regions_of(worker) -> set[str]:
+        with connect(worker) as direct:
+            return set(direct.get_system_shared_memory_status(as_json=True).get("regions", {}))
+
+    try:
+        with connect(gateway) as client:
+            client.register_system_shared_memory("old", key, 64)
+            os.kill(workers[1].process.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: ready_workers(gateway) == {"w0"}, 30, "w1 to be found away")
+                client.unregister_system_shared_memory("old")
+                client.register_system_shared_memory("new", key, 32)
+            finally:
+                os.kill(workers[1].process.pid, signal.SIGCONT)
+            wait_until(lambda: ready_workers(gateway) == {"w0", "w1"}, 30, "w1 to be back")
+            wait_until(lambda: regions_of(workers[1]) == {"new"}, 30, "w1's regions replayed")
+            assert regions_of(workers[0]) == {"new"}
+            client.unregister_system_shared_memory()
+    finally:
+        shm.destroy_shared_memory_region(region)
 
 
 def test_a_worker_killed_under_load_loses_no_request(tmp_path, cache_dir, processes):

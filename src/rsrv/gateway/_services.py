@@ -78,6 +78,7 @@ class GatewayServices:
         self.forward = forwarder
         self.max_requests_per_stream = max_requests_per_stream
         self.regions: dict[str, bytes] = {}  # shared-memory registrations, to replay
+        self.dropped: set[str] = set()  # regions unregistered through the gateway since
 
     def methods(self) -> list[Method]:
         unary: dict[str, Callable] = {
@@ -269,6 +270,7 @@ class GatewayServices:
                 )
             raise failure
         self.regions[request.name] = body
+        self.dropped.discard(request.name)
         return pb.SystemSharedMemoryRegisterResponse().SerializeToString()
 
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
@@ -277,26 +279,67 @@ class GatewayServices:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         if request.name:
             self.regions.pop(request.name, None)
+            self.dropped.add(request.name)
         else:
+            self.dropped.update(self.regions)
             self.regions.clear()
         if (failure := first_failure(results)) is not None:
             raise failure
         return pb.SystemSharedMemoryUnregisterResponse().SerializeToString()
 
     async def replay_regions(self, workers: list[WorkerLink]) -> None:
-        """Register every region the gateway holds on ``workers`` (newly ready)."""
-        for name, body in list(self.regions.items()):
-            results = await self.forward.fan_out(
-                INFERENCE + "SystemSharedMemoryRegister", body, workers=workers
+        """Bring the shared-memory regions of ``workers`` (newly ready) in line with the
+        gateway's: a region unregistered through the gateway (perhaps while the worker
+        was away), or registered there otherwise than the gateway holds it, is
+        unregistered; one the gateway holds and the worker lacks is registered. Regions
+        registered on the worker directly are left alone."""
+        for worker in workers:
+            await self._replay_on(worker)
+
+    async def _replay_on(self, worker: WorkerLink) -> None:
+        status = await self.forward.fan_out(
+            INFERENCE + "SystemSharedMemoryStatus",
+            pb.SystemSharedMemoryStatusRequest().SerializeToString(),
+            workers=[worker],
+        )
+        answer = status[worker.name]
+        if answer.status != StatusCode.OK or answer.response is None:
+            log.warning(
+                "could not read the shared memory regions of %s: %s", worker.name, answer.message
             )
-            for worker, result in results.items():
-                if result.status not in (StatusCode.OK, StatusCode.ALREADY_EXISTS):
-                    log.warning(
-                        "could not register shared memory region %r on %s: %s",
-                        name,
-                        worker,
-                        result.message,
-                    )
+            return
+        held = pb.SystemSharedMemoryStatusResponse.FromString(answer.response).regions
+        wanted = {
+            name: pb.SystemSharedMemoryRegisterRequest.FromString(body)
+            for name, body in self.regions.items()
+        }
+        for name, region in held.items():
+            want = wanted.get(name)
+            if want is not None and (want.key, want.offset, want.byte_size) == (
+                region.key,
+                region.offset,
+                region.byte_size,
+            ):
+                del wanted[name]  # already as the gateway holds it
+                continue
+            if want is None and name not in self.dropped:
+                continue  # not the gateway's
+            undo = pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString()
+            await self._on_worker(worker, "SystemSharedMemoryUnregister", undo, name)
+        for name in wanted:
+            await self._on_worker(worker, "SystemSharedMemoryRegister", self.regions[name], name)
+
+    async def _on_worker(self, worker: WorkerLink, method: str, body: bytes, name: str) -> None:
+        results = await self.forward.fan_out(INFERENCE + method, body, workers=[worker])
+        result = results[worker.name]
+        if result.status != StatusCode.OK:
+            log.warning(
+                "%s of shared memory region %r on %s failed: %s",
+                method,
+                name,
+                worker.name,
+                result.message,
+            )
 
     # -- control service ----------------------------------------------------------------------
 
