@@ -3,7 +3,8 @@ service from the command line.
 
 Each subcommand makes one call to ``--address`` (default 127.0.0.1:8001) and prints
 the answer; exit status 0 on success, 1 when the gateway refused (its status and
-message are printed), 2 when it cannot be reached.
+message are printed), 2 when it cannot be reached or the command line is malformed (a
+bad address, a value of the wrong type).
 """
 
 from __future__ import annotations
@@ -87,19 +88,19 @@ def _typed(message, key: str, value: str):
     return value
 
 
-async def _call(address: str, method: str, request, response_type):
-    host, port = split_address(address)
+async def _call(host: str, port: int, method: str, request, response_type):
     async with open_channel(host, port) as channel:
         return await channel.unary(SERVICE + method, request.SerializeToString(), timeout=130)
 
 
 def ctl_main(command: str, args: list[str], options: argparse.Namespace) -> int:
     try:
+        host, port = split_address(options.address)
         method, request, response_type = _request(command, args, options)
     except ValueError as e:
         print(f"rsrv gateway {command}: {e}", file=sys.stderr)
         return 2
-    result = trio.run(_call, options.address, method, request, response_type)
+    result = trio.run(_call, host, port, method, request, response_type)
     if result.status != StatusCode.OK:
         print(f"rsrv gateway {command}: {result.status.name}: {result.message}", file=sys.stderr)
         return 2 if not result.reached_server else 1
