@@ -78,7 +78,10 @@ class Gateway:
             headers=config.worker_client.headers.items(),
         )
         grpc = config.grpc
-        self.admission = Admission(grpc.max_concurrent_requests_per_worker * len(workers))
+        self.admission = Admission(
+            grpc.max_concurrent_requests_per_worker * len(workers),
+            "grpc.max_concurrent_requests_per_worker x workers",
+        )
         self.services = GatewayServices(
             self.fleet, self.forwarder, self.admission, grpc.max_requests_per_stream
         )

@@ -94,10 +94,11 @@ class Restriction:
 
 
 class Admission:
-    """The in-flight cap (``endpoints.max_concurrent_requests``; 0 = uncapped)."""
+    """The in-flight cap (0 = uncapped); ``setting`` names it in the refusal."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, setting: str = "endpoints.max_concurrent_requests"):
         self.limit = limit
+        self.setting = setting
         self.inflight = 0
         self.shed = 0
         self.closed = False
@@ -115,8 +116,7 @@ class Admission:
         if self.limit and self.inflight >= self.limit:
             self.shed += 1
             raise ResourceExhausted(
-                f"server is at its in-flight limit of {self.limit} "
-                "requests (endpoints.max_concurrent_requests)"
+                f"server is at its in-flight limit of {self.limit} requests ({self.setting})"
             )
         self.inflight += 1
 
