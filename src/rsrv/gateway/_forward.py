@@ -235,7 +235,13 @@ class Forwarder:
 
 
 def first_failure(results: Mapping[str, CallResult]) -> Relayed | None:
-    """The first worker's failure (by name order) as the client will see it."""
+    """The first worker's failure (by name order) as the client will see it: named by
+    worker, unless every worker failed alike (then as one worker would say it)."""
+    answers = {(r.status, r.message) for r in results.values()}
+    if len(answers) == 1:
+        ((status, message),) = answers
+        if status != StatusCode.OK:
+            return Relayed(status, message)
     for name in sorted(results):
         result = results[name]
         if result.status != StatusCode.OK:
