@@ -9,6 +9,7 @@ old table or the new one, never half of each.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any, Protocol
 from purerpc.grpclib.status import StatusCode
 
 __all__ = ["CallResult", "Fleet", "IndexRow", "WorkerChannel", "WorkerLink", "is_local_host"]
+
+log = logging.getLogger("rsrv.gateway")
 
 
 class CallResult(Protocol):
@@ -143,6 +146,7 @@ class Fleet:
         """A call found ``worker`` unreachable: it gets no traffic until a probe
         answers again."""
         if worker.ready:
+            log.warning("worker %s (%s) is unreachable", worker.name, worker.address)
             worker.ready = False
             self.rebuild_routes()
 
