@@ -18,11 +18,22 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rsrv.asgi import PROMETHEUS, Response, admin_app, json_response, serve_http
+from rsrv.config import NodePlan
 
 if TYPE_CHECKING:
     from rsrv.node._supervisor import Supervisor
 
 __all__ = ["health", "serve_node_admin"]
+
+
+def public_port(plan: NodePlan) -> int | None:
+    """The port clients of the node connect to: the gateway's, or a one-worker node's
+    worker's; None when there is no single front door (workers without a gateway)."""
+    if plan.gateway:
+        return plan.port
+    if len(plan.workers) == 1:
+        return plan.workers[0].endpoints.port
+    return None
 
 
 def health(supervisor: Supervisor) -> dict:
@@ -33,7 +44,7 @@ def health(supervisor: Supervisor) -> dict:
         "ready": supervisor.ready,
         "stopping": supervisor.stopping,
         "uptime_seconds": round(now - supervisor.started_at, 3),
-        "port": supervisor.plan.port,
+        "port": public_port(supervisor.plan),
         "devices": supervisor.plan.devices,
         "children": [
             {

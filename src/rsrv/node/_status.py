@@ -32,10 +32,8 @@ def status_main(node_file: str | None, timeout: float = 5.0) -> int:
         print(f"rsrv: no node answers at {url}: {reason}", file=sys.stderr)
         return 2
     state = "stopping" if report["stopping"] else "ready" if report["ready"] else "not ready"
-    print(
-        f"node pid {report['pid']}: {state}, public port {report['port']}, "
-        f"up {report['uptime_seconds']:.0f} s"
-    )
+    front = f"public port {report['port']}" if report["port"] else "no gateway"
+    print(f"node pid {report['pid']}: {state}, {front}, up {report['uptime_seconds']:.0f} s")
     rows = [("NAME", "KIND", "STATE", "READY", "PID", "PORT", "DEVICE", "RESTARTS", "LAST EXIT")]
     for c in report["children"]:
         rows.append(

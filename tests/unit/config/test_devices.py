@@ -142,6 +142,12 @@ def test_base_port_fixes_every_workers_port_whatever_the_node_size(tmp_path):
     assert plan(tmp_path, "base_port: 9000\n").port == 9000  # a one-worker node's front door
 
 
+def test_the_gateway_runs_in_front_of_two_or_more_workers_unless_disabled(tmp_path):
+    assert not plan(tmp_path, "cpu_workers: 1\n").gateway
+    assert plan(tmp_path, "cpu_workers: 2\n").gateway
+    assert not plan(tmp_path, "cpu_workers: 2\ngateway:\n  enabled: false\n").gateway
+
+
 def test_cpu_workers_from_the_file_and_the_environment(tmp_path):
     assert [w.name for w in plan(tmp_path, "cpu_workers: 2\n").workers] == ["worker0", "worker1"]
     got = plan(tmp_path, "", {"INFERENCE_SERVER_CPU_WORKERS": "3"})

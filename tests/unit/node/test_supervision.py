@@ -12,8 +12,9 @@ import sys
 import pytest
 import trio
 
-from rsrv.config import SupervisorConfig
+from rsrv.config import SupervisorConfig, load_node, plan_node
 from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
+from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
 from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
 
@@ -143,3 +144,24 @@ async def test_the_link_reports_status_and_notices_the_supervisor_go(monkeypatch
 def test_outside_a_supervisor_the_link_does_nothing(monkeypatch):
     monkeypatch.delenv(LINK_FD_VARIABLE, raising=False)
     trio.run(SupervisorLink(lambda: pytest.fail("polled")).run)
+
+
+@pytest.mark.parametrize(
+    ("yaml", "front"),
+    [
+        ("cpu_workers: 1\n", "worker"),
+        ("cpu_workers: 2\n", "gateway"),
+        ("cpu_workers: 2\ngateway:\n  enabled: false\n", None),
+    ],
+)
+def test_the_public_port_is_the_front_door(tmp_path, yaml, front):
+    """/healthz's ``port``: the gateway's, a one-worker node's worker's, or none."""
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml)
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    expected = {
+        "worker": node_plan.workers[0].endpoints.port,
+        "gateway": node_plan.port,
+        None: None,
+    }[front]
+    assert public_port(node_plan) == expected
