@@ -11,6 +11,7 @@ import pytest
 from support import BUNDLES, ROOT
 from support.bundles import tiny
 from support.clients import connect
+from support.rest import with_http
 from support.serving import running, worker_config
 
 
@@ -55,9 +56,18 @@ def worker_settings() -> dict:
 
 
 @pytest.fixture(scope="module")
-def worker(repo, cache_dir, worker_settings):
-    """A real worker serving the test module's ``repo`` fixture on a loopback port."""
-    with running(worker_config(repo, cache_dir, **worker_settings)) as w:
+def worker_http() -> bool:
+    """Whether ``worker`` serves the KServe V2 REST endpoint too (a module may override
+    this)."""
+    return False
+
+
+@pytest.fixture(scope="module")
+def worker(repo, cache_dir, worker_settings, worker_http):
+    """A real worker serving the test module's ``repo`` fixture on a loopback port (and
+    on a REST port when ``worker_http``)."""
+    config = worker_config(repo, cache_dir, **worker_settings)
+    with running(with_http(config) if worker_http else config) as w:
         yield w
 
 

@@ -46,9 +46,8 @@ def repo(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker(repo, cache_dir):
-    with running(with_http(worker_config(repo, cache_dir))) as w:
-        yield w
+def worker_http() -> bool:
+    return True
 
 
 @pytest.fixture
