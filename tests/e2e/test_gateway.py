@@ -3,9 +3,10 @@
 Clients see one server: unary, async, streaming and shared-memory inference, metadata,
 the repository index and statistics summed over the workers; a worker's status reaches
 the client unchanged; a worker killed under load loses no request (those it held fail
-over); under lpt_packing a model is placed on its replicas, requests are routed in runs,
-and the placement is steered live (how much more fill routing coalesces than round robin
-is a measurement: `just bench` figure 9b).
+over); under lpt_packing a model is placed on its replicas, requests are routed in runs
+that fill batches more than round robin does (asserted with a margin; the ratio itself is
+`just bench` figure 9b), and the placement is steered live; merged answers keep identity
+fields; shared memory catches up on a worker that was away.
 """
 
 from __future__ import annotations
