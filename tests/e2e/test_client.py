@@ -4,7 +4,6 @@ statuses, deadlines, and retries a call until a late server starts."""
 
 from __future__ import annotations
 
-import shutil
 import uuid
 
 import numpy as np
@@ -12,8 +11,7 @@ import pytest
 import trio
 import tritonclient.grpc as grpcclient
 from purerpc.grpclib.status import StatusCode
-from support import BUNDLES
-from support.bundles import make_repo
+from support.bundles import EXAMPLES, make_repo
 from support.clients import connect, infer_input
 from support.echo import FAIL, echo_server, wait_for
 from support.serving import ServerProcess, free_port, held_device
@@ -30,16 +28,12 @@ from rsrv.client import (
 from rsrv.client._rpc import call_unary
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
-EXAMPLES = ["classifier", "severity_grader", "region_scorer", "patch_classifier", "region_pipeline"]
 MODELS = [*EXAMPLES, "simple", "simple_string"]
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    root = make_repo(tmp_path_factory.mktemp("client") / "repo", "simple", "simple_string")
-    for name in EXAMPLES:
-        shutil.copytree(BUNDLES / name, root / name)
-    return root
+    return make_repo(tmp_path_factory.mktemp("client") / "repo", *MODELS)
 
 
 def client_of(worker, **kwargs) -> InferenceClient:

@@ -24,8 +24,8 @@ import pytest
 import trio
 import tritonclient.grpc as tc
 import tritonclient.utils.shared_memory as shm
-from support.bundles import X, export_linear, matches, x_input
-from support.clients import connect, raises_status
+from support.bundles import X, export_linear, make_repo, matches, x_input
+from support.clients import connect, control, index, model_status, raises_status
 from support.metrics import Scrape, get
 from support.serving import ServerProcess, rsrv_command
 from support.waiting import wait_until
@@ -274,6 +274,30 @@ def test_what_the_gateway_merges_and_fans_out(tmp_path, cache_dir, processes):
     ):
         code, message = raw_unary(gateway, path, b"\xff\xff\xff")
         assert code == "INVALID_ARGUMENT", (path, code, message)
+
+
+def test_a_meta_models_sub_models_are_served_through_the_gateway(tmp_path, cache_dir, processes):
+    """A meta's sub-models are out of every worker's RepositoryIndex (specs/meta.md §5) but
+    callable by name: through the gateway they are routed over every worker that has them,
+    and the control RPCs reach them."""
+    make_repo(tmp_path / "repo", "region_pipeline", "region_scorer", "patch_classifier")
+    workers = start_workers(tmp_path, cache_dir, 2)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+    image = np.random.default_rng(5).random((1, 64, 64), dtype=np.float32)
+    with connect(gateway) as client:
+        listed = index(client)
+        assert "region_pipeline" in listed and "region_scorer" not in listed
+        assert client.is_model_ready("region_scorer")
+        scores = tc.InferInput("image", list(image.shape), "FP32")
+        scores.set_data_from_numpy(image)
+        for _ in range(4):
+            assert client.infer("region_scorer", [scores]).as_numpy("scores").shape == (1, 16)
+    served = [model_status(w, "region_scorer").requests_served for w in workers]
+    assert served == [2, 2], served  # round robin over both, not one fallback worker
+    assert control(gateway, "set_policy", "region_scorer", weight=3.0) == 3.0
+    assert [model_status(w, "region_scorer").weight for w in workers] == [3.0, 3.0]
 
 
 def test_shared_memory_changes_reach_a_worker_that_was_away(tmp_path, cache_dir, processes):

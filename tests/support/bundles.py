@@ -47,7 +47,7 @@ from rsrv.bundle._safetensors import ORDER_KEY
 from support import BUNDLES
 from support.clients import infer_input
 
-EXAMPLES = ("classifier", "severity_grader")
+EXAMPLES = ("classifier", "severity_grader", "region_scorer", "patch_classifier", "region_pipeline")
 GENERATED = ("simple", "simple_string", "slow", "unbatched", "image")
 
 SIMPLE_STRING_MODEL_PY = '''\

@@ -81,13 +81,13 @@ def status_of(call: Callable[[], object]) -> str:
 # -- the control service -------------------------------------------------------------------------
 
 
-def control(worker, method: str, *args):
-    """``await ControlClient(...).<method>(*args)`` on ``worker``, from synchronous test
-    code (a trio loop of the calling thread's own)."""
+def control(worker, method: str, *args, **kwargs):
+    """``await ControlClient(...).<method>(*args, **kwargs)`` on ``worker``, from
+    synchronous test code (a trio loop of the calling thread's own)."""
 
     async def call():
         async with ControlClient("127.0.0.1", worker.port) as client:
-            return await getattr(client, method)(*args)
+            return await getattr(client, method)(*args, **kwargs)
 
     return trio.run(call)
 

@@ -1,8 +1,10 @@
 """Discovery: which worker is up and what it serves, learnt by probing on an interval.
 
 Each round asks every worker, concurrently and each within ``probe_timeout_seconds``,
-for ServerReady and RepositoryIndex (and ModelControlStatus when the scheduling mode
-reads it), then swaps the new routes in. A worker that does not answer gets no traffic
+for ServerReady, RepositoryIndex and ModelControlStatus, then swaps the new routes in.
+ModelControlStatus lists every model the worker serves, the sub-models a meta calls too
+(RepositoryIndex leaves them out); a worker without the control service (UNIMPLEMENTED)
+is routed by its index alone. A worker that does not answer gets no traffic
 from that round on, and gets it back at the first round it answers. A request for a
 model no worker is known to serve triggers one refresh (single-flight, at most one per
 ``refresh_min_seconds``) before it is refused.
@@ -29,26 +31,25 @@ SERVER_READY = "/inference.GRPCInferenceService/ServerReady"
 REPOSITORY_INDEX = "/inference.GRPCInferenceService/RepositoryIndex"
 CONTROL_STATUS = "/rsrv.control.v1.ControlService/ModelControlStatus"
 _EMPTY = b""
+# Not worth a warning: a worker going away, or one without the control service.
+_QUIET = frozenset({StatusCode.UNAVAILABLE, StatusCode.UNIMPLEMENTED})
 
 
 class Discovery:
     """Keeps ``fleet`` current. ``before_round()`` runs first in every round (the
-    fleet's membership, from DNS); ``on_round()`` after it (the scheduler's tick);
-    ``needs_control`` asks each ready worker for ModelControlStatus too."""
+    fleet's membership, from DNS); ``on_round()`` after it (the scheduler's tick)."""
 
     def __init__(
         self,
         fleet: Fleet,
         config: GatewayConfig,
         *,
-        needs_control: bool,
         on_round: Callable[[], None] = lambda: None,
         before_round: Callable[[], Awaitable[None]] | None = None,
     ):
         self.fleet = fleet
         self.settings = config.discovery
         self.headers: Iterable[tuple[str, str]] = tuple(config.worker_client.headers.items())
-        self.needs_control = needs_control
         self.on_round = on_round
         self.before_round = before_round
         self.rounds = 0
@@ -111,7 +112,7 @@ class Discovery:
         timeout = self.settings.probe_timeout_seconds
         result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
         if result.status != StatusCode.OK or result.response is None:
-            if result.status != StatusCode.UNAVAILABLE:
+            if result.status not in _QUIET:
                 log.warning(
                     "worker %s answered %s to %s: %s",
                     worker.name,
@@ -142,10 +143,13 @@ class Discovery:
                     ready = ready or any(row.state == "LOADING" for row in index)
                 else:
                     ready = False
-                if ready and self.needs_control:
+                if ready:
                     answer = await self._call(worker, CONTROL_STATUS)
-                    if answer is not None:
-                        control = control_pb.ModelControlStatusResponse.FromString(answer)
+                    control = (
+                        None
+                        if answer is None
+                        else control_pb.ModelControlStatusResponse.FromString(answer)
+                    )
         worker.probe_failures = 0 if ready else worker.probe_failures + 1
         worker.ready, worker.index, worker.control = ready, index, control
         if ready != was_ready:

@@ -82,7 +82,7 @@ class WorkerLink:
 
     ``ready``: its last probe answered ServerReady true, and no call has since found it
     unreachable. ``index``: its last RepositoryIndex. ``control``: its last
-    ModelControlStatus (a protobuf message), when the scheduling mode reads it.
+    ModelControlStatus (a protobuf message), None when it has no control service.
     """
 
     name: str
@@ -102,8 +102,18 @@ class WorkerLink:
 
     @property
     def serving(self) -> frozenset[str]:
-        """Models READY on this worker (any version)."""
-        return frozenset(row.name for row in self.index if row.state == "READY")
+        """Models READY on this worker (any version): its index's, and the sub-models of
+        its metas, which only its ModelControlStatus lists."""
+        ready = {row.name for row in self.index if row.state == "READY"}
+        if self.control is not None:
+            ready.update(m.name for m in self.control.models if m.state == "READY")
+        return frozenset(ready)
+
+    def knows(self, model: str) -> bool:
+        """Whether ``model`` is on this worker in any state (index or control status)."""
+        return any(row.name == model for row in self.index) or (
+            self.control is not None and any(m.name == model for m in self.control.models)
+        )
 
 
 @dataclass
@@ -151,6 +161,6 @@ class Fleet:
             self.rebuild_routes()
 
     def holders(self, model: str) -> list[WorkerLink]:
-        """Ready workers where ``model`` is in the index in any state (for control
-        calls that act on a model that is loading or unavailable too)."""
-        return [w for w in self.workers if w.ready and any(r.name == model for r in w.index)]
+        """Ready workers that have ``model`` in any state (for control calls that act on a
+        model that is loading or unavailable too, or on a meta's sub-model)."""
+        return [w for w in self.workers if w.ready and w.knows(model)]
