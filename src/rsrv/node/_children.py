@@ -48,7 +48,8 @@ class ChildSpec:
 
 class ChildState(enum.Enum):
     STARTING = "starting"  # started, not serving yet
-    SERVING = "serving"
+    SERVING = "serving"  # ready
+    NOT_READY = "not_ready"  # has served, not ready now (loading in explicit mode, draining)
     BACKOFF = "backoff"  # exited; waiting to be restarted
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -91,6 +92,7 @@ class Child:
     started_at: float = 0.0
     _stop: trio.Event = field(default_factory=trio.Event)
     _process: trio.Process | None = None
+    _incarnation: trio.Event | None = None  # set once the process being started has exited
 
     @property
     def name(self) -> str:
@@ -139,7 +141,16 @@ class Child:
         self.on_give_up(reason)
 
     async def _run_once(self) -> int:
-        """One incarnation: start, forward output and status, wait for the exit."""
+        """One incarnation: start, forward output and status, wait for the exit; stop it
+        (SIGTERM, then SIGKILL after the grace period) once :meth:`stop` is called."""
+        self._incarnation = exited = trio.Event()
+        try:
+            return await self._start_and_wait()
+        finally:
+            self._incarnation = None
+            exited.set()
+
+    async def _start_and_wait(self) -> int:
         link, child_end = socket.socketpair()
         env = {**self.spec.env, LINK_FD_VARIABLE: str(child_end.fileno())}
         try:
@@ -167,7 +178,10 @@ class Child:
                 nursery.start_soon(forward_lines, self.name, process.stdout, 1)
                 nursery.start_soon(forward_lines, self.name, process.stderr, 2)
                 nursery.start_soon(self._follow_status, link)
-                await process.wait()
+                async with trio.open_nursery() as waiting:
+                    waiting.start_soon(self._terminate_once_stopped, process)
+                    await process.wait()
+                    waiting.cancel_scope.cancel()
                 # Output still in the pipes is forwarded; a descendant holding them
                 # open does not hold the supervisor up for long.
                 nursery.cancel_scope.deadline = trio.current_time() + 2.0
@@ -183,21 +197,8 @@ class Child:
         log_exit("%s exited (%s) after %.1f s", self.name, self.last_exit, uptime)
         return process.returncode
 
-    async def _follow_status(self, link: socket.socket) -> None:
-        async with trio.SocketStream(trio.socket.from_stdlib_socket(link)) as stream:
-            async for status in read_status(stream):
-                self.ready = status.ready
-                if status.ready and self.state is ChildState.STARTING:
-                    self.state = ChildState.SERVING
-                    log.info("%s is serving on port %s", self.name, status.port)
-
-    async def stop(self) -> None:
-        """Stop for good: SIGTERM (the child's graceful shutdown), then SIGKILL once
-        ``spec.grace`` has passed. Returns when the process is gone."""
-        self._stop.set()
-        process = self._process
-        if process is None or process.returncode is not None:
-            return
+    async def _terminate_once_stopped(self, process: trio.Process) -> None:
+        await self._stop.wait()
         self.state = ChildState.STOPPING
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.spec.grace):
@@ -206,4 +207,25 @@ class Child:
         log.warning("%s still running %.1f s after SIGTERM: killing it", self.name, self.spec.grace)
         self.killed = True
         process.kill()
-        await process.wait()
+
+    async def _follow_status(self, link: socket.socket) -> None:
+        async with trio.SocketStream(trio.socket.from_stdlib_socket(link)) as stream:
+            async for status in read_status(stream):
+                self.ready = status.ready
+                if self.state is ChildState.STOPPING:
+                    continue
+                if status.ready:
+                    if self.state is ChildState.STARTING:
+                        log.info("%s is serving on port %s", self.name, status.port)
+                    self.state = ChildState.SERVING
+                elif self.state is ChildState.SERVING:
+                    self.state = ChildState.NOT_READY
+
+    async def stop(self) -> None:
+        """Stop for good: SIGTERM (the child's graceful shutdown), then SIGKILL once
+        ``spec.grace`` has passed. Returns when the process is gone, a process that was
+        being started when this was called included; a child waiting to be restarted is
+        not restarted."""
+        self._stop.set()
+        if self._incarnation is not None:
+            await self._incarnation.wait()

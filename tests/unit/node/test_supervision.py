@@ -1,5 +1,6 @@
-"""The supervisor's parts on their own: output tagging, the restart policy with real
-short-lived child processes, and the supervisor link between two ends of a socket."""
+"""The supervisor's parts on their own: output tagging, the restart policy and stopping
+with real short-lived child processes, a child's state following its readiness, and the
+supervisor link between two ends of a socket."""
 
 from __future__ import annotations
 
@@ -113,6 +114,59 @@ async def test_stop_escalates_to_sigkill_after_the_grace_period():
             await trio.sleep(0.5)  # the child has installed its handler
             await c.stop()
     assert c.killed and c.last_exit == "signal SIGKILL" and c.state is ChildState.STOPPED
+
+
+async def test_stop_during_a_start_waits_for_that_process():
+    """stop() called while the process is being started (Popen runs in a thread) stops
+    that process too, and returns only once it is gone."""
+    c = child("import time; time.sleep(60)", SupervisorConfig(), [])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        await trio.testing.wait_all_tasks_blocked()  # run() is inside open_process
+        assert c.pid is None
+        with trio.fail_after(30):
+            await c.stop()
+        assert c.pid is not None and not c.alive and c.last_exit == "signal SIGTERM"
+    assert c.state is ChildState.STOPPED and not c.killed
+
+
+BLINKING_CHILD = """
+import trio
+from rsrv.lifeline import ChildStatus, SupervisorLink
+
+ready = True
+
+
+async def main():
+    global ready
+    link = SupervisorLink(lambda: ChildStatus(ready=ready, port=1), interval=0.01)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        await trio.sleep({serving})
+        ready = False
+        await trio.sleep(60)
+
+
+trio.run(main)
+"""
+
+
+async def test_the_state_follows_readiness():
+    """starting -> serving when the child reports ready -> not ready when it stops being
+    ready -> stopping -> stopped."""
+    c = child(BLINKING_CHILD.format(serving=1.0), SupervisorConfig(), [])
+    seen = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        with trio.fail_after(30):
+            while c.state is not ChildState.NOT_READY:
+                if not seen or seen[-1] is not c.state:
+                    seen.append(c.state)
+                await trio.sleep(0.005)
+            assert not c.ready
+            await c.stop()
+    assert seen == [ChildState.STARTING, ChildState.SERVING]
+    assert c.state is ChildState.STOPPED
 
 
 async def test_the_link_reports_status_and_notices_the_supervisor_go(monkeypatch):
