@@ -11,14 +11,17 @@ import sys
 __all__ = ["configure_logging"]
 
 
-def configure_logging(name: str, level: str, format: str) -> None:
-    """Send every log record to stderr, as ``format`` (``text`` or ``json``) says."""
+def configure_logging(name: str, level: str, format: str, *, tag: bool = True) -> None:
+    """Send every log record to stderr, as ``format`` (``text`` or ``json``) says.
+    ``tag=False`` leaves ``[name]`` out of text lines, for a process whose supervisor
+    puts it at the start of each line."""
     handler = logging.StreamHandler(sys.stderr)
     if format == "json":
         handler.setFormatter(_JsonFormatter(name))
     else:
+        named = f"[{name}] " if tag else ""
         handler.setFormatter(
-            logging.Formatter(f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s")
+            logging.Formatter(f"%(asctime)s %(levelname)s {named}%(name)s: %(message)s")
         )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -144,8 +144,11 @@ def test_two_cpu_workers_each_answer_on_their_own_port(tmp_path, node):
         str(children["worker1"]["pid"]),
         str(ports[1]),
     ]
-    # Every worker's lines reach the node's stderr, tagged with its name.
-    assert any(line.startswith("[worker1] ") and "gRPC listening" in line for line in n.stderr)
+    # Every worker's lines reach the node's stderr, tagged with its name, once.
+    (listening,) = [
+        line for line in n.stderr if line.startswith("[worker1] ") and "gRPC listening" in line
+    ]
+    assert listening.count("[worker1]") == 1, listening
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(tmp_path, node):

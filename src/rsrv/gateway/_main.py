@@ -13,7 +13,7 @@ import msgspec
 
 from rsrv.config import ConfigError, load_gateway
 from rsrv.gateway._gateway import Gateway
-from rsrv.lifeline import ChildStatus, serve_process
+from rsrv.lifeline import ChildStatus, serve_process, supervised
 from rsrv.logsetup import configure_logging
 
 __all__ = ["gateway_main"]
@@ -28,7 +28,7 @@ def gateway_main(gateway_file: str | None) -> int:
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    configure_logging("gateway", config.logging.level, config.logging.format)
+    configure_logging("gateway", config.logging.level, config.logging.format, tag=not supervised())
     log.info("effective configuration: %s", msgspec.json.encode(config).decode())
     gateway = Gateway(config)
     return serve_process(

@@ -2,7 +2,13 @@
 to the ``rsrv node`` supervisor that started it: status reports up, and a graceful stop
 when the supervisor dies (``_lifeline``)."""
 
-from rsrv.lifeline._lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
+from rsrv.lifeline._lifeline import (
+    LINK_FD_VARIABLE,
+    ChildStatus,
+    SupervisorLink,
+    read_status,
+    supervised,
+)
 from rsrv.lifeline._process import Server, serve_process
 
 __all__ = [
@@ -12,4 +18,5 @@ __all__ = [
     "SupervisorLink",
     "read_status",
     "serve_process",
+    "supervised",
 ]

@@ -21,11 +21,17 @@ from contextlib import suppress
 import msgspec
 import trio
 
-__all__ = ["LINK_FD_VARIABLE", "ChildStatus", "SupervisorLink", "read_status"]
+__all__ = ["LINK_FD_VARIABLE", "ChildStatus", "SupervisorLink", "read_status", "supervised"]
 
 LINK_FD_VARIABLE = "RSRV_SUPERVISOR_FD"
 
 log = logging.getLogger("rsrv.lifeline")
+
+
+def supervised() -> bool:
+    """Whether ``rsrv node`` started this process (its link is in the environment): the
+    supervisor then tags each of its output lines with its name."""
+    return os.environ.get(LINK_FD_VARIABLE, "").isdigit()
 
 
 class ChildStatus(msgspec.Struct, frozen=True):

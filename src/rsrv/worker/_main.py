@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
-from rsrv.lifeline import ChildStatus, serve_process
+from rsrv.lifeline import ChildStatus, serve_process, supervised
 from rsrv.logsetup import configure_logging
 from rsrv.runtime import DeviceUnavailable, configure, open_device
 from rsrv.worker._worker import Worker
@@ -35,7 +35,9 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    configure_logging(config.name, config.logging.level, config.logging.format)
+    configure_logging(
+        config.name, config.logging.level, config.logging.format, tag=not supervised()
+    )
     log.info("effective configuration: %s", json.dumps(effective_config_dict(config)))
     rt = config.runtime
     configure(
