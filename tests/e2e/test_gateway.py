@@ -6,7 +6,7 @@ the client unchanged; a worker killed under load loses no request (those it held
 over); under lpt_packing a model is placed on its replicas, requests are routed in runs
 that fill batches more than round robin does (asserted with a margin; the ratio itself is
 `just bench` figure 9b), and the placement is steered live; merged answers keep identity
-fields; shared memory catches up on a worker that was away.
+fields; shared memory and explicit-mode loads catch up on a worker that was away.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ base_port = {{port}}
 
 [global]
 cache_dir = "{cache}"
-model_control_mode = "static"
+model_control_mode = "{mode}"
 
 [global.scheduler]
 discipline = "{discipline}"
@@ -68,13 +68,20 @@ interval_seconds = 0.5
 
 
 def start_workers(
-    root: Path, cache: Path, count: int, discipline: str = "fair", delay: float = 0.0
+    root: Path,
+    cache: Path,
+    count: int,
+    discipline: str = "fair",
+    delay: float = 0.0,
+    mode: str = "static",
 ) -> list:
     workers = []
     for i in range(count):
         workdir = root / f"w{i}"
         workdir.mkdir()
-        text = WORKER.format(repo=root / "repo", cache=cache, discipline=discipline, delay=delay)
+        text = WORKER.format(
+            repo=root / "repo", cache=cache, discipline=discipline, delay=delay, mode=mode
+        )
         workers.append(ServerProcess(workdir, text))
     for worker in workers:
         with connect(worker) as client:
@@ -332,6 +339,44 @@ def test_shared_memory_changes_reach_a_worker_that_was_away(tmp_path, cache_dir,
             client.unregister_system_shared_memory()
     finally:
         shm.destroy_shared_memory_region(region)
+
+
+def test_loads_made_through_the_gateway_reach_a_worker_that_was_away(
+    tmp_path, cache_dir, processes
+):
+    """Explicit mode: a restarted worker comes back with nothing loaded, and gets the
+    loads made through the gateway; a model unloaded through the gateway while a worker
+    was unresponsive (SIGSTOP) is unloaded there once it is back."""
+    export_linear(tmp_path / "repo" / "lin", seed=11)
+    export_linear(tmp_path / "repo" / "lin2", seed=12)
+    workers = start_workers(tmp_path, cache_dir, 2, mode="explicit")
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+
+    def ready_on(worker) -> set[str]:
+        try:
+            with connect(worker) as direct:
+                return {name for name, (state, _) in index(direct).items() if state == "READY"}
+        except Exception:
+            return set()
+
+    with connect(gateway) as client:
+        client.load_model("lin")
+        client.load_model("lin2")
+        assert ready_on(workers[1]) == {"lin", "lin2"}
+        workers[1].restart()
+        wait_until(lambda: ready_on(workers[1]) == {"lin", "lin2"}, 60, "w1's loads replayed")
+
+        os.kill(workers[0].process.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: ready_workers(gateway) == {"w1"}, 30, "w0 to be found away")
+            client.unload_model("lin2")
+        finally:
+            os.kill(workers[0].process.pid, signal.SIGCONT)
+        wait_until(lambda: ready_on(workers[0]) == {"lin"}, 30, "w0's unload replayed")
+        assert ready_on(workers[1]) == {"lin"}
+        assert matches(client.infer("lin", [x_input(X)]).as_numpy("y"), 11, X)
 
 
 def test_a_worker_killed_under_load_loses_no_request(tmp_path, cache_dir, processes):

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,8 @@ class ServerProcess:
         self.path.write_text(node)
         environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
         environ.update(env or {})
-        self.process = subprocess.Popen(
+        self._popen = partial(
+            subprocess.Popen,
             [*rsrv_command(), command, str(self.path)],
             cwd=workdir,
             env=environ,
@@ -198,9 +200,19 @@ class ServerProcess:
             text=True,
         )
         self.stderr: list[str] = []
+        self._start()
+        self.url = url(self)
+
+    def _start(self) -> None:
+        self.process = self._popen()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.url = url(self)
+
+    def restart(self) -> None:
+        """Kill the process (SIGKILL) and start a new one on the same file and ports."""
+        self.kill()
+        self._reader.join(5)
+        self._start()
 
     def _read(self) -> None:
         for line in self.process.stderr:

@@ -103,8 +103,8 @@ class Gateway:
         now_ready = {w.name for w in self.fleet.ready}
         back = [self.fleet.by_name[n] for n in now_ready - self._was_ready]
         self._was_ready = now_ready
-        if back and (self.services.regions or self.services.dropped) and self._nursery:
-            self._nursery.start_soon(self.services.replay_regions, back)
+        if back and self.services.catchup and self._nursery:
+            self._nursery.start_soon(self.services.catchup.replay, back)
         outcome = self.scheduler.tick()
         if outcome is not None and outcome.compaction is not None and self._nursery:
             self._nursery.start_soon(self._compact, outcome.compaction.reload)

@@ -12,8 +12,9 @@ Clients see one server:
   somewhere, its reason naming the workers. ModelStatistics: summed over workers.
   RepositoryModelLoad / Unload: every ready worker, all must succeed.
 * System shared memory: register/unregister on every ready worker, all or nothing
-  (a register that fails anywhere is undone everywhere); registrations are replayed on
-  a worker that becomes ready later. Refused with FAILED_PRECONDITION when a worker is
+  (a register that fails anywhere is undone everywhere).
+* Loads, unloads and shared-memory changes are replayed on a worker that becomes ready
+  later (``rsrv.gateway._catchup``). Refused with FAILED_PRECONDITION when a worker is
   not on this host (its memory is not this machine's).
 * Control service: ModelControlStatus merged; SetModelResidency and SetModelPolicy on
   every worker holding the model; CompactMemory on every ready worker, counts summed.
@@ -29,7 +30,8 @@ from google.protobuf.message import DecodeError, Message
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
-from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._catchup import CatchUp
+from rsrv.gateway._fleet import Fleet
 from rsrv.gateway._forward import Forwarder, Relayed, first_failure, merge_each
 from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
 from rsrv.protocol import Admission, grpc_status
@@ -77,8 +79,7 @@ class GatewayServices:
         self.admission = admission
         self.forward = forwarder
         self.max_requests_per_stream = max_requests_per_stream
-        self.regions: dict[str, bytes] = {}  # shared-memory registrations, to replay
-        self.dropped: set[str] = set()  # regions unregistered through the gateway since
+        self.catchup = CatchUp(forwarder)
 
     def methods(self) -> list[Method]:
         unary: dict[str, Callable] = {
@@ -91,8 +92,8 @@ class GatewayServices:
             "ModelInfer": self.model_infer,
             "ModelStatistics": self.model_statistics,
             "RepositoryIndex": self.repository_index,
-            "RepositoryModelLoad": self.every_worker,
-            "RepositoryModelUnload": self.every_worker,
+            "RepositoryModelLoad": self.model_load,
+            "RepositoryModelUnload": self.model_unload,
             "SystemSharedMemoryStatus": self.any_worker,
             "SystemSharedMemoryRegister": self.shm_register,
             "SystemSharedMemoryUnregister": self.shm_unregister,
@@ -145,6 +146,23 @@ class GatewayServices:
         if (failure := first_failure(results)) is not None:
             raise failure
         return results[min(results)].response or b""
+
+    async def model_load(self, body: bytes, call: ServerCall) -> bytes:
+        """On every ready worker; remembered for a worker that joins later once it
+        succeeded on all of them."""
+        name = _parse(pb.RepositoryModelLoadRequest, body).model_name
+        answer = await self.every_worker(body, call)
+        self.catchup.loaded(name, body)
+        return answer
+
+    async def model_unload(self, body: bytes, call: ServerCall) -> bytes:
+        """On every ready worker; remembered for a worker that joins later (even when it
+        failed somewhere)."""
+        name = _parse(pb.RepositoryModelUnloadRequest, body).model_name
+        try:
+            return await self.every_worker(body, call)
+        finally:
+            self.catchup.unloaded(name, body)
 
     async def model_call(self, body: bytes, call: ServerCall) -> bytes:
         try:
@@ -269,77 +287,17 @@ class GatewayServices:
                     workers=done,
                 )
             raise failure
-        self.regions[request.name] = body
-        self.dropped.discard(request.name)
+        self.catchup.registered(request.name, body)
         return pb.SystemSharedMemoryRegisterResponse().SerializeToString()
 
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()
         request = _parse(pb.SystemSharedMemoryUnregisterRequest, body)
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        if request.name:
-            self.regions.pop(request.name, None)
-            self.dropped.add(request.name)
-        else:
-            self.dropped.update(self.regions)
-            self.regions.clear()
+        self.catchup.unregistered(request.name)
         if (failure := first_failure(results)) is not None:
             raise failure
         return pb.SystemSharedMemoryUnregisterResponse().SerializeToString()
-
-    async def replay_regions(self, workers: list[WorkerLink]) -> None:
-        """Bring the shared-memory regions of ``workers`` (newly ready) in line with the
-        gateway's: a region unregistered through the gateway (perhaps while the worker
-        was away), or registered there otherwise than the gateway holds it, is
-        unregistered; one the gateway holds and the worker lacks is registered. Regions
-        registered on the worker directly are left alone."""
-        for worker in workers:
-            await self._replay_on(worker)
-
-    async def _replay_on(self, worker: WorkerLink) -> None:
-        status = await self.forward.fan_out(
-            INFERENCE + "SystemSharedMemoryStatus",
-            pb.SystemSharedMemoryStatusRequest().SerializeToString(),
-            workers=[worker],
-        )
-        answer = status[worker.name]
-        if answer.status != StatusCode.OK or answer.response is None:
-            log.warning(
-                "could not read the shared memory regions of %s: %s", worker.name, answer.message
-            )
-            return
-        held = pb.SystemSharedMemoryStatusResponse.FromString(answer.response).regions
-        wanted = {
-            name: pb.SystemSharedMemoryRegisterRequest.FromString(body)
-            for name, body in self.regions.items()
-        }
-        for name, region in held.items():
-            want = wanted.get(name)
-            if want is not None and (want.key, want.offset, want.byte_size) == (
-                region.key,
-                region.offset,
-                region.byte_size,
-            ):
-                del wanted[name]  # already as the gateway holds it
-                continue
-            if want is None and name not in self.dropped:
-                continue  # not the gateway's
-            undo = pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString()
-            await self._on_worker(worker, "SystemSharedMemoryUnregister", undo, name)
-        for name in wanted:
-            await self._on_worker(worker, "SystemSharedMemoryRegister", self.regions[name], name)
-
-    async def _on_worker(self, worker: WorkerLink, method: str, body: bytes, name: str) -> None:
-        results = await self.forward.fan_out(INFERENCE + method, body, workers=[worker])
-        result = results[worker.name]
-        if result.status != StatusCode.OK:
-            log.warning(
-                "%s of shared memory region %r on %s failed: %s",
-                method,
-                name,
-                worker.name,
-                result.message,
-            )
 
     # -- control service ----------------------------------------------------------------------
 

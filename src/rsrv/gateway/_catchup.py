@@ -1,0 +1,123 @@
+"""Bringing a worker that (re)joins the fleet in line with what was done through the gateway.
+
+System shared-memory registrations and explicit-mode model loads made through the gateway
+go to every ready worker; a worker away at the time (restarting, unreachable, or not yet
+discovered) missed them. :class:`CatchUp` remembers them, in the gateway's memory (a
+restarted gateway starts with nothing to replay), and :meth:`CatchUp.replay` brings a
+newly ready worker in line:
+
+* a region registered through the gateway and missing there (or held otherwise) is
+  registered; one unregistered through the gateway since is unregistered there;
+* a model loaded through the gateway and neither ready nor loading there is loaded with
+  the same request (config overrides included); one unloaded through the gateway since
+  and still ready there is unloaded.
+
+What was done on a worker directly is left alone. A replay that fails is logged; the
+worker keeps serving what it has.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.gateway._fleet import WorkerLink
+from rsrv.gateway._forward import Forwarder
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+
+__all__ = ["CatchUp"]
+
+log = logging.getLogger("rsrv.gateway")
+
+INFERENCE = "/inference.GRPCInferenceService/"
+
+
+class CatchUp:
+    """What a returning worker must be brought in line with; the gateway's services
+    record each change that succeeded (or was attempted, for the removals)."""
+
+    def __init__(self, forward: Forwarder):
+        self.forward = forward
+        self.regions: dict[str, bytes] = {}  # name -> its register request
+        self.dropped: set[str] = set()  # regions unregistered through the gateway since
+        self.loads: dict[str, bytes] = {}  # model -> its load request
+        self.unloads: dict[str, bytes] = {}  # model -> its unload request
+
+    def __bool__(self) -> bool:
+        return bool(self.regions or self.dropped or self.loads or self.unloads)
+
+    def registered(self, name: str, body: bytes) -> None:
+        self.regions[name] = body
+        self.dropped.discard(name)
+
+    def unregistered(self, name: str) -> None:
+        """``name``; "" for every region."""
+        if name:
+            self.regions.pop(name, None)
+            self.dropped.add(name)
+        else:
+            self.dropped.update(self.regions)
+            self.regions.clear()
+
+    def loaded(self, model: str, body: bytes) -> None:
+        self.loads[model] = body
+        self.unloads.pop(model, None)
+
+    def unloaded(self, model: str, body: bytes) -> None:
+        self.unloads[model] = body
+        self.loads.pop(model, None)
+
+    async def replay(self, workers: list[WorkerLink]) -> None:
+        """Bring each of ``workers`` (newly ready, its index and control status fresh)
+        in line, one after the other."""
+        for worker in workers:
+            await self._regions_on(worker)
+            await self._models_on(worker)
+
+    async def _regions_on(self, worker: WorkerLink) -> None:
+        if not (self.regions or self.dropped):
+            return
+        answer = await self._call(worker, "SystemSharedMemoryStatus", b"")
+        if answer is None:
+            return
+        held = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions
+        wanted = {
+            name: pb.SystemSharedMemoryRegisterRequest.FromString(body)
+            for name, body in self.regions.items()
+        }
+        for name, region in held.items():
+            want = wanted.get(name)
+            if want is not None and (want.key, want.offset, want.byte_size) == (
+                region.key,
+                region.offset,
+                region.byte_size,
+            ):
+                del wanted[name]  # already as the gateway holds it
+                continue
+            if want is None and name not in self.dropped:
+                continue  # not the gateway's
+            undo = pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString()
+            await self._call(worker, "SystemSharedMemoryUnregister", undo)
+        for name in wanted:
+            await self._call(worker, "SystemSharedMemoryRegister", self.regions[name])
+
+    async def _models_on(self, worker: WorkerLink) -> None:
+        present = worker.serving | {r.name for r in worker.index if r.state == "LOADING"}
+        for model, body in self.loads.items():
+            if model in present:
+                continue
+            log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
+            await self._call(worker, "RepositoryModelLoad", body)
+        for model, body in self.unloads.items():
+            if model in present:
+                log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
+                await self._call(worker, "RepositoryModelUnload", body)
+
+    async def _call(self, worker: WorkerLink, method: str, body: bytes) -> bytes | None:
+        results = await self.forward.fan_out(INFERENCE + method, body, workers=[worker])
+        result = results[worker.name]
+        if result.status != StatusCode.OK:
+            log.warning("%s on %s failed: %s", method, worker.name, result.message)
+            return None
+        return result.response or b""
