@@ -365,8 +365,10 @@ def test_loads_made_through_the_gateway_reach_a_worker_that_was_away(
         client.load_model("lin")
         client.load_model("lin2")
         assert ready_on(workers[1]) == {"lin", "lin2"}
+        before = control_status(workers[1]).instance
         workers[1].restart()
         wait_until(lambda: ready_on(workers[1]) == {"lin", "lin2"}, 60, "w1's loads replayed")
+        assert before and control_status(workers[1]).instance not in ("", before)
 
         os.kill(workers[0].process.pid, signal.SIGSTOP)
         try:

@@ -3,34 +3,37 @@
 System shared-memory registrations and explicit-mode model loads made through the gateway
 go to every ready worker; a worker away at the time (restarting, unreachable, or not yet
 discovered) missed them. :class:`CatchUp` remembers them, in the gateway's memory (a
-restarted gateway starts with nothing to replay), and :meth:`CatchUp.replay` brings a
-newly ready worker in line:
+restarted gateway starts with nothing to replay; a load request is kept whole, file
+overrides included), and :meth:`CatchUp.replay` brings a worker in line when discovery
+finds it newly ready or restarted (its ModelControlStatus ``instance`` changed):
 
 * a region registered through the gateway and missing there (or held otherwise) is
   registered; one unregistered through the gateway since is unregistered there;
-* a model loaded through the gateway and neither ready nor loading there is loaded with
+* a model loaded through the gateway and neither READY nor LOADING there is loaded with
   the same request (config overrides included); one unloaded through the gateway since
-  and still ready there is unloaded.
+  and READY or LOADING there (its own start-up loads included) is unloaded.
 
-What was done on a worker directly is left alone. A replay that fails is logged; the
-worker keeps serving what it has.
+A change is remembered once at least one worker accepted it. Replays are the gateway's
+own calls, sent with ``worker_client.headers`` (where a restricted protocol's header
+must then be). Otherwise, what was done on a worker directly is left alone. Workers are
+brought in line concurrently; a replay that fails is logged, and the worker keeps
+serving what it has.
 """
 
 from __future__ import annotations
 
 import logging
 
+import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.gateway._fleet import WorkerLink
-from rsrv.gateway._forward import Forwarder
+from rsrv.gateway._forward import INFERENCE, Forwarder
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = ["CatchUp"]
 
 log = logging.getLogger("rsrv.gateway")
-
-INFERENCE = "/inference.GRPCInferenceService/"
 
 
 class CatchUp:
@@ -69,11 +72,18 @@ class CatchUp:
         self.loads.pop(model, None)
 
     async def replay(self, workers: list[WorkerLink]) -> None:
-        """Bring each of ``workers`` (newly ready, its index and control status fresh)
-        in line, one after the other."""
-        for worker in workers:
+        """Bring each of ``workers`` (newly ready or restarted, its index and control
+        status fresh) in line, all at once. Never raises but for cancellation."""
+        async with trio.open_nursery() as nursery:
+            for worker in workers:
+                nursery.start_soon(self._replay_on, worker)
+
+    async def _replay_on(self, worker: WorkerLink) -> None:
+        try:
             await self._regions_on(worker)
             await self._models_on(worker)
+        except Exception:  # a gateway bug must not take the gateway down
+            log.exception("bringing %s in line failed", worker.name)
 
     async def _regions_on(self, worker: WorkerLink) -> None:
         if not (self.regions or self.dropped):
@@ -100,17 +110,19 @@ class CatchUp:
             undo = pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString()
             await self._call(worker, "SystemSharedMemoryUnregister", undo)
         for name in wanted:
-            await self._call(worker, "SystemSharedMemoryRegister", self.regions[name])
+            body = self.regions.get(name)  # (unregistered meanwhile: nothing to do)
+            if body is not None:
+                await self._call(worker, "SystemSharedMemoryRegister", body)
 
     async def _models_on(self, worker: WorkerLink) -> None:
         present = worker.serving | {r.name for r in worker.index if r.state == "LOADING"}
-        for model, body in self.loads.items():
-            if model in present:
+        for model, body in list(self.loads.items()):  # (a load may come in meanwhile)
+            if model in present or self.loads.get(model) is not body:
                 continue
             log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
             await self._call(worker, "RepositoryModelLoad", body)
-        for model, body in self.unloads.items():
-            if model in present:
+        for model, body in list(self.unloads.items()):
+            if model in present and self.unloads.get(model) is body:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
                 await self._call(worker, "RepositoryModelUnload", body)
 

@@ -31,8 +31,6 @@ SERVER_READY = "/inference.GRPCInferenceService/ServerReady"
 REPOSITORY_INDEX = "/inference.GRPCInferenceService/RepositoryIndex"
 CONTROL_STATUS = "/rsrv.control.v1.ControlService/ModelControlStatus"
 _EMPTY = b""
-# Not worth a warning: a worker going away, or one without the control service.
-_QUIET = frozenset({StatusCode.UNAVAILABLE, StatusCode.UNIMPLEMENTED})
 
 
 class Discovery:
@@ -108,30 +106,35 @@ class Discovery:
         self._last_refresh = now
         await self.round()
 
-    async def _call(self, worker: WorkerLink, path: str) -> bytes | None:
+    async def _call(self, worker: WorkerLink, path: str) -> tuple[StatusCode, bytes | None]:
+        """The call's status, and its response when it succeeded. A failure is logged,
+        unless the worker is going away (UNAVAILABLE) or has no control service."""
         timeout = self.settings.probe_timeout_seconds
         result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
-        if result.status != StatusCode.OK or result.response is None:
-            if result.status not in _QUIET:
-                log.warning(
-                    "worker %s answered %s to %s: %s",
-                    worker.name,
-                    result.status.name,
-                    path.rsplit("/", 1)[1],
-                    result.message,
-                )
-            return None
-        return result.response
+        if result.status == StatusCode.OK and result.response is not None:
+            return result.status, result.response
+        quiet = result.status == StatusCode.UNAVAILABLE or (
+            result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
+        )
+        if not quiet:
+            log.warning(
+                "worker %s answered %s to %s: %s",
+                worker.name,
+                result.status.name,
+                path.rsplit("/", 1)[1],
+                result.message,
+            )
+        return result.status, None
 
     async def _probe(self, worker: WorkerLink) -> None:
         was_ready = worker.ready
         ready, index, control = False, worker.index, worker.control
         with trio.move_on_after(self.settings.probe_timeout_seconds * 3):
-            answer = await self._call(worker, SERVER_READY)
+            _, answer = await self._call(worker, SERVER_READY)
             if answer is not None:
                 worker.ever_answered = True
                 ready = pb.ServerReadyResponse.FromString(answer).ready
-                answer = await self._call(worker, REPOSITORY_INDEX)
+                _, answer = await self._call(worker, REPOSITORY_INDEX)
                 if answer is not None:
                     index = tuple(
                         IndexRow(m.name, m.version, m.state, m.reason)
@@ -144,16 +147,23 @@ class Discovery:
                 else:
                     ready = False
                 if ready:
-                    answer = await self._call(worker, CONTROL_STATUS)
-                    control = (
-                        None
-                        if answer is None
-                        else control_pb.ModelControlStatusResponse.FromString(answer)
-                    )
+                    status, answer = await self._call(worker, CONTROL_STATUS)
+                    if answer is not None:
+                        control = control_pb.ModelControlStatusResponse.FromString(answer)
+                    elif status == StatusCode.UNIMPLEMENTED or not was_ready:
+                        control = None  # no control service, or nothing known of this run
+        if ready and not was_ready and control is worker.control:
+            control = None  # cut short: the last answer may be of a process now gone
         worker.probe_failures = 0 if ready else worker.probe_failures + 1
         worker.ready, worker.index, worker.control = ready, index, control
+        if control is not None and control.instance:
+            if worker.instance and control.instance != worker.instance:
+                worker.restarted = True  # between two rounds, unseen otherwise
+            worker.instance = control.instance
         if ready != was_ready:
             if ready:
                 log.info("worker %s (%s) is ready", worker.name, worker.address)
             else:
                 log.warning("worker %s (%s) is not ready", worker.name, worker.address)
+        elif worker.restarted:
+            log.warning("worker %s (%s) restarted", worker.name, worker.address)

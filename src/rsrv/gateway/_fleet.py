@@ -83,6 +83,8 @@ class WorkerLink:
     ``ready``: its last probe answered ServerReady true, and no call has since found it
     unreachable. ``index``: its last RepositoryIndex. ``control``: its last
     ModelControlStatus (a protobuf message), None when it has no control service.
+    ``instance``: the last ``control.instance`` seen; ``restarted``: it changed since
+    (set by discovery, cleared once the gateway has acted on it).
     """
 
     name: str
@@ -97,6 +99,8 @@ class WorkerLink:
     control: Any = None
     ever_answered: bool = False
     probe_failures: int = 0  # probe rounds in a row without an answer
+    instance: str = ""
+    restarted: bool = False
     inflight: int = 0  # calls the gateway has open on it
     leaving: Any = None  # a trio.Event set when the worker leaves the fleet
 

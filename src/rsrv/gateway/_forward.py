@@ -24,9 +24,11 @@ from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._peek import InferHead
 
-__all__ = ["Forwarder", "Relayed", "RouteTicket", "Router", "forwarded_headers"]
+__all__ = ["INFERENCE", "Forwarder", "Relayed", "RouteTicket", "Router", "forwarded_headers"]
 
 log = logging.getLogger("rsrv.gateway")
+
+INFERENCE = "/inference.GRPCInferenceService/"  # the KServe V2 service's path prefix
 
 #: Statuses after which the call moves on to the next replica.
 FAILOVER = frozenset({StatusCode.NOT_FOUND, StatusCode.UNAVAILABLE})

@@ -101,8 +101,10 @@ class Gateway:
 
     def _after_round(self) -> None:
         now_ready = {w.name for w in self.fleet.ready}
-        back = [self.fleet.by_name[n] for n in now_ready - self._was_ready]
+        back = [w for w in self.fleet.ready if w.name not in self._was_ready or w.restarted]
         self._was_ready = now_ready
+        for worker in self.fleet.workers:
+            worker.restarted = False
         if back and self.services.catchup and self._nursery:
             self._nursery.start_soon(self.services.catchup.replay, back)
         outcome = self.scheduler.tick()

@@ -121,7 +121,8 @@ class Scheduling:
 
     @property
     def needs_control(self) -> bool:
-        """Whether discovery must poll ModelControlStatus (costs, batch axes, budgets)."""
+        """Whether the mode reads the workers' ModelControlStatus (costs, batch axes,
+        budgets) at each tick."""
         return self.router.needs_control
 
     def route(self, model: str, head: InferHead | None, replicas: tuple[str, ...]) -> Ticket:

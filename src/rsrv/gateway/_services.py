@@ -12,10 +12,10 @@ Clients see one server:
   somewhere, its reason naming the workers. ModelStatistics: summed over workers.
   RepositoryModelLoad / Unload: every ready worker, all must succeed.
 * System shared memory: register/unregister on every ready worker, all or nothing
-  (a register that fails anywhere is undone everywhere).
+  (a register that fails anywhere is undone everywhere). Refused with FAILED_PRECONDITION
+  when a worker is not on this host (its memory is not this machine's).
 * Loads, unloads and shared-memory changes are replayed on a worker that becomes ready
-  later (``rsrv.gateway._catchup``). Refused with FAILED_PRECONDITION when a worker is
-  not on this host (its memory is not this machine's).
+  later or restarted (``rsrv.gateway._catchup``).
 * Control service: ModelControlStatus merged; SetModelResidency and SetModelPolicy on
   every worker holding the model; CompactMemory on every ready worker, counts summed.
 """
@@ -23,7 +23,7 @@ Clients see one server:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import trio
 from google.protobuf.message import DecodeError, Message
@@ -31,8 +31,8 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.gateway._catchup import CatchUp
-from rsrv.gateway._fleet import Fleet
-from rsrv.gateway._forward import Forwarder, Relayed, first_failure, merge_each
+from rsrv.gateway._fleet import CallResult, Fleet
+from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed, first_failure, merge_each
 from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
 from rsrv.protocol import Admission, grpc_status
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -43,7 +43,6 @@ __all__ = ["GatewayServices"]
 
 log = logging.getLogger("rsrv.gateway")
 
-INFERENCE = "/inference.GRPCInferenceService/"
 CONTROL = "/rsrv.control.v1.ControlService/"
 
 
@@ -143,26 +142,24 @@ class GatewayServices:
         """Done on every ready worker; the first failure is the answer, else the first
         worker's response."""
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        if (failure := first_failure(results)) is not None:
-            raise failure
-        return results[min(results)].response or b""
+        return _first_answer(results)
 
     async def model_load(self, body: bytes, call: ServerCall) -> bytes:
-        """On every ready worker; remembered for a worker that joins later once it
-        succeeded on all of them."""
+        """As :meth:`every_worker`; remembered for a worker that comes back once a
+        worker has accepted it."""
         name = _parse(pb.RepositoryModelLoadRequest, body).model_name
-        answer = await self.every_worker(body, call)
-        self.catchup.loaded(name, body)
-        return answer
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        if _any_ok(results):
+            self.catchup.loaded(name, body)
+        return _first_answer(results)
 
     async def model_unload(self, body: bytes, call: ServerCall) -> bytes:
-        """On every ready worker; remembered for a worker that joins later (even when it
-        failed somewhere)."""
+        """As :meth:`model_load`."""
         name = _parse(pb.RepositoryModelUnloadRequest, body).model_name
-        try:
-            return await self.every_worker(body, call)
-        finally:
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        if _any_ok(results):
             self.catchup.unloaded(name, body)
+        return _first_answer(results)
 
     async def model_call(self, body: bytes, call: ServerCall) -> bytes:
         try:
@@ -294,7 +291,8 @@ class GatewayServices:
         self._require_local()
         request = _parse(pb.SystemSharedMemoryUnregisterRequest, body)
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        self.catchup.unregistered(request.name)
+        if _any_ok(results):
+            self.catchup.unregistered(request.name)
         if (failure := first_failure(results)) is not None:
             raise failure
         return pb.SystemSharedMemoryUnregisterResponse().SerializeToString()
@@ -334,9 +332,7 @@ class GatewayServices:
         results = await self.forward.fan_out(
             call.path, body, call.metadata, call.deadline, workers=holders
         )
-        if (failure := first_failure(results)) is not None:
-            raise failure
-        return results[min(results)].response or b""
+        return _first_answer(results)
 
     async def compact_memory(self, body: bytes, call: ServerCall) -> bytes:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
@@ -348,6 +344,17 @@ class GatewayServices:
             merged.reloaded_models += answer.reloaded_models
             merged.resident_bytes_after += answer.resident_bytes_after
         return merged.SerializeToString()
+
+
+def _first_answer(results: Mapping[str, CallResult]) -> bytes:
+    """The first failure (:func:`first_failure`) raised, else the first worker's answer."""
+    if (failure := first_failure(results)) is not None:
+        raise failure
+    return results[min(results)].response or b""
+
+
+def _any_ok(results: Mapping[str, CallResult]) -> bool:
+    return any(r.status == StatusCode.OK for r in results.values())
 
 
 #: Fields that are not counters: kept from the first message, or the latest time.

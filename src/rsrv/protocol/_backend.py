@@ -155,6 +155,7 @@ class ControlSnapshot:
     weight_cache_loads: int
     weight_cache_evictions: int
     models: list[ModelControl]
+    instance: str = ""  # changes each time the worker process starts
 
 
 class InferenceBackend(Protocol):

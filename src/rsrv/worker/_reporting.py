@@ -114,6 +114,7 @@ def control(worker: Worker) -> ControlSnapshot:
         weight_cache_loads=cache.counters.loads,
         weight_cache_evictions=cache.counters.evictions,
         models=[_model(worker, name) for name in sorted(worker.models.entries)],
+        instance=worker.instance,
     )
 
 

@@ -8,6 +8,7 @@ loads run in it too. Cancelling the nursery is shutdown; no task or thread outli
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -80,6 +81,7 @@ class Worker:
         own. Raises ConfigError when ``runtime.weight_staging`` names a route the device
         cannot take."""
         self.config = config
+        self.instance = uuid.uuid4().hex  # ModelControlStatus.instance: new at each start
         self.models = ModelSet()
         self.device = open_device() if device is None else device
         device = default_device()

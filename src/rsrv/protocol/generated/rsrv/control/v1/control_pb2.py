@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _POOL.AddSerializedFile(b'\n\x1drsrv/control/v1/control.proto\x12\x0frsrv.control.v1\"\x1b\n\x19ModelControlStatusRequest\"\xf8\x01\n\x1aModelControlStatusResponse\x12\x12\n\ndiscipline\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontrol_mode\x18\x02 \x01(\t\x12!\n\x19weight_cache_budget_bytes\x18\x03 \x01(\x04\x12#\n\x1bweight_cache_resident_bytes\x18\x04 \x01(\x04\x12,\n\x06models\x18\x05 \x03(\x0b\x32\x1c.rsrv.control.v1.ModelStatus\x12\x1a\n\x12weight_cache_loads\x18\x06 \x01(\x04\x12\x1e\n\x16weight_cache_evictions\x18\x07 \x01(\x04\"\xf3\x02\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\tresidency\x18\x02 \x01(\x0e\x32\x1a.rsrv.control.v1.Residency\x12\x17\n\x0f\x64\x65vice_resident\x18\x03 \x01(\x08\x12\x15\n\rhost_resident\x18\x04 \x01(\x08\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x13\n\x0brows_served\x18\n \x01(\x04\x12\x12\n\ndispatches\x18\x0b \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12\x18\n\x10\x62\x61tch_input_name\x18\r \x01(\t\x12\x12\n\nbatch_axis\x18\x0e \x01(\x05\x12\x0c\n\x04kind\x18\x0f \x01(\t\x12\r\n\x05state\x18\x10 \x01(\t\"W\n\x18SetModelResidencyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\tresidency\x18\x02 \x01(\x0e\x32\x1a.rsrv.control.v1.Residency\"J\n\x19SetModelResidencyResponse\x12-\n\tresidency\x18\x01 \x01(\x0e\x32\x1a.rsrv.control.v1.Residency\"E\n\x15SetModelPolicyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_weight\"(\n\x16SetModelPolicyResponse\x12\x0e\n\x06weight\x18\x01 \x01(\x01\"-\n\x14\x43ompactMemoryRequest\x12\x15\n\rreload_models\x18\x01 \x03(\t\"N\n\x15\x43ompactMemoryResponse\x12\x17\n\x0freloaded_models\x18\x01 \x01(\r\x12\x1c\n\x14resident_bytes_after\x18\x02 \x01(\x04*j\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x16\n\x12RESIDENCY_UNPINNED\x10\x01\x12\x14\n\x10RESIDENCY_SYSTEM\x10\x02\x12\x14\n\x10RESIDENCY_DEVICE\x10\x03\x32\xb6\x03\n\x0e\x43ontrolService\x12o\n\x12ModelControlStatus\x12*.rsrv.control.v1.ModelControlStatusRequest\x1a+.rsrv.control.v1.ModelControlStatusResponse\"\x00\x12l\n\x11SetModelResidency\x12).rsrv.control.v1.SetModelResidencyRequest\x1a*.rsrv.control.v1.SetModelResidencyResponse\"\x00\x12\x63\n\x0eSetModelPolicy\x12&.rsrv.control.v1.SetModelPolicyRequest\x1a\'.rsrv.control.v1.SetModelPolicyResponse\"\x00\x12`\n\rCompactMemory\x12%.rsrv.control.v1.CompactMemoryRequest\x1a&.rsrv.control.v1.CompactMemoryResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _POOL.AddSerializedFile(b'\n\x1drsrv/control/v1/control.proto\x12\x0frsrv.control.v1\"\x1b\n\x19ModelControlStatusRequest\"\x8a\x02\n\x1aModelControlStatusResponse\x12\x12\n\ndiscipline\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontrol_mode\x18\x02 \x01(\t\x12!\n\x19weight_cache_budget_bytes\x18\x03 \x01(\x04\x12#\n\x1bweight_cache_resident_bytes\x18\x04 \x01(\x04\x12,\n\x06models\x18\x05 \x03(\x0b\x32\x1c.rsrv.control.v1.ModelStatus\x12\x1a\n\x12weight_cache_loads\x18\x06 \x01(\x04\x12\x1e\n\x16weight_cache_evictions\x18\x07 \x01(\x04\x12\x10\n\x08instance\x18\x08 \x01(\t\"\xf3\x02\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\tresidency\x18\x02 \x01(\x0e\x32\x1a.rsrv.control.v1.Residency\x12\x17\n\x0f\x64\x65vice_resident\x18\x03 \x01(\x08\x12\x15\n\rhost_resident\x18\x04 \x01(\x08\x12\x14\n\x0cweight_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x17\n\x0frequests_served\x18\t \x01(\x04\x12\x13\n\x0brows_served\x18\n \x01(\x04\x12\x12\n\ndispatches\x18\x0b \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12\x18\n\x10\x62\x61tch_input_name\x18\r \x01(\t\x12\x12\n\nbatch_axis\x18\x0e \x01(\x05\x12\x0c\n\x04kind\x18\x0f \x01(\t\x12\r\n\x05state\x18\x10 \x01(\t\"W\n\x18SetModelResidencyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\tresidency\x18\x02 \x01(\x0e\x32\x1a.rsrv.control.v1.Residency\"J\n\x19SetModelResidencyResponse\x12-\n\tresidency\x18\x01 \x01(\x0e\x32\x1a.rsrv.control.v1.Residency\"E\n\x15SetModelPolicyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\t\n\x07_weight\"(\n\x16SetModelPolicyResponse\x12\x0e\n\x06weight\x18\x01 \x01(\x01\"-\n\x14\x43ompactMemoryRequest\x12\x15\n\rreload_models\x18\x01 \x03(\t\"N\n\x15\x43ompactMemoryResponse\x12\x17\n\x0freloaded_models\x18\x01 \x01(\r\x12\x1c\n\x14resident_bytes_after\x18\x02 \x01(\x04*j\n\tResidency\x12\x19\n\x15RESIDENCY_UNSPECIFIED\x10\x00\x12\x16\n\x12RESIDENCY_UNPINNED\x10\x01\x12\x14\n\x10RESIDENCY_SYSTEM\x10\x02\x12\x14\n\x10RESIDENCY_DEVICE\x10\x03\x32\xb6\x03\n\x0e\x43ontrolService\x12o\n\x12ModelControlStatus\x12*.rsrv.control.v1.ModelControlStatusRequest\x1a+.rsrv.control.v1.ModelControlStatusResponse\"\x00\x12l\n\x11SetModelResidency\x12).rsrv.control.v1.SetModelResidencyRequest\x1a*.rsrv.control.v1.SetModelResidencyResponse\"\x00\x12\x63\n\x0eSetModelPolicy\x12&.rsrv.control.v1.SetModelPolicyRequest\x1a\'.rsrv.control.v1.SetModelPolicyResponse\"\x00\x12`\n\rCompactMemory\x12%.rsrv.control.v1.CompactMemoryRequest\x1a&.rsrv.control.v1.CompactMemoryResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rsrv.protocol.generated.rsrv.control.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESIDENCY']._serialized_start=1109
-  _globals['_RESIDENCY']._serialized_end=1215
+  _globals['_RESIDENCY']._serialized_start=1127
+  _globals['_RESIDENCY']._serialized_end=1233
   _globals['_MODELCONTROLSTATUSREQUEST']._serialized_start=50
   _globals['_MODELCONTROLSTATUSREQUEST']._serialized_end=77
   _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_start=80
-  _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_end=328
-  _globals['_MODELSTATUS']._serialized_start=331
-  _globals['_MODELSTATUS']._serialized_end=702
-  _globals['_SETMODELRESIDENCYREQUEST']._serialized_start=704
-  _globals['_SETMODELRESIDENCYREQUEST']._serialized_end=791
-  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_start=793
-  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_end=867
-  _globals['_SETMODELPOLICYREQUEST']._serialized_start=869
-  _globals['_SETMODELPOLICYREQUEST']._serialized_end=938
-  _globals['_SETMODELPOLICYRESPONSE']._serialized_start=940
-  _globals['_SETMODELPOLICYRESPONSE']._serialized_end=980
-  _globals['_COMPACTMEMORYREQUEST']._serialized_start=982
-  _globals['_COMPACTMEMORYREQUEST']._serialized_end=1027
-  _globals['_COMPACTMEMORYRESPONSE']._serialized_start=1029
-  _globals['_COMPACTMEMORYRESPONSE']._serialized_end=1107
-  _globals['_CONTROLSERVICE']._serialized_start=1218
-  _globals['_CONTROLSERVICE']._serialized_end=1656
+  _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_end=346
+  _globals['_MODELSTATUS']._serialized_start=349
+  _globals['_MODELSTATUS']._serialized_end=720
+  _globals['_SETMODELRESIDENCYREQUEST']._serialized_start=722
+  _globals['_SETMODELRESIDENCYREQUEST']._serialized_end=809
+  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_start=811
+  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_end=885
+  _globals['_SETMODELPOLICYREQUEST']._serialized_start=887
+  _globals['_SETMODELPOLICYREQUEST']._serialized_end=956
+  _globals['_SETMODELPOLICYRESPONSE']._serialized_start=958
+  _globals['_SETMODELPOLICYRESPONSE']._serialized_end=998
+  _globals['_COMPACTMEMORYREQUEST']._serialized_start=1000
+  _globals['_COMPACTMEMORYREQUEST']._serialized_end=1045
+  _globals['_COMPACTMEMORYRESPONSE']._serialized_start=1047
+  _globals['_COMPACTMEMORYRESPONSE']._serialized_end=1125
+  _globals['_CONTROLSERVICE']._serialized_start=1236
+  _globals['_CONTROLSERVICE']._serialized_end=1674
 # @@protoc_insertion_point(module_scope)

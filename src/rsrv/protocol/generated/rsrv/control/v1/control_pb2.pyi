@@ -23,7 +23,7 @@ class ModelControlStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelControlStatusResponse(_message.Message):
-    __slots__ = ("discipline", "control_mode", "weight_cache_budget_bytes", "weight_cache_resident_bytes", "models", "weight_cache_loads", "weight_cache_evictions")
+    __slots__ = ("discipline", "control_mode", "weight_cache_budget_bytes", "weight_cache_resident_bytes", "models", "weight_cache_loads", "weight_cache_evictions", "instance")
     DISCIPLINE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_MODE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class ModelControlStatusResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CACHE_LOADS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     discipline: str
     control_mode: str
     weight_cache_budget_bytes: int
@@ -38,7 +39,8 @@ class ModelControlStatusResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
     weight_cache_loads: int
     weight_cache_evictions: int
-    def __init__(self, discipline: _Optional[str] = ..., control_mode: _Optional[str] = ..., weight_cache_budget_bytes: _Optional[int] = ..., weight_cache_resident_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., weight_cache_loads: _Optional[int] = ..., weight_cache_evictions: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, discipline: _Optional[str] = ..., control_mode: _Optional[str] = ..., weight_cache_budget_bytes: _Optional[int] = ..., weight_cache_resident_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., weight_cache_loads: _Optional[int] = ..., weight_cache_evictions: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("name", "residency", "device_resident", "host_resident", "weight_bytes", "weight", "queue_depth", "compute_seconds", "requests_served", "rows_served", "dispatches", "max_batch_size", "batch_input_name", "batch_axis", "kind", "state")

@@ -1,0 +1,129 @@
+"""Discovery and catch-up against scripted workers (a fake channel answering each RPC from
+a table): routes from RepositoryIndex and ModelControlStatus, restarts seen through the
+control status's ``instance``, what a failed control call leaves known, and a catch-up
+that survives changes made while it runs."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.config import GatewayConfig
+from rsrv.gateway._catchup import CatchUp
+from rsrv.gateway._discovery import CONTROL_STATUS, REPOSITORY_INDEX, SERVER_READY, Discovery
+from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
+from rsrv.transport import UnaryResult
+
+
+class ScriptedChannel:
+    """Answers each path from ``answers`` (a message, or a StatusCode to fail with)."""
+
+    def __init__(self, answers: dict):
+        self.answers = answers
+        self.calls: list[str] = []
+
+    async def unary(self, path, body, *, metadata=(), timeout=None):
+        self.calls.append(path.rsplit("/", 1)[1])
+        answer = self.answers[path]
+        if isinstance(answer, StatusCode):
+            return UnaryResult(answer, f"scripted {answer.name}")
+        return UnaryResult(StatusCode.OK, response=answer.SerializeToString())
+
+
+def worker_answers(models: list[str], subs: list[str] = (), instance: str = "a") -> dict:
+    index = pb.RepositoryIndexResponse(
+        models=[pb.RepositoryIndexResponse.ModelIndex(name=m, state="READY") for m in models]
+    )
+    control = cpb.ModelControlStatusResponse(
+        instance=instance,
+        models=[cpb.ModelStatus(name=m, state="READY") for m in [*models, *subs]],
+    )
+    return {
+        SERVER_READY: pb.ServerReadyResponse(ready=True),
+        REPOSITORY_INDEX: index,
+        CONTROL_STATUS: control,
+    }
+
+
+def fleet_of(channel: ScriptedChannel) -> tuple[Fleet, WorkerLink, Discovery]:
+    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, channel, True)
+    fleet = Fleet([worker])
+    return fleet, worker, Discovery(fleet, GatewayConfig(endpoints=["127.0.0.1:1"]))
+
+
+async def test_sub_models_route_and_a_restart_between_rounds_is_seen():
+    channel = ScriptedChannel(worker_answers(["meta"], subs=["part"], instance="first"))
+    fleet, worker, discovery = fleet_of(channel)
+    await discovery.round()
+    assert fleet.routes == {"meta": ("w0",), "part": ("w0",)}
+    assert worker.ready and not worker.restarted
+    await discovery.round()
+    assert not worker.restarted  # the same process
+    channel.answers[CONTROL_STATUS].instance = "second"  # restarted, never seen down
+    await discovery.round()
+    assert worker.ready and worker.restarted
+
+
+async def test_a_worker_without_the_control_service_is_routed_by_its_index(caplog):
+    channel = ScriptedChannel(worker_answers(["lin"]))
+    channel.answers[CONTROL_STATUS] = StatusCode.UNIMPLEMENTED
+    fleet, worker, discovery = fleet_of(channel)
+    with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+        await discovery.round()
+    assert fleet.routes == {"lin": ("w0",)} and worker.control is None
+    assert not caplog.records  # expected of a worker that is not rsrv: not a warning
+
+
+async def test_a_failed_control_call_keeps_what_is_known_of_a_ready_worker(caplog):
+    channel = ScriptedChannel(worker_answers(["meta"], subs=["part"]))
+    fleet, worker, discovery = fleet_of(channel)
+    await discovery.round()
+    channel.answers[CONTROL_STATUS] = StatusCode.RESOURCE_EXHAUSTED
+    with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+        await discovery.round()
+    assert "part" in fleet.routes  # the last answer stands
+    assert "RESOURCE_EXHAUSTED to ModelControlStatus" in caplog.text
+    # Down, then back with its control status failing: nothing of the old run is kept.
+    channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=False)
+    await discovery.round()
+    channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=True)
+    await discovery.round()
+    assert worker.ready and worker.control is None and "part" not in fleet.routes
+
+
+class ScriptedForwarder:
+    """fan_out to one worker: records the method, runs ``during`` on a load."""
+
+    def __init__(self, during=lambda: None):
+        self.methods: list[str] = []
+        self.during = during
+
+    async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
+        method = path.rsplit("/", 1)[1]
+        self.methods.append(method)
+        await trio.sleep(0)
+        if method == "RepositoryModelLoad":
+            self.during()
+        return {w.name: UnaryResult(StatusCode.OK, response=b"") for w in workers}
+
+
+async def test_a_catch_up_survives_loads_and_unloads_made_while_it_runs():
+    def meanwhile():
+        catchup.loaded("c", b"load c")
+        catchup.unloaded("b", b"unload b")
+
+    forward = ScriptedForwarder(meanwhile)
+    catchup = CatchUp(forward)
+    catchup.loaded("a", b"load a")
+    catchup.loaded("b", b"load b")
+    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, None, True, ready=True)
+    await catchup.replay([worker])
+    # "a" loaded; "b", unloaded meanwhile, is not loaded; "c", recorded meanwhile, is
+    # left for the next catch-up.
+    assert forward.methods == ["RepositoryModelLoad"]
+    assert catchup.loads == {"a": b"load a", "c": b"load c"}
+    assert catchup.unloads == {"b": b"unload b"}
