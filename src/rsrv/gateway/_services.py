@@ -145,20 +145,18 @@ class GatewayServices:
         return _first_answer(results)
 
     async def model_load(self, body: bytes, call: ServerCall) -> bytes:
-        """As :meth:`every_worker`; remembered for a worker that comes back once a
-        worker has accepted it."""
-        name = _parse(pb.RepositoryModelLoadRequest, body).model_name
-        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        if _any_ok(results):
-            self.catchup.loaded(name, body)
-        return _first_answer(results)
+        return await self._repository(body, call, pb.RepositoryModelLoadRequest, True)
 
     async def model_unload(self, body: bytes, call: ServerCall) -> bytes:
-        """As :meth:`model_load`."""
-        name = _parse(pb.RepositoryModelUnloadRequest, body).model_name
+        return await self._repository(body, call, pb.RepositoryModelUnloadRequest, False)
+
+    async def _repository(self, body: bytes, call: ServerCall, kind, load: bool) -> bytes:
+        """A load or unload, as :meth:`every_worker`; remembered for a worker that comes
+        back once a worker has accepted it."""
+        name = _parse(kind, body).model_name
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         if _any_ok(results):
-            self.catchup.unloaded(name, body)
+            (self.catchup.loaded if load else self.catchup.unloaded)(name, body)
         return _first_answer(results)
 
     async def model_call(self, body: bytes, call: ServerCall) -> bytes:
