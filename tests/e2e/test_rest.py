@@ -21,6 +21,7 @@ import tritonclient.http.aio as aioclient
 import tritonclient.utils.shared_memory as shm
 from support.bundles import make_repo
 from support.clients import connect, infer_input
+from support.procfs import accepted_connections
 from support.rest import (
     http_connect,
     http_input,
@@ -30,6 +31,7 @@ from support.rest import (
     with_http,
 )
 from support.serving import ServerProcess, node_config, running, worker_config
+from support.waiting import wait_until
 from tritonclient import utils
 
 
@@ -457,3 +459,13 @@ http_port = {{http_port}}
         assert any("KServe V2 REST on 127.0.0.1:" in line for line in server.stderr)
     finally:
         server.kill()
+
+
+def test_connections_the_client_closes_are_released_at_once(worker):
+    """A connection closed by the client between requests is closed here too at once,
+    not when the idle timer (``idle_connection_seconds``) fires."""
+    for _ in range(20):
+        c = http_connect(worker)
+        assert c.is_server_live()
+        c.close()
+    wait_until(lambda: accepted_connections(worker.http_port) == 0, 10, "every connection released")

@@ -10,9 +10,11 @@ import ssl
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import hypercorn.trio.run
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 
 __all__ = [
     "NOT_FOUND",
@@ -24,6 +26,24 @@ __all__ = [
     "json_response",
     "serve_http",
 ]
+
+
+class _ClosingTCPServer(TCPServer):
+    """hypercorn's connection (0.17), closed as soon as the client closes it.
+
+    hypercorn's own holds the socket (CLOSE_WAIT, one descriptor) until its keep-alive
+    timer ends when the client closes an idle HTTP/1.1 connection: the read loop meets
+    the end of the stream, but the timer's task, still running in the connection's task
+    group, keeps the group, and the close after it, waiting. Stopping the timer there
+    lets the connection close once its requests are answered."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+if hasattr(TCPServer, "_read_data") and hasattr(TCPServer, "_idle_timeout"):
+    hypercorn.trio.run.TCPServer = _ClosingTCPServer  # what serve() starts per connection
 
 
 class Response(NamedTuple):
