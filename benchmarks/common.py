@@ -437,6 +437,17 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
     )
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` so far (None: this process, all its
+    threads), from /proc (Linux)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def interleave(servers: dict, rounds: int, run) -> dict[str, LoadResult]:
     """``run(name, server)`` for every server, ``rounds`` times, the order rotating each
     round (so drifting background load hits every server alike); the results of one

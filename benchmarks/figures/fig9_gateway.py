@@ -4,7 +4,10 @@ routing does to batches.
 (a) Overhead: one ``rsrv serve`` worker (the example ``classifier``) and an
 ``rsrv gateway`` in front of it; tritonclient closed loop at each concurrency, straight
 to the worker and through the gateway, in interleaved rounds whose order rotates.
-Ratio: gateway / direct req/s over all rounds (per-round lowest-highest), p50 of each.
+Ratio: gateway / direct req/s over all rounds (per-round lowest-highest), p50 of each;
+and the CPU each process spent per request (user + system from /proc over the measured
+windows: the load generator, the worker, the gateway), which on a machine whose cores
+they share sets the throughput.
 
 (b) Coalescing: two workers on fifo with a 2 ms queue delay
 (``scheduler.max_queue_delay_seconds``) and a dense model compiled at [1, 8], and two
@@ -28,6 +31,7 @@ from common import (
     ServerProcess,
     closed_loop,
     control_status,
+    cpu_seconds,
     free_port,
     interleave,
     log,
@@ -91,15 +95,33 @@ def overhead(p: Params) -> list[dict]:
         servers = {"direct": worker, "gateway": gateway}
         x = np.random.default_rng(2).random((1, 256), dtype=np.float32)
         rows = []
+        pids = {"client": None, "worker": worker.proc.pid, "gateway": gateway.proc.pid}
         for c in p.concurrency:
             log(f"fig 9a: concurrency {c}")
-            by = interleave(
-                servers,
-                p.rounds,
-                lambda n, s, c=c: closed_loop(
-                    s.url, {"classifier": {"x": x}}, c, p.seconds, warmup=p.warmup
-                ),
-            )
+            cpu = {n: dict.fromkeys(pids, 0.0) for n in servers}
+            completed = dict.fromkeys(servers, 0)
+
+            def measure(name, server, c=c, cpu=cpu, completed=completed):
+                marks = []
+
+                def mark():
+                    marks.append({k: cpu_seconds(pid) for k, pid in pids.items()})
+
+                r = closed_loop(
+                    server.url,
+                    {"classifier": {"x": x}},
+                    c,
+                    p.seconds,
+                    warmup=p.warmup,
+                    at_start=mark,
+                    at_end=mark,
+                )
+                for k in pids:
+                    cpu[name][k] += marks[1][k] - marks[0][k]
+                completed[name] += r.completed
+                return r
+
+            by = interleave(servers, p.rounds, measure)
             rows.append(
                 {
                     "concurrency": c,
@@ -107,6 +129,10 @@ def overhead(p: Params) -> list[dict]:
                     "gateway": by["gateway"].summary(),
                     "ratio": ratio(by["gateway"].rps, by["direct"].rps),
                     "rounds_ratio": round_ratios(by["gateway"], by["direct"]),
+                    "cpu_us_per_request": {
+                        n: {k: round(v * 1e6 / max(completed[n], 1)) for k, v in cpu[n].items()}
+                        for n in servers
+                    },
                 }
             )
         return rows
@@ -213,6 +239,22 @@ def report(d: dict) -> tuple[list[str], list[list]]:
                 for r in d["overhead"]
             ],
             ["clients", "direct", "through the gateway", "gateway / direct"],
+        ),
+        "",
+        "CPU per request (µs; the load generator's threads, the worker, the gateway; "
+        "user + system, over the measured windows):",
+        "",
+        table(
+            [
+                [
+                    r["concurrency"],
+                    "{client} + {worker}".format(**r["cpu_us_per_request"]["direct"]),
+                    "{client} + {worker} + {gateway}".format(**r["cpu_us_per_request"]["gateway"]),
+                ]
+                for r in d["overhead"]
+                if "cpu_us_per_request" in r
+            ],
+            ["clients", "direct: client + worker", "through: client + worker + gateway"],
         ),
         "",
         table(
