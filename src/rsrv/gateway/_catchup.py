@@ -38,7 +38,7 @@ log = logging.getLogger("rsrv.gateway")
 
 class CatchUp:
     """What a returning worker must be brought in line with; the gateway's services
-    record each change that succeeded (or was attempted, for the removals)."""
+    record each change at least one worker accepted."""
 
     def __init__(self, forward: Forwarder):
         self.forward = forward
