@@ -1,10 +1,14 @@
 """Discovery: which worker is up and what it serves, learnt by probing on an interval.
 
 Each round asks every worker, concurrently and each within ``probe_timeout_seconds``,
-for ServerReady, RepositoryIndex and ModelControlStatus, then swaps the new routes in.
-ModelControlStatus lists every model the worker serves, the sub-models a meta calls too
-(RepositoryIndex leaves them out); a worker without the control service (UNIMPLEMENTED)
-is routed by its index alone. A worker that does not answer gets no traffic
+for ServerReady and RepositoryIndex, then swaps the new routes in. ModelControlStatus
+(it costs a worker more: 15 ms against 3 ms at 1,000 models) is asked every round when
+the scheduling mode reads costs (``needs_control``), else when a worker is newly ready,
+its index changed, or its channel had to open a new connection (a worker that restarted
+between two rounds broke the old one). It lists every model the worker serves, the
+sub-models a meta calls too (RepositoryIndex leaves them out), and the worker process's
+``instance``, which tells a restart; a worker without the control service
+(UNIMPLEMENTED) is routed by its index alone. A worker that does not answer gets no traffic
 from that round on, and gets it back at the first round it answers. A request for a
 model no worker is known to serve triggers one refresh (single-flight, at most one per
 ``refresh_min_seconds``) before it is refused.
@@ -35,19 +39,22 @@ _EMPTY = b""
 
 class Discovery:
     """Keeps ``fleet`` current. ``before_round()`` runs first in every round (the
-    fleet's membership, from DNS); ``on_round()`` after it (the scheduler's tick)."""
+    fleet's membership, from DNS); ``on_round()`` after it (the scheduler's tick);
+    ``needs_control`` asks every ready worker for ModelControlStatus every round."""
 
     def __init__(
         self,
         fleet: Fleet,
         config: GatewayConfig,
         *,
+        needs_control: bool = False,
         on_round: Callable[[], None] = lambda: None,
         before_round: Callable[[], Awaitable[None]] | None = None,
     ):
         self.fleet = fleet
         self.settings = config.discovery
         self.headers: Iterable[tuple[str, str]] = tuple(config.worker_client.headers.items())
+        self.needs_control = needs_control
         self.on_round = on_round
         self.before_round = before_round
         self.rounds = 0
@@ -146,7 +153,13 @@ class Discovery:
                     ready = ready or any(row.state == "LOADING" for row in index)
                 else:
                     ready = False
-                if ready:
+                if ready and (
+                    self.needs_control
+                    or not was_ready
+                    or index != worker.index
+                    or worker.channel.opened != worker.opened
+                ):
+                    worker.opened = worker.channel.opened
                     status, answer = await self._call(worker, CONTROL_STATUS)
                     if answer is not None:
                         control = control_pb.ModelControlStatusResponse.FromString(answer)

@@ -32,8 +32,11 @@ class CallResult(Protocol):
 
 
 class WorkerChannel(Protocol):
-    """What the gateway needs of a connection to one worker: raw-bytes unary calls and
-    bidirectional streams (``rsrv.transport.Channel`` implements it)."""
+    """What the gateway needs of a connection to one worker: raw-bytes unary calls,
+    bidirectional streams, and ``opened``, the connections opened so far
+    (``rsrv.transport.Channel`` implements it)."""
+
+    opened: int
 
     async def unary(
         self,
@@ -84,7 +87,8 @@ class WorkerLink:
     unreachable. ``index``: its last RepositoryIndex. ``control``: its last
     ModelControlStatus (a protobuf message), None when it has no control service.
     ``instance``: the last ``control.instance`` seen; ``restarted``: it changed since
-    (set by discovery, cleared once the gateway has acted on it).
+    (set by discovery, cleared once the gateway has acted on it); ``opened``: the
+    channel's connection count when discovery last read the control status.
     """
 
     name: str
@@ -101,6 +105,7 @@ class WorkerLink:
     probe_failures: int = 0  # probe rounds in a row without an answer
     instance: str = ""
     restarted: bool = False
+    opened: int = -1
     inflight: int = 0  # calls the gateway has open on it
     leaving: Any = None  # a trio.Event set when the worker leaves the fleet
 

@@ -66,6 +66,7 @@ class Gateway:
         self.discovery = Discovery(
             self.fleet,
             config,
+            needs_control=self.scheduler.needs_control,
             on_round=self._after_round,
             before_round=self._resolve_dns,
         )

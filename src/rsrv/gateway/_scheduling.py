@@ -121,8 +121,8 @@ class Scheduling:
 
     @property
     def needs_control(self) -> bool:
-        """Whether the mode reads the workers' ModelControlStatus (costs, batch axes,
-        budgets) at each tick."""
+        """Whether discovery must read every worker's ModelControlStatus every round
+        (costs, batch axes, budgets)."""
         return self.router.needs_control
 
     def route(self, model: str, head: InferHead | None, replicas: tuple[str, ...]) -> Ticket:

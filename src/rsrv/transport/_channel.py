@@ -95,6 +95,7 @@ class Channel:
         self.server_hostname = server_hostname
         self.limits = limits
         self.connections: list[ClientConnection] = []
+        self.opened = 0  # connections opened so far (a server restart makes a new one)
         self._slots = trio.Semaphore(limits.max_concurrent_streams)
         self._opening = 0
         self._changed = trio.lowlevel.ParkingLot()
@@ -286,6 +287,7 @@ class Channel:
             self._opening -= 1
             self._changed.unpark_all()
         self.connections.append(conn)
+        self.opened += 1
         return conn
 
     def _on_change(self, conn: ClientConnection) -> None:

@@ -1,7 +1,7 @@
 """Discovery and catch-up against scripted workers (a fake channel answering each RPC from
-a table): routes from RepositoryIndex and ModelControlStatus, restarts seen through the
-control status's ``instance``, what a failed control call leaves known, and a catch-up
-that survives changes made while it runs."""
+a table): routes from RepositoryIndex and ModelControlStatus, when the control status is
+asked for, restarts seen through its ``instance``, what a failed control call leaves
+known, and a catch-up that survives changes made while it runs."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class ScriptedChannel:
     def __init__(self, answers: dict):
         self.answers = answers
         self.calls: list[str] = []
+        self.opened = 1  # connections opened so far
 
     async def unary(self, path, body, *, metadata=(), timeout=None):
         self.calls.append(path.rsplit("/", 1)[1])
@@ -61,11 +62,35 @@ async def test_sub_models_route_and_a_restart_between_rounds_is_seen():
     await discovery.round()
     assert fleet.routes == {"meta": ("w0",), "part": ("w0",)}
     assert worker.ready and not worker.restarted
+    channel.calls.clear()
     await discovery.round()
-    assert not worker.restarted  # the same process
-    channel.answers[CONTROL_STATUS].instance = "second"  # restarted, never seen down
+    # Nothing changed: round robin does not ask for the control status again.
+    assert channel.calls == ["ServerReady", "RepositoryIndex"]
+    assert fleet.routes == {"meta": ("w0",), "part": ("w0",)}
+    # Restarted between two rounds, never seen down: a new connection, a new instance.
+    channel.answers[CONTROL_STATUS].instance = "second"
+    channel.opened += 1
     await discovery.round()
     assert worker.ready and worker.restarted
+
+
+async def test_the_control_status_is_read_again_when_the_index_changes():
+    channel = ScriptedChannel(worker_answers(["meta"], subs=["part"]))
+    fleet, _, discovery = fleet_of(channel)
+    await discovery.round()
+    channel.answers.update(worker_answers(["meta", "other"], subs=["part", "more"]))
+    await discovery.round()
+    assert set(fleet.routes) == {"meta", "other", "part", "more"}
+
+
+async def test_a_mode_that_reads_costs_asks_every_round():
+    channel = ScriptedChannel(worker_answers(["lin"]))
+    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, channel, True)
+    config = GatewayConfig(endpoints=["127.0.0.1:1"])
+    discovery = Discovery(Fleet([worker]), config, needs_control=True)
+    for _ in range(3):
+        await discovery.round()
+    assert channel.calls.count("ModelControlStatus") == 3
 
 
 async def test_a_worker_without_the_control_service_is_routed_by_its_index(caplog):
@@ -83,6 +108,7 @@ async def test_a_failed_control_call_keeps_what_is_known_of_a_ready_worker(caplo
     fleet, worker, discovery = fleet_of(channel)
     await discovery.round()
     channel.answers[CONTROL_STATUS] = StatusCode.RESOURCE_EXHAUSTED
+    channel.opened += 1  # (so that it is asked again)
     with caplog.at_level(logging.WARNING, "rsrv.gateway"):
         await discovery.round()
     assert "part" in fleet.routes  # the last answer stands
