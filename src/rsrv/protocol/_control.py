@@ -8,6 +8,7 @@ Served on the same gRPC port as inference, over a :class:`~rsrv.protocol.Control
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from rsrv.errors import InvalidArgument
 from rsrv.protocol._backend import ControlBackend
@@ -60,4 +61,9 @@ class ControlService(ControlServiceServicer):
 
 
 def _fields(snapshot) -> dict:
-    return {f.name: getattr(snapshot, f.name) for f in dataclasses.fields(snapshot)}
+    return {name: getattr(snapshot, name) for name in _names(type(snapshot))}
+
+
+@functools.cache
+def _names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))

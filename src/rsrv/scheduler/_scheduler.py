@@ -35,7 +35,7 @@ from rsrv.scheduler._model import ScheduledModel, VersionCounters
 from rsrv.scheduler._policy import make_policy
 from rsrv.scheduler._queue import Request, State, Version
 from rsrv.scheduler._spec import ModelSpec, check_weight
-from rsrv.scheduler._stats import SchedulingStats, VersionStats
+from rsrv.scheduler._stats import SchedulingCounters, SchedulingStats, VersionStats
 
 log = logging.getLogger("rsrv.scheduler")
 
@@ -231,6 +231,21 @@ class Scheduler:
             wait_percentiles=s.percentiles(),
             usage_ema=m.usage.at(self._clock()),
             costs=m.version.costs.snapshot(),
+            max_batch_size=m.version.spec.max_rows,
+        )
+
+    def counters(self, name: str) -> SchedulingCounters:
+        """The counters of :meth:`stats`, without its percentiles and copies; NotFound
+        if unknown."""
+        m = self._model(name)
+        s = m.stats
+        return SchedulingCounters(
+            weight=m.weight,
+            requests=s.requests,
+            rows=s.rows,
+            dispatches=s.dispatches,
+            compute_seconds=s.compute_seconds,
+            queue_depth=m.queue.live,
             max_batch_size=m.version.spec.max_rows,
         )
 

@@ -1,4 +1,5 @@
-"""Per-model counters, and the snapshot that ``Scheduler.stats`` returns."""
+"""Per-model counters, and the snapshots that ``Scheduler.stats`` and
+``Scheduler.counters`` return."""
 
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ class SchedulingStats:
     wait_percentiles: dict[str, float]
     usage_ema: float
     costs: dict[int, float]
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingCounters:
+    """The counters of :class:`SchedulingStats` alone, cheap to take (no percentiles, no
+    copies): what a status of every model reads (ModelControlStatus)."""
+
+    weight: float
+    requests: int
+    rows: int
+    dispatches: int
+    compute_seconds: float
+    queue_depth: int
     max_batch_size: int
 
 

@@ -14,6 +14,7 @@ from rsrv.bundle import discover
 from rsrv.errors import BundleError
 from rsrv.protocol import DURATIONS, ControlSnapshot, IndexEntry, ModelControl
 from rsrv.protocol import ModelStatisticsSnapshot as Snapshot
+from rsrv.worker._models import LoadState
 
 if TYPE_CHECKING:
     from rsrv.worker._models import ServedModel
@@ -125,7 +126,7 @@ def _model(worker: Worker, name: str) -> ModelControl:
         return ModelControl(name=name, state=str(entry.state))
     if served.bundle.kind == "meta":
         return _meta(worker, served, str(entry.state))
-    sched = worker.scheduler.stats(name)
+    sched = worker.scheduler.counters(name)
     batch_input, batch_axis = "", -1
     for t in served.bundle.signature.client_inputs:
         if t.batch_axis is not None:
@@ -133,7 +134,7 @@ def _model(worker: Worker, name: str) -> ModelControl:
             break
     return ModelControl(
         name=name,
-        state=str(entry.state),
+        state=str(LoadState.READY),  # it has a served version
         kind=served.bundle.kind,
         residency=served.residency,
         device_resident=worker.weights.cache.is_resident(served.key),

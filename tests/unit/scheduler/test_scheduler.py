@@ -85,6 +85,10 @@ async def test_coalescing_picks_sizes_and_splits_rows(
     assert stats.dispatches == len(expected)
     assert stats.requests == len(request_rows) and stats.rows == sum(request_rows)
     assert sum(stats.batch_sizes.values()) == len(expected)
+    counters = sched.counters("m")  # the same counters, taken without the rest
+    assert {f: getattr(counters, f) for f in counters.__slots__} == {
+        f: getattr(stats, f) for f in counters.__slots__
+    }
 
 
 async def test_padding_rows_never_reach_a_client(autojump_clock):
