@@ -214,16 +214,14 @@ class Scheduler:
         )
 
     def stats(self, name: str) -> SchedulingStats:
-        m = self._model(name)
+        """:meth:`counters`, with the batch sizes, failures, queue waits, usage and
+        costs; NotFound if unknown."""
+        counters = self.counters(name)
+        m = self._models[name]
         s = m.stats
         return SchedulingStats(
+            **{f: getattr(counters, f) for f in SchedulingCounters.__slots__},
             name=name,
-            weight=m.weight,
-            requests=s.requests,
-            rows=s.rows,
-            dispatches=s.dispatches,
-            compute_seconds=s.compute_seconds,
-            queue_depth=m.queue.live,
             queued_rows=m.queue.rows,
             batch_sizes=dict(sorted(s.batch_sizes.items())),
             failures=dict(s.failures),
@@ -231,12 +229,11 @@ class Scheduler:
             wait_percentiles=s.percentiles(),
             usage_ema=m.usage.at(self._clock()),
             costs=m.version.costs.snapshot(),
-            max_batch_size=m.version.spec.max_rows,
         )
 
     def counters(self, name: str) -> SchedulingCounters:
-        """The counters of :meth:`stats`, without its percentiles and copies; NotFound
-        if unknown."""
+        """The counters of :meth:`stats` alone (no percentiles, no copies); NotFound if
+        unknown."""
         m = self._model(name)
         s = m.stats
         return SchedulingCounters(

@@ -12,29 +12,36 @@ import numpy as np
 WAIT_SAMPLES = 1024
 
 
-@dataclass(frozen=True)
-class SchedulingStats:
-    """A snapshot of one model's scheduling statistics (all versions together).
+@dataclass(frozen=True, slots=True)
+class SchedulingCounters:
+    """One model's counters, cheap to take (no percentiles, no copies): what a status of
+    every model reads (ModelControlStatus). Counts are cumulative since the model was
+    added: ``requests`` / ``rows`` were answered with outputs, ``dispatches`` executions
+    were started, ``compute_seconds`` is their summed execute() wall time;
+    ``queue_depth`` requests wait now; ``max_batch_size`` is the current version's
+    effective max batch size."""
 
-    Counts are cumulative since the model was added: ``requests`` / ``rows`` were
-    answered with outputs, ``dispatches`` executions were started (``batch_sizes``
-    counts them per compiled size), ``compute_seconds`` is their summed execute()
-    wall time, and ``failures`` counts requests answered with an error, by status
-    code (``CANCELLED`` for withdrawn ones). ``wait_samples`` are the queue waits of
-    the last dispatched requests, oldest first, summarised in ``wait_percentiles``
-    (keys ``p50``, ``p90``, ``p99``, ``max``; empty before any dispatch).
-    ``usage_ema`` is the decayed sum of compute seconds (half-life
-    ``ema_halflife_seconds``) now, ``costs`` the learned seconds per compiled size
-    of the current version, ``max_batch_size`` its effective max batch size.
-    """
-
-    name: str
     weight: float
     requests: int
     rows: int
     dispatches: int
     compute_seconds: float
     queue_depth: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingStats(SchedulingCounters):
+    """A snapshot of one model's scheduling statistics (all versions together): its
+    counters, and ``batch_sizes`` (executions per compiled size), ``failures``
+    (requests answered with an error, by status code; ``CANCELLED`` for withdrawn
+    ones), ``wait_samples`` (the queue waits of the last dispatched requests, oldest
+    first) summarised in ``wait_percentiles`` (keys ``p50``, ``p90``, ``p99``, ``max``;
+    empty before any dispatch), ``usage_ema`` (the decayed sum of compute seconds,
+    half-life ``ema_halflife_seconds``, now) and ``costs`` (the learned seconds per
+    compiled size of the current version)."""
+
+    name: str
     queued_rows: int
     batch_sizes: dict[int, int]
     failures: dict[str, int]
@@ -42,21 +49,6 @@ class SchedulingStats:
     wait_percentiles: dict[str, float]
     usage_ema: float
     costs: dict[int, float]
-    max_batch_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulingCounters:
-    """The counters of :class:`SchedulingStats` alone, cheap to take (no percentiles, no
-    copies): what a status of every model reads (ModelControlStatus)."""
-
-    weight: float
-    requests: int
-    rows: int
-    dispatches: int
-    compute_seconds: float
-    queue_depth: int
-    max_batch_size: int
 
 
 @dataclass(frozen=True)

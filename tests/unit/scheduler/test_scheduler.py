@@ -89,6 +89,7 @@ async def test_coalescing_picks_sizes_and_splits_rows(
     assert {f: getattr(counters, f) for f in counters.__slots__} == {
         f: getattr(stats, f) for f in counters.__slots__
     }
+    assert counters.requests == len(request_rows) and counters.rows == sum(request_rows)
 
 
 async def test_padding_rows_never_reach_a_client(autojump_clock):
