@@ -253,6 +253,28 @@ def control_status(port: int):
     return trio.run(get)
 
 
+class ModelCounts:
+    """A model's success and fail counts from a server's ModelStatistics (tritonclient,
+    one connection until :meth:`close`), summed over its versions."""
+
+    def __init__(self, url: str, model: str):
+        import tritonclient.grpc as grpcclient
+
+        self.model = model
+        self.client = grpcclient.InferenceServerClient(url)
+
+    def read(self) -> tuple[int, int]:
+        stats = self.client.get_inference_statistics(self.model, client_timeout=10)
+        mine = [m for m in stats.model_stats if m.name == self.model]
+        return (
+            sum(m.inference_stats.success.count for m in mine),
+            sum(m.inference_stats.fail.count for m in mine),
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+
 # -- load ------------------------------------------------------------------------------
 
 

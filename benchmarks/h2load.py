@@ -22,11 +22,12 @@ from __future__ import annotations
 import shutil
 import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from common import HOST, LoadResult, triton_dtype
+from common import HOST, LoadResult, log, triton_dtype
 
 INSTALL = "apt-get install nghttp2-client (Debian/Ubuntu; the nghttp2 package elsewhere)"
 PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -134,3 +135,77 @@ def _from_log(path: Path, concurrency: int) -> LoadResult:
         latencies,
         first_error="" if len(ok) == len(rows) else f"{len(rows) - len(ok)} answers not 200",
     )
+
+
+class CheckedRuns:
+    """h2load runs whose every counted request is checked.
+
+    :meth:`measure` makes one measurement of a server at one concurrency: a short
+    warm-up run, then a run of N requests, N sized from the last rate at that
+    concurrency to take about ``seconds``. Where ``counts`` has a reader for the server
+    (its (success, fail) counts of the model, e.g. from ModelStatistics), it is read
+    before the warm-up and after the run: success must have grown by exactly the
+    requests h2load completed, fail not at all. A measurement that fails this, or in
+    which h2load saw a failure, is refused (``refused`` holds its (concurrency, server);
+    ``notes`` says why). ``checks`` counts, per server, the measurements checked and
+    refused; ``answered`` the requests each server answered over warm-ups and runs.
+    """
+
+    def __init__(
+        self,
+        exe: str,
+        body: Path,
+        seconds: float,
+        counts: dict[str, Callable[[], tuple[int, int]]],
+        notes: list[str],
+        label: str,
+    ):
+        self.exe, self.body, self.seconds = exe, body, seconds
+        self.counts, self.notes, self.label = counts, notes, label
+        self.rate: dict[tuple[str, int], float] = {}
+        self.checks: dict[str, list[int]] = {}  # name -> [measured, refused]
+        self.answered: dict[str, int] = {}
+        self.refused: set[tuple[int, str]] = set()
+
+    def measure(self, name: str, port: int, c: int) -> LoadResult:
+        logf = self.body.parent / f"{self.body.stem}-{name.replace(' ', '_')}-c{c}.log"
+        count = self.counts.get(name)
+        before = count() if count is not None else None
+        warm_n = max(10 * c, 100, int(self.rate.get((name, c), 0) * 0.3))
+        warm = run(self.exe, port, self.body, c, warm_n, logf)
+        n = max(20 * c, int(self.rate.get((name, c), warm.result.rps) * self.seconds))
+        got = run(self.exe, port, self.body, c, n, logf, timeout=max(60.0, 20 * self.seconds))
+        self.rate[(name, c)] = got.result.rps
+        self.answered[name] = self.answered.get(name, 0) + warm.succeeded + got.succeeded
+        problems = []
+        for what, r in (("warm-up", warm), ("run", got)):
+            if r.succeeded != r.requests or r.failed or r.result.completed != r.requests:
+                problems.append(
+                    f"{what}: h2load asked {r.requests}, {r.succeeded} succeeded, "
+                    f"{r.failed} failed, {r.result.completed} answered 200 in its log"
+                )
+        if before is not None:
+            after = count()
+            success, fail = after[0] - before[0], after[1] - before[1]
+            expected = warm.succeeded + got.succeeded
+            if success != expected or fail:
+                problems.append(
+                    f"success count +{success}, fail +{fail}; h2load completed {expected}"
+                )
+        tally = self.checks.setdefault(name, [0, 0])
+        tally[0] += 1
+        if problems:
+            tally[1] += 1
+            self.refused.add((c, name))
+            self.notes.append(f"{self.label}: {name} c={c} REFUSED: " + "; ".join(problems))
+            log(self.notes[-1])
+        return got.result
+
+    def checked(self, what: str) -> dict[str, str]:
+        """Per server measured: how its requests were checked (``what``: the counts)."""
+        return {
+            name: f"{what}: {runs - bad} of {runs} runs"
+            if name in self.counts
+            else "no statistics read; answer checked once with tritonclient"
+            for name, (runs, bad) in self.checks.items()
+        }

@@ -57,6 +57,7 @@ from common import (
     RESULTS,
     START_TIMEOUT,
     LoadResult,
+    ModelCounts,
     ServerProcess,
     closed_loop,
     free_port,
@@ -332,23 +333,6 @@ def _check_rest(rest: dict[str, str], x: np.ndarray, notes: list[str]) -> dict:
 # -- b. h2load ------------------------------------------------------------------------------
 
 
-class _Statistics:
-    """Success and fail counts of ``classifier`` from the server's ModelStatistics."""
-
-    def __init__(self, server: ServerProcess):
-        import tritonclient.grpc as grpcclient
-
-        self.client = grpcclient.InferenceServerClient(server.url)
-
-    def read(self) -> tuple[int, int]:
-        stats = self.client.get_inference_statistics(MODEL, client_timeout=10)
-        mine = [m for m in stats.model_stats if m.name == MODEL]
-        return (
-            sum(m.inference_stats.success.count for m in mine),
-            sum(m.inference_stats.fail.count for m in mine),
-        )
-
-
 def _h2load_part(servers, x, p: Params, notes: list[str]) -> tuple[dict | None, set]:
     exe = h2load.find()
     if exe is None:
@@ -360,65 +344,27 @@ def _h2load_part(servers, x, p: Params, notes: list[str]) -> tuple[dict | None, 
     body = RESULTS / "h2load" / "classifier_1row.bin"
     body.parent.mkdir(parents=True, exist_ok=True)
     body.write_bytes(h2load.model_infer_body(MODEL, {"x": x}))
-    stats = {n: _Statistics(s) for n, s in servers.items() if n in ("rsrv", "Triton")}
+    stats = {n: ModelCounts(s.url, MODEL) for n, s in servers.items() if n in ("rsrv", "Triton")}
     if "Triton" in stats:  # optional for Triton (an older PyTriton guards its statistics)
         try:
             stats["Triton"].read()
         except Exception as e:
-            stats.pop("Triton").client.close()
+            stats.pop("Triton").close()
             notes.append(f"b: Triton's ModelStatistics cannot be read ({e}); answer checked once")
-    rate: dict[tuple[str, int], float] = {}
-    checks: dict[str, list[int]] = {n: [0, 0] for n in servers}  # runs checked, failed
-    refused: set[tuple[int, str]] = set()
-
-    def measure(name: str, server: ServerProcess, c: int) -> LoadResult:
-        logf = body.parent / f"{server.name}-c{c}.log"
-        before = stats[name].read() if name in stats else None
-        last = rate.get((name, c))
-        warm_n = max(10 * c, 100, int((last or 0) * 0.3))
-        warm = h2load.run(exe, server.port, body, c, warm_n, logf)
-        n = max(20 * c, int((last or warm.result.rps) * p.h2_seconds))
-        got = h2load.run(exe, server.port, body, c, n, logf, timeout=max(60.0, 20 * p.h2_seconds))
-        rate[(name, c)] = got.result.rps
-        problems = []
-        for what, r in (("warm-up", warm), ("run", got)):
-            if r.succeeded != r.requests or r.failed or r.result.completed != r.requests:
-                problems.append(
-                    f"{what}: h2load asked {r.requests}, {r.succeeded} succeeded, "
-                    f"{r.failed} failed, {r.result.completed} answered 200 in its log"
-                )
-        if before is not None:
-            after = stats[name].read()
-            success, fail = after[0] - before[0], after[1] - before[1]
-            expected = warm.succeeded + got.succeeded
-            if success != expected or fail:
-                problems.append(
-                    f"ModelStatistics success +{success}, fail +{fail}; h2load completed {expected}"
-                )
-        checks[name][0] += 1
-        if problems:
-            checks[name][1] += 1
-            refused.add((c, name))
-            notes.append(f"b: {name} c={c} REFUSED: " + "; ".join(problems))
-            log(notes[-1])
-        return got.result
+    counts = {n: s.read for n, s in stats.items()}
+    runs = h2load.CheckedRuns(exe, body, p.h2_seconds, counts, notes, "b")
 
     points = {}
     try:
         for c in p.concurrency:
             log(f"fig 1b: h2load, concurrency {c}")
-            points[c] = interleave(servers, p.h2_rounds, lambda n, s, c=c: measure(n, s, c))
+            points[c] = interleave(
+                servers, p.h2_rounds, lambda n, s, c=c: runs.measure(n, s.port, c)
+            )
     finally:
         for s in stats.values():
-            s.client.close()
-    checked = {
-        n: (
-            f"ModelStatistics delta == h2load's count: {runs - bad} of {runs} runs"
-            if n in stats
-            else "no statistics read; answer checked once with tritonclient"
-        )
-        for n, (runs, bad) in checks.items()
-    }
+            s.close()
+    checked = runs.checked("ModelStatistics delta == h2load's count")
     return {
         "load": f"h2load ({exe}): -c C -m 1 -t 1, one length-prefixed ModelInferRequest "
         "body; per round and server a warm-up run, then N requests (~h2_seconds); "
@@ -427,7 +373,7 @@ def _h2load_part(servers, x, p: Params, notes: list[str]) -> tuple[dict | None, 
         "seconds_per_run": p.h2_seconds,
         "checked": checked,
         "points": points,
-    }, refused
+    }, runs.refused
 
 
 # -- output ---------------------------------------------------------------------------------

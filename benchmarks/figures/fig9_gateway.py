@@ -15,19 +15,32 @@ gateways in front of the same two workers, one round robin and one lpt_packing (
 replicas, fill routing); 16 closed-loop clients through each gateway in interleaved
 rounds. Rows per execution from the workers' ModelControlStatus (rows served over
 dispatches, summed over both workers, read when each window opens and closes).
+
+(c) The same hop with a C load generator: h2load (benchmarks/h2load.py; c connections,
+one stream each, the same ModelInfer body) straight to the worker, through the gateway,
+and through nghttpx (nghttp2's C HTTP/2 reverse proxy, one worker thread in one process,
+one HTTP/2 connection to the worker) when it is installed: what any proxy in that place
+costs on this machine. Interleaved rounds whose order rotates; per round and path a
+warm-up run, then about ``h2_seconds`` of requests. Every request h2load counts is
+checked against the worker's ModelStatistics (all three paths end at the same worker).
+CPU per request of the worker and the proxy over the warm-ups and runs. Skipped, saying
+how to install h2load, when it is not on PATH.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from dataclasses import dataclass
 
+import h2load
 import numpy as np
 from common import (
     COMPILE_CACHE,
     RESULTS,
     START_TIMEOUT,
+    ModelCounts,
     ServerProcess,
     closed_loop,
     control_status,
@@ -64,10 +77,13 @@ class Params:
     rounds: int
     warmup: float
     fill_clients: int
+    h2_seconds: float  # c: per measured run
+    h2_rounds: int
 
 
-FULL = Params((1, 8, 32), 2.5, 3, 0.75, 16)
-QUICK = Params((1, 8, 32), 1.5, 1, 0.5, 16)
+FULL = Params((1, 8, 32), 2.5, 3, 0.75, 16, 2.0, 3)
+QUICK = Params((1, 8, 32), 1.5, 1, 0.5, 16, 1.0, 1)
+NGHTTPX_INSTALL = "apt-get install nghttp2-proxy (Debian/Ubuntu; the nghttp2 package elsewhere)"
 
 
 def start_gateway(name: str, workers: list[ServerProcess], scheduling: str) -> ServerProcess:
@@ -85,7 +101,23 @@ def start_gateway(name: str, workers: list[ServerProcess], scheduling: str) -> S
     )
 
 
-def overhead(p: Params) -> list[dict]:
+def start_nghttpx(exe: str, worker: ServerProcess) -> ServerProcess:
+    """nghttpx in front of ``worker``: cleartext HTTP/2 in, one HTTP/2 connection out."""
+    port = free_port()
+    argv = [
+        exe,
+        "--conf=/dev/null",
+        f"--frontend=127.0.0.1,{port};no-tls",
+        f"--backend=127.0.0.1,{worker.port};;proto=h2",
+        "--single-process",  # one process, whose CPU /proc reports
+        "--workers=1",
+        "--log-level=WARN",
+    ]
+    return ServerProcess("gw_nghttpx", argv, port)
+
+
+def overhead(p: Params, notes: list[str]) -> tuple[list[dict], dict | None]:
+    """Parts (a) and (c), on one worker and one gateway."""
     servers: dict[str, ServerProcess] = {}
     try:
         worker = start_rsrv("gw_direct", bundles.classifier(), COMPILE_CACHE)
@@ -94,50 +126,129 @@ def overhead(p: Params) -> list[dict]:
         wait_ready(gateway, START_TIMEOUT, ["classifier"])
         servers = {"direct": worker, "gateway": gateway}
         x = np.random.default_rng(2).random((1, 256), dtype=np.float32)
-        rows = []
-        pids = {"client": None, "worker": worker.proc.pid, "gateway": gateway.proc.pid}
-        for c in p.concurrency:
-            log(f"fig 9a: concurrency {c}")
-            cpu = {n: dict.fromkeys(pids, 0.0) for n in servers}
-            completed = dict.fromkeys(servers, 0)
-
-            def measure(name, server, c=c, cpu=cpu, completed=completed):
-                marks = []
-
-                def mark():
-                    marks.append({k: cpu_seconds(pid) for k, pid in pids.items()})
-
-                r = closed_loop(
-                    server.url,
-                    {"classifier": {"x": x}},
-                    c,
-                    p.seconds,
-                    warmup=p.warmup,
-                    at_start=mark,
-                    at_end=mark,
-                )
-                for k in pids:
-                    cpu[name][k] += marks[1][k] - marks[0][k]
-                completed[name] += r.completed
-                return r
-
-            by = interleave(servers, p.rounds, measure)
-            rows.append(
-                {
-                    "concurrency": c,
-                    "direct": by["direct"].summary(),
-                    "gateway": by["gateway"].summary(),
-                    "ratio": ratio(by["gateway"].rps, by["direct"].rps),
-                    "rounds_ratio": round_ratios(by["gateway"], by["direct"]),
-                    "cpu_us_per_request": {
-                        n: {k: round(v * 1e6 / max(completed[n], 1)) for k, v in cpu[n].items()}
-                        for n in servers
-                    },
-                }
-            )
-        return rows
+        rows = closed_loop_overhead(p, servers, x)
+        try:
+            h2 = h2load_overhead(p, servers, x, notes)
+        except Exception as e:  # part a stands on its own
+            h2 = None
+            notes.append(f"c (h2load) FAILED: {type(e).__name__}: {e}"[:600])
+            log(notes[-1])
+        return rows, h2
     finally:
         stop_all(servers.values())
+
+
+def closed_loop_overhead(p: Params, servers: dict[str, ServerProcess], x) -> list[dict]:
+    worker, gateway = servers["direct"], servers["gateway"]
+    rows = []
+    pids = {"client": None, "worker": worker.proc.pid, "gateway": gateway.proc.pid}
+    for c in p.concurrency:
+        log(f"fig 9a: concurrency {c}")
+        cpu = {n: dict.fromkeys(pids, 0.0) for n in servers}
+        completed = dict.fromkeys(servers, 0)
+
+        def measure(name, server, c=c, cpu=cpu, completed=completed):
+            marks = []
+
+            def mark():
+                marks.append({k: cpu_seconds(pid) for k, pid in pids.items()})
+
+            r = closed_loop(
+                server.url,
+                {"classifier": {"x": x}},
+                c,
+                p.seconds,
+                warmup=p.warmup,
+                at_start=mark,
+                at_end=mark,
+            )
+            for k in pids:
+                cpu[name][k] += marks[1][k] - marks[0][k]
+            completed[name] += r.completed
+            return r
+
+        by = interleave(servers, p.rounds, measure)
+        rows.append(
+            {
+                "concurrency": c,
+                "direct": by["direct"].summary(),
+                "gateway": by["gateway"].summary(),
+                "ratio": ratio(by["gateway"].rps, by["direct"].rps),
+                "rounds_ratio": round_ratios(by["gateway"], by["direct"]),
+                "cpu_us_per_request": {
+                    n: {k: round(v * 1e6 / max(completed[n], 1)) for k, v in cpu[n].items()}
+                    for n in servers
+                },
+            }
+        )
+    return rows
+
+
+def h2load_overhead(p: Params, servers: dict[str, ServerProcess], x, notes) -> dict | None:
+    exe = h2load.find()
+    if exe is None:
+        notes.append(
+            f"c (h2load) skipped: h2load is not installed; install it with {h2load.INSTALL}"
+        )
+        log(notes[-1])
+        return None
+    worker = servers["direct"]
+    paths = dict(servers)
+    proxy = shutil.which("nghttpx")
+    if proxy is None:
+        notes.append(f"c: nghttpx is not installed (install it with {NGHTTPX_INSTALL})")
+    else:
+        paths["nghttpx"] = start_nghttpx(proxy, worker)
+        servers["nghttpx"] = paths["nghttpx"]  # stopped with the others
+        wait_ready(paths["nghttpx"], START_TIMEOUT, ["classifier"])
+    body = RESULTS / "h2load" / "gateway_classifier_1row.bin"
+    body.parent.mkdir(parents=True, exist_ok=True)
+    body.write_bytes(h2load.model_infer_body("classifier", {"x": x}))
+    counts = ModelCounts(worker.url, "classifier")
+    runs = h2load.CheckedRuns(
+        exe, body, p.h2_seconds, dict.fromkeys(paths, counts.read), notes, "c"
+    )
+    pids = {("worker" if n == "direct" else n): server.proc.pid for n, server in paths.items()}
+    rows = []
+    try:
+        for c in p.concurrency:
+            log(f"fig 9c: h2load, concurrency {c}")
+            cpu = {n: dict.fromkeys(pids, 0.0) for n in paths}
+            answered = dict(runs.answered)
+
+            def measure(name, server, c=c, cpu=cpu):
+                before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                result = runs.measure(name, server.port, c)
+                for k, pid in pids.items():
+                    cpu[name][k] += cpu_seconds(pid) - before[k]
+                return result
+
+            by = interleave(paths, p.h2_rounds, measure)
+            row = {"concurrency": c, "paths": {n: r.summary() for n, r in by.items()}}
+            for name in paths:
+                n = max(runs.answered[name] - answered.get(name, 0), 1)
+                row["paths"][name]["cpu_us_per_request"] = {
+                    k: round(v * 1e6 / n) for k, v in cpu[name].items() if k in ("worker", name)
+                }
+                if name != "direct":
+                    ok = not {(c, name), (c, "direct")} & runs.refused
+                    row["paths"][name]["over_direct"] = (
+                        ratio(by[name].rps, by["direct"].rps) if ok else None
+                    )
+                    row["paths"][name]["rounds_over_direct"] = (
+                        round_ratios(by[name], by["direct"]) if ok else []
+                    )
+            rows.append(row)
+    finally:
+        counts.close()
+    return {
+        "load": f"h2load ({exe}): -c C -m 1 -t 1, one length-prefixed ModelInferRequest body",
+        "proxy": "nghttpx (nghttp2), --workers=1, HTTP/2 to the worker" if proxy else None,
+        "rounds": p.h2_rounds,
+        "seconds_per_run": p.h2_seconds,
+        "checked": runs.checked("the worker's ModelStatistics delta == h2load's count"),
+        "rows": rows,
+    }
 
 
 def coalescing(p: Params) -> dict:
@@ -202,6 +313,8 @@ def coalescing(p: Params) -> dict:
 
 def run(quick: bool) -> dict:
     p = QUICK if quick else FULL
+    notes: list[str] = []
+    closed, h2 = overhead(p, notes)
     data = {
         "figure": NUMBER,
         "title": "Gateway: one hop's cost, and fill routing's batches",
@@ -210,10 +323,15 @@ def run(quick: bool) -> dict:
         f"{p.seconds} s per concurrency); (b) two gateways (round robin, lpt_packing) in "
         f"front of the same two fifo workers (queue delay {QUEUE_DELAY * 1e3:g} ms), "
         f"{p.fill_clients} closed-loop clients, "
-        "interleaved rounds; rows per execution from the workers' ModelControlStatus",
-        "overhead": overhead(p),
+        "interleaved rounds; rows per execution from the workers' ModelControlStatus; "
+        f"(c) h2load straight to the worker, through the gateway and through nghttpx (a C "
+        f"HTTP/2 proxy), interleaved rounds ({rounds(p.h2_rounds)} of about {p.h2_seconds} s "
+        "per path and concurrency), each request checked against the worker's statistics",
+        "overhead": closed,
+        "h2load": h2,
         "coalescing": coalescing(p),
         "rounds": p.rounds,
+        "notes": notes,
     }
     save_json("fig9_gateway", data)
     return data
@@ -225,6 +343,8 @@ def report(d: dict) -> tuple[list[str], list[list]]:
         "## 9. Gateway (req/s; p50 / p99 ms)",
         "",
         f"Measured: {d['method']}.",
+        "",
+        "**a. tritonclient closed loop**",
         "",
         table(
             [
@@ -257,6 +377,9 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             ["clients", "direct: client + worker", "through: client + worker + gateway"],
         ),
         "",
+        *_h2load_report(d.get("h2load")),
+        "**b. Coalescing**",
+        "",
         table(
             [
                 [m, f"{c['rows_per_execution'][m]:.2f}", f"{c['req_s'][m]:,.0f}"]
@@ -275,6 +398,7 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             ", ".join(times(r["ratio"]) for r in d["overhead"]),
             f"interleaved, {rounds(d['rounds'])}",
         ],
+        *_h2load_rows(d.get("h2load")),
         [
             "9 gateway",
             f"rows per execution, lpt_packing / round_robin ({c['clients']} clients)",
@@ -282,4 +406,71 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             f"interleaved, {rounds(d['rounds'])}",
         ],
     ]
+    out += [f"- {n}" for n in d.get("notes", [])]
     return out, rows
+
+
+def _h2load_report(h: dict | None) -> list[str]:
+    if h is None:
+        return []
+    names = list(h["rows"][0]["paths"])
+    proxies = names[1:]
+
+    def cell(s: dict) -> str:
+        return f"{s['req_s']:,.0f} ({s['p50_ms']:.2f} / {s['p99_ms']:.2f})"
+
+    return [
+        f"**c. h2load** ({h['load']}; {rounds(h['rounds'])} of about "
+        f"{h['seconds_per_run']} s per path). Checked: "
+        + "; ".join(f"{n}: {v}" for n, v in h["checked"].items())
+        + ".",
+        "",
+        table(
+            [
+                [
+                    r["concurrency"],
+                    *[cell(r["paths"][n]) for n in names],
+                    *[
+                        times(r["paths"][n]["over_direct"], r["paths"][n]["rounds_over_direct"])
+                        for n in proxies
+                    ],
+                ]
+                for r in h["rows"]
+            ],
+            ["clients", *names, *(f"{n} / direct" for n in proxies)],
+        ),
+        "",
+        "CPU per request (µs; user + system over the warm-ups and runs):",
+        "",
+        table(
+            [
+                [
+                    r["concurrency"],
+                    *[
+                        " + ".join(
+                            f"{k} {v}" for k, v in r["paths"][n]["cpu_us_per_request"].items()
+                        )
+                        for n in names
+                    ],
+                ]
+                for r in h["rows"]
+            ],
+            ["clients", *names],
+        ),
+        "",
+    ]
+
+
+def _h2load_rows(h: dict | None) -> list[list]:
+    if h is None:
+        return []
+    cs = ", ".join(str(r["concurrency"]) for r in h["rows"])
+    return [
+        [
+            "9 gateway (h2load)",
+            f"through {n} / direct at c = {cs}",
+            ", ".join(times(r["paths"][n]["over_direct"]) for r in h["rows"]),
+            f"interleaved, {rounds(h['rounds'])}",
+        ]
+        for n in list(h["rows"][0]["paths"])[1:]
+    ]
