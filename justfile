@@ -44,9 +44,9 @@ test-torch *args:
 
 # Figures (needs the bench extra) under results/: `just bench` full (12-15 min), `just bench
 # quick` (about 3 min), `just bench --only 2,7` some of them; one module per figure in
-# benchmarks/figures/. Figure 1's transport part needs h2load (apt-get install nghttp2-client)
-# and says so when it is missing. `just bench gpu` measures the accelerator weight path
-# (benchmarks/gpu.py); without a GPU it says so and exits 0 (`just bench gpu --cpu-smoke`
-# checks the script on the CPU).
+# benchmarks/figures/. Figures 1b and 9c need h2load (apt-get install nghttp2-client), 9c's
+# C-proxy comparison nghttpx (nghttp2-proxy); each says so when it is missing.
+# `just bench gpu` measures the accelerator weight path (benchmarks/gpu.py); without a GPU it
+# says so and exits 0 (`just bench gpu --cpu-smoke` checks the script on the CPU).
 bench *args:
     python benchmarks/run.py {{args}}
