@@ -88,7 +88,8 @@ class WorkerLink:
     ModelControlStatus (a protobuf message), None when it has no control service.
     ``instance``: the last ``control.instance`` seen; ``restarted``: it changed since
     (set by discovery, cleared once the gateway has acted on it); ``opened``: the
-    channel's connection count when discovery last read the control status.
+    channel's connection count when discovery last asked for the control status;
+    ``control_due``: that ask has not been answered yet (asked again next round).
     """
 
     name: str
@@ -106,6 +107,7 @@ class WorkerLink:
     instance: str = ""
     restarted: bool = False
     opened: int = -1
+    control_due: bool = False
     inflight: int = 0  # calls the gateway has open on it
     leaving: Any = None  # a trio.Event set when the worker leaves the fleet
 

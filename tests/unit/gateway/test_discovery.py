@@ -119,6 +119,28 @@ async def test_a_failed_control_call_keeps_what_is_known_of_a_ready_worker(caplo
     channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=True)
     await discovery.round()
     assert worker.ready and worker.control is None and "part" not in fleet.routes
+    # Asked again every round until it answers; then the sub-model is routed again.
+    await discovery.round()
+    assert worker.control is None
+    channel.answers[CONTROL_STATUS] = worker_answers(["meta"], subs=["part"])[CONTROL_STATUS]
+    await discovery.round()
+    assert worker.control is not None and fleet.routes["part"] == ("w0",)
+    channel.calls.clear()
+    await discovery.round()
+    assert channel.calls == ["ServerReady", "RepositoryIndex"]  # answered: not asked again
+
+
+async def test_a_restart_whose_first_control_call_fails_is_seen_at_the_next_answer():
+    channel = ScriptedChannel(worker_answers(["lin"], instance="first"))
+    _, worker, discovery = fleet_of(channel)
+    await discovery.round()
+    channel.opened += 1  # restarted between two rounds ...
+    channel.answers[CONTROL_STATUS] = StatusCode.UNAVAILABLE  # ... and not answering yet
+    await discovery.round()
+    assert not worker.restarted and worker.instance == "first"
+    channel.answers[CONTROL_STATUS] = worker_answers(["lin"], instance="second")[CONTROL_STATUS]
+    await discovery.round()
+    assert worker.restarted and worker.instance == "second"
 
 
 class ScriptedForwarder:
