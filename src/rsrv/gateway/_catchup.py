@@ -13,7 +13,9 @@ finds it newly ready or restarted (its ModelControlStatus ``instance`` changed):
   the same request (config overrides included); one unloaded through the gateway since
   and READY or LOADING there (its own start-up loads included) is unloaded.
 
-A change is remembered once at least one worker accepted it. Replays are the gateway's
+A change is remembered once at least one worker accepted it; a worker that became ready
+while the change was being made (so neither reached by it nor caught up with it yet) is
+brought in line once it is remembered. Replays are the gateway's
 own calls, sent with ``worker_client.headers`` (where a restricted protocol's header
 must then be). Otherwise, what was done on a worker directly is left alone. Workers are
 brought in line concurrently; a replay that fails is logged, and the worker keeps
@@ -23,6 +25,7 @@ serving what it has.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import trio
 from purerpc.grpclib.status import StatusCode
@@ -46,6 +49,7 @@ class CatchUp:
         self.dropped: set[str] = set()  # regions unregistered through the gateway since
         self.loads: dict[str, bytes] = {}  # model -> its load request
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
+        self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
 
     def __bool__(self) -> bool:
         return bool(self.regions or self.dropped or self.loads or self.unloads)
@@ -70,6 +74,17 @@ class CatchUp:
     def unloaded(self, model: str, body: bytes) -> None:
         self.unloads[model] = body
         self.loads.pop(model, None)
+
+    def start(self, workers: list[WorkerLink]) -> None:
+        """:meth:`replay` on ``workers`` in the background (in ``nursery``), when there
+        is anything to replay."""
+        if workers and self and self.nursery is not None:
+            self.nursery.start_soon(self.replay, workers)
+
+    def missed(self, results: Mapping[str, object]) -> None:
+        """A change was remembered after a fan-out whose results (by worker name) are
+        ``results``: the workers ready now that it did not reach are brought in line."""
+        self.start([w for w in self.forward.fleet.ready if w.name not in results])
 
     async def replay(self, workers: list[WorkerLink]) -> None:
         """Bring each of ``workers`` (newly ready or restarted, its index and control

@@ -106,8 +106,7 @@ class Gateway:
         self._was_ready = now_ready
         for worker in self.fleet.workers:
             worker.restarted = False
-        if back and self.services.catchup and self._nursery:
-            self._nursery.start_soon(self.services.catchup.replay, back)
+        self.services.catchup.start(back)
         outcome = self.scheduler.tick()
         if outcome is not None and outcome.compaction is not None and self._nursery:
             self._nursery.start_soon(self._compact, outcome.compaction.reload)
@@ -158,7 +157,7 @@ class Gateway:
             for worker in self.fleet.workers:
                 await channels.start(self._hold_channel, worker)
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self._nursery = self.services.catchup.nursery = nursery
                 await nursery.start(self.discovery.run)
                 self.port = await nursery.start(self.server.serve)
                 log.info(

@@ -157,6 +157,7 @@ class GatewayServices:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         if _any_ok(results):
             (self.catchup.loaded if load else self.catchup.unloaded)(name, body)
+            self.catchup.missed(results)
         return _first_answer(results)
 
     async def model_call(self, body: bytes, call: ServerCall) -> bytes:
@@ -283,6 +284,7 @@ class GatewayServices:
                 )
             raise failure
         self.catchup.registered(request.name, body)
+        self.catchup.missed(results)
         return pb.SystemSharedMemoryRegisterResponse().SerializeToString()
 
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
@@ -291,6 +293,7 @@ class GatewayServices:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         if _any_ok(results):
             self.catchup.unregistered(request.name)
+            self.catchup.missed(results)
         if (failure := first_failure(results)) is not None:
             raise failure
         return pb.SystemSharedMemoryUnregisterResponse().SerializeToString()

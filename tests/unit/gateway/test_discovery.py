@@ -1,11 +1,13 @@
 """Discovery and catch-up against scripted workers (a fake channel answering each RPC from
 a table): routes from RepositoryIndex and ModelControlStatus, when the control status is
 asked for, restarts seen through its ``instance``, what a failed control call leaves
-known, and a catch-up that survives changes made while it runs."""
+known, a catch-up that survives changes made while it runs, and a worker that became
+ready while a change was being made."""
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import trio
 from purerpc.grpclib.status import StatusCode
@@ -14,6 +16,9 @@ from rsrv.config import GatewayConfig
 from rsrv.gateway._catchup import CatchUp
 from rsrv.gateway._discovery import CONTROL_STATUS, REPOSITORY_INDEX, SERVER_READY, Discovery
 from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._forward import INFERENCE
+from rsrv.gateway._services import GatewayServices
+from rsrv.protocol import Admission
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
 from rsrv.transport import UnaryResult
@@ -175,3 +180,37 @@ async def test_a_catch_up_survives_loads_and_unloads_made_while_it_runs():
     assert forward.methods == ["RepositoryModelLoad"]
     assert catchup.loads == {"a": b"load a", "c": b"load c"}
     assert catchup.unloads == {"b": b"unload b"}
+
+
+class FleetForwarder(ScriptedForwarder):
+    """fan_out to the fleet's ready workers (or ``workers``); records who got what."""
+
+    def __init__(self, fleet: Fleet, during=lambda: None):
+        super().__init__(during)
+        self.fleet = fleet
+        self.sent: list[tuple[str, tuple[str, ...]]] = []
+
+    async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
+        targets = list(self.fleet.ready if workers is None else workers)
+        results = await super().fan_out(path, body, metadata, deadline, targets)
+        self.sent.append((path.rsplit("/", 1)[1], tuple(w.name for w in targets)))
+        return results
+
+
+async def test_a_worker_ready_while_a_load_runs_is_brought_in_line_once_it_is_recorded():
+    early = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, None, True, ready=True)
+    late = WorkerLink("w1", "127.0.0.1:2", "127.0.0.1", 2, None, True)
+    fleet = Fleet([early, late])
+
+    def becomes_ready():  # (its catch-up ran before the load was recorded)
+        late.ready = True
+        fleet.rebuild_routes()
+
+    forward = FleetForwarder(fleet, becomes_ready)
+    services = GatewayServices(fleet, forward, Admission(0), 4)
+    call = SimpleNamespace(path=INFERENCE + "RepositoryModelLoad", metadata={}, deadline=1e9)
+    body = pb.RepositoryModelLoadRequest(model_name="m").SerializeToString()
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        await services.model_load(body, call)
+    assert forward.sent == [("RepositoryModelLoad", ("w0",)), ("RepositoryModelLoad", ("w1",))]
