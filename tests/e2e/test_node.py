@@ -144,11 +144,14 @@ def test_two_cpu_workers_each_answer_on_their_own_port(tmp_path, node):
         str(children["worker1"]["pid"]),
         str(ports[1]),
     ]
-    # Every worker's lines reach the node's stderr, tagged with its name, once.
+    # Every worker's lines reach the node's stderr, tagged with its name, once (one
+    # "listening" line per start of the worker: restarts, should one happen, counted).
+    restarts = Scrape(n.metrics_port).total("rsrv_node_child_restarts", child="worker1")
     listening = [
         line for line in n.stderr if line.startswith("[worker1] ") and "gRPC listening" in line
     ]
-    assert listening and all(line.count("[worker1]") == 1 for line in listening), listening
+    assert len(listening) == 1 + restarts, (restarts, listening)
+    assert all(line.count("[worker1]") == 1 for line in listening), listening
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(tmp_path, node):

@@ -35,14 +35,17 @@ class _ClosingTCPServer(TCPServer):
     timer ends when the client closes an idle HTTP/1.1 connection: the read loop meets
     the end of the stream, but the timer's task, still running in the connection's task
     group, keeps the group, and the close after it, waiting. Stopping the timer there
-    lets the connection close once its requests are answered."""
+    lets the connection close once its requests are answered. (A hypercorn without
+    that timer, ``idle_task``, is left to itself.)"""
 
     async def _read_data(self) -> None:
         await super()._read_data()
-        await self.idle_task.stop()
+        idle = getattr(self, "idle_task", None)
+        if idle is not None:
+            await idle.stop()
 
 
-if hasattr(TCPServer, "_read_data") and hasattr(TCPServer, "_idle_timeout"):
+if hasattr(TCPServer, "_read_data"):
     hypercorn.trio.run.TCPServer = _ClosingTCPServer  # what serve() starts per connection
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 #: The residency floors, least resident first.
 FLOORS = ("unpinned", "system", "device")
+_READY = str(LoadState.READY)
 
 
 def statistics(worker: Worker, name: str, version: int | None) -> list[Snapshot]:
@@ -124,8 +125,9 @@ def _model(worker: Worker, name: str) -> ModelControl:
     served = entry.model
     if served is None:
         return ModelControl(name=name, state=str(entry.state))
+    # It has a served version: READY (entry.state would find that version again).
     if served.bundle.kind == "meta":
-        return _meta(worker, served, str(entry.state))
+        return _meta(worker, served)
     sched = worker.scheduler.counters(name)
     batch_input, batch_axis = "", -1
     for t in served.bundle.signature.client_inputs:
@@ -134,7 +136,7 @@ def _model(worker: Worker, name: str) -> ModelControl:
             break
     return ModelControl(
         name=name,
-        state=str(LoadState.READY),  # it has a served version
+        state=_READY,
         kind=served.bundle.kind,
         residency=served.residency,
         device_resident=worker.weights.cache.is_resident(served.key),
@@ -152,7 +154,7 @@ def _model(worker: Worker, name: str) -> ModelControl:
     )
 
 
-def _meta(worker: Worker, served: ServedModel, state: str) -> ModelControl:
+def _meta(worker: Worker, served: ServedModel) -> ModelControl:
     """A meta reports its sub-models' footprint, its least-resident floor, and the device
     time of its own sub-calls."""
     entries = worker.models.entries
@@ -166,7 +168,7 @@ def _meta(worker: Worker, served: ServedModel, state: str) -> ModelControl:
     cache = worker.weights.cache
     return ModelControl(
         name=served.name,
-        state=state,
+        state=_READY,
         kind="meta",
         residency=min((s.residency for s in subs), key=FLOORS.index) if subs else "",
         device_resident=bool(subs) and all(cache.is_resident(s.key) for s in subs),
