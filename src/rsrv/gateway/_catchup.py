@@ -50,6 +50,7 @@ class CatchUp:
         self.loads: dict[str, bytes] = {}  # model -> its load request
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
+        self._replaying: dict[str, bool] = {}  # worker name -> replay again once done
 
     def __bool__(self) -> bool:
         return bool(self.regions or self.dropped or self.loads or self.unloads)
@@ -88,17 +89,29 @@ class CatchUp:
 
     async def replay(self, workers: list[WorkerLink]) -> None:
         """Bring each of ``workers`` (newly ready or restarted, its index and control
-        status fresh) in line, all at once. Never raises but for cancellation."""
+        status fresh) in line, all at once. A worker being brought in line already is
+        brought in line once more after that (one replay at a time per worker). Never
+        raises but for cancellation."""
         async with trio.open_nursery() as nursery:
             for worker in workers:
                 nursery.start_soon(self._replay_on, worker)
 
     async def _replay_on(self, worker: WorkerLink) -> None:
+        if worker.name in self._replaying:
+            self._replaying[worker.name] = True  # the running replay goes round again
+            return
+        self._replaying[worker.name] = False
         try:
-            await self._regions_on(worker)
-            await self._models_on(worker)
-        except Exception:  # a gateway bug must not take the gateway down
-            log.exception("bringing %s in line failed", worker.name)
+            again = True
+            while again:
+                try:
+                    await self._regions_on(worker)
+                    await self._models_on(worker)
+                except Exception:  # a gateway bug must not take the gateway down
+                    log.exception("bringing %s in line failed", worker.name)
+                again, self._replaying[worker.name] = self._replaying[worker.name], False
+        finally:
+            del self._replaying[worker.name]
 
     async def _regions_on(self, worker: WorkerLink) -> None:
         if not (self.regions or self.dropped):

@@ -214,3 +214,25 @@ async def test_a_worker_ready_while_a_load_runs_is_brought_in_line_once_it_is_re
         services.catchup.nursery = nursery
         await services.model_load(body, call)
     assert forward.sent == [("RepositoryModelLoad", ("w0",)), ("RepositoryModelLoad", ("w1",))]
+
+
+async def test_a_worker_is_brought_in_line_by_one_replay_at_a_time(autojump_clock):
+    forward = ScriptedForwarder()
+    catchup = CatchUp(forward)
+    catchup.loaded("a", b"load a")
+    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, None, True, ready=True)
+    ran = []
+
+    async def models_on(w):
+        ran.append(w.name)
+        await trio.sleep(0.1)
+
+    catchup._models_on = models_on
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(catchup.replay, [worker])
+        await trio.sleep(0.01)
+        for _ in range(3):  # asked again while the first runs: once more, after it
+            nursery.start_soon(catchup.replay, [worker])
+        await trio.sleep(0.05)
+        assert ran == ["w0"]
+    assert ran == ["w0", "w0"] and not catchup._replaying
