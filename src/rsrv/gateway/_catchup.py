@@ -101,12 +101,13 @@ class CatchUp:
             self._replaying[worker.name] = True  # the running replay goes round again
             return
         self._replaying[worker.name] = False
+        sent: dict[int, bytes] = {}  # the load / unload requests sent to it, by id
         try:
             again = True
             while again:
                 try:
                     await self._regions_on(worker)
-                    await self._models_on(worker)
+                    await self._models_on(worker, sent)
                 except Exception:  # a gateway bug must not take the gateway down
                     log.exception("bringing %s in line failed", worker.name)
                 again, self._replaying[worker.name] = self._replaying[worker.name], False
@@ -142,16 +143,23 @@ class CatchUp:
             if body is not None:
                 await self._call(worker, "SystemSharedMemoryRegister", body)
 
-    async def _models_on(self, worker: WorkerLink) -> None:
+    async def _models_on(self, worker: WorkerLink, sent: dict[int, bytes]) -> None:
+        """Loads and unloads by the worker's last index and control status; a request
+        already in ``sent`` (by an earlier pass of this replay, which that snapshot may
+        not show yet) is not sent again."""
         present = worker.serving | {r.name for r in worker.index if r.state == "LOADING"}
         for model, body in list(self.loads.items()):  # (a load may come in meanwhile)
-            if model in present or self.loads.get(model) is not body:
+            done = sent.get(id(body)) is body
+            if model in present or self.loads.get(model) is not body or done:
                 continue
             log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
+            sent[id(body)] = body
             await self._call(worker, "RepositoryModelLoad", body)
         for model, body in list(self.unloads.items()):
-            if model in present and self.unloads.get(model) is body:
+            done = sent.get(id(body)) is body
+            if model in present and self.unloads.get(model) is body and not done:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
+                sent[id(body)] = body
                 await self._call(worker, "RepositoryModelUnload", body)
 
     async def _call(self, worker: WorkerLink, method: str, body: bytes) -> bytes | None:

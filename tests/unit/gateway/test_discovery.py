@@ -217,22 +217,29 @@ async def test_a_worker_ready_while_a_load_runs_is_brought_in_line_once_it_is_re
 
 
 async def test_a_worker_is_brought_in_line_by_one_replay_at_a_time(autojump_clock):
+    async def slowly():
+        await trio.sleep(0.1)
+
     forward = ScriptedForwarder()
     catchup = CatchUp(forward)
     catchup.loaded("a", b"load a")
     worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, None, True, ready=True)
-    ran = []
+    real_call = catchup._call
 
-    async def models_on(w):
-        ran.append(w.name)
-        await trio.sleep(0.1)
+    async def call(w, method, body):
+        await slowly()
+        return await real_call(w, method, body)
 
-    catchup._models_on = models_on
+    catchup._call = call
     async with trio.open_nursery() as nursery:
         nursery.start_soon(catchup.replay, [worker])
         await trio.sleep(0.01)
         for _ in range(3):  # asked again while the first runs: once more, after it
             nursery.start_soon(catchup.replay, [worker])
         await trio.sleep(0.05)
-        assert ran == ["w0"]
-    assert ran == ["w0", "w0"] and not catchup._replaying
+        assert forward.methods == []  # the first one's load is still under way
+        catchup.loaded("b", b"load b")  # recorded meanwhile
+    # "a" once (the worker's index, not refreshed yet, still lacks it), then "b" by the
+    # second pass; no two replays at once, none left running.
+    assert forward.methods == ["RepositoryModelLoad", "RepositoryModelLoad"]
+    assert not catchup._replaying
