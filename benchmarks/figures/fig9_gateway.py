@@ -197,10 +197,18 @@ def h2load_overhead(p: Params, servers: dict[str, ServerProcess], x, notes) -> d
     proxy = shutil.which("nghttpx")
     if proxy is None:
         notes.append(f"c: nghttpx is not installed (install it with {NGHTTPX_INSTALL})")
-    else:
-        paths["nghttpx"] = start_nghttpx(proxy, worker)
-        servers["nghttpx"] = paths["nghttpx"]  # stopped with the others
+        return _h2load_paths(p, paths, x, notes, exe)
+    paths["nghttpx"] = start_nghttpx(proxy, worker)
+    try:
         wait_ready(paths["nghttpx"], START_TIMEOUT, ["classifier"])
+        return _h2load_paths(p, paths, x, notes, exe)
+    finally:
+        paths["nghttpx"].stop()
+
+
+def _h2load_paths(p: Params, paths: dict[str, ServerProcess], x, notes, exe: str) -> dict:
+    """h2load on each of ``paths`` ("direct": the worker), interleaved."""
+    worker = paths["direct"]
     body = RESULTS / "h2load" / "gateway_classifier_1row.bin"
     body.parent.mkdir(parents=True, exist_ok=True)
     body.write_bytes(h2load.model_infer_body("classifier", {"x": x}))
@@ -243,7 +251,9 @@ def h2load_overhead(p: Params, servers: dict[str, ServerProcess], x, notes) -> d
         counts.close()
     return {
         "load": f"h2load ({exe}): -c C -m 1 -t 1, one length-prefixed ModelInferRequest body",
-        "proxy": "nghttpx (nghttp2), --workers=1, HTTP/2 to the worker" if proxy else None,
+        "proxy": "nghttpx (nghttp2), one process, HTTP/2 to the worker"
+        if "nghttpx" in paths
+        else None,
         "rounds": p.h2_rounds,
         "seconds_per_run": p.h2_seconds,
         "checked": runs.checked("the worker's ModelStatistics delta == h2load's count"),

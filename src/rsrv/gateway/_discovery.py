@@ -161,13 +161,14 @@ class Discovery:
                     or index != worker.index
                     or worker.channel.opened != worker.opened
                 ):
+                    # due until answered: an ask the round's time limit cuts short stays due
                     worker.opened, worker.control_due = worker.channel.opened, True
                     status, answer = await self._call(worker, CONTROL_STATUS)
                     if answer is not None:
                         control = control_pb.ModelControlStatusResponse.FromString(answer)
                     elif status == StatusCode.UNIMPLEMENTED or not was_ready:
                         control = None  # no control service, or nothing known of this run
-                    # answered (UNIMPLEMENTED is an answer): else asked again next round
+                    # UNIMPLEMENTED is an answer; any other failure: asked again next round
                     worker.control_due = answer is None and status != StatusCode.UNIMPLEMENTED
         if ready and not was_ready and control is worker.control:
             control = None  # cut short: the last answer may be of a process now gone

@@ -149,16 +149,18 @@ async def test_a_restart_whose_first_control_call_fails_is_seen_at_the_next_answ
 
 
 class ScriptedForwarder:
-    """fan_out to one worker: records the method, runs ``during`` on a load."""
+    """fan_out to one worker: records the method once answered (after ``delay``
+    seconds), runs ``during`` on a load."""
 
-    def __init__(self, during=lambda: None):
+    def __init__(self, during=lambda: None, delay: float = 0.0):
         self.methods: list[str] = []
         self.during = during
+        self.delay = delay
 
     async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
         method = path.rsplit("/", 1)[1]
+        await trio.sleep(self.delay)
         self.methods.append(method)
-        await trio.sleep(0)
         if method == "RepositoryModelLoad":
             self.during()
         return {w.name: UnaryResult(StatusCode.OK, response=b"") for w in workers}
@@ -217,20 +219,10 @@ async def test_a_worker_ready_while_a_load_runs_is_brought_in_line_once_it_is_re
 
 
 async def test_a_worker_is_brought_in_line_by_one_replay_at_a_time(autojump_clock):
-    async def slowly():
-        await trio.sleep(0.1)
-
-    forward = ScriptedForwarder()
+    forward = ScriptedForwarder(delay=0.1)
     catchup = CatchUp(forward)
     catchup.loaded("a", b"load a")
     worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, None, True, ready=True)
-    real_call = catchup._call
-
-    async def call(w, method, body):
-        await slowly()
-        return await real_call(w, method, body)
-
-    catchup._call = call
     async with trio.open_nursery() as nursery:
         nursery.start_soon(catchup.replay, [worker])
         await trio.sleep(0.01)
