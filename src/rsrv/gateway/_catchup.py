@@ -5,21 +5,24 @@ go to every ready worker; a worker away at the time (restarting, unreachable, or
 discovered) missed them. :class:`CatchUp` remembers them, in the gateway's memory (a
 restarted gateway starts with nothing to replay; a load request is kept whole, file
 overrides included), and :meth:`CatchUp.replay` brings a worker in line when discovery
-finds it newly ready or restarted (its ModelControlStatus ``instance`` changed):
+finds it ready again after being away, or restarted (its ModelControlStatus ``instance``
+changed). Each pass reads the worker's state afresh (SystemSharedMemoryStatus,
+RepositoryIndex, ModelControlStatus), then:
 
 * a region registered through the gateway and missing there (or held otherwise) is
-  registered; one unregistered through the gateway since is unregistered there;
+  registered; one unregistered through the gateway while it was away is unregistered
+  there;
 * a model loaded through the gateway and neither READY nor LOADING there is loaded with
   the same request (config overrides included); one unloaded through the gateway since
   and READY or LOADING there (its own start-up loads included) is unloaded.
 
-A change is remembered once at least one worker accepted it; a worker that became ready
-while the change was being made (so neither reached by it nor caught up with it yet) is
-brought in line once it is remembered. Replays are the gateway's
-own calls, sent with ``worker_client.headers`` (where a restricted protocol's header
-must then be). Otherwise, what was done on a worker directly is left alone. Workers are
-brought in line concurrently; a replay that fails is logged, and the worker keeps
-serving what it has.
+A change is remembered once at least one worker accepted it; a ready worker it did not
+reach, or that failed it, is brought in line once it is remembered (it may have become
+ready, or restarted, while the change was being made). Replays are the gateway's own
+calls, sent with ``worker_client.headers`` (where a restricted protocol's header must then
+be). Otherwise, what was done on a worker directly is left alone. Workers are brought in
+line concurrently, one replay at a time per worker; a replay that fails is logged, and the
+worker keeps serving what it has.
 """
 
 from __future__ import annotations
@@ -30,13 +33,21 @@ from collections.abc import Mapping
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.gateway._fleet import WorkerLink
+from rsrv.gateway._discovery import CONTROL_STATUS, REPOSITORY_INDEX
+from rsrv.gateway._fleet import CallResult, WorkerLink
 from rsrv.gateway._forward import INFERENCE, Forwarder
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 
 __all__ = ["CatchUp"]
 
 log = logging.getLogger("rsrv.gateway")
+
+_PRESENT = frozenset({"READY", "LOADING"})
+
+
+def _ok(result: CallResult | None) -> bool:
+    return result is not None and result.status == StatusCode.OK
 
 
 class CatchUp:
@@ -46,27 +57,32 @@ class CatchUp:
     def __init__(self, forward: Forwarder):
         self.forward = forward
         self.regions: dict[str, bytes] = {}  # name -> its register request
-        self.dropped: set[str] = set()  # regions unregistered through the gateway since
+        # name -> the workers (by name) an unregister through the gateway did not reach:
+        # they may still hold the region; forgotten once each was brought in line
+        self.dropped: dict[str, set[str]] = {}
         self.loads: dict[str, bytes] = {}  # model -> its load request
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
-        self._replaying: dict[str, bool] = {}  # worker name -> replay again once done
+        self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
 
     def __bool__(self) -> bool:
         return bool(self.regions or self.dropped or self.loads or self.unloads)
 
     def registered(self, name: str, body: bytes) -> None:
         self.regions[name] = body
-        self.dropped.discard(name)
+        self.dropped.pop(name, None)
 
-    def unregistered(self, name: str) -> None:
-        """``name``; "" for every region."""
-        if name:
-            self.regions.pop(name, None)
-            self.dropped.add(name)
-        else:
-            self.dropped.update(self.regions)
-            self.regions.clear()
+    def unregistered(self, name: str, results: Mapping[str, CallResult]) -> None:
+        """``name`` ("" for every region the gateway registered) was unregistered; by
+        worker name, ``results`` of doing so."""
+        names = [name] if name else list(self.regions)
+        missed = {w.name for w in self.forward.fleet.workers if not _ok(results.get(w.name))}
+        for n in names:
+            self.regions.pop(n, None)
+            if missed:
+                self.dropped[n] = set(missed)
+            else:
+                self.dropped.pop(n, None)
 
     def loaded(self, model: str, body: bytes) -> None:
         self.loads[model] = body
@@ -82,42 +98,44 @@ class CatchUp:
         if workers and self and self.nursery is not None:
             self.nursery.start_soon(self.replay, workers)
 
-    def missed(self, results: Mapping[str, object]) -> None:
+    def missed(self, results: Mapping[str, CallResult]) -> None:
         """A change was remembered after a fan-out whose results (by worker name) are
-        ``results``: the workers ready now that it did not reach are brought in line."""
-        self.start([w for w in self.forward.fleet.ready if w.name not in results])
+        ``results``: the workers ready now that it did not reach, or that failed it,
+        are brought in line."""
+        self.start([w for w in self.forward.fleet.ready if not _ok(results.get(w.name))])
 
     async def replay(self, workers: list[WorkerLink]) -> None:
-        """Bring each of ``workers`` (newly ready or restarted, its index and control
-        status fresh) in line, all at once. A worker being brought in line already is
-        brought in line once more after that (one replay at a time per worker). Never
-        raises but for cancellation."""
+        """Bring each of ``workers`` in line, all at once. A worker being brought in
+        line already is brought in line once more after that (one replay at a time per
+        worker); a worker that is no longer ready, or has left the fleet, is left for
+        its return. Never raises but for cancellation."""
         async with trio.open_nursery() as nursery:
             for worker in workers:
                 nursery.start_soon(self._replay_on, worker)
 
     async def _replay_on(self, worker: WorkerLink) -> None:
-        if worker.name in self._replaying:
-            self._replaying[worker.name] = True  # the running replay goes round again
+        key = id(worker)
+        if key in self._replaying:
+            self._replaying[key] = True  # the running replay goes round again
             return
-        self._replaying[worker.name] = False
-        sent: dict[int, bytes] = {}  # the load / unload requests sent to it, by id
+        self._replaying[key] = False
+        fleet = self.forward.fleet
         try:
             again = True
-            while again:
+            while again and worker.ready and fleet.by_name.get(worker.name) is worker:
                 try:
                     await self._regions_on(worker)
-                    await self._models_on(worker, sent)
+                    await self._models_on(worker)
                 except Exception:  # a gateway bug must not take the gateway down
                     log.exception("bringing %s in line failed", worker.name)
-                again, self._replaying[worker.name] = self._replaying[worker.name], False
+                again, self._replaying[key] = self._replaying[key], False
         finally:
-            del self._replaying[worker.name]
+            del self._replaying[key]
 
     async def _regions_on(self, worker: WorkerLink) -> None:
         if not (self.regions or self.dropped):
             return
-        answer = await self._call(worker, "SystemSharedMemoryStatus", b"")
+        answer = await self._call(worker, INFERENCE + "SystemSharedMemoryStatus", b"")
         if answer is None:
             return
         held = pb.SystemSharedMemoryStatusResponse.FromString(answer).regions
@@ -125,6 +143,7 @@ class CatchUp:
             name: pb.SystemSharedMemoryRegisterRequest.FromString(body)
             for name, body in self.regions.items()
         }
+        in_line = True
         for name, region in held.items():
             want = wanted.get(name)
             if want is not None and (want.key, want.offset, want.byte_size) == (
@@ -137,35 +156,62 @@ class CatchUp:
             if want is None and name not in self.dropped:
                 continue  # not the gateway's
             undo = pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString()
-            await self._call(worker, "SystemSharedMemoryUnregister", undo)
+            in_line &= (
+                await self._call(worker, INFERENCE + "SystemSharedMemoryUnregister", undo)
+                is not None
+            )
         for name in wanted:
             body = self.regions.get(name)  # (unregistered meanwhile: nothing to do)
             if body is not None:
-                await self._call(worker, "SystemSharedMemoryRegister", body)
+                await self._call(worker, INFERENCE + "SystemSharedMemoryRegister", body)
+        if in_line:  # it holds none of the dropped regions now
+            for name, away in list(self.dropped.items()):
+                away.discard(worker.name)
+                if not away:
+                    del self.dropped[name]
 
-    async def _models_on(self, worker: WorkerLink, sent: dict[int, bytes]) -> None:
-        """Loads and unloads by the worker's last index and control status; a request
-        already in ``sent`` (by an earlier pass of this replay, which that snapshot may
-        not show yet) is not sent again."""
-        present = worker.serving | {r.name for r in worker.index if r.state == "LOADING"}
+    async def _present(self, worker: WorkerLink) -> set[str] | None:
+        """The models READY or LOADING on ``worker`` now: its RepositoryIndex's, and
+        the sub-models of its metas, which only its ModelControlStatus lists. None when
+        the index cannot be read."""
+        answer = await self._call(worker, REPOSITORY_INDEX, b"")
+        if answer is None:
+            return None
+        index = pb.RepositoryIndexResponse.FromString(answer).models
+        present = {m.name for m in index if m.state in _PRESENT}
+        answer = await self._call(worker, CONTROL_STATUS, b"", unimplemented_ok=True)
+        if answer:
+            control = control_pb.ModelControlStatusResponse.FromString(answer).models
+            present.update(m.name for m in control if m.state in _PRESENT)
+        return present
+
+    async def _models_on(self, worker: WorkerLink) -> None:
+        """Loads and unloads by what the worker holds now (each awaited to its end, so
+        the next pass reads their outcome)."""
+        if not (self.loads or self.unloads):
+            return
+        present = await self._present(worker)
+        if present is None:
+            return
         for model, body in list(self.loads.items()):  # (a load may come in meanwhile)
-            done = sent.get(id(body)) is body
-            if model in present or self.loads.get(model) is not body or done:
+            if model in present or self.loads.get(model) is not body:
                 continue
             log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
-            sent[id(body)] = body
-            await self._call(worker, "RepositoryModelLoad", body)
+            await self._call(worker, INFERENCE + "RepositoryModelLoad", body)
         for model, body in list(self.unloads.items()):
-            done = sent.get(id(body)) is body
-            if model in present and self.unloads.get(model) is body and not done:
+            if model in present and self.unloads.get(model) is body:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
-                sent[id(body)] = body
-                await self._call(worker, "RepositoryModelUnload", body)
+                await self._call(worker, INFERENCE + "RepositoryModelUnload", body)
 
-    async def _call(self, worker: WorkerLink, method: str, body: bytes) -> bytes | None:
-        results = await self.forward.fan_out(INFERENCE + method, body, workers=[worker])
-        result = results[worker.name]
-        if result.status != StatusCode.OK:
+    async def _call(
+        self, worker: WorkerLink, path: str, body: bytes, *, unimplemented_ok: bool = False
+    ) -> bytes | None:
+        """The worker's answer; None (logged, unless UNIMPLEMENTED is expected) when
+        it failed."""
+        result = (await self.forward.fan_out(path, body, workers=[worker]))[worker.name]
+        if result.status == StatusCode.OK:
+            return result.response or b""
+        if not (unimplemented_ok and result.status == StatusCode.UNIMPLEMENTED):
+            method = path.rsplit("/", 1)[1]
             log.warning("%s on %s failed: %s", method, worker.name, result.message)
-            return None
-        return result.response or b""
+        return None

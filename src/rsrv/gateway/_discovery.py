@@ -114,9 +114,13 @@ class Discovery:
         self._last_refresh = now
         await self.round()
 
-    async def _call(self, worker: WorkerLink, path: str) -> tuple[StatusCode, bytes | None]:
-        """The call's status, and its response when it succeeded. A failure is logged,
-        unless the worker is going away (UNAVAILABLE) or has no control service."""
+    async def _call(
+        self, worker: WorkerLink, path: str, *, again: bool = False
+    ) -> tuple[StatusCode, bytes | None]:
+        """The call's status, and its response when it succeeded. A failure is logged
+        as a warning, unless the worker is going away (UNAVAILABLE) or has no control
+        service, or the call is asked ``again`` after one that failed (then at debug
+        level: once per streak, not every round)."""
         timeout = self.settings.probe_timeout_seconds
         result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
         if result.status == StatusCode.OK and result.response is not None:
@@ -125,7 +129,7 @@ class Discovery:
             result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
         )
         if not quiet:
-            log.warning(
+            (log.debug if again else log.warning)(
                 "worker %s answered %s to %s: %s",
                 worker.name,
                 result.status.name,
@@ -162,8 +166,9 @@ class Discovery:
                     or worker.channel.opened != worker.opened
                 ):
                     # due until answered: an ask the round's time limit cuts short stays due
+                    again = worker.control_due
                     worker.opened, worker.control_due = worker.channel.opened, True
-                    status, answer = await self._call(worker, CONTROL_STATUS)
+                    status, answer = await self._call(worker, CONTROL_STATUS, again=again)
                     if answer is not None:
                         control = control_pb.ModelControlStatusResponse.FromString(answer)
                     elif status == StatusCode.UNIMPLEMENTED or not was_ready:
@@ -174,6 +179,7 @@ class Discovery:
             control = None  # cut short: the last answer may be of a process now gone
         worker.probe_failures = 0 if ready else worker.probe_failures + 1
         worker.ready, worker.index, worker.control = ready, index, control
+        worker.away |= not ready
         if control is not None and control.instance:
             if worker.instance and control.instance != worker.instance:
                 worker.restarted = True  # between two rounds, unseen otherwise

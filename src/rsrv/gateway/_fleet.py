@@ -87,7 +87,9 @@ class WorkerLink:
     unreachable. ``index``: its last RepositoryIndex. ``control``: its last
     ModelControlStatus (a protobuf message), None when it has no control service.
     ``instance``: the last ``control.instance`` seen; ``restarted``: it changed since
-    (set by discovery, cleared once the gateway has acted on it); ``opened``: the
+    (set by discovery, cleared once the gateway has acted on it); ``away``: it has not
+    been ready at some moment since its last catch-up began (True until its first; set
+    by whatever takes it out of the routes, cleared by the catch-up); ``opened``: the
     channel's connection count when discovery last asked for the control status;
     ``control_due``: that ask has not been answered yet (asked again next round).
     """
@@ -106,6 +108,7 @@ class WorkerLink:
     probe_failures: int = 0  # probe rounds in a row without an answer
     instance: str = ""
     restarted: bool = False
+    away: bool = True
     opened: int = -1
     control_due: bool = False
     inflight: int = 0  # calls the gateway has open on it
@@ -168,7 +171,7 @@ class Fleet:
         answers again."""
         if worker.ready:
             log.warning("worker %s (%s) is unreachable", worker.name, worker.address)
-            worker.ready = False
+            worker.ready, worker.away = False, True
             self.rebuild_routes()
 
     def holders(self, model: str) -> list[WorkerLink]:

@@ -89,7 +89,6 @@ class Gateway:
         self.stopping = False
         self.port: int | None = None
         self.server: GrpcServer | None = None
-        self._was_ready: set[str] = set()
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -101,11 +100,11 @@ class Gateway:
         return self.scheduler.metrics()
 
     def _after_round(self) -> None:
-        now_ready = {w.name for w in self.fleet.ready}
-        back = [w for w in self.fleet.ready if w.name not in self._was_ready or w.restarted]
-        self._was_ready = now_ready
+        back = [w for w in self.fleet.ready if w.away or w.restarted]
         for worker in self.fleet.workers:
             worker.restarted = False
+        for worker in back:
+            worker.away = False
         self.services.catchup.start(back)
         outcome = self.scheduler.tick()
         if outcome is not None and outcome.compaction is not None and self._nursery:

@@ -292,7 +292,7 @@ class GatewayServices:
         request = _parse(pb.SystemSharedMemoryUnregisterRequest, body)
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         if _any_ok(results):
-            self.catchup.unregistered(request.name)
+            self.catchup.unregistered(request.name, results)
             self.catchup.missed(results)
         if (failure := first_failure(results)) is not None:
             raise failure

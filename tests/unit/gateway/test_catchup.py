@@ -1,0 +1,307 @@
+"""Catch-up against fake workers that keep state (the models and regions each holds, and
+what the gateway sent them): replays read each worker afresh, survive changes made while
+they run, run one at a time per worker, reach a worker that restarted during a replay,
+that was taken out of the routes by a call, or that became ready while a change was being
+made, and forget an unregistered region once no worker can hold it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.gateway._catchup import CatchUp
+from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._forward import INFERENCE, Relayed
+from rsrv.gateway._services import GatewayServices
+from rsrv.protocol import Admission
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.transport import UnaryResult
+
+
+def load(model: str) -> bytes:
+    return pb.RepositoryModelLoadRequest(model_name=model).SerializeToString()
+
+
+def unload(model: str) -> bytes:
+    return pb.RepositoryModelUnloadRequest(model_name=model).SerializeToString()
+
+
+def region(name: str, key: str = "/k") -> bytes:
+    request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, byte_size=64)
+    return request.SerializeToString()
+
+
+@dataclass
+class Process:
+    """What one worker process holds."""
+
+    models: set[str] = field(default_factory=set)
+    regions: dict[str, str] = field(default_factory=dict)  # name -> key
+
+
+class FakeWorkers:
+    """The Forwarder's fan_out over fake worker processes: each call takes ``delay``
+    seconds (``client_delay`` for the clients' fan-outs, sent to every ready worker),
+    then acts on the process the worker has at that moment. ``fail`` names the methods
+    that fail (UNAVAILABLE); ``during[(method, model or region)]`` runs the first time
+    that change is made. ``sent`` records (method, model or region, worker)."""
+
+    def __init__(self, *names: str, delay: float = 0.0, client_delay: float = 0.0):
+        self.fleet = Fleet(
+            [
+                WorkerLink(n, f"127.0.0.1:{i}", "127.0.0.1", i, None, True)
+                for i, n in enumerate(names)
+            ]
+        )
+        self.processes = {n: Process() for n in names}
+        self.delay, self.client_delay = delay, client_delay
+        self.fail: set[str] = set()
+        self.during: dict[tuple[str, str], object] = {}
+        self.sent: list[tuple[str, str, str]] = []
+
+    def worker(self, name: str) -> WorkerLink:
+        return self.fleet.by_name[name]
+
+    def ready(self, *names: str) -> None:
+        for n in names:
+            self.worker(n).ready = True
+
+    def restart(self, name: str, models: set[str] = frozenset()) -> None:
+        """A new process, with ``models`` (its start-up loads)."""
+        self.processes[name] = Process(set(models))
+
+    def changes(self, worker: str | None = None) -> list[tuple[str, str, str]]:
+        """What changed state (loads, unloads, registrations), to ``worker`` or all."""
+        reads = {"RepositoryIndex", "ModelControlStatus", "SystemSharedMemoryStatus"}
+        return [s for s in self.sent if s[0] not in reads and worker in (None, s[2])]
+
+    async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
+        targets = list(self.fleet.ready if workers is None else workers)
+        await trio.sleep(self.client_delay if workers is None else self.delay)
+        return {w.name: self._act(path.rsplit("/", 1)[1], body, w.name) for w in targets}
+
+    def _act(self, method: str, body: bytes, name: str) -> UnaryResult:
+        process = self.processes[name]
+        if method == "ModelControlStatus":
+            return UnaryResult(StatusCode.UNIMPLEMENTED, "no control service")
+        if method in self.fail:
+            self.sent.append((method, "", name))
+            return UnaryResult(StatusCode.UNAVAILABLE, "scripted failure")
+        if method == "RepositoryIndex":
+            index = pb.RepositoryIndexResponse(
+                models=[
+                    pb.RepositoryIndexResponse.ModelIndex(name=m, state="READY")
+                    for m in process.models
+                ]
+            )
+            self.sent.append((method, "", name))
+            return UnaryResult(StatusCode.OK, response=index.SerializeToString())
+        if method == "SystemSharedMemoryStatus":
+            status = pb.SystemSharedMemoryStatusResponse()
+            for n, key in process.regions.items():
+                status.regions[n].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(name=n, key=key, byte_size=64)
+                )
+            self.sent.append((method, "", name))
+            return UnaryResult(StatusCode.OK, response=status.SerializeToString())
+        if method == "RepositoryModelLoad":
+            what = pb.RepositoryModelLoadRequest.FromString(body).model_name
+            process.models.add(what)
+        elif method == "RepositoryModelUnload":
+            what = pb.RepositoryModelUnloadRequest.FromString(body).model_name
+            process.models.discard(what)
+        elif method == "SystemSharedMemoryRegister":
+            request = pb.SystemSharedMemoryRegisterRequest.FromString(body)
+            what = request.name
+            process.regions[what] = request.key
+        elif method == "SystemSharedMemoryUnregister":
+            what = pb.SystemSharedMemoryUnregisterRequest.FromString(body).name
+            process.regions.pop(what, None)
+        else:
+            raise AssertionError(f"unexpected {method}")
+        self.sent.append((method, what, name))
+        self.during.pop((method, what), lambda: None)()
+        return UnaryResult(StatusCode.OK, response=b"")
+
+
+def services_of(fake: FakeWorkers) -> GatewayServices:
+    return GatewayServices(fake.fleet, fake, Admission(0), 4)
+
+
+def client_call(method: str) -> SimpleNamespace:
+    return SimpleNamespace(path=INFERENCE + method, metadata={}, deadline=1e9)
+
+
+async def test_a_replay_reads_the_worker_and_survives_changes_made_while_it_runs():
+    fake = FakeWorkers("w0")
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    catchup.loaded("a", load("a"))
+    catchup.loaded("b", load("b"))
+    catchup.loaded("held", load("held"))
+    catchup.unloaded("gone", unload("gone"))
+    fake.restart("w0", models={"held", "gone", "own"})
+
+    def meanwhile():
+        catchup.loaded("c", load("c"))
+        catchup.unloaded("b", unload("b"))
+
+    fake.during[("RepositoryModelLoad", "a")] = meanwhile
+    await catchup.replay([fake.worker("w0")])
+    # "a" loaded; "b", unloaded meanwhile, is not; "held" is there already; "gone" is
+    # unloaded; "own" (a start-up load) is left alone; "c", recorded meanwhile, waits
+    # for the next catch-up.
+    assert fake.changes() == [
+        ("RepositoryModelLoad", "a", "w0"),
+        ("RepositoryModelUnload", "gone", "w0"),
+    ]
+    assert fake.processes["w0"].models == {"a", "held", "own"}
+    assert set(catchup.loads) == {"a", "held", "c"} and set(catchup.unloads) == {"b", "gone"}
+
+
+async def test_one_replay_at_a_time_and_the_next_reads_what_the_first_did(autojump_clock):
+    fake = FakeWorkers("w0", delay=0.1)
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    catchup.loaded("a", load("a"))
+    worker = fake.worker("w0")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(catchup.replay, [worker])
+        await trio.sleep(0.15)  # the first pass has read the index; its load is under way
+        assert fake.changes() == []
+        for _ in range(3):  # asked again while the first runs: once more, after it
+            nursery.start_soon(catchup.replay, [worker])
+        catchup.loaded("b", load("b"))  # recorded meanwhile
+    # "a" once: the second pass reads the index again and finds it; then "b".
+    assert fake.changes() == [
+        ("RepositoryModelLoad", "a", "w0"),
+        ("RepositoryModelLoad", "b", "w0"),
+    ]
+    assert not catchup._replaying
+    await catchup.replay([worker])  # later, after it ended: nothing to do
+    assert len(fake.changes()) == 2
+
+
+async def test_a_worker_that_restarts_during_a_replay_gets_its_loads_again(autojump_clock):
+    fake = FakeWorkers("w0", delay=1.0)
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    catchup.loaded("a", load("a"))
+    catchup.loaded("b", load("b"))
+    worker = fake.worker("w0")
+    async with trio.open_nursery() as nursery:
+
+        def dies():  # "a" reached the process, which dies and comes back, and
+            fake.restart("w0")  # discovery sees the new instance while the replay runs
+            nursery.start_soon(catchup.replay, [worker])
+
+        fake.during[("RepositoryModelLoad", "a")] = dies
+        await catchup.replay([worker])
+    assert [c[1] for c in fake.changes()] == ["a", "b", "a"]
+    assert fake.processes["w0"].models == {"a", "b"}
+
+
+async def test_a_replay_stops_when_its_worker_goes_away_or_leaves_the_fleet(autojump_clock):
+    fake = FakeWorkers("w0", delay=1.0)
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    catchup.loaded("a", load("a"))
+    old = fake.worker("w0")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(catchup.replay, [old])
+        await trio.sleep(0.5)
+        fake.fleet.remove("w0")  # DNS dropped it, then lists it again: a new link
+        new = WorkerLink("w0", "127.0.0.1:9", "127.0.0.1", 9, None, True, ready=True)
+        fake.fleet.add(new)
+        nursery.start_soon(catchup.replay, [new])  # not folded into the old link's replay
+    assert fake.changes() == [("RepositoryModelLoad", "a", "w0")] * 2  # (one process here)
+    assert not catchup._replaying
+
+
+async def test_a_worker_a_call_found_unreachable_is_caught_up_when_it_is_back():
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    for w in fake.fleet.workers:
+        w.away = False  # both caught up already
+    services = services_of(fake)
+    fake.fleet.mark_unreachable(fake.worker("w1"))  # a call failed to reach it
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        await services.model_load(load("x"), client_call("RepositoryModelLoad"))
+        assert fake.changes() == [("RepositoryModelLoad", "x", "w0")]
+        fake.ready("w1")  # the next discovery round finds it ready: the gateway's
+        back = [w for w in fake.fleet.ready if w.away or w.restarted]  # _after_round
+        assert back == [fake.worker("w1")]
+        services.catchup.start(back)
+    assert fake.changes("w1") == [("RepositoryModelLoad", "x", "w1")]
+
+
+async def test_a_worker_ready_while_a_load_runs_is_brought_in_line_once_it_is_recorded(
+    autojump_clock,
+):
+    fake = FakeWorkers("w0", "w1", client_delay=1.0)
+    fake.ready("w0")
+    services = services_of(fake)
+    services.catchup.loaded("L", load("L"))
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        nursery.start_soon(services.model_load, load("x"), client_call("RepositoryModelLoad"))
+        await trio.sleep(0.5)
+        fake.ready("w1")  # a discovery round: newly ready, caught up with "L" at once
+        services.catchup.start([fake.worker("w1")])
+    # Its catch-up ran before "x" was recorded; brought in line once it was. "L" is
+    # not loaded twice: the second replay reads the worker again.
+    assert fake.changes("w1") == [
+        ("RepositoryModelLoad", "L", "w1"),
+        ("RepositoryModelLoad", "x", "w1"),
+    ]
+
+
+async def test_a_worker_that_failed_a_load_is_brought_in_line_once_it_is_recorded():
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    real = fake._act
+
+    def restarting(method, body, name):  # w1 dies during the load
+        if name == "w1" and method == "RepositoryModelLoad" and not fake.changes("w1"):
+            fake.restart("w1")
+            fake.sent.append((method, "", name))
+            return UnaryResult(StatusCode.UNAVAILABLE, "going away")
+        return real(method, body, name)
+
+    fake._act = restarting
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        with pytest.raises(Relayed, match="going away"):  # what the client sees
+            await services.model_load(load("x"), client_call("RepositoryModelLoad"))
+    assert fake.processes["w1"].models == {"x"}  # and the restarted worker has it
+
+
+async def test_an_unregistered_region_is_forgotten_once_no_worker_can_hold_it():
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    catchup = services.catchup
+    register, unregister = (
+        client_call("SystemSharedMemoryRegister"),
+        client_call("SystemSharedMemoryUnregister"),
+    )
+    for name in ("r1", "r2"):
+        await services.shm_register(region(name), register)
+    await services.shm_unregister(
+        pb.SystemSharedMemoryUnregisterRequest(name="r1").SerializeToString(), unregister
+    )
+    assert catchup.dropped == {}  # every worker got it: nothing to remember
+    fake.worker("w1").ready = False  # away: it keeps "r2"
+    await services.shm_unregister(
+        pb.SystemSharedMemoryUnregisterRequest(name="r2").SerializeToString(), unregister
+    )
+    assert catchup.dropped == {"r2": {"w1"}}
+    fake.ready("w1")
+    await catchup.replay([fake.worker("w1")])
+    assert fake.processes["w1"].regions == {} and catchup.dropped == {}
