@@ -34,7 +34,15 @@ class FailedPrecondition(RsrvError):
 
 
 class Unavailable(RsrvError):
+    """``retry_after`` (seconds), when given: the request was not processed, and the
+    client may send it again after that long (0: after its own backoff); it travels as
+    the ``grpc-retry-pushback-ms`` trailer (``rsrv.protocol.grpc_trailers``)."""
+
     code = "UNAVAILABLE"
+
+    def __init__(self, message: str = "", *, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Internal(RsrvError):

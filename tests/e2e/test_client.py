@@ -4,6 +4,7 @@ statuses, deadlines, and retries a call until a late server starts."""
 
 from __future__ import annotations
 
+import gc
 import uuid
 
 import numpy as np
@@ -15,6 +16,7 @@ from support.bundles import EXAMPLES, make_repo
 from support.clients import connect, infer_input
 from support.echo import FAIL, echo_server, wait_for
 from support.serving import ServerProcess, free_port, held_device
+from support.waiting import wait_until
 
 from rsrv.client import (
     InferenceClient,
@@ -27,6 +29,7 @@ from rsrv.client import (
 )
 from rsrv.client._rpc import call_unary
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.transport import ClientLimits
 
 MODELS = [*EXAMPLES, "simple", "simple_string"]
 
@@ -155,6 +158,32 @@ async def test_streaming(worker):
             assert sorted(a.id for a in answers) == sorted(sent)
 
 
+async def test_a_stream_keeps_going_past_a_misused_request(worker):
+    """Two waits on one request id: the second is refused (ValueError), the first gets
+    its answer; a request over the client's send limit fails RESOURCE_EXHAUSTED unsent,
+    and the stream goes on."""
+    x = np.ones((1, 256), np.float32)
+    limits = ClientLimits(max_send_message_bytes=4096)
+    async with client_of(worker, limits=limits) as client, client.stream() as stream:
+        async with trio.open_nursery() as nursery:
+            got = []
+
+            async def first():
+                got.append(await stream.infer("classifier", {"x": x}, request_id="same"))
+
+            with held_device(worker):
+                nursery.start_soon(first)
+                await wait_for(lambda: "same" in stream._waiting, "the first request sent")
+                with pytest.raises(ValueError, match="already waiting"):
+                    await stream.infer("classifier", {"x": x}, request_id="same")
+        assert got[0]["logits"].shape == (1, 10)
+        with pytest.raises(InferenceServerError) as info:
+            await stream.infer("classifier", {"x": np.ones((8, 256), np.float32)})
+        assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+        assert not info.value.reached_server
+        assert (await stream.infer("classifier", {"x": x}))["logits"].shape == (1, 10)
+
+
 async def test_system_shared_memory(worker):
     suffix = uuid.uuid4().hex[:10]
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -209,6 +238,17 @@ def test_sync_client(worker):
             client.model_metadata("no_such_model")
         assert info.value.code is StatusCode.NOT_FOUND
     assert threading.active_count() == before
+
+    async def close_in_trio(client: SyncInferenceClient) -> None:
+        with pytest.raises(RuntimeError):  # a blocking call from a trio task
+            client.server_ready()
+        client.close()  # but closing works from anywhere
+
+    trio.run(close_in_trio, SyncInferenceClient("127.0.0.1", worker.port))
+    assert threading.active_count() == before
+    SyncInferenceClient("127.0.0.1", worker.port).server_ready()  # dropped, never closed
+    gc.collect()
+    wait_until(lambda: threading.active_count() == before, 10, "the dropped client's thread")
 
 
 async def test_retry_until_a_late_server_starts(tmp_path, cache_dir):

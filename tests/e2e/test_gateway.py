@@ -24,13 +24,18 @@ import pytest
 import trio
 import tritonclient.grpc as tc
 import tritonclient.utils.shared_memory as shm
+from purerpc.grpclib.status import StatusCode
 from support.bundles import X, export_linear, make_repo, matches, x_input
 from support.clients import connect, control, index, model_status, raises_status
 from support.metrics import Scrape, get
 from support.serving import ServerProcess, rsrv_command
 from support.waiting import wait_until
 
-from rsrv.client import ControlClient
+from rsrv.client import ControlClient, InferenceClient, RetryPolicy
+from rsrv.client._rpc import call_unary
+from rsrv.client._tensors import build_request
+from rsrv.gateway._forward import INFERENCE
+from rsrv.protocol import PUSHBACK
 from rsrv.transport import open_channel
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /dev/shm")
@@ -420,6 +425,54 @@ def test_a_worker_killed_under_load_loses_no_request(tmp_path, cache_dir, proces
     assert (
         sum(s.value for s in metrics.samples("rsrv_gateway_failovers", "_total", worker="w1")) >= 1
     )
+
+
+def test_a_request_no_worker_processed_is_retried_by_rsrv_client(tmp_path, cache_dir, processes):
+    """With its one worker down, the gateway answers UNAVAILABLE "no worker is ready" with
+    a retry pushback of its discovery interval (the request reached no worker):
+    tritonclient sees that status and text, and rsrv.client retries the request, pausing
+    as asked, until it succeeds on the restarted worker."""
+    export_linear(tmp_path / "repo" / "lin", seed=1)
+    workers = start_workers(tmp_path, cache_dir, 1)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers)
+    processes.append(gateway)
+    workers[0].kill()
+    wait_until(lambda: not ready_workers(gateway), 10, "the gateway to see its worker down")
+    with connect(gateway) as triton, raises_status("UNAVAILABLE", "no worker is ready"):
+        triton.infer("lin", [x_input(X)])
+    body = build_request("lin", {"x": X}).SerializeToString()
+    retried_at: list[float] = []
+
+    class Recorded(RetryPolicy):
+        def backoff(self, attempt: int) -> float:
+            retried_at.append(trio.current_time())
+            return super().backoff(attempt)
+
+    async def main():
+        async with InferenceClient("127.0.0.1", gateway.port) as client:
+            once = await call_unary(client.channel, INFERENCE + "ModelInfer", body)
+            assert (once.status, once.reached_server) == (StatusCode.UNAVAILABLE, True)
+            assert dict(once.trailers)[PUSHBACK] == "500"  # discovery.interval_seconds
+        policy = Recorded(attempts=200, initial_backoff=0.01, max_backoff=0.05)
+        async with InferenceClient("127.0.0.1", gateway.port, retry=policy) as client:
+            async with trio.open_nursery() as nursery:
+                answer = []
+
+                async def infer():
+                    answer.append(await client.infer("lin", {"x": X}, timeout=90))
+
+                nursery.start_soon(infer)
+                with trio.fail_after(30):
+                    while len(retried_at) < 3:
+                        await trio.sleep(0.01)
+                await trio.to_thread.run_sync(workers[0].restart)
+            assert matches(answer[0]["y"], 1, X)
+        # each retry waited the pushback (0.5 s), not its own 10-50 ms backoff
+        gaps = [b - a for a, b in zip(retried_at, retried_at[1:], strict=False)]
+        assert gaps and min(gaps) >= 0.5, gaps
+
+    trio.run(main)
 
 
 def closed_loop(gateway: ServerProcess, model: str, clients: int, requests: int) -> None:

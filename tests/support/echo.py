@@ -120,11 +120,15 @@ async def echo_server(
     limits: TransportLimits | None = None,
     tls=None,
     state: EchoServer | None = None,
+    trailers_of=None,
 ) -> AsyncIterator[EchoServer]:
     """Serve the test methods on 127.0.0.1:``port`` (0: a free port) for the block's
-    duration; ``state`` carries counters over from an earlier server (a restart)."""
+    duration; ``state`` carries counters over from an earlier server (a restart);
+    ``trailers_of`` as GrpcServer takes it."""
     echo = state or EchoServer()
-    server = GrpcServer(echo.methods(), "127.0.0.1", port, limits=limits, tls=tls)
+    server = GrpcServer(
+        echo.methods(), "127.0.0.1", port, limits=limits, tls=tls, trailers_of=trailers_of
+    )
     async with trio.open_nursery() as nursery:
         echo.port = await nursery.start(server.serve)
         echo.server = server

@@ -8,7 +8,8 @@ transport (``rsrv.transport.Channel``).
 Every failed call raises :class:`InferenceServerError` (code, message); calls that
 failed UNAVAILABLE without reaching the server are retried per :class:`RetryPolicy`.
 ``timeout`` (seconds) bounds a call, retries included: it is sent as grpc-timeout, and
-past it the call fails DEADLINE_EXCEEDED.
+past it the call fails DEADLINE_EXCEEDED; a call being retried whose next wait would end
+past it fails at once with its last attempt's status (UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class InferenceClient(ChannelClient):
                 SERVICE + "ModelStreamInfer", metadata=self._metadata, timeout=timeout
             ) as call:
                 async with trio.open_nursery() as nursery:
-                    stream = InferStream(call)
+                    stream = InferStream(call, channel.limits.max_send_message_bytes)
                     nursery.start_soon(stream._read)
                     try:
                         yield stream

@@ -1,5 +1,5 @@
 """Unary calls for the clients: protobuf in and out over a ``Channel``, retried with
-exponential backoff when the server certainly never saw them."""
+exponential backoff when the server certainly never processed them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import trio
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.protocol import PUSHBACK
 from rsrv.transport import Channel, UnaryResult
 
 __all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
@@ -20,12 +21,14 @@ __all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Retries of a call that failed UNAVAILABLE without reaching the server (refused
-    connection, GOAWAY before it was processed, REFUSED_STREAM) — never of one the
-    server may have processed. ``attempts`` counts the first one (1: never retry);
-    attempt *n* waits ``initial_backoff * multiplier**n`` seconds (at most
-    ``max_backoff``, ±20% jitter) before the next. A call's timeout covers every
-    attempt and wait."""
+    """Retries of a call that failed UNAVAILABLE without being processed: it did not
+    reach the server (refused connection, GOAWAY before it was processed,
+    REFUSED_STREAM), or the server said so with a retry pushback
+    (``grpc-retry-pushback-ms``: e.g. a gateway with no worker ready, a server shutting
+    down) — never one the server may have processed. ``attempts`` counts the first one
+    (1: never retry); attempt *n* waits ``initial_backoff * multiplier**n`` seconds (at
+    most ``max_backoff``, ±20% jitter), or the server's pushback when longer, before
+    the next. A call's timeout covers every attempt and wait."""
 
     attempts: int = 5
     initial_backoff: float = 0.05
@@ -33,7 +36,10 @@ class RetryPolicy:
     multiplier: float = 2.0
 
     def backoff(self, attempt: int) -> float:
-        delay = min(self.initial_backoff * self.multiplier**attempt, self.max_backoff)
+        try:
+            delay = min(self.initial_backoff * self.multiplier**attempt, self.max_backoff)
+        except OverflowError:  # (a policy retrying for ever reaches large attempts)
+            delay = self.max_backoff
         return delay * random.uniform(0.8, 1.2)
 
 
@@ -62,16 +68,30 @@ async def call_unary(
             )
         result = await channel.unary(path, payload, metadata=metadata, timeout=remaining)
         attempt += 1
+        pushback = _pushback(result)
         if (
             result.status is not StatusCode.UNAVAILABLE
-            or result.reached_server
+            or (result.reached_server and pushback is None)
             or attempt >= retry.attempts
         ):
             return result
-        delay = retry.backoff(attempt - 1)
+        delay = max(retry.backoff(attempt - 1), pushback or 0.0)
         if trio.current_time() + delay >= deadline:
             return result
         await trio.sleep(delay)
+
+
+def _pushback(result: UnaryResult) -> float | None:
+    """The server's retry pushback in seconds, None when it sent none (or a negative
+    one: do not retry)."""
+    for name, value in result.trailers:
+        if name == PUSHBACK:
+            try:
+                ms = int(value)
+            except ValueError:
+                return None
+            return ms / 1000 if ms >= 0 else None
+    return None
 
 
 async def unary_message(
@@ -102,7 +122,8 @@ async def unary_message(
 
 class ChannelClient:
     """A client on a :class:`Channel`: one it was given (running, owned by the caller),
-    or one it opens with ``open()`` on ``async with`` and closes on exit."""
+    or one it opens with ``open()`` on ``async with`` and closes on exit (entering it
+    again while open raises RuntimeError)."""
 
     def __init__(
         self,
@@ -114,6 +135,8 @@ class ChannelClient:
         self._stack: AsyncExitStack | None = None
 
     async def __aenter__(self):
+        if self._stack is not None:
+            raise RuntimeError(f"this {type(self).__name__} is open already (enter it once)")
         if self._channel is None:
             self._stack = AsyncExitStack()
             self._channel = await self._stack.enter_async_context(self._open())

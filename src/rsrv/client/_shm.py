@@ -65,26 +65,37 @@ class SharedMemoryRegion:
                 f"{size} bytes at offset {offset} do not fit region '{self.name}' "
                 f"of {self.byte_size} bytes"
             )
-        position = offset
-        for piece in pieces:
-            self._map[position : position + len(piece)] = piece
-            position += len(piece)
+        if size:
+            mapped, position = self._mapped(), offset
+            for piece in pieces:
+                mapped[position : position + len(piece)] = piece
+                position += len(piece)
         return size
 
     def read(self, datatype: str | np.dtype, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         """A copy of the tensor at ``offset``: ``datatype`` a KServe name ("FP32",
-        "BYTES"...) or a numpy dtype, ``shape`` its shape."""
+        "BYTES"...) or a numpy dtype, ``shape`` its shape. Raises ValueError when it
+        runs past the region, or the region is closed."""
         count = int(np.prod(shape, dtype=np.int64))
         dtype = numpy_dtype(datatype)
-        if dtype == np.dtype(object):
-            return deserialize_bytes(self._map[offset:], count, exact=False).reshape(shape)
-        end = offset + count * dtype.itemsize
+        bytes_tensor = dtype == np.dtype(object)
+        end = offset if bytes_tensor else offset + count * dtype.itemsize
         if offset < 0 or end > self.byte_size:
             raise ValueError(
                 f"a {list(shape)} {datatype} tensor at offset {offset} runs past region "
                 f"'{self.name}' of {self.byte_size} bytes"
             )
-        return np.frombuffer(self._map[offset:end], dtype=dtype).reshape(shape).copy()
+        if not count:
+            return np.empty(shape, dtype=dtype)
+        with memoryview(self._mapped()) as whole:  # (no copy of the rest of the region)
+            if bytes_tensor:
+                return deserialize_bytes(whole[offset:], count, exact=False).reshape(shape)
+            return np.frombuffer(whole[offset:end], dtype=dtype).reshape(shape).copy()
+
+    def _mapped(self) -> mmap.mmap:
+        if self._map is None:
+            raise ValueError(f"shared memory region '{self.name}' is closed")
+        return self._map
 
     def close(self) -> None:
         """Unmap the region (the object stays)."""

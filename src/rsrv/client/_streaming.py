@@ -28,15 +28,19 @@ class InferStream:
     :meth:`infer` sends a request and returns its own answer (other answers are not
     consumed); :meth:`send` only sends, and :meth:`receive` (or ``async for``) returns
     the answers no :meth:`infer` is waiting for, in arrival order. A request without
-    an id gets a unique one (``rsrv-<n>``), since answers are matched by id. A failed
-    request raises :class:`InferenceServerError` (code UNKNOWN: a stream's error
-    answer carries only the server's text; ``request_id`` says which). Once the stream
-    has ended, waiting calls raise InferenceServerError with its status. Several tasks
-    may send and wait at once.
+    an id gets a unique one (``rsrv-<n>``), since answers are matched by id; two
+    :meth:`infer` calls waiting on one id at once is a ValueError. A failed request
+    raises :class:`InferenceServerError` (code UNKNOWN: a stream's error answer carries
+    only the server's text; ``request_id`` says which); one larger than
+    ``max_send_message_bytes`` fails RESOURCE_EXHAUSTED without being sent, and the
+    stream goes on. Once the stream has ended, waiting calls raise
+    InferenceServerError with its status (UNAVAILABLE when it ended OK before their
+    answers). Several tasks may send and wait at once.
     """
 
-    def __init__(self, call: StreamingCall):
+    def __init__(self, call: StreamingCall, max_send_message_bytes: int = 1 << 28):
         self._call = call
+        self._max_send = max_send_message_bytes
         self._send_lock = trio.StrictFIFOLock()
         self._waiting: dict[str, list] = {}  # id -> [event, answer]
         self._unclaimed_in, self._unclaimed = trio.open_memory_channel(math.inf)
@@ -68,6 +72,11 @@ class InferStream:
     async def infer(self, model: str, inputs, outputs=None, **kwargs) -> InferResult:
         """Send one request and wait for its answer (same arguments as :meth:`send`)."""
         request_id = kwargs.pop("request_id", "") or f"rsrv-{next(_ids)}"
+        if request_id in self._waiting:
+            raise ValueError(
+                f"request id {request_id!r} is already waiting for its answer on this "
+                "stream (answers are matched by id)"
+            )
         slot = self._waiting[request_id] = [trio.Event(), None]
         try:
             await self.send(model, inputs, outputs, request_id=request_id, **kwargs)
@@ -86,7 +95,8 @@ class InferStream:
 
     async def receive(self) -> InferResult:
         """The next answer no :meth:`infer` claimed; raises InferenceServerError for a
-        failed request, or once the stream has ended (with the stream's status)."""
+        failed request, or once the stream has ended (with the stream's status,
+        UNAVAILABLE when that was OK)."""
         try:
             answer = await self._unclaimed.receive()
         except trio.EndOfChannel:
@@ -104,6 +114,13 @@ class InferStream:
         return _result(answer)
 
     async def _send(self, payload: bytes) -> None:
+        if len(payload) > self._max_send:  # (the transport would reset the whole stream)
+            raise InferenceServerError(
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(payload)} bytes is larger than the channel's maximum "
+                f"{self._max_send} (ClientLimits.max_send_message_bytes)",
+                reached_server=False,
+            )
         async with self._send_lock:
             try:
                 await self._call.send(payload)
@@ -113,8 +130,10 @@ class InferStream:
     def _stream_error(self) -> InferenceServerError:
         call = self._call
         if call.done:
-            code = call.status
-            message = call.message or "the stream has ended"
+            if call.status is StatusCode.OK:  # ended cleanly, yet something waits on it
+                code, message = StatusCode.UNAVAILABLE, "the stream has ended (OK)"
+            else:
+                code, message = call.status, call.message or "the stream has ended"
             return InferenceServerError(code, message, reached_server=call.reached_server)
         return InferenceServerError(StatusCode.CANCELLED, "the stream was half-closed")
 

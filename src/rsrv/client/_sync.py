@@ -3,13 +3,15 @@
 It owns exactly one thread: a daemon thread running a trio loop that holds the client's
 channel. Each method hands its call to that loop and blocks until it returns;
 :meth:`SyncInferenceClient.close` (or leaving ``with``) closes the channel and joins
-the thread. No other thread is started, here or in the transport.
+the thread, and a client dropped unclosed has its loop stopped when it is collected. No
+other thread is started, here or in the transport.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any
 
 import trio
@@ -37,58 +39,76 @@ _METHODS = (
 )
 
 
-class SyncInferenceClient:
-    """``InferenceClient``'s unary calls, blocking (same arguments, results and
-    ``InferenceServerError``s). Connects on construction (the constructor takes
-    ``InferenceClient``'s arguments); safe to call from several threads at once (the
-    calls run concurrently on the one trio loop). Streaming is async only.
-    """
+class _Loop:
+    """The thread's trio loop holding ``client``; apart from the facade, so that the
+    thread does not keep the facade alive."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8001, **kwargs: Any):
-        self._client = InferenceClient(host, port, **kwargs)
-        self._token: trio.lowlevel.TrioToken | None = None
+    def __init__(self, client: InferenceClient):
+        self.client = client
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.error: BaseException | None = None
         self._stop: trio.Event | None = None
         self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="rsrv-client", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._main, name="rsrv-client", daemon=True)
+        self.thread.start()
         self._ready.wait()
-        if self._error is not None:
-            self._thread.join()
-            raise self._error
 
     def _main(self) -> None:
         try:
             trio.run(self._serve)
         except BaseException as e:  # surfaced by the constructor
-            self._error = e
+            self.error = e
         finally:
             self._ready.set()
 
     async def _serve(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
+        self.token = trio.lowlevel.current_trio_token()
         self._stop = trio.Event()
-        async with self._client:
+        async with self.client:
             self._ready.set()
             await self._stop.wait()
 
+    def stop(self) -> None:
+        """Ask the loop to close the channel and end; from any thread, without waiting."""
+        if self.token is not None:
+            try:
+                self.token.run_sync_soon(self._stop.set)
+            except trio.RunFinishedError:
+                pass
+
+
+class SyncInferenceClient:
+    """``InferenceClient``'s unary calls, blocking (same arguments, results and
+    ``InferenceServerError``s). Connects on construction (the constructor takes
+    ``InferenceClient``'s arguments); safe to call from several threads at once (the
+    calls run concurrently on the one trio loop). Streaming is async only. Its methods
+    block, so a trio task must not call them (trio raises RuntimeError); :meth:`close`
+    works from any thread.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8001, **kwargs: Any):
+        self._loop = _Loop(InferenceClient(host, port, **kwargs))
+        if self._loop.error is not None:
+            self._loop.thread.join()
+            raise self._loop.error
+        self._finalizer = weakref.finalize(self, self._loop.stop)
+
     def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if self._token is None or not self._thread.is_alive():
+        loop = self._loop
+        if loop.token is None or not loop.thread.is_alive():
             raise RuntimeError("the client is closed")
-        method = getattr(self._client, name)
+        method = getattr(loop.client, name)
         return trio.from_thread.run(
-            functools.partial(method, *args, **kwargs), trio_token=self._token
+            functools.partial(method, *args, **kwargs), trio_token=loop.token
         )
 
     def close(self) -> None:
         """Close the channel and join the client's thread (idempotent)."""
-        if self._thread.is_alive() and self._token is not None:
-            try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
-        self._thread.join()
-        self._token = None
+        self._finalizer.detach()
+        self._loop.stop()
+        if self._loop.thread is not threading.current_thread():
+            self._loop.thread.join()
+        self._loop.token = None
 
     def __enter__(self) -> SyncInferenceClient:
         return self

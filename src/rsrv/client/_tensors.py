@@ -145,7 +145,7 @@ def build_request(
             tensor = request.inputs.add(name=name, datatype=value.datatype, shape=list(value.shape))
             _shm_parameters(tensor.parameters, value.region, value.byte_size, value.offset)
             continue
-        array = np.asarray(value)
+        array = _as_array(value)
         datatype = datatype_of(array)
         request.inputs.add(name=name, datatype=datatype, shape=array.shape)
         if datatype == "BYTES":
@@ -227,3 +227,12 @@ def _array(tensor: Any, shape: tuple[int, ...], data: bytes | None) -> np.ndarra
 def _value(parameter: Any) -> Any:
     which = parameter.WhichOneof("parameter_choice")
     return getattr(parameter, which) if which else None
+
+
+def _as_array(value: Any) -> np.ndarray:
+    """``value`` as an array; a sequence of bytes or str becomes an object array (numpy
+    would make it a fixed-width one, which drops each element's trailing NUL bytes)."""
+    if isinstance(value, np.ndarray):
+        return value
+    array = np.asarray(value)
+    return np.asarray(value, dtype=object) if array.dtype.kind in "SU" else array

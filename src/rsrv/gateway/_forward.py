@@ -139,11 +139,16 @@ class Forwarder:
             found = self.fleet.routes.get(model)
         return found or ()
 
+    def _none_ready(self, message: str = "no worker is ready") -> Unavailable:
+        """UNAVAILABLE for a request no worker processed: the client may send it again
+        once discovery has had a round to find a worker (retry pushback)."""
+        return Unavailable(message, retry_after=self.discovery.settings.interval_seconds)
+
     def any_ready(self) -> list[WorkerLink]:
         """Every ready worker, starting from a rotating one."""
         ready = self.fleet.ready
         if not ready:
-            raise Unavailable("no worker is ready")
+            raise self._none_ready()
         self._rotation = (self._rotation + 1) % len(ready)
         return ready[self._rotation :] + ready[: self._rotation]
 
@@ -184,10 +189,12 @@ class Forwarder:
         on_failover: Callable[[str], object] | None = None,
     ) -> bytes:
         """``body`` to the workers named in ``order``, one after the other until one
-        answers with a status other than NOT_FOUND / UNAVAILABLE."""
+        answers with a status other than NOT_FOUND / UNAVAILABLE. When none was ready,
+        or none could be reached, the UNAVAILABLE carries a retry pushback."""
         headers = forwarded_headers(metadata)
         last: CallResult | None = None
         last_name = ""
+        reached = False  # some worker may have processed it
         for name in order:
             worker = self.fleet.by_name[name]
             if not worker.ready and last is not None:
@@ -205,8 +212,11 @@ class Forwarder:
             if result.status == StatusCode.NOT_FOUND:
                 self.discovery.stale()  # its index may be stale
             last, last_name = result, name
+            reached |= result.reached_server
         if last is None:
-            raise Unavailable("no worker is ready")
+            raise self._none_ready()
+        if not reached:
+            raise self._none_ready(last.message)
         raise Relayed(last.status, last.message)
 
     # -- every ready worker ---------------------------------------------------------------

@@ -29,7 +29,7 @@ from rsrv.gateway._fleet import Fleet, WorkerLink, is_local_host
 from rsrv.gateway._forward import Forwarder
 from rsrv.gateway._scheduling import Scheduling
 from rsrv.gateway._services import CONTROL, GatewayServices
-from rsrv.protocol import Admission, HealthService, grpc_status, guard
+from rsrv.protocol import Admission, HealthService, grpc_status, grpc_trailers, guard
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 from rsrv.transport import (
     ClientLimits,
@@ -143,6 +143,7 @@ class Gateway:
             port,
             grpc,
             status_of=grpc_status,
+            trailers_of=grpc_trailers,
         )
         limits = ClientLimits(
             max_concurrent_streams=cfg.worker_client.max_concurrent_streams,

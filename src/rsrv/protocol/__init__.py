@@ -30,7 +30,14 @@ from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import ShmTarget, request_deadline, request_priority
 from rsrv.protocol._rest import RestService
 from rsrv.protocol._shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
-from rsrv.protocol._status import HTTP_STATUS, MAX_MESSAGE_CHARS, grpc_status, http_status
+from rsrv.protocol._status import (
+    HTTP_STATUS,
+    MAX_MESSAGE_CHARS,
+    PUSHBACK,
+    grpc_status,
+    grpc_trailers,
+    http_status,
+)
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",
@@ -40,6 +47,7 @@ __all__ = [
     "FROM_RESIDENCY",
     "HEALTH_SERVICES",
     "MAX_MESSAGE_CHARS",
+    "PUSHBACK",
     "PROTOCOLS",
     "RESIDENCY",
     "Admission",
@@ -66,6 +74,7 @@ __all__ = [
     "decode_request",
     "encode_response",
     "grpc_status",
+    "grpc_trailers",
     "guard",
     "http_status",
     "load_parameters",

@@ -108,8 +108,8 @@ class Admission:
         self.closed = True
 
     def check_open(self) -> None:
-        if self.closed:
-            raise Unavailable("server is shutting down")
+        if self.closed:  # not processed: a client may retry (elsewhere, or after a restart)
+            raise Unavailable("server is shutting down", retry_after=0.0)
 
     def __enter__(self):
         self.check_open()

@@ -16,6 +16,10 @@ nurseries, e.g. a stream's request pump or a meta model's calls, keeps its statu
 * ``trio.Cancelled`` / ``KeyboardInterrupt`` and other non-``Exception``: CANCELLED.
 * anything else: INTERNAL with ``"TypeName: message"`` (never a traceback).
 
+:func:`grpc_trailers` gives the custom trailers sent with the status: an
+``Unavailable`` with ``retry_after`` sends ``grpc-retry-pushback-ms`` (gRPC's retry
+pushback: the request was not processed; retry after that many milliseconds).
+
 Messages are capped at ``MAX_MESSAGE_CHARS`` characters: they travel percent-encoded in
 the ``grpc-message`` trailer, and clients cap metadata size (gRPC C-core: 8 KiB).
 """
@@ -26,9 +30,19 @@ import trio
 from purerpc.grpclib import exceptions as _exc
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.errors import RsrvError
+from rsrv.errors import RsrvError, Unavailable
 
-__all__ = ["HTTP_STATUS", "MAX_MESSAGE_CHARS", "grpc_status", "http_status"]
+__all__ = [
+    "HTTP_STATUS",
+    "MAX_MESSAGE_CHARS",
+    "PUSHBACK",
+    "grpc_status",
+    "grpc_trailers",
+    "http_status",
+]
+
+#: The trailer of gRPC's retry pushback (gRFC A6): milliseconds before a retry.
+PUSHBACK = "grpc-retry-pushback-ms"
 
 MAX_MESSAGE_CHARS = 2000
 
@@ -45,10 +59,23 @@ def _type_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def grpc_status(exc: BaseException) -> tuple[StatusCode, str]:
-    """The purerpc status code and message a client receives for ``exc``."""
+def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The custom trailers a client receives with ``exc``'s status."""
+    exc = _single(exc)
+    if isinstance(exc, Unavailable) and exc.retry_after is not None:
+        return ((PUSHBACK, str(max(0, round(exc.retry_after * 1000)))),)
+    return ()
+
+
+def _single(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
+    return exc
+
+
+def grpc_status(exc: BaseException) -> tuple[StatusCode, str]:
+    """The purerpc status code and message a client receives for ``exc``."""
+    exc = _single(exc)
     if isinstance(exc, RsrvError):
         try:
             code = StatusCode[exc.code]

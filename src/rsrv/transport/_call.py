@@ -181,18 +181,20 @@ class ServerCall:
         if flush:
             conn.flush()
 
-    def finish(self, code: StatusCode, message: str = "") -> None:
-        """End the call with its status (trailers); a no-op once closed."""
+    def finish(self, code: StatusCode, message: str = "", extra=()) -> None:
+        """End the call with its status (trailers), and ``extra`` custom trailers (name,
+        value as text); a no-op once closed."""
         if self._closed:
             return
         self._closed = True
-        if code is StatusCode.OK and not message and self._started:
+        if code is StatusCode.OK and not message and self._started and not extra:
             block = _OK_BLOCK
         else:
             trailers = [] if self._started else list(_RESPONSE)
             trailers.append((b"grpc-status", b"%d" % code.value))
             if message:
                 trailers.append((b"grpc-message", urllib.parse.quote(message, safe="").encode()))
+            trailers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra)
             block = header_block(trailers)
         conn = self.conn
         conn.write_headers(self.id, block, end_stream=True)

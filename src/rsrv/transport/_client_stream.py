@@ -53,7 +53,8 @@ class ClientStream:
     """One call's stream. The reader feeds it (``_on_*``); the caller sends with
     :meth:`send` / :meth:`end`, reads with :meth:`receive`, and waits with
     :meth:`wait_done`. Once ``done``, ``status``, ``message``, ``trailers`` and
-    ``reached_server`` are final; ``metadata`` holds the response headers' metadata."""
+    ``reached_server`` are final; ``metadata`` holds the response headers' metadata
+    (of a trailers-only response, the same as ``trailers``)."""
 
     __slots__ = (
         "conn",
@@ -114,6 +115,7 @@ class ClientStream:
                 if http != b"200":
                     self._abort(*_http_status(http))
                 return
+            self.trailers = metadata  # trailers-only: its metadata is the trailers too
         elif not end_stream:
             self._abort(StatusCode.INTERNAL, "the server sent headers twice without ending")
             return

@@ -3,7 +3,8 @@
 Services are tables of :class:`Method` (see :func:`methods_of` for purerpc servicers).
 A handler raises any exception to fail its call; ``status_of`` (given by the protocol
 layer) turns it into the status the client receives, so the transport never decides a
-status for an application error and never sends a traceback.
+status for an application error and never sends a traceback; ``trailers_of``, when
+given, adds custom trailers for it (e.g. ``grpc-retry-pushback-ms``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import errno
 import logging
 import socket
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -97,6 +98,9 @@ class ListenSettings(Protocol):
     tls_client_ca_file: str | None
 
 
+Trailers = Sequence[tuple[str, str]]
+
+
 def default_status(exc: BaseException) -> tuple[StatusCode, str]:
     """The status of an exception when the server is given no mapping."""
     if isinstance(exc, RpcFailedError):
@@ -108,7 +112,9 @@ class GrpcServer:
     """Serve :class:`Method` tables on ``host:port`` (port 0 picks a free port).
 
     ``tls``: a server ``ssl.SSLContext`` (see :func:`server_tls_context`), or None for
-    plaintext HTTP/2. ``status_of`` maps a handler's exception to its status.
+    plaintext HTTP/2. ``status_of`` maps a handler's exception to its status, and
+    ``trailers_of`` (optional) to custom trailers sent with that status (lower-case
+    names, text values).
     """
 
     def __init__(
@@ -120,12 +126,14 @@ class GrpcServer:
         limits: TransportLimits | None = None,
         tls: ssl.SSLContext | None = None,
         status_of: Callable[[BaseException], tuple[StatusCode, str]] = default_status,
+        trailers_of: Callable[[BaseException], Trailers] | None = None,
     ):
         self.methods = {m.path: m for m in methods}
         self.host, self.port = host, port
         self.limits = limits or TransportLimits()
         self.tls = tls
         self.status_of = status_of
+        self.trailers_of = trailers_of
         self.connections: set[ServerConnection] = set()
         self.refused_connections = 0
         self._listeners: list[trio.SocketListener] = []
@@ -139,6 +147,7 @@ class GrpcServer:
         settings: ListenSettings,
         *,
         status_of: Callable[[BaseException], tuple[StatusCode, str]] = default_status,
+        trailers_of: Callable[[BaseException], Trailers] | None = None,
     ) -> GrpcServer:
         """A server with the limits and TLS (when a certificate is set) of ``settings``;
         the TLS handshake must finish within the receive timeout. Raises OSError /
@@ -160,6 +169,7 @@ class GrpcServer:
             if s.tls_cert_file
             else None,
             status_of=status_of,
+            trailers_of=trailers_of,
         )
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -242,7 +252,7 @@ class GrpcServer:
 
     async def _run_call(self, call: ServerCall) -> None:
         """One call, start to end: dispatch, deadline, status, cleanup."""
-        code, message = StatusCode.OK, ""
+        code, message, trailers = StatusCode.OK, "", ()
         method = self.methods.get(call.path)
         try:
             # One scope: RST_STREAM cancels it (the call is then closed: nothing to
@@ -259,13 +269,15 @@ class GrpcServer:
                     await self._invoke(method, call)
                 except Exception as e:
                     code, message = self.status_of(e)
+                    if self.trailers_of is not None:
+                        trailers = self.trailers_of(e)
             if call.scope.cancelled_caught:  # a reset, or the deadline
-                code = StatusCode.DEADLINE_EXCEEDED
+                code, trailers = StatusCode.DEADLINE_EXCEEDED, ()
                 streaming = method.client_streaming or method.server_streaming
                 message = "deadline (grpc-timeout) expired before the " + (
                     "stream ended" if streaming else "call finished"
                 )
-            call.finish(code, message)  # a no-op after a reset
+            call.finish(code, message, trailers)  # a no-op after a reset
         finally:
             call.release()
 

@@ -29,6 +29,7 @@ from rsrv.protocol import (
     ModelStatisticsSnapshot,
     SharedMemoryRegistry,
     grpc_status,
+    grpc_trailers,
     guard,
 )
 from rsrv.runtime import (
@@ -227,6 +228,7 @@ class Worker:
             ep.port,
             ep,
             status_of=grpc_status,
+            trailers_of=grpc_trailers,
         )
         try:
             async with trio.open_nursery() as nursery:

@@ -30,6 +30,7 @@ from rsrv.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from rsrv.protocol import (
     MAX_MESSAGE_CHARS,
@@ -40,6 +41,7 @@ from rsrv.protocol import (
     decode_request,
     encode_response,
     grpc_status,
+    grpc_trailers,
     request_deadline,
     request_priority,
     requested_outputs,
@@ -781,6 +783,17 @@ def test_rpc_failed_error_passes_through_and_long_messages_are_capped():
     code, message = grpc_status(InvalidArgument("x" * 10_000))
     assert code is StatusCode.INVALID_ARGUMENT
     assert len(message) == MAX_MESSAGE_CHARS and message.endswith("(truncated)")
+
+
+def test_a_retry_pushback_travels_as_a_trailer():
+    assert grpc_trailers(Unavailable("no worker", retry_after=0.5)) == (
+        ("grpc-retry-pushback-ms", "500"),
+    )
+    assert grpc_trailers(ExceptionGroup("one", [Unavailable("x", retry_after=0)])) == (
+        ("grpc-retry-pushback-ms", "0"),
+    )
+    assert grpc_trailers(Unavailable("maybe processed")) == ()
+    assert grpc_trailers(NotFound("no")) == ()
 
 
 def test_bf16_sample_uses_ml_dtypes():

@@ -59,6 +59,21 @@ async def test_unary_answers_and_statuses():
         assert missing.status is StatusCode.UNIMPLEMENTED
 
 
+async def test_trailers_of_a_failure_reach_the_client():
+    def trailers_of(e: BaseException):
+        return (("x-failure", type(e).__name__),)
+
+    async with (
+        echo_server(trailers_of=trailers_of) as echo,
+        open_channel("127.0.0.1", echo.port) as channel,
+    ):
+        failed = await channel.unary(FAIL, b"14:busy")  # trailers-only
+        assert failed.status is StatusCode.UNAVAILABLE
+        assert failed.trailers == (("x-failure", "MessageError"),)
+        ok = await channel.unary(UNARY, b"fine")
+        assert ok.ok and ok.trailers == ()
+
+
 async def test_an_exception_in_the_block_comes_out_as_itself():
     async with echo_server() as echo:
         with pytest.raises(KeyError, match="mine"):

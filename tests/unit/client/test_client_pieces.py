@@ -1,0 +1,73 @@
+"""rsrv.client parts without a worker: retry backoff and pushback, entering a client
+twice, shared-memory bounds, and BYTES inputs given as lists."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import numpy as np
+import pytest
+from purerpc.grpclib.status import StatusCode
+from support.echo import UNARY, echo_server
+
+from rsrv.client import InferenceClient, RetryPolicy, create_shared_memory_region
+from rsrv.client._rpc import _pushback
+from rsrv.client._tensors import build_request, deserialize_bytes
+from rsrv.transport import UnaryResult
+
+
+def test_backoff_is_capped_for_any_attempt():
+    policy = RetryPolicy(attempts=math.inf, initial_backoff=0.05, max_backoff=2.0)
+    assert 1.6 <= policy.backoff(1024) <= 2.4  # 2.0 ** 1024 overflows a float
+    assert 0.04 <= policy.backoff(0) <= 0.06
+
+
+def test_pushback_is_read_from_the_trailers():
+    def result(*trailers):
+        return UnaryResult(StatusCode.UNAVAILABLE, trailers=trailers)
+
+    assert _pushback(result(("grpc-retry-pushback-ms", "500"))) == 0.5
+    assert _pushback(result(("grpc-retry-pushback-ms", "-1"))) is None  # do not retry
+    assert _pushback(result(("grpc-retry-pushback-ms", "soon"))) is None
+    assert _pushback(result(("other", "1"))) is None
+
+
+async def test_a_client_is_entered_once_at_a_time():
+    async with echo_server() as echo:
+        client = InferenceClient("127.0.0.1", echo.port)
+        async with client:
+            with pytest.raises(RuntimeError, match="open already"):
+                async with client:
+                    pass
+            assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"  # still open
+        async with client:  # again, after it was closed
+            assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"
+
+
+def test_shared_memory_reads_stay_inside_the_region():
+    key = f"/rsrv_pieces_{uuid.uuid4().hex[:10]}"
+    with create_shared_memory_region("r", key, 64) as region:
+        region.write(np.array([b"ab", b"c\x00"], dtype=object))
+        assert list(region.read("BYTES", [2])) == [b"ab", b"c\x00"]
+        for offset in (-51, 65):
+            with pytest.raises(ValueError, match="runs past region"):
+                region.read("BYTES", [1], offset=offset)
+        region.close()
+        with pytest.raises(ValueError, match="is closed"):
+            region.read("FP32", [1])
+        with pytest.raises(ValueError, match="is closed"):
+            region.write(np.ones(1, np.float32))
+    with create_shared_memory_region("z", key + "z", 0) as empty:
+        assert empty.write(np.zeros(0, np.float32)) == 0
+        assert empty.read("FP32", [0]).shape == (0,)
+        with pytest.raises(ValueError, match="runs past region"):
+            empty.read("FP32", [1])
+
+
+def test_bytes_given_as_a_list_keep_their_trailing_nul_bytes():
+    request = build_request("m", {"s": [b"ab\x00\x00", b"c"], "t": ["x\x00"]})
+    first = deserialize_bytes(request.raw_input_contents[0], 2)
+    assert list(first) == [b"ab\x00\x00", b"c"]
+    assert list(deserialize_bytes(request.raw_input_contents[1], 1)) == [b"x\x00"]
+    assert [t.datatype for t in request.inputs] == ["BYTES", "BYTES"]
