@@ -13,7 +13,7 @@ from typing import Any
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.protocol import PUSHBACK
+from rsrv.protocol import pushback_of
 from rsrv.transport import Channel, UnaryResult
 
 __all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
@@ -28,7 +28,9 @@ class RetryPolicy:
     down) — never one the server may have processed. ``attempts`` counts the first one
     (1: never retry); attempt *n* waits ``initial_backoff * multiplier**n`` seconds (at
     most ``max_backoff``, ±20% jitter), or the server's pushback when longer, before
-    the next. A call's timeout covers every attempt and wait."""
+    the next. A call's timeout covers every attempt and wait. (Behind a gateway with no
+    ready worker, the pushback is its discovery interval: with the defaults, 5 attempts
+    2 s apart, a call rides out about 8 s of no worker before it fails.)"""
 
     attempts: int = 5
     initial_backoff: float = 0.05
@@ -68,7 +70,7 @@ async def call_unary(
             )
         result = await channel.unary(path, payload, metadata=metadata, timeout=remaining)
         attempt += 1
-        pushback = _pushback(result)
+        pushback = pushback_of(result.trailers)
         if (
             result.status is not StatusCode.UNAVAILABLE
             or (result.reached_server and pushback is None)
@@ -79,19 +81,6 @@ async def call_unary(
         if trio.current_time() + delay >= deadline:
             return result
         await trio.sleep(delay)
-
-
-def _pushback(result: UnaryResult) -> float | None:
-    """The server's retry pushback in seconds, None when it sent none (or a negative
-    one: do not retry)."""
-    for name, value in result.trailers:
-        if name == PUSHBACK:
-            try:
-                ms = int(value)
-            except ValueError:
-                return None
-            return ms / 1000 if ms >= 0 else None
-    return None
 
 
 async def unary_message(
@@ -138,8 +127,9 @@ class ChannelClient:
         if self._stack is not None:
             raise RuntimeError(f"this {type(self).__name__} is open already (enter it once)")
         if self._channel is None:
-            self._stack = AsyncExitStack()
-            self._channel = await self._stack.enter_async_context(self._open())
+            stack = AsyncExitStack()
+            self._channel = await stack.enter_async_context(self._open())
+            self._stack = stack  # (only once open: a failed open may be tried again)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -44,6 +44,8 @@ __all__ = ["CatchUp"]
 log = logging.getLogger("rsrv.gateway")
 
 _PRESENT = frozenset({"READY", "LOADING"})
+#: Failures after which the worker is brought in line again at the next discovery round.
+_TRANSIENT = frozenset({StatusCode.RESOURCE_EXHAUSTED, StatusCode.DEADLINE_EXCEEDED})
 
 
 def _ok(result: CallResult | None) -> bool:
@@ -64,6 +66,7 @@ class CatchUp:
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
         self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
+        self._unfinished: set[int] = set()  # id(worker link): a call was shed or timed out
 
     def __bool__(self) -> bool:
         return bool(self.regions or self.dropped or self.loads or self.unloads)
@@ -131,6 +134,9 @@ class CatchUp:
                 again, self._replaying[key] = self._replaying[key], False
         finally:
             del self._replaying[key]
+            if key in self._unfinished:  # shed or timed out: again at the next round
+                self._unfinished.discard(key)
+                worker.away = True
 
     async def _regions_on(self, worker: WorkerLink) -> None:
         if not (self.regions or self.dropped):
@@ -143,6 +149,7 @@ class CatchUp:
             name: pb.SystemSharedMemoryRegisterRequest.FromString(body)
             for name, body in self.regions.items()
         }
+        dropped = dict(self.dropped)  # as when the status was read (later ones stay)
         in_line = True
         for name, region in held.items():
             want = wanted.get(name)
@@ -164,11 +171,12 @@ class CatchUp:
             body = self.regions.get(name)  # (unregistered meanwhile: nothing to do)
             if body is not None:
                 await self._call(worker, INFERENCE + "SystemSharedMemoryRegister", body)
-        if in_line:  # it holds none of the dropped regions now
-            for name, away in list(self.dropped.items()):
-                away.discard(worker.name)
-                if not away:
-                    del self.dropped[name]
+        if in_line:  # it holds none of the regions dropped before the read
+            for name, away in dropped.items():
+                if self.dropped.get(name) is away:
+                    away.discard(worker.name)
+                    if not away:
+                        del self.dropped[name]
 
     async def _present(self, worker: WorkerLink) -> set[str] | None:
         """The models READY or LOADING on ``worker`` now: its RepositoryIndex's, and
@@ -179,10 +187,13 @@ class CatchUp:
             return None
         index = pb.RepositoryIndexResponse.FromString(answer).models
         present = {m.name for m in index if m.state in _PRESENT}
-        answer = await self._call(worker, CONTROL_STATUS, b"", unimplemented_ok=True)
-        if answer:
-            control = control_pb.ModelControlStatusResponse.FromString(answer).models
-            present.update(m.name for m in control if m.state in _PRESENT)
+        result = await self._result(worker, CONTROL_STATUS, b"")
+        if result.status == StatusCode.UNIMPLEMENTED:  # no control service: no metas
+            return present
+        if result.status != StatusCode.OK:  # a meta's sub-models would look absent
+            return None
+        control = control_pb.ModelControlStatusResponse.FromString(result.response or b"")
+        present.update(m.name for m in control.models if m.state in _PRESENT)
         return present
 
     async def _models_on(self, worker: WorkerLink) -> None:
@@ -203,15 +214,21 @@ class CatchUp:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
                 await self._call(worker, INFERENCE + "RepositoryModelUnload", body)
 
-    async def _call(
-        self, worker: WorkerLink, path: str, body: bytes, *, unimplemented_ok: bool = False
-    ) -> bytes | None:
-        """The worker's answer; None (logged, unless UNIMPLEMENTED is expected) when
-        it failed."""
+    async def _call(self, worker: WorkerLink, path: str, body: bytes) -> bytes | None:
+        """The worker's answer; None when it failed."""
+        result = await self._result(worker, path, body)
+        return (result.response or b"") if result.status == StatusCode.OK else None
+
+    async def _result(self, worker: WorkerLink, path: str, body: bytes) -> CallResult:
+        """The call's result; a failure is logged (UNIMPLEMENTED of ModelControlStatus
+        excepted: a worker without the control service), and one the worker shed or
+        timed out brings it in line again at the next round."""
         result = (await self.forward.fan_out(path, body, workers=[worker]))[worker.name]
-        if result.status == StatusCode.OK:
-            return result.response or b""
-        if not (unimplemented_ok and result.status == StatusCode.UNIMPLEMENTED):
+        if result.status in _TRANSIENT:
+            self._unfinished.add(id(worker))
+        if result.status != StatusCode.OK and not (
+            result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
+        ):
             method = path.rsplit("/", 1)[1]
             log.warning("%s on %s failed: %s", method, worker.name, result.message)
-        return None
+        return result

@@ -59,6 +59,7 @@ class Discovery:
         self.on_round = on_round
         self.before_round = before_round
         self.rounds = 0
+        self._failing: set[tuple[str, str]] = set()  # (worker, path) whose failure was logged
         self._round_done = trio.Event()
         self._wake = trio.Event()
         self._running: trio.Event | None = None
@@ -114,28 +115,29 @@ class Discovery:
         self._last_refresh = now
         await self.round()
 
-    async def _call(
-        self, worker: WorkerLink, path: str, *, again: bool = False
-    ) -> tuple[StatusCode, bytes | None]:
-        """The call's status, and its response when it succeeded. A failure is logged
-        as a warning, unless the worker is going away (UNAVAILABLE) or has no control
-        service, or the call is asked ``again`` after one that failed (then at debug
-        level: once per streak, not every round)."""
+    async def _call(self, worker: WorkerLink, path: str) -> tuple[StatusCode, bytes | None]:
+        """The call's status, and its response when it succeeded. A failure is logged,
+        unless the worker is going away (UNAVAILABLE) or has no control service: as a
+        warning the first time, then at debug level until that call succeeds again (a
+        failure that repeats every round is reported once)."""
         timeout = self.settings.probe_timeout_seconds
         result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
+        key = (worker.name, path)
         if result.status == StatusCode.OK and result.response is not None:
+            self._failing.discard(key)
             return result.status, result.response
         quiet = result.status == StatusCode.UNAVAILABLE or (
             result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
         )
         if not quiet:
-            (log.debug if again else log.warning)(
+            (log.debug if key in self._failing else log.warning)(
                 "worker %s answered %s to %s: %s",
                 worker.name,
                 result.status.name,
                 path.rsplit("/", 1)[1],
                 result.message,
             )
+            self._failing.add(key)
         return result.status, None
 
     async def _probe(self, worker: WorkerLink) -> None:
@@ -166,9 +168,8 @@ class Discovery:
                     or worker.channel.opened != worker.opened
                 ):
                     # due until answered: an ask the round's time limit cuts short stays due
-                    again = worker.control_due
                     worker.opened, worker.control_due = worker.channel.opened, True
-                    status, answer = await self._call(worker, CONTROL_STATUS, again=again)
+                    status, answer = await self._call(worker, CONTROL_STATUS)
                     if answer is not None:
                         control = control_pb.ModelControlStatusResponse.FromString(answer)
                     elif status == StatusCode.UNIMPLEMENTED or not was_ready:

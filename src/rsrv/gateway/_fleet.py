@@ -28,6 +28,7 @@ class CallResult(Protocol):
     status: StatusCode
     message: str
     response: bytes | None
+    trailers: tuple[tuple[str, str], ...]
     reached_server: bool
 
 
@@ -89,7 +90,8 @@ class WorkerLink:
     ``instance``: the last ``control.instance`` seen; ``restarted``: it changed since
     (set by discovery, cleared once the gateway has acted on it); ``away``: it has not
     been ready at some moment since its last catch-up began (True until its first; set
-    by whatever takes it out of the routes, cleared by the catch-up); ``opened``: the
+    by whatever takes it out of the routes, and by a catch-up the worker shed or timed
+    out; cleared by :meth:`Fleet.returned`); ``opened``: the
     channel's connection count when discovery last asked for the control status;
     ``control_due``: that ask has not been answered yet (asked again next round).
     """
@@ -165,6 +167,16 @@ class Fleet:
                 for model in worker.serving:
                     routes.setdefault(model, []).append(worker.name)
         self.routes = {model: tuple(sorted(names)) for model, names in routes.items()}
+
+    def returned(self) -> list[WorkerLink]:
+        """The ready workers to bring in line (catch-up): away since their last one
+        began, or restarted. Clears both marks."""
+        back = [w for w in self.ready if w.away or w.restarted]
+        for worker in self.workers:
+            worker.restarted = False
+        for worker in back:
+            worker.away = False
+        return back
 
     def mark_unreachable(self, worker: WorkerLink) -> None:
         """A call found ``worker`` unreachable: it gets no traffic until a probe

@@ -23,6 +23,7 @@ from rsrv.errors import DeadlineExceeded, RsrvError, Unavailable
 from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._peek import InferHead
+from rsrv.protocol import pushback_of
 
 __all__ = ["INFERENCE", "Forwarder", "Relayed", "RouteTicket", "Router", "forwarded_headers"]
 
@@ -190,7 +191,8 @@ class Forwarder:
     ) -> bytes:
         """``body`` to the workers named in ``order``, one after the other until one
         answers with a status other than NOT_FOUND / UNAVAILABLE. When none was ready,
-        or none could be reached, the UNAVAILABLE carries a retry pushback."""
+        or none of them processed it (unreachable, or refused with a retry pushback), the
+        UNAVAILABLE carries a retry pushback."""
         headers = forwarded_headers(metadata)
         last: CallResult | None = None
         last_name = ""
@@ -212,7 +214,8 @@ class Forwarder:
             if result.status == StatusCode.NOT_FOUND:
                 self.discovery.stale()  # its index may be stale
             last, last_name = result, name
-            reached |= result.reached_server
+            # (a worker's own pushback: it refused the call before processing it)
+            reached |= result.reached_server and pushback_of(result.trailers) is None
         if last is None:
             raise self._none_ready()
         if not reached:
@@ -230,10 +233,11 @@ class Forwarder:
         workers: list[WorkerLink] | None = None,
     ) -> dict[str, CallResult]:
         """``body`` to every ready worker (or ``workers``) at once; each one's result
-        by worker name. Raises Unavailable when no worker is ready."""
+        by worker name. Raises Unavailable (with a retry pushback) when no worker is
+        ready."""
         targets = self.fleet.ready if workers is None else workers
         if not targets:
-            raise Unavailable("no worker is ready")
+            raise self._none_ready()
         headers = self.headers if metadata is None else forwarded_headers(metadata)
         results: dict[str, CallResult] = {}
 

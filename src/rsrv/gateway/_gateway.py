@@ -100,12 +100,7 @@ class Gateway:
         return self.scheduler.metrics()
 
     def _after_round(self) -> None:
-        back = [w for w in self.fleet.ready if w.away or w.restarted]
-        for worker in self.fleet.workers:
-            worker.restarted = False
-        for worker in back:
-            worker.away = False
-        self.services.catchup.start(back)
+        self.services.catchup.start(self.fleet.returned())
         outcome = self.scheduler.tick()
         if outcome is not None and outcome.compaction is not None and self._nursery:
             self._nursery.start_soon(self._compact, outcome.compaction.reload)

@@ -37,6 +37,7 @@ from rsrv.protocol._status import (
     grpc_status,
     grpc_trailers,
     http_status,
+    pushback_of,
 )
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "grpc_trailers",
     "guard",
     "http_status",
+    "pushback_of",
     "load_parameters",
     "model_config",
     "request_deadline",

@@ -39,6 +39,7 @@ __all__ = [
     "grpc_status",
     "grpc_trailers",
     "http_status",
+    "pushback_of",
 ]
 
 #: The trailer of gRPC's retry pushback (gRFC A6): milliseconds before a retry.
@@ -65,6 +66,19 @@ def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
     if isinstance(exc, Unavailable) and exc.retry_after is not None:
         return ((PUSHBACK, str(max(0, round(exc.retry_after * 1000)))),)
     return ()
+
+
+def pushback_of(trailers) -> float | None:
+    """The retry pushback in seconds among ``trailers`` ((name, value) pairs); None when
+    there is none, or it is negative (do not retry) or malformed."""
+    for name, value in trailers:
+        if name == PUSHBACK:
+            try:
+                ms = int(value)
+            except ValueError:
+                return None
+            return ms / 1000 if ms >= 0 else None
+    return None
 
 
 def _single(exc: BaseException) -> BaseException:

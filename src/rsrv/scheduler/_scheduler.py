@@ -313,8 +313,8 @@ class Scheduler:
         label: str | None = None,
     ) -> Request:
         now = self._clock()
-        if self._draining or self._closed:  # not processed: a client may retry
-            raise Unavailable("server is shutting down", retry_after=0.0)
+        if self._draining or self._closed:
+            raise Unavailable("server is shutting down")
         m = self._model(model)
         try:
             req = self._request(m, inputs, deadline, rows, front, now, label)

@@ -1,5 +1,5 @@
-"""rsrv.client parts without a worker: retry backoff and pushback, entering a client
-twice, shared-memory bounds, and BYTES inputs given as lists."""
+"""rsrv.client parts without a worker: retry backoff, entering a client twice (or again
+after a failed open), shared-memory bounds, and BYTES inputs given as lists."""
 
 from __future__ import annotations
 
@@ -8,29 +8,17 @@ import uuid
 
 import numpy as np
 import pytest
-from purerpc.grpclib.status import StatusCode
+import trio
 from support.echo import UNARY, echo_server
 
 from rsrv.client import InferenceClient, RetryPolicy, create_shared_memory_region
-from rsrv.client._rpc import _pushback
 from rsrv.client._tensors import build_request, deserialize_bytes
-from rsrv.transport import UnaryResult
 
 
 def test_backoff_is_capped_for_any_attempt():
     policy = RetryPolicy(attempts=math.inf, initial_backoff=0.05, max_backoff=2.0)
     assert 1.6 <= policy.backoff(1024) <= 2.4  # 2.0 ** 1024 overflows a float
     assert 0.04 <= policy.backoff(0) <= 0.06
-
-
-def test_pushback_is_read_from_the_trailers():
-    def result(*trailers):
-        return UnaryResult(StatusCode.UNAVAILABLE, trailers=trailers)
-
-    assert _pushback(result(("grpc-retry-pushback-ms", "500"))) == 0.5
-    assert _pushback(result(("grpc-retry-pushback-ms", "-1"))) is None  # do not retry
-    assert _pushback(result(("grpc-retry-pushback-ms", "soon"))) is None
-    assert _pushback(result(("other", "1"))) is None
 
 
 async def test_a_client_is_entered_once_at_a_time():
@@ -42,6 +30,17 @@ async def test_a_client_is_entered_once_at_a_time():
                     pass
             assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"  # still open
         async with client:  # again, after it was closed
+            assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"
+
+
+async def test_a_client_whose_open_failed_can_be_entered_again():
+    async with echo_server() as echo:
+        client = InferenceClient("127.0.0.1", echo.port)
+        with trio.CancelScope() as scope:
+            scope.cancel()  # the open is cancelled
+            async with client:
+                pass
+        async with client:
             assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"
 
 

@@ -1,8 +1,9 @@
 """Catch-up against fake workers that keep state (the models and regions each holds, and
 what the gateway sent them): replays read each worker afresh, survive changes made while
 they run, run one at a time per worker, reach a worker that restarted during a replay,
-that was taken out of the routes by a call, or that became ready while a change was being
-made, and forget an unregistered region once no worker can hold it."""
+that was taken out of the routes by a call, that became ready while a change was being
+made, or that shed a replay, see a meta's sub-models, and forget an unregistered region
+once no worker can hold it (but not one dropped while a replay ran)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rsrv.gateway._forward import INFERENCE, Relayed
 from rsrv.gateway._services import GatewayServices
 from rsrv.protocol import Admission
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
 from rsrv.transport import UnaryResult
 
 
@@ -46,9 +48,11 @@ class Process:
 class FakeWorkers:
     """The Forwarder's fan_out over fake worker processes: each call takes ``delay``
     seconds (``client_delay`` for the clients' fan-outs, sent to every ready worker),
-    then acts on the process the worker has at that moment. ``fail`` names the methods
-    that fail (UNAVAILABLE); ``during[(method, model or region)]`` runs the first time
-    that change is made. ``sent`` records (method, model or region, worker)."""
+    then acts on the process the worker has at that moment. ``fail[(method, worker)]``
+    is the status that call fails with; ``during[(method, model or region)]`` runs the
+    first time that change is made. A worker answers ModelControlStatus when it has
+    ``subs`` (the sub-models of its metas, listed there only), else UNIMPLEMENTED.
+    ``sent`` records (method, model or region, worker)."""
 
     def __init__(self, *names: str, delay: float = 0.0, client_delay: float = 0.0):
         self.fleet = Fleet(
@@ -59,7 +63,8 @@ class FakeWorkers:
         )
         self.processes = {n: Process() for n in names}
         self.delay, self.client_delay = delay, client_delay
-        self.fail: set[str] = set()
+        self.fail: dict[tuple[str, str], StatusCode] = {}
+        self.subs: dict[str, set[str]] = {}
         self.during: dict[tuple[str, str], object] = {}
         self.sent: list[tuple[str, str, str]] = []
 
@@ -86,11 +91,18 @@ class FakeWorkers:
 
     def _act(self, method: str, body: bytes, name: str) -> UnaryResult:
         process = self.processes[name]
-        if method == "ModelControlStatus":
-            return UnaryResult(StatusCode.UNIMPLEMENTED, "no control service")
-        if method in self.fail:
+        failure = self.fail.get((method, name))
+        if failure is not None:
             self.sent.append((method, "", name))
-            return UnaryResult(StatusCode.UNAVAILABLE, "scripted failure")
+            return UnaryResult(failure, "scripted failure")
+        if method == "ModelControlStatus":
+            if name not in self.subs:
+                return UnaryResult(StatusCode.UNIMPLEMENTED, "no control service")
+            models = [*process.models, *self.subs[name]]
+            status = cpb.ModelControlStatusResponse(
+                models=[cpb.ModelStatus(name=m, state="READY") for m in models]
+            )
+            return UnaryResult(StatusCode.OK, response=status.SerializeToString())
         if method == "RepositoryIndex":
             index = pb.RepositoryIndexResponse(
                 models=[
@@ -233,9 +245,9 @@ async def test_a_worker_a_call_found_unreachable_is_caught_up_when_it_is_back():
         services.catchup.nursery = nursery
         await services.model_load(load("x"), client_call("RepositoryModelLoad"))
         assert fake.changes() == [("RepositoryModelLoad", "x", "w0")]
-        fake.ready("w1")  # the next discovery round finds it ready: the gateway's
-        back = [w for w in fake.fleet.ready if w.away or w.restarted]  # _after_round
-        assert back == [fake.worker("w1")]
+        fake.ready("w1")  # the next discovery round finds it ready
+        back = fake.fleet.returned()
+        assert back == [fake.worker("w1")] and fake.fleet.returned() == []
         services.catchup.start(back)
     assert fake.changes("w1") == [("RepositoryModelLoad", "x", "w1")]
 
@@ -305,3 +317,60 @@ async def test_an_unregistered_region_is_forgotten_once_no_worker_can_hold_it():
     fake.ready("w1")
     await catchup.replay([fake.worker("w1")])
     assert fake.processes["w1"].regions == {} and catchup.dropped == {}
+
+
+async def test_a_region_unregistered_during_a_replay_is_not_forgotten(autojump_clock):
+    fake = FakeWorkers("w0", "w1", delay=1.0)
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    catchup = services.catchup
+    register = client_call("SystemSharedMemoryRegister")
+    await services.shm_register(region("R"), register)
+    fake.worker("w1").ready = False
+    await services.shm_register(region("R2"), register)  # w1 misses it
+    fake.ready("w1")
+    drop = pb.SystemSharedMemoryUnregisterRequest(name="R").SerializeToString()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(catchup.replay, [fake.worker("w1")])
+        await trio.sleep(1.5)  # its region status is read; "R2" is being registered
+        fake.fail[("SystemSharedMemoryUnregister", "w1")] = StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(Relayed):
+            await services.shm_unregister(drop, client_call("SystemSharedMemoryUnregister"))
+        del fake.fail[("SystemSharedMemoryUnregister", "w1")]
+    # the pass that read the status before "R" was dropped does not forget it ...
+    assert catchup.dropped == {"R": {"w1"}}
+    await catchup.replay([fake.worker("w1")])  # ... so the next one removes it there
+    assert set(fake.processes["w1"].regions) == {"R2"} and catchup.dropped == {}
+
+
+async def test_a_catch_up_the_worker_shed_is_tried_again_at_the_next_round():
+    fake = FakeWorkers("w0")
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    catchup.loaded("a", load("a"))
+    assert fake.fleet.returned() == [fake.worker("w0")]
+    fake.fail[("RepositoryIndex", "w0")] = StatusCode.RESOURCE_EXHAUSTED
+    await catchup.replay([fake.worker("w0")])
+    assert fake.changes() == []
+    del fake.fail[("RepositoryIndex", "w0")]
+    assert fake.fleet.returned() == [fake.worker("w0")]  # away again
+    await catchup.replay([fake.worker("w0")])
+    assert fake.changes() == [("RepositoryModelLoad", "a", "w0")]
+    assert fake.fleet.returned() == []
+
+
+async def test_a_metas_sub_model_is_present_and_an_unread_control_status_loads_nothing():
+    fake = FakeWorkers("w0")
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    catchup.loaded("part", load("part"))  # loaded through the gateway; a meta calls it
+    fake.subs["w0"] = {"part"}  # so only ModelControlStatus lists it
+    await catchup.replay([fake.worker("w0")])
+    assert fake.changes() == []
+    fake.subs["w0"] = set()
+    fake.fail[("ModelControlStatus", "w0")] = StatusCode.PERMISSION_DENIED
+    await catchup.replay([fake.worker("w0")])
+    assert fake.changes() == []  # it cannot tell: nothing is loaded
+    del fake.fail[("ModelControlStatus", "w0")]
+    await catchup.replay([fake.worker("w0")])
+    assert fake.changes() == [("RepositoryModelLoad", "part", "w0")]

@@ -34,6 +34,7 @@ from rsrv.errors import (
 )
 from rsrv.protocol import (
     MAX_MESSAGE_CHARS,
+    Admission,
     AlreadyExists,
     SharedMemoryRegistry,
     ShmTarget,
@@ -42,6 +43,7 @@ from rsrv.protocol import (
     encode_response,
     grpc_status,
     grpc_trailers,
+    pushback_of,
     request_deadline,
     request_priority,
     requested_outputs,
@@ -794,6 +796,15 @@ def test_a_retry_pushback_travels_as_a_trailer():
     )
     assert grpc_trailers(Unavailable("maybe processed")) == ()
     assert grpc_trailers(NotFound("no")) == ()
+    closed = Admission(0)
+    closed.close()  # shutting down: refused before any processing
+    with pytest.raises(Unavailable) as info:
+        closed.check_open()
+    assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "0"),)
+    assert pushback_of([("x", "1"), ("grpc-retry-pushback-ms", "500")]) == 0.5
+    assert pushback_of([("grpc-retry-pushback-ms", "-1")]) is None  # do not retry
+    assert pushback_of([("grpc-retry-pushback-ms", "soon")]) is None
+    assert pushback_of([("other", "1")]) is None
 
 
 def test_bf16_sample_uses_ml_dtypes():

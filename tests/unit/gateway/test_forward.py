@@ -1,0 +1,80 @@
+"""Forwarding's statuses: a request no worker processed (none ready, none reachable, or
+refused with a worker's own retry pushback) fails UNAVAILABLE with the gateway's retry
+pushback; one a worker may have processed never carries one."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import trio
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.errors import Unavailable
+from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed
+from rsrv.protocol import grpc_trailers
+from rsrv.transport import UnaryResult
+
+REFUSED = UnaryResult(StatusCode.UNAVAILABLE, "connection refused", reached_server=False)
+BUSY = UnaryResult(StatusCode.UNAVAILABLE, "worker busy")  # it may have processed it
+SHUTTING_DOWN = UnaryResult(
+    StatusCode.UNAVAILABLE,
+    "server is shutting down",
+    trailers=(("grpc-retry-pushback-ms", "0"),),
+)
+
+
+class Answering:
+    """A worker channel answering every call with ``result``."""
+
+    def __init__(self, result: UnaryResult):
+        self.result = result
+        self.opened = 1
+
+    async def unary(self, path, body, *, metadata=(), timeout=None):
+        return self.result
+
+
+def forwarder(*results: UnaryResult) -> Forwarder:
+    workers = [
+        WorkerLink(f"w{i}", f"h:{i}", "127.0.0.1", i, Answering(r), True, ready=True)
+        for i, r in enumerate(results)
+    ]
+    discovery = SimpleNamespace(
+        settings=SimpleNamespace(interval_seconds=2.0), stale=lambda: None, wake=lambda: None
+    )
+    return Forwarder(Fleet(workers), discovery, router=None, request_timeout=60.0)
+
+
+async def forward(f: Forwarder) -> BaseException:
+    order = [w.name for w in f.fleet.workers]
+    with pytest.raises((Relayed, Unavailable)) as info:
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, trio.current_time() + 10, order)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("results", "pushback"),
+    [
+        ((REFUSED, REFUSED), "2000"),  # reached no worker
+        ((SHUTTING_DOWN, REFUSED), "2000"),  # the one reached refused it unprocessed
+        ((BUSY, REFUSED), None),  # one may have processed it
+        ((REFUSED, BUSY), None),
+    ],
+)
+async def test_a_retry_pushback_only_when_no_worker_processed_it(results, pushback):
+    error = await forward(forwarder(*results))
+    assert error.code == "UNAVAILABLE"
+    assert dict(grpc_trailers(error)).get("grpc-retry-pushback-ms") == pushback
+
+
+async def test_no_worker_ready_carries_a_pushback():
+    f = forwarder(BUSY)
+    f.fleet.workers[0].ready = False
+    with pytest.raises(Unavailable, match="no worker is ready") as info:
+        f.any_ready()  # (a request for a model no ready worker serves)
+    assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
+    with pytest.raises(Unavailable, match="no worker is ready") as info:
+        await f.fan_out(INFERENCE + "RepositoryIndex", b"")
+    assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
