@@ -144,17 +144,22 @@ def services_of(fake: FakeWorkers) -> GatewayServices:
     return GatewayServices(fake.fleet, fake, Admission(0), 4)
 
 
+def one_worker(*models: str, delay: float = 0.0) -> tuple[FakeWorkers, CatchUp, WorkerLink]:
+    """A ready worker "w0", and a catch-up that remembers loads of ``models``."""
+    fake = FakeWorkers("w0", delay=delay)
+    fake.ready("w0")
+    catchup = CatchUp(fake)
+    for model in models:
+        catchup.loaded(model, load(model))
+    return fake, catchup, fake.worker("w0")
+
+
 def client_call(method: str) -> SimpleNamespace:
     return SimpleNamespace(path=INFERENCE + method, metadata={}, deadline=1e9)
 
 
 async def test_a_replay_reads_the_worker_and_survives_changes_made_while_it_runs():
-    fake = FakeWorkers("w0")
-    fake.ready("w0")
-    catchup = CatchUp(fake)
-    catchup.loaded("a", load("a"))
-    catchup.loaded("b", load("b"))
-    catchup.loaded("held", load("held"))
+    fake, catchup, worker = one_worker("a", "b", "held")
     catchup.unloaded("gone", unload("gone"))
     fake.restart("w0", models={"held", "gone", "own"})
 
@@ -163,7 +168,7 @@ async def test_a_replay_reads_the_worker_and_survives_changes_made_while_it_runs
         catchup.unloaded("b", unload("b"))
 
     fake.during[("RepositoryModelLoad", "a")] = meanwhile
-    await catchup.replay([fake.worker("w0")])
+    await catchup.replay([worker])
     # "a" loaded; "b", unloaded meanwhile, is not; "held" is there already; "gone" is
     # unloaded; "own" (a start-up load) is left alone; "c", recorded meanwhile, waits
     # for the next catch-up.
@@ -176,11 +181,7 @@ async def test_a_replay_reads_the_worker_and_survives_changes_made_while_it_runs
 
 
 async def test_one_replay_at_a_time_and_the_next_reads_what_the_first_did(autojump_clock):
-    fake = FakeWorkers("w0", delay=0.1)
-    fake.ready("w0")
-    catchup = CatchUp(fake)
-    catchup.loaded("a", load("a"))
-    worker = fake.worker("w0")
+    fake, catchup, worker = one_worker("a", delay=0.1)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(catchup.replay, [worker])
         await trio.sleep(0.15)  # the first pass has read the index; its load is under way
@@ -199,12 +200,7 @@ async def test_one_replay_at_a_time_and_the_next_reads_what_the_first_did(autoju
 
 
 async def test_a_worker_that_restarts_during_a_replay_gets_its_loads_again(autojump_clock):
-    fake = FakeWorkers("w0", delay=1.0)
-    fake.ready("w0")
-    catchup = CatchUp(fake)
-    catchup.loaded("a", load("a"))
-    catchup.loaded("b", load("b"))
-    worker = fake.worker("w0")
+    fake, catchup, worker = one_worker("a", "b", delay=1.0)
     async with trio.open_nursery() as nursery:
 
         def dies():  # "a" reached the process, which dies and comes back, and
@@ -218,11 +214,7 @@ async def test_a_worker_that_restarts_during_a_replay_gets_its_loads_again(autoj
 
 
 async def test_a_replay_stops_when_its_worker_goes_away_or_leaves_the_fleet(autojump_clock):
-    fake = FakeWorkers("w0", delay=1.0)
-    fake.ready("w0")
-    catchup = CatchUp(fake)
-    catchup.loaded("a", load("a"))
-    old = fake.worker("w0")
+    fake, catchup, old = one_worker("a", delay=1.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(catchup.replay, [old])
         await trio.sleep(0.5)
@@ -344,33 +336,27 @@ async def test_a_region_unregistered_during_a_replay_is_not_forgotten(autojump_c
 
 
 async def test_a_catch_up_the_worker_shed_is_tried_again_at_the_next_round():
-    fake = FakeWorkers("w0")
-    fake.ready("w0")
-    catchup = CatchUp(fake)
-    catchup.loaded("a", load("a"))
-    assert fake.fleet.returned() == [fake.worker("w0")]
+    fake, catchup, worker = one_worker("a")
+    assert fake.fleet.returned() == [worker]
     fake.fail[("RepositoryIndex", "w0")] = StatusCode.RESOURCE_EXHAUSTED
-    await catchup.replay([fake.worker("w0")])
+    await catchup.replay([worker])
     assert fake.changes() == []
     del fake.fail[("RepositoryIndex", "w0")]
-    assert fake.fleet.returned() == [fake.worker("w0")]  # away again
-    await catchup.replay([fake.worker("w0")])
+    assert fake.fleet.returned() == [worker]  # away again
+    await catchup.replay([worker])
     assert fake.changes() == [("RepositoryModelLoad", "a", "w0")]
     assert fake.fleet.returned() == []
 
 
 async def test_a_metas_sub_model_is_present_and_an_unread_control_status_loads_nothing():
-    fake = FakeWorkers("w0")
-    fake.ready("w0")
-    catchup = CatchUp(fake)
-    catchup.loaded("part", load("part"))  # loaded through the gateway; a meta calls it
+    fake, catchup, worker = one_worker("part")  # loaded through the gateway; a meta calls it
     fake.subs["w0"] = {"part"}  # so only ModelControlStatus lists it
-    await catchup.replay([fake.worker("w0")])
+    await catchup.replay([worker])
     assert fake.changes() == []
     fake.subs["w0"] = set()
     fake.fail[("ModelControlStatus", "w0")] = StatusCode.PERMISSION_DENIED
-    await catchup.replay([fake.worker("w0")])
+    await catchup.replay([worker])
     assert fake.changes() == []  # it cannot tell: nothing is loaded
     del fake.fail[("ModelControlStatus", "w0")]
-    await catchup.replay([fake.worker("w0")])
+    await catchup.replay([worker])
     assert fake.changes() == [("RepositoryModelLoad", "part", "w0")]
