@@ -275,7 +275,8 @@ class GatewayControl:
         plan = s.router.plan(name)
         if plan.mode.value == "inflight":
             warnings.append(INFLIGHT_WARNING)
-        warnings.append("takes effect at the next repack (Repack runs one now)")
+        if request.HasField("replicas"):  # (the fill mode and factor apply at once)
+            warnings.append("replicas take effect at the next repack (Repack runs one now)")
         return pb.SetModelPlacementResponse(
             name=name,
             configured_replicas=configured,

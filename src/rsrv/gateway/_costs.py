@@ -22,7 +22,7 @@ its sample is skipped. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -66,6 +66,7 @@ class ModelCounters:
     max_batch_size: int = 0
     batch_input_name: str = ""
     batch_axis: int = -1
+    kind: str = ""  # "meta": its compute and bytes are its sub-models' (counted there)
 
     @classmethod
     def from_status(cls, status: Any) -> ModelCounters:
@@ -79,6 +80,7 @@ class ModelCounters:
             max_batch_size=int(status.max_batch_size),
             batch_input_name=status.batch_input_name,
             batch_axis=int(status.batch_axis),
+            kind=status.kind,
         )
 
 
@@ -90,6 +92,7 @@ class WorkerReport:
     models: tuple[ModelCounters, ...] = ()
     weight_cache_budget_bytes: int = 0
     discipline: str = ""
+    instance: str = ""  # new at each start of the worker process ("" unknown)
 
     @classmethod
     def from_response(cls, worker: str, response: Any) -> WorkerReport:
@@ -99,6 +102,7 @@ class WorkerReport:
             models=tuple(ModelCounters.from_status(m) for m in response.models),
             weight_cache_budget_bytes=int(response.weight_cache_budget_bytes),
             discipline=response.discipline,
+            instance=response.instance,
         )
 
 
@@ -107,7 +111,8 @@ class RoundDelta:
     """What one :meth:`CostTracker.observe` round measured.
 
     ``compute_seconds``: fleet compute consumed since the previous round, over pairs seen
-    before (a pair's first sighting and re-baselined pairs add nothing), always >= 0.
+    before (a pair's first sighting and re-baselined pairs add nothing; a meta model's
+    adds nothing either, since its sub-models' counters hold that device time), >= 0.
     ``requests``: requests completed per model over the same pairs.
     ``rebaselined``: (worker, model) pairs whose counters went backwards this round.
     """
@@ -129,6 +134,12 @@ class ModelMeta:
     batch_axis: int = -1
     weight_bytes: int = 0
     holders: frozenset[str] = frozenset()
+    kind: str = ""
+
+    @property
+    def own_weight_bytes(self) -> int:
+        """The bytes placing it adds: a meta's are its sub-models', placed themselves."""
+        return 0 if self.kind == "meta" else self.weight_bytes
 
     def units(self, shape_of: Callable[[str], Sequence[int] | None]) -> int:
         """A request's items: ``shape_of(input name)`` gives an input's wire shape or None
@@ -211,6 +222,7 @@ class _Model:
     batch_axis: int = -1
     weight_bytes: int = 0
     holders: frozenset[str] = frozenset()
+    kind: str = ""
 
 
 class CostTracker:
@@ -218,7 +230,9 @@ class CostTracker:
 
     Call :meth:`observe` once per discovery round, then :meth:`snapshot` for an immutable
     :class:`RoutingMeta`. Workers absent from a round keep their baselines (a worker that
-    comes back is differenced against what it last reported).
+    comes back is differenced against what it last reported), unless it reports another
+    ``instance`` (a new process, whose counters started again: its first report is a
+    baseline), or its counters went backwards.
     """
 
     def __init__(self, halflife_compute_seconds: float = 300.0) -> None:
@@ -226,6 +240,7 @@ class CostTracker:
         self._pairs: dict[tuple[str, str], _Pair] = {}
         self._models: dict[str, _Model] = {}
         self._budgets: dict[str, int] = {}
+        self._instances: dict[str, str] = {}
 
     @property
     def halflife_compute_seconds(self) -> float:
@@ -250,6 +265,11 @@ class CostTracker:
         seen: dict[str, list[tuple[str, ModelCounters]]] = {}
         for report in reports:
             self._budgets[report.worker] = report.weight_cache_budget_bytes
+            if report.instance:
+                if self._instances.get(report.worker, report.instance) != report.instance:
+                    for key in [k for k in self._pairs if k[0] == report.worker]:
+                        del self._pairs[key]  # a new process: its counters start again
+                self._instances[report.worker] = report.instance
             for c in report.models:
                 seen.setdefault(c.name, []).append((report.worker, c))
                 key = (report.worker, c.name)
@@ -268,7 +288,8 @@ class CostTracker:
                 acc[1] += dr
                 acc[2] += dn
                 if pair is not None:
-                    fleet_dt += dc
+                    if c.kind != "meta":  # (its device time is its sub-models', counted)
+                        fleet_dt += dc
                     requests[c.name] = requests.get(c.name, 0) + dr
 
         for name, model in self._models.items():
@@ -297,10 +318,20 @@ class CostTracker:
         model.max_batch = max(c.max_batch_size for _, c in entries)
         model.weight_bytes = max(c.weight_bytes for _, c in entries)
         model.holders = frozenset(worker for worker, _ in entries)
+        model.kind = entries[0][1].kind
         for _, c in entries:  # in worker-name order: the first non-empty report wins
             if c.batch_input_name and c.batch_axis >= 0:
                 model.batch_input, model.batch_axis = c.batch_input_name, c.batch_axis
                 break
+
+    def keep_workers(self, workers: Container[str]) -> None:
+        """Drop the baselines and budgets of workers not in ``workers`` (they left the
+        fleet; one that comes back starts afresh)."""
+        for key in [k for k in self._pairs if k[0] not in workers]:
+            del self._pairs[key]
+        for table in (self._budgets, self._instances):
+            for name in [n for n in table if n not in workers]:
+                del table[name]
 
     def forget_model(self, model: str) -> None:
         """Drop everything known about ``model`` (e.g. after it left every worker)."""
@@ -320,6 +351,7 @@ class CostTracker:
                     batch_axis=m.batch_axis,
                     weight_bytes=m.weight_bytes,
                     holders=m.holders,
+                    kind=m.kind,
                 )
                 for name, m in sorted(self._models.items())
             },

@@ -198,7 +198,9 @@ class Forwarder:
         last_name = ""
         reached = False  # some worker may have processed it
         for name in order:
-            worker = self.fleet.by_name[name]
+            worker = self.fleet.by_name.get(name)
+            if worker is None:
+                continue  # it left the fleet (DNS) since routing
             if not worker.ready and last is not None:
                 continue  # found down since routing: try it only if nothing else answered
             if last is not None:

@@ -87,7 +87,8 @@ def model_demands(
     holders: Mapping[str, Iterable[str]] | None = None,
 ) -> list[ModelDemand]:
     """One demand per model: ``u = arrival rate x cost per request`` (the fleet-mean or 1.0
-    fallback when unmeasured; 0 without arrivals), its weight bytes and holders.
+    fallback when unmeasured; 0 without arrivals), its weight bytes (none for a meta: its
+    sub-models' bytes are charged where they are placed) and holders.
 
     ``holders``: model -> workers serving it (discovered routes); None takes the workers
     that reported each model in the last ModelControlStatus round.
@@ -102,7 +103,7 @@ def model_demands(
             ModelDemand(
                 name=name,
                 utilization=rate * meta.request_cost(name) if rate > 0 else 0.0,
-                weight_bytes=known.weight_bytes if known else 0,
+                weight_bytes=known.own_weight_bytes if known else 0,
                 holders=frozenset(holders[name]),
             )
         )
@@ -121,6 +122,8 @@ class RepackPlanner:
         self.rates = ArrivalRates(s.halflife_compute_seconds)
         self.compaction = CompactionCounter(s.compaction_mode, s.compaction_interval)
         self.last: PlacementResult | None = None
+        self._placed_on: _Topology | None = None  # the fleet the last placement saw
+        self._seen: _Topology | None = None  # the fleet of the previous round
 
     @property
     def settings(self) -> PackingSettings:
@@ -180,11 +183,17 @@ class RepackPlanner:
         """One discovery round. Returns the repack it ran, or None.
 
         ``workers``: the ready workers (with no worker nothing is repacked and a due
-        repack waits). ``arrivals``: cumulative requests routed per model.
+        repack waits). ``arrivals``: cumulative requests routed per model. A fleet
+        repack runs when the ready workers, or the holders of a model, differ from what
+        the last placement saw and have stayed so for a whole round (workers coming up
+        one by one, or flapping, do not repack every round).
         Raises ValueError for a negative ``compute_seconds``.
         """
         self.clock.advance(compute_seconds, now)
-        trigger = self.clock.due()
+        topology = _topology(workers, meta, holders)
+        changed = topology != self._placed_on and topology == self._seen
+        self._seen = topology
+        trigger = self.clock.due(fleet_changed=changed)
         if trigger is None or not workers:
             return None
         if trigger is RepackTrigger.STARTUP:
@@ -198,5 +207,23 @@ class RepackPlanner:
         window = self.clock.complete(
             trigger, now, models_placed=len(result.placements), models_moved=result.moved
         )
-        self.last = result
+        self.last, self._placed_on = result, topology
         return RepackOutcome(window, result, self.compaction.on_repack(result))
+
+
+_Topology = tuple[frozenset[str], frozenset[tuple[str, frozenset[str]]]]
+
+
+def _topology(
+    workers: Sequence[WorkerBudget],
+    meta: RoutingMeta,
+    holders: Mapping[str, Iterable[str]] | None,
+) -> _Topology:
+    """What a placement depends on besides demand: the ready workers, and who holds
+    each model."""
+    if holders is None:
+        holders = {name: m.holders for name, m in meta.models.items()}
+    return (
+        frozenset(w.name for w in workers),
+        frozenset((model, frozenset(names)) for model, names in holders.items()),
+    )

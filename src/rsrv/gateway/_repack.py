@@ -25,6 +25,7 @@ class RepackTrigger(StrEnum):
     STARTUP = "startup"
     COMPUTE = "compute"
     OPERATOR = "operator"
+    FLEET = "fleet"  # the ready workers, or which of them serve a model, changed
 
 
 def _positive(name: str, value: float) -> float:
@@ -145,14 +146,17 @@ class RepackClock:
     def operator_completed(self) -> int:
         return self._completed
 
-    def due(self) -> RepackTrigger | None:
-        """startup (never repacked) > operator (a request pending) > compute (threshold)."""
+    def due(self, fleet_changed: bool = False) -> RepackTrigger | None:
+        """startup (never repacked) > operator (a request pending) > compute (threshold)
+        > fleet (``fleet_changed``: the workers the last placement used changed)."""
         if self._count == 0:
             return RepackTrigger.STARTUP
         if self._requested > self._completed:
             return RepackTrigger.OPERATOR
         if self._accum >= self.active_threshold:
             return RepackTrigger.COMPUTE
+        if fleet_changed:
+            return RepackTrigger.FLEET
         return None
 
     def complete(

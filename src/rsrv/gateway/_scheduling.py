@@ -22,10 +22,11 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rsrv.config import SchedulingConfig
-from rsrv.gateway._costs import CostTracker, RoutingMeta, WorkerReport
+from rsrv.errors import InvalidArgument
+from rsrv.gateway._costs import CostTracker, RoutingMeta, WorkerReport, resolve_halflife
 from rsrv.gateway._fill import FillRouter, FillSettings, ModelFill, fill_mode_warning
 from rsrv.gateway._fleet import Fleet
-from rsrv.gateway._peek import InferHead
+from rsrv.gateway._peek import InferHead, WireError
 from rsrv.gateway._placement import ALL_REPLICAS, PlacementPolicy, WorkerBudget
 from rsrv.gateway._planner import PackingSettings, RepackOutcome, RepackPlanner
 from rsrv.gateway._routing import (
@@ -94,7 +95,7 @@ class Scheduling:
         self.fleet = fleet
         self.ledger = InflightLedger()
         self.meta = RoutingMeta()
-        self.warnings: list[str] = []
+        self._disciplines: list[str] = []  # warnings about workers' disciplines
         self.planner: RepackPlanner | None = None
         self.repacks = 0
         self.moves = 0
@@ -112,12 +113,27 @@ class Scheduling:
                 work_basis=config.work_basis,
                 ledger=self.ledger,
             )
-            if warning := fill_mode_warning(config.routing_fill_mode):
-                self.warnings.append(warning)
+            for warning in self._fill_warnings():
                 log.warning("%s", warning)
-        halflife = self.planner.settings.halflife_compute_seconds if self.planner else 300.0
-        self.tracker = CostTracker(halflife_compute_seconds=halflife)
-        self._disciplines_checked = False
+        self.tracker = CostTracker(
+            halflife_compute_seconds=resolve_halflife(
+                config.ema_halflife_compute_seconds, config.rebalance_compute_seconds
+            )
+        )
+        self._disciplines_checked: set[str] = set()  # workers whose discipline was read
+
+    @property
+    def warnings(self) -> list[str]:
+        """What GetSchedulingStatus reports: the fill settings in force now, and each
+        worker found on a discipline that breaks lpt_packing's batches."""
+        return [*self._fill_warnings(), *self._disciplines]
+
+    def _fill_warnings(self) -> list[str]:
+        if not isinstance(self.router, FillRouter):
+            return []
+        settings = self.router.settings
+        modes = [settings.mode, *(m.mode for m in settings.models.values() if m.mode)]
+        return sorted({w for mode in modes if (w := fill_mode_warning(mode)) is not None})
 
     @property
     def needs_control(self) -> bool:
@@ -126,11 +142,16 @@ class Scheduling:
         return self.router.needs_control
 
     def route(self, model: str, head: InferHead | None, replicas: tuple[str, ...]) -> Ticket:
+        """Raises InvalidArgument when the input giving the request's units does not
+        parse (the head does; the inputs are read only here)."""
         units = 1
         if head is not None and self.router.needs_units:
             meta = self.meta.get(model)
             if meta is not None:
-                units = meta.units(head.input_shape)
+                try:
+                    units = meta.units(head.input_shape)
+                except WireError as e:
+                    raise InvalidArgument(f"malformed ModelInferRequest: {e}") from None
         return self.router.route(model, replicas, units)
 
     def tick(self) -> RepackOutcome | None:
@@ -141,6 +162,7 @@ class Scheduling:
             WorkerReport.from_response(w.name, w.control) for w in ready if w.control is not None
         ]
         delta = self.tracker.observe(reports)
+        self.tracker.keep_workers(self.fleet.by_name)  # (DNS: workers come and go)
         self.meta = self.tracker.snapshot()
         self.router.set_meta(self.meta)
         if self.planner is None:
@@ -175,20 +197,21 @@ class Scheduling:
             )
 
     def _check_disciplines(self, reports: list[WorkerReport]) -> None:
-        """Once every worker has reported: say loudly if one runs a discipline that
+        """The first time each worker reports: say loudly if it runs a discipline that
         breaks the batches lpt_packing builds."""
-        if self._disciplines_checked or len(reports) < len(self.fleet.workers):
-            return
-        self._disciplines_checked = True
         for report in reports:
+            if report.worker in self._disciplines_checked:
+                continue
+            self._disciplines_checked.add(report.worker)
             if report.discipline and report.discipline not in PACKING_DISCIPLINES:
                 warning = (
                     f"lpt_packing needs workers on scheduler.discipline fifo or edf; worker "
                     f"{report.worker} runs {report.discipline!r}, which interleaves models "
                     "and breaks the batches the gateway fills"
                 )
-                self.warnings.append(warning)
+                self._disciplines.append(warning)
                 log.error("%s", warning)
+        self._disciplines_checked &= self.fleet.by_name.keys()
 
     def request_repack(self) -> int:
         """An operator repack at the next round (lpt_packing); its sequence number."""

@@ -105,6 +105,41 @@ def test_any_counter_going_back_is_a_restart(backwards):
     assert delta.rebaselined == (("w0", "m"),)
 
 
+def test_a_new_instance_rebaselines_even_when_its_counters_grew():
+    tracker = CostTracker()
+    tracker.observe([WorkerReport("w0", (counters(compute=10.0, requests=5),), instance="a")])
+    # a new process that already served more than the old one had: not one sample
+    delta = tracker.observe(
+        [WorkerReport("w0", (counters(compute=30.0, requests=9),), instance="b")]
+    )
+    assert delta.compute_seconds == 0.0 and delta.requests == {}
+    delta = tracker.observe(
+        [WorkerReport("w0", (counters(compute=31.0, requests=10),), instance="b")]
+    )
+    assert delta.compute_seconds == 1.0
+
+
+def test_a_metas_compute_is_its_sub_models_and_counts_once():
+    tracker = CostTracker()
+    meta, sub = counters("meta", kind="meta"), counters("sub")
+    tracker.observe([report("w0", meta, sub)])
+    later = counters("meta", 10.0, 5, 5, weight_bytes=64, kind="meta")
+    delta = tracker.observe([report("w0", later, counters("sub", 10.0, 5, 5, weight_bytes=64))])
+    assert delta.compute_seconds == 10.0  # the sub-model's device time, once
+    snap = tracker.snapshot()
+    assert snap.get("meta").cost_per_request == 2.0  # (it still has a cost of its own)
+    assert (snap.get("meta").own_weight_bytes, snap.get("sub").own_weight_bytes) == (0, 64)
+
+
+def test_workers_that_left_the_fleet_are_forgotten():
+    tracker = CostTracker()
+    tracker.observe([report("w0", counters(compute=1.0), budget=8), report("w1", budget=9)])
+    tracker.keep_workers({"w1"})
+    assert tracker.snapshot().budgets == {"w1": 9}
+    delta = tracker.observe([report("w0", counters(compute=5.0))])  # back: a new baseline
+    assert delta.compute_seconds == 0.0
+
+
 def test_an_absent_worker_keeps_its_baseline():
     tracker = CostTracker()
     tracker.observe([report("w0", counters(compute=10.0, requests=5, rows=5))])

@@ -1,6 +1,7 @@
-"""Forwarding's statuses: a request no worker processed (none ready, none reachable, or
-refused with a worker's own retry pushback) fails UNAVAILABLE with the gateway's retry
-pushback; one a worker may have processed never carries one."""
+"""Forwarding: failover past a worker that left the fleet; a request no worker processed
+(none ready, none reachable, or refused with a worker's own retry pushback) fails
+UNAVAILABLE with the gateway's retry pushback, and one a worker may have processed never
+carries one."""
 
 from __future__ import annotations
 
@@ -78,3 +79,13 @@ async def test_no_worker_ready_carries_a_pushback():
     with pytest.raises(Unavailable, match="no worker is ready") as info:
         await f.fan_out(INFERENCE + "RepositoryIndex", b"")
     assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
+
+
+async def test_failover_skips_a_worker_that_left_the_fleet_meanwhile():
+    f = forwarder(REFUSED, BUSY, UnaryResult(StatusCode.OK, response=b"ok"))
+    f.fleet.remove("w1")  # DNS dropped it after the request was routed
+    order = ["w0", "w1", "w2"]
+    answer = await f.try_in_order(
+        INFERENCE + "ModelInfer", b"", {}, trio.current_time() + 10, order
+    )
+    assert answer == b"ok"

@@ -17,6 +17,7 @@ from rsrv.gateway._repack import (
 )
 
 STARTUP, COMPUTE, OPERATOR = RepackTrigger.STARTUP, RepackTrigger.COMPUTE, RepackTrigger.OPERATOR
+FLEET = RepackTrigger.FLEET
 
 # -- the clock ---------------------------------------------------------------------------------
 
@@ -226,6 +227,31 @@ def test_planner_serves_operator_requests_and_waits_for_workers():
     assert planner.request_repack() == 1
     outcome = planner.tick(now=2.0, compute_seconds=0.0, meta=costs, workers=WORKERS, arrivals={})
     assert outcome.window.trigger is OPERATOR and planner.clock.operator_completed == 1
+
+
+def test_planner_repacks_once_the_fleet_it_placed_on_has_changed_for_a_round():
+    planner = RepackPlanner()
+    costs = meta(a=0.1)
+
+    def tick(now, workers, holders):
+        return planner.tick(
+            now=now, compute_seconds=0.0, meta=costs, workers=workers, arrivals={}, holders=holders
+        )
+
+    # placed while w1 was still loading: a on w0 only
+    first = tick(0.0, WORKERS, {"a": ["w0"]})
+    assert first.window.trigger is STARTUP and first.result.assignment() == {"a": ("w0",)}
+    assert tick(1.0, WORKERS, {"a": ["w0"]}) is None  # nothing changed
+    assert tick(2.0, WORKERS, {"a": ["w0", "w1"]}) is None  # w1 serves it now: wait a round
+    again = tick(3.0, WORKERS, {"a": ["w0", "w1"]})  # still so: placed again
+    assert again.window.trigger is FLEET and set(again.result.placements) == {"a"}
+    assert tick(4.0, WORKERS, {"a": ["w0", "w1"]}) is None
+    # a worker that flaps never repacks; one that stays away does, after a round
+    assert tick(5.0, WORKERS[:1], {"a": ["w0"]}) is None
+    assert tick(6.0, WORKERS, {"a": ["w0", "w1"]}) is None
+    assert tick(7.0, WORKERS[:1], {"a": ["w0"]}) is None
+    assert tick(8.0, WORKERS[:1], {"a": ["w0"]}).window.trigger is FLEET
+    assert not planner.clock.first_compute_repack_done  # (the first budget is kept)
 
 
 def test_planner_compacts_when_a_repack_moves_models():

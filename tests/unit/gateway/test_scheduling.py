@@ -1,0 +1,91 @@
+"""The scheduling front (rsrv.gateway._scheduling) over a fleet of scripted workers: a
+placement made while part of the fleet was still coming up is redone once it is up, a
+malformed batch input is INVALID_ARGUMENT, and each worker's discipline is checked the
+first time it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from rsrv.config import SchedulingConfig
+from rsrv.errors import InvalidArgument
+from rsrv.gateway._fleet import Fleet, IndexRow, WorkerLink
+from rsrv.gateway._peek import peek_infer
+from rsrv.gateway._scheduling import Scheduling
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
+
+
+def serve(worker: WorkerLink, models: list[str], discipline: str = "fifo") -> None:
+    """``worker`` is ready, serving ``models`` (batch input "x" on axis 0)."""
+    worker.ready = True
+    worker.index = tuple(IndexRow(m, "1", "READY", "") for m in models)
+    worker.control = cpb.ModelControlStatusResponse(
+        discipline=discipline,
+        instance=worker.name,
+        models=[
+            cpb.ModelStatus(
+                name=m, state="READY", max_batch_size=8, batch_input_name="x", batch_axis=0
+            )
+            for m in models
+        ],
+    )
+
+
+def fleet_of(*names: str) -> Fleet:
+    return Fleet([WorkerLink(n, n, "127.0.0.1", 1, None, True) for n in names])
+
+
+def lpt(fleet: Fleet, **settings) -> Scheduling:
+    return Scheduling(SchedulingConfig(mode="lpt_packing", **settings), fleet)
+
+
+def firsts(scheduling: Scheduling, fleet: Fleet, model: str, n: int = 20) -> set[str]:
+    """The workers ``n`` requests, each answered before the next, go to first."""
+    chosen = set()
+    for _ in range(n):
+        ticket = scheduling.route(model, None, fleet.routes[model])
+        chosen.add(ticket.order[0])
+        ticket.release()
+    return chosen
+
+
+def test_a_placement_made_while_a_worker_came_up_is_redone_once_it_is_up():
+    fleet = fleet_of("w0", "w1")
+    serve(fleet.workers[0], ["m"])
+    fleet.rebuild_routes()
+    scheduling = lpt(fleet, default_replicas="all")
+    assert scheduling.tick().window.trigger == "startup"
+    assert firsts(scheduling, fleet, "m") == {"w0"}
+    serve(fleet.workers[1], ["m"])  # w1 finished starting
+    fleet.rebuild_routes()
+    assert scheduling.tick() is None  # a round to settle
+    assert scheduling.tick().window.trigger == "fleet"
+    assert firsts(scheduling, fleet, "m") == {"w0", "w1"}
+
+
+def test_a_malformed_batch_input_is_invalid_argument():
+    fleet = fleet_of("w0", "w1")
+    for w in fleet.workers:
+        serve(w, ["m"])
+    fleet.rebuild_routes()
+    scheduling = lpt(fleet)
+    scheduling.tick()
+    head = peek_infer(b"\x0a\x01m" + b"\x2a\x01\x80")  # input 1: a truncated varint
+    with pytest.raises(InvalidArgument, match="malformed ModelInferRequest"):
+        scheduling.route("m", head, ("w0", "w1"))
+    assert scheduling.ledger.model_outstanding("m") == 0
+
+
+def test_each_workers_discipline_is_checked_when_it_first_reports():
+    fleet = fleet_of("w0", "w1", "w2")
+    serve(fleet.workers[0], ["m"], discipline="fair")  # w1 and w2 are not up (yet)
+    fleet.rebuild_routes()
+    scheduling = lpt(fleet)
+    scheduling.tick()
+    assert len(scheduling.warnings) == 1 and "worker w0 runs 'fair'" in scheduling.warnings[0]
+    serve(fleet.workers[1], ["m"])
+    serve(fleet.workers[2], ["m"], discipline="fair")
+    fleet.rebuild_routes()
+    scheduling.tick()
+    scheduling.tick()  # each worker once
+    assert len(scheduling.warnings) == 2 and "worker w2 runs 'fair'" in scheduling.warnings[1]
