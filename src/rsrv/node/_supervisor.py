@@ -56,8 +56,9 @@ def worker_spec(
     env = {**base_env, "PYTHONUNBUFFERED": "1"}
     if plan.device_source:
         # The child plans the node again: it must find the same devices (its own
-        # CUDA_VISIBLE_DEVICES would show it one) and so the same workers.
-        env[GPUS_VARIABLE] = ",".join(plan.devices) or "0"
+        # CUDA_VISIBLE_DEVICES would show it one) and so the same workers. Ordinals go
+        # as cuda:N: a lone "3" would read as a count of three devices.
+        env[GPUS_VARIABLE] = ",".join(cuda_names(plan.devices)) or "0"
     if worker.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = worker.gpu
     assert worker.endpoints.port is not None
@@ -70,6 +71,11 @@ def worker_spec(
         port=worker.endpoints.port,
         device=worker.gpu,
     )
+
+
+def cuda_names(devices: list[str]) -> list[str]:
+    """``devices`` as INFERENCE_SERVER_GPUS lists them unambiguously (ordinals as cuda:N)."""
+    return [f"cuda:{d}" if d.isdigit() else d for d in devices]
 
 
 def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:

@@ -18,6 +18,7 @@ from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_st
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
 from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
+from rsrv.node._supervisor import worker_spec
 
 
 def test_lines_are_tagged_and_json_stays_json():
@@ -219,3 +220,17 @@ def test_the_public_port_is_the_front_door(tmp_path, yaml, front):
         None: None,
     }[front]
     assert public_port(node_plan) == expected
+
+
+def test_a_lone_device_reaches_the_worker_as_a_device_not_a_count(tmp_path):
+    """A one-GPU node on ordinal 3: the worker plans the node again from what the
+    supervisor passes, and must find the same single worker, port and device."""
+    path = tmp_path / "node.yaml"
+    path.write_text("global: {runtime: {backend: cuda}}\ngpus: [3]\n")
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    spec = worker_spec(node_plan, node_plan.workers[0], str(path), {})
+    again = plan_node(load_node(path), {"PATH": "", **spec.env}, source=path)
+    assert [(w.name, w.gpu, w.endpoints.port) for w in again.workers] == [
+        (w.name, w.gpu, w.endpoints.port) for w in node_plan.workers
+    ]
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "3"
