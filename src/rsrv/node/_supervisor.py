@@ -105,7 +105,13 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
     )
     env.setdefault(f"{GATEWAY_ENV_PREFIX}LOGGING_FORMAT", plan.workers[0].logging.format)
     env.setdefault(f"{GATEWAY_ENV_PREFIX}LOGGING_LEVEL", plan.workers[0].logging.level)
-    grace = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
+    # It drains at least as long as its workers may (its own longer grace stands; so
+    # does one set in the environment), and is given that long before SIGKILL.
+    drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"
+    grace = load_gateway(plan.gateway_file, env).grpc.shutdown_grace_seconds
+    workers = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
+    if drain not in base_env and grace < workers:
+        env[drain], grace = str(workers), workers
     return ChildSpec(
         name="gateway",
         kind="gateway",

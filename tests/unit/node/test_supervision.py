@@ -13,12 +13,13 @@ import sys
 import pytest
 import trio
 
-from rsrv.config import SupervisorConfig, load_node, plan_node
+from rsrv.config import SupervisorConfig, load_gateway, load_node, plan_node
 from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
+from rsrv.lifeline._process import _serve_until_signal
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
 from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
-from rsrv.node._supervisor import worker_spec
+from rsrv.node._supervisor import gateway_spec, worker_spec
 
 
 def test_lines_are_tagged_and_json_stays_json():
@@ -234,3 +235,56 @@ def test_a_lone_device_reaches_the_worker_as_a_device_not_a_count(tmp_path):
         (w.name, w.gpu, w.endpoints.port) for w in node_plan.workers
     ]
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+class Starting:
+    """A server whose start-up never ends (a model load that hangs)."""
+
+    def __init__(self):
+        self.cancelled = self.shut_down = False
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cancelled = True
+            raise
+
+    async def shutdown(self):
+        self.shut_down = True
+
+
+async def test_a_stop_signal_during_start_up_cancels_it():
+    """SIGTERM (which the supervisor link also sends when the supervisor is gone) is
+    watched from the start: a start-up that would never end is cancelled."""
+    server = Starting()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_serve_until_signal, server, ChildStatus)
+            await trio.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert server.cancelled and not server.shut_down
+
+
+@pytest.mark.parametrize(
+    ("worker_grace", "gateway_file", "drain"),
+    [
+        (45, "", 45.0),  # the gateway drains as long as its workers may
+        (2, "", 30.0),  # its own (default) longer grace stands
+        (45, "[grpc]\nshutdown_grace_seconds = 50\n", 50.0),
+    ],
+)
+def test_the_gateway_drains_as_long_as_its_workers_and_is_given_that_long(
+    tmp_path, worker_grace, gateway_file, drain
+):
+    gateway = tmp_path / "gateway.toml"
+    gateway.write_text(gateway_file)
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n"
+        f"global: {{endpoints: {{shutdown_grace_seconds: {worker_grace}}}}}\n"
+    )
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    spec = gateway_spec(node_plan, {})
+    assert load_gateway(node_plan.gateway_file, spec.env).grpc.shutdown_grace_seconds == drain
+    assert spec.grace == drain + node_plan.supervisor.kill_after_seconds
