@@ -28,17 +28,26 @@ def tag_line(name: str, line: bytes) -> bytes:
     return b"[" + name.encode() + b"] " + line + b"\n"
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes) -> bool:
+    """Write ``data`` whole; False when ``fd`` no longer takes output (a closed pipe:
+    ``rsrv node ... | head``, a log shipper that went away)."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        return False
+    return True
 
 
 async def forward_lines(name: str, stream: trio.abc.ReceiveStream, fd: int) -> None:
     """Copy ``stream`` to ``fd`` one whole tagged line at a time, until end of file
     (a last line without a newline is forwarded too). Each line is written in one
-    piece from this thread, so lines of different children never interleave."""
+    piece from this thread, so lines of different children never interleave. Once
+    ``fd`` takes no more output, the child's output is still read, and dropped (the
+    child must not block on a full pipe, nor the node fail)."""
     pending = b""
+    writing = True
     while True:
         chunk = await stream.receive_some(MAX_LINE_BYTES)
         if not chunk:
@@ -48,7 +57,7 @@ async def forward_lines(name: str, stream: trio.abc.ReceiveStream, fd: int) -> N
         if len(pending) >= MAX_LINE_BYTES:
             lines.append(pending)
             pending = b""
-        if lines:
-            _write_all(fd, b"".join(tag_line(name, line) for line in lines))
-    if pending:
+        if lines and writing:
+            writing = _write_all(fd, b"".join(tag_line(name, line) for line in lines))
+    if pending and writing:
         _write_all(fd, tag_line(name, pending))

@@ -48,6 +48,23 @@ async def test_output_is_forwarded_in_whole_lines(tmp_path):
     assert lines[3:] == [b"[w] " + b"x" * 10, b"[w] last", b""]
 
 
+async def test_output_to_a_closed_pipe_is_read_and_dropped():
+    """``rsrv node ... | head``: once the reader is gone, children's lines are still
+    read (so no child blocks on a full pipe) and dropped; the node goes on."""
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(forward_lines, "w", receive, write_end)
+            for _ in range(3):
+                await send.send_all(b"line\n" * 1000)
+                await trio.testing.wait_all_tasks_blocked()
+            await send.aclose()
+    finally:
+        os.close(write_end)
+
+
 def test_restart_delays_double_up_to_the_limit():
     policy = SupervisorConfig(backoff_seconds=0.5, max_backoff_seconds=3)
     assert [restart_delay(n, policy) for n in range(1, 6)] == [0.5, 1, 2, 3, 3]
