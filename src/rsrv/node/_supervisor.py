@@ -166,7 +166,12 @@ class Supervisor:
 
     @property
     def ready(self) -> bool:
-        return not self.stopping and all(c.ready for c in self.front_door)
+        """The front door serves: the gateway, with at least one worker ready behind it
+        by the worker's own report (the gateway also routes to a worker still loading
+        models, which serves what it has); a one-worker node, its worker."""
+        if self.stopping or not all(c.ready for c in self.front_door):
+            return False
+        return any(c.ready for c in self.children if c.spec.kind == "worker")
 
     def _give_up(self, reason: str) -> None:
         self.failure = self.failure or reason

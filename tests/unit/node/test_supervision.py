@@ -19,7 +19,7 @@ from rsrv.lifeline._process import _serve_until_signal
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
 from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
-from rsrv.node._supervisor import gateway_spec, worker_spec
+from rsrv.node._supervisor import Supervisor, gateway_spec, worker_spec
 
 
 def test_lines_are_tagged_and_json_stays_json():
@@ -305,3 +305,18 @@ def test_the_gateway_drains_as_long_as_its_workers_and_is_given_that_long(
     spec = gateway_spec(node_plan, {})
     assert load_gateway(node_plan.gateway_file, spec.env).grpc.shutdown_grace_seconds == drain
     assert spec.grace == drain + node_plan.supervisor.kill_after_seconds
+
+
+def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path):
+    """The gateway routes to a worker that is still loading its models (it serves what
+    it has), so the gateway's readiness alone does not make the node ready."""
+    path = tmp_path / "node.yaml"
+    path.write_text("cpu_workers: 2\n")
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    specs = [worker_spec(node_plan, w, str(path), {}) for w in node_plan.workers]
+    supervisor = Supervisor(node_plan, [*specs, gateway_spec(node_plan, {})], "127.0.0.1")
+    *workers, gateway = supervisor.children
+    gateway.ready = True
+    assert not supervisor.ready  # both workers still starting
+    workers[1].ready = True
+    assert supervisor.ready
