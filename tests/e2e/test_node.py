@@ -273,6 +273,19 @@ def test_an_invalid_gateway_file_stops_the_node_before_it_starts(tmp_path):
     assert line.startswith("rsrv: ") and "lpt_packin" in line, line
 
 
+def test_a_taken_admin_port_is_one_line_and_a_failed_start(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "repo").mkdir()
+        text = f'model_repo = "repo"\nport = {free_port()}\nmetrics_port = {port}\n'
+        result = run_node(tmp_path, text, "node")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
 def test_two_workers_on_one_device_is_an_error_naming_them(tmp_path):
     text = """
 gpus = 2

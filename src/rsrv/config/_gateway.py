@@ -132,7 +132,10 @@ class DiscoveryConfig(_Strict):
     startup_wait_seconds: Annotated[
         float,
         msgspec.Meta(ge=0),
-        _doc("lpt_packing: how long to wait for every worker's status at start; 0: forever."),
+        _doc(
+            "lpt_packing: how long the first placement waits for every configured worker "
+            "to report; 0: none (a worker that comes up later is placed at a fleet repack)."
+        ),
     ] = 0.0
 
 

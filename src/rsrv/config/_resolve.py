@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -359,11 +359,17 @@ def plan_node(
         devices,
         found,
         node.supervisor,
-        host=node.global_.endpoints.host,
+        # the host every worker listens on (the environment included), else the file's
+        host=_shared_host(workers) or node.global_.endpoints.host,
         gateway=node.gateway.enabled and len(workers) > 1,
         gateway_file=gateway_file,
         gateway_metrics_port=node.gateway.metrics_port,
     )
+
+
+def _shared_host(workers: Sequence[WorkerConfig]) -> str | None:
+    hosts = {w.endpoints.host for w in workers}
+    return hosts.pop() if len(hosts) == 1 else None
 
 
 def resolve_worker(

@@ -481,7 +481,7 @@ class NodeConfig(_Strict):
         Port | None,
         _doc(
             "gRPC port of worker 0; worker i gets base_port + i. Null: `port` for a "
-            "one-worker node, `port` + 1 for a larger one."
+            "one-worker node, `port` + 100 for a larger one."
         ),
     ] = None
     metrics_base_port: Annotated[

@@ -62,7 +62,9 @@ class Gateway:
             host, port = split_address(address)
             workers.append(WorkerLink(name, address, host, port, None, is_local_host(host)))
         self.fleet = Fleet(workers)
-        self.scheduler = Scheduling(config.scheduling, self.fleet)
+        self.scheduler = Scheduling(
+            config.scheduling, self.fleet, config.discovery.startup_wait_seconds
+        )
         self.discovery = Discovery(
             self.fleet,
             config,

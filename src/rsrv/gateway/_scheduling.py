@@ -89,8 +89,12 @@ class Scheduling:
     returns the repack it ran (lpt_packing), whose compaction the gateway carries out.
     """
 
-    def __init__(self, config: SchedulingConfig, fleet: Fleet):
+    def __init__(self, config: SchedulingConfig, fleet: Fleet, startup_wait: float = 0.0):
+        """``startup_wait`` (lpt_packing): how long the first placement waits for every
+        configured worker to report (0: it is made at the first round with one)."""
         self.config = config
+        self.startup_wait = startup_wait
+        self._waiting_since: float | None = None
         self.mode = config.mode
         self.fleet = fleet
         self.ledger = InflightLedger()
@@ -168,6 +172,8 @@ class Scheduling:
         if self.planner is None:
             return None
         self._check_disciplines(reports)
+        if self.planner.clock.repack_count == 0 and not self._may_place(reports):
+            return None
         outcome = self.planner.tick(
             now=time.monotonic(),
             compute_seconds=max(delta.compute_seconds, 0.0),
@@ -195,6 +201,19 @@ class Scheduling:
                 outcome.result.assigned_bytes.get(worker, 0),
                 self.meta.budgets.get(worker, 0),
             )
+
+    def _may_place(self, reports: list[WorkerReport]) -> bool:
+        """The first placement: once every configured worker has reported, or
+        ``startup_wait`` seconds after the first round (0: at once)."""
+        if self.startup_wait <= 0:
+            return True
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        configured = {w.name for w in self.fleet.workers if not w.from_dns}
+        return configured <= {r.worker for r in reports} or (
+            now - self._waiting_since >= self.startup_wait
+        )
 
     def _check_disciplines(self, reports: list[WorkerReport]) -> None:
         """The first time each worker reports: say loudly if it runs a discipline that

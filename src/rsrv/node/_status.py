@@ -7,7 +7,8 @@ import sys
 import urllib.error
 import urllib.request
 
-from rsrv.config import ConfigError, load_node
+from rsrv.config import ConfigError, load_node, plan_node
+from rsrv.node._supervisor import address, dialled
 
 __all__ = ["status_main"]
 
@@ -17,13 +18,11 @@ def status_main(node_file: str | None, timeout: float = 5.0) -> int:
     is ready, 1 when it runs but is not ready, 2 when it cannot be reached."""
     try:
         node = load_node(node_file)
+        host = dialled(plan_node(node, detect=False).host)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    host = node.global_.endpoints.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    url = f"http://{host}:{node.metrics_port}/healthz"
+    url = f"http://{address(host, node.metrics_port)}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as answer:
             report = json.load(answer)

@@ -73,6 +73,17 @@ def worker_spec(
     )
 
 
+def dialled(host: str) -> str:
+    """Where to reach a server listening on ``host`` from this machine (loopback for a
+    wildcard address)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def cuda_names(devices: list[str]) -> list[str]:
     """``devices`` as INFERENCE_SERVER_GPUS lists them unambiguously (ordinals as cuda:N)."""
     return [f"cuda:{d}" if d.isdigit() else d for d in devices]
@@ -85,16 +96,16 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
     argv = [sys.executable, "-m", "rsrv.cli", "gateway"]
     if plan.gateway_file is not None:
         argv.append(plan.gateway_file)
-    connect = "127.0.0.1" if plan.host in ("0.0.0.0", "::", "") else plan.host
-    endpoints = [f"{connect}:{w.endpoints.port}" for w in plan.workers]
+    endpoints = [address(dialled(w.endpoints.host), w.endpoints.port) for w in plan.workers]
     env = {
         **base_env,
         "PYTHONUNBUFFERED": "1",
-        f"{GATEWAY_ENV_PREFIX}LISTEN_GRPC": f"{plan.host}:{plan.port}",
+        f"{GATEWAY_ENV_PREFIX}LISTEN_GRPC": address(plan.host, plan.port),
         f"{GATEWAY_ENV_PREFIX}LISTEN_METRICS": "none"
         if plan.gateway_metrics_port is None
-        else f"{plan.host}:{plan.gateway_metrics_port}",
+        else address(plan.host, plan.gateway_metrics_port),
         f"{GATEWAY_ENV_PREFIX}ENDPOINTS": ",".join(endpoints),
+        f"{GATEWAY_ENV_PREFIX}ENDPOINTS_DNS": "",  # the node's workers, and only they
         f"{GATEWAY_ENV_PREFIX}WORKER_NAMES": ",".join(w.name for w in plan.workers),
     }
     # The gateway accepts what its workers accept, and logs as they do, unless told
@@ -122,15 +133,23 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
     )
 
 
+def _first(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 def check_node_ports(plan: NodePlan) -> None:
     """The node's admin port (and, with two or more workers, its public port) must
-    not be a port of any worker. Raises ConfigError."""
+    not be a port of any worker (gRPC, metrics, REST). Raises ConfigError."""
     taken: dict[int, str] = {}
     for worker in plan.workers:
         assert worker.endpoints.port is not None
         taken[worker.endpoints.port] = f"the gRPC port of worker {worker.name!r}"
         if worker.endpoints.metrics_port is not None:
             taken[worker.endpoints.metrics_port] = f"the metrics port of worker {worker.name!r}"
+        if worker.endpoints.http_port is not None:
+            taken[worker.endpoints.http_port] = f"the REST port of worker {worker.name!r}"
     if plan.metrics_port in taken:
         raise ConfigError(f"metrics_port {plan.metrics_port} is {taken[plan.metrics_port]}")
     if plan.gateway:
@@ -182,8 +201,16 @@ class Supervisor:
         self.started_at = trio.current_time()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve_node_admin, self, self.host, self.plan.metrics_port)
-                log.info("node admin HTTP on %s:%d", self.host, self.plan.metrics_port)
+                admin = address(self.host, self.plan.metrics_port)
+                unbound: OSError | None = None
+                try:
+                    await nursery.start(serve_node_admin, self, self.host, self.plan.metrics_port)
+                except* OSError as group:  # nothing started yet: one line, a failed start
+                    unbound = _first(group)
+                if unbound is not None:
+                    log.error("node admin HTTP: cannot listen on %s: %s", admin, unbound)
+                    return 1
+                log.info("node admin HTTP on %s", admin)
                 for child in self.children:
                     nursery.start_soon(child.run)
                 nursery.start_soon(self._watch_signals, signals)
@@ -242,4 +269,4 @@ def node_main(node_file: str | None) -> int:
             spec.port,
             f", device {spec.device or 'none'}" if spec.kind == "worker" else "",
         )
-    return trio.run(Supervisor(plan, specs, node.global_.endpoints.host).run)
+    return trio.run(Supervisor(plan, specs, plan.host).run)

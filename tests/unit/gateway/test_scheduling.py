@@ -89,3 +89,14 @@ def test_each_workers_discipline_is_checked_when_it_first_reports():
     scheduling.tick()
     scheduling.tick()  # each worker once
     assert len(scheduling.warnings) == 2 and "worker w2 runs 'fair'" in scheduling.warnings[1]
+
+
+def test_the_first_placement_waits_for_every_configured_worker_when_asked():
+    fleet = fleet_of("w0", "w1")
+    serve(fleet.workers[0], ["m"])
+    fleet.rebuild_routes()
+    scheduling = Scheduling(SchedulingConfig(mode="lpt_packing"), fleet, startup_wait=60.0)
+    assert scheduling.tick() is None  # w1 has not reported yet
+    serve(fleet.workers[1], ["m"])
+    fleet.rebuild_routes()
+    assert scheduling.tick().window.trigger == "startup"

@@ -13,13 +13,13 @@ import sys
 import pytest
 import trio
 
-from rsrv.config import SupervisorConfig, load_gateway, load_node, plan_node
+from rsrv.config import ConfigError, SupervisorConfig, load_gateway, load_node, plan_node
 from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
 from rsrv.lifeline._process import _serve_until_signal
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
 from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
-from rsrv.node._supervisor import Supervisor, gateway_spec, worker_spec
+from rsrv.node._supervisor import Supervisor, check_node_ports, gateway_spec, worker_spec
 
 
 def test_lines_are_tagged_and_json_stays_json():
@@ -320,3 +320,38 @@ def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path)
     assert not supervisor.ready  # both workers still starting
     workers[1].ready = True
     assert supervisor.ready
+
+
+@pytest.mark.parametrize(
+    ("yaml", "env", "listen", "dial"),
+    [
+        ("global: {endpoints: {host: '::'}}\n", {}, "[::]", "[::1]"),
+        ("", {"INFERENCE_SERVER_ENDPOINTS_HOST": "0.0.0.0"}, "0.0.0.0", "127.0.0.1"),
+    ],
+)
+def test_the_gateway_listens_on_the_nodes_host_and_dials_its_workers(
+    tmp_path, yaml, env, listen, dial
+):
+    gateway = tmp_path / "gateway.toml"
+    gateway.write_text('endpoints_dns = ["elsewhere:8001"]\n')  # replaced by the node
+    path = tmp_path / "node.yaml"
+    path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{yaml}")
+    node_plan = plan_node(load_node(path), {"PATH": "", **env}, source=path)
+    config = load_gateway(node_plan.gateway_file, gateway_spec(node_plan, env).env)
+    assert config.listen.grpc == f"{listen}:{node_plan.port}"
+    assert config.endpoints == [f"{dial}:{w.endpoints.port}" for w in node_plan.workers]
+    assert config.endpoints_dns == []
+
+
+@pytest.mark.parametrize(
+    ("yaml", "clash"),
+    [
+        ("port: 18001\nhttp_base_port: 18001\n", "the REST port of worker 'worker0'"),
+        ("metrics_port: 18101\nbase_port: 18101\n", "the gRPC port of worker 'worker0'"),
+    ],
+)
+def test_node_ports_must_not_be_a_workers(tmp_path, yaml, clash):
+    path = tmp_path / "node.yaml"
+    path.write_text("cpu_workers: 2\n" + yaml)
+    with pytest.raises(ConfigError, match=clash):
+        check_node_ports(plan_node(load_node(path), {"PATH": ""}, source=path))
