@@ -65,9 +65,9 @@ async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus])
     stopping = False
     serving = False
 
-    def reported() -> ChildStatus:
+    def reported() -> ChildStatus:  # (ready only once it serves, until it stops)
         current = status()
-        return ChildStatus(ready=current.ready and not stopping, port=current.port)
+        return ChildStatus(ready=current.ready and serving and not stopping, port=current.port)
 
     async def start() -> None:
         nonlocal serving

@@ -271,15 +271,21 @@ class Starting:
         self.shut_down = True
 
 
-async def test_a_stop_signal_during_start_up_cancels_it():
-    """SIGTERM (which the supervisor link also sends when the supervisor is gone) is
-    watched from the start: a start-up that would never end is cancelled."""
+async def test_a_child_is_not_ready_while_it_starts_and_its_supervisor_going_stops_it(
+    monkeypatch,
+):
+    """The link runs from the start (reporting not ready, whatever the server says, until
+    it serves); the supervisor's going sends SIGTERM, which is watched from the start
+    too: a start-up that would never end is cancelled."""
+    supervisor_end, child_end = socket.socketpair()
+    monkeypatch.setenv(LINK_FD_VARIABLE, str(child_end.fileno()))
     server = Starting()
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_serve_until_signal, server, ChildStatus)
-            await trio.sleep(0.2)
-            os.kill(os.getpid(), signal.SIGTERM)
+            nursery.start_soon(_serve_until_signal, server, lambda: ChildStatus(True, 8101))
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(supervisor_end))
+            assert await read_status(stream).__anext__() == ChildStatus(False, 8101)
+            await stream.aclose()  # the supervisor is gone
     assert server.cancelled and not server.shut_down
 
 
