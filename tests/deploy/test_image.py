@@ -208,7 +208,13 @@ def test_the_entry_point_serves_and_drains_on_sigterm(tmp_path, cache_dir):
         wait_until(serving, 120, "the node's gateway to be ready", interval=0.2)
         assert check(public, "") == "SERVING"
         status = [*argv[:-1], "status", str(node_file)]  # the compose health check
-        assert subprocess.run(status, env=env, capture_output=True).returncode == 0
+        # (the node is ready once a worker behind the gateway says so on its link too)
+        wait_until(
+            lambda: subprocess.run(status, env=env, capture_output=True).returncode == 0,
+            30,
+            "the node's health check to pass",
+            interval=0.2,
+        )
         answers: list = []
         with tc.InferenceServerClient(public) as client:
             assert matches(client.infer("lin", [x_input(X)]).as_numpy("y"), 5, X)
