@@ -88,9 +88,10 @@ class Child:
     restarts: int = 0  # in the current run of crashes
     restarts_total: int = 0
     last_exit: str | None = None
-    killed: bool = False  # SIGKILLed because it outlived its grace period
+    killed: bool = False  # SIGKILLed: it outlived its grace period, or a second signal
     started_at: float = 0.0
     _stop: trio.Event = field(default_factory=trio.Event)
+    _down: bool = False  # not restarted when it exits (the node is stopping)
     _process: trio.Process | None = None
     _incarnation: trio.Event | None = None  # set once the process being started has exited
 
@@ -104,10 +105,11 @@ class Child:
         return self._process is not None
 
     async def run(self) -> None:
-        """Start the child and keep it running until :meth:`stop` (or giving up)."""
+        """Start the child and keep it running until :meth:`stop` (or giving up, or
+        exiting after :meth:`keep_down`)."""
         while not self._stop.is_set():
             code = await self._run_once()
-            if self._stop.is_set():
+            if self._stop.is_set() or self._down:
                 break
             uptime = trio.current_time() - self.started_at
             if code == FATAL_EXIT:
@@ -134,6 +136,16 @@ class Child:
             if not self._stop.is_set():
                 self.restarts_total += 1
         self.state = ChildState.STOPPED
+
+    def keep_down(self) -> None:
+        """Do not restart it when it exits from now on (the node is stopping)."""
+        self._down = True
+
+    def kill(self) -> None:
+        """SIGKILL the running process now, if there is one (a second stop signal)."""
+        if self._process is not None and self._process.returncode is None:
+            self.killed = True
+            self._process.kill()
 
     def _give_up(self, reason: str) -> None:
         log.error("%s", reason)

@@ -228,13 +228,24 @@ class Supervisor:
         return 0
 
     async def _watch_signals(self, signals) -> None:
+        """The first SIGTERM / SIGINT stops the node gracefully; a second one kills every
+        child at once (an impatient Ctrl-C)."""
         async for signum in signals:
-            log.info("received %s: stopping the node", signal.Signals(signum).name)
-            self._stop_requested.set()
+            name = signal.Signals(signum).name
+            if not self._stop_requested.is_set():
+                log.info("received %s: stopping the node", name)
+                self._stop_requested.set()
+                continue
+            log.warning("received %s again: killing every child now", name)
+            for child in self.children:
+                child.kill()
 
     async def _stop_children(self) -> None:
-        """The front door stops first (it stops accepting); then the rest, together."""
+        """The front door stops first (it stops accepting); then the rest, together. No
+        child is restarted meanwhile."""
         self.stopping = True
+        for child in self.children:
+            child.keep_down()
         front = [c for c in self.children if c.spec.kind == "gateway"]
         for group in (front, [c for c in self.children if c not in front]):
             async with trio.open_nursery() as nursery:

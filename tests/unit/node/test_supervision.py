@@ -122,6 +122,33 @@ async def test_a_stable_child_has_its_count_reset(tmp_path):
     assert not failures and c.state is ChildState.STOPPED
 
 
+async def test_a_child_kept_down_is_not_restarted_and_kill_is_at_once(tmp_path):
+    """While the node stops (the gateway drains first), a worker that exits stays down;
+    a second stop signal kills a child at once, past its grace period."""
+    count = tmp_path / "count"
+    script = f"import time; open({str(count)!r}, 'a').write('x'); time.sleep(0.2)"
+    c = child(script, SupervisorConfig(backoff_seconds=0.01), [])
+    c.keep_down()
+    with trio.fail_after(30):
+        await c.run()
+    assert count.read_text() == "x" and c.state is ChildState.STOPPED
+    up = tmp_path / "up"
+    ignoring = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(up)!r}, 'w').close(); time.sleep(60)"
+    )
+    c = child(ignoring, SupervisorConfig(), [], grace=60)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        with trio.fail_after(30):
+            while not up.exists():
+                await trio.sleep(0.01)
+            nursery.start_soon(c.stop)
+            await trio.sleep(0.2)
+            c.kill()
+    assert c.killed and c.last_exit == "signal SIGKILL"
+
+
 async def test_stop_escalates_to_sigkill_after_the_grace_period():
     script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
     c = child(script, SupervisorConfig(), [], grace=0.5)
