@@ -222,7 +222,10 @@ class Supervisor:
             return 1
         killed = [c.name for c in self.children if c.killed]
         if killed:
-            log.error("node stopped; killed after their grace period: %s", ", ".join(killed))
+            log.error(
+                "node stopped; killed (past their grace period, or on a second signal): %s",
+                ", ".join(killed),
+            )
             return 1
         log.info("node stopped: every child drained and exited")
         return 0
