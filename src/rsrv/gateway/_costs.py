@@ -66,7 +66,7 @@ class ModelCounters:
     max_batch_size: int = 0
     batch_input_name: str = ""
     batch_axis: int = -1
-    kind: str = ""  # "meta": its compute and bytes are its sub-models' (counted there)
+    kind: str = ""  # "meta": its compute is its sub-models' (counted there)
 
     @classmethod
     def from_status(cls, status: Any) -> ModelCounters:
@@ -135,11 +135,6 @@ class ModelMeta:
     weight_bytes: int = 0
     holders: frozenset[str] = frozenset()
     kind: str = ""
-
-    @property
-    def own_weight_bytes(self) -> int:
-        """The bytes placing it adds: a meta's are its sub-models', placed themselves."""
-        return 0 if self.kind == "meta" else self.weight_bytes
 
     def units(self, shape_of: Callable[[str], Sequence[int] | None]) -> int:
         """A request's items: ``shape_of(input name)`` gives an input's wire shape or None

@@ -87,8 +87,8 @@ def model_demands(
     holders: Mapping[str, Iterable[str]] | None = None,
 ) -> list[ModelDemand]:
     """One demand per model: ``u = arrival rate x cost per request`` (the fleet-mean or 1.0
-    fallback when unmeasured; 0 without arrivals), its weight bytes (none for a meta: its
-    sub-models' bytes are charged where they are placed) and holders.
+    fallback when unmeasured; 0 without arrivals), its weight bytes (a meta's: its
+    sub-models', which the worker it is placed on loads) and holders.
 
     ``holders``: model -> workers serving it (discovered routes); None takes the workers
     that reported each model in the last ModelControlStatus round.
@@ -103,7 +103,7 @@ def model_demands(
             ModelDemand(
                 name=name,
                 utilization=rate * meta.request_cost(name) if rate > 0 else 0.0,
-                weight_bytes=known.own_weight_bytes if known else 0,
+                weight_bytes=known.weight_bytes if known else 0,
                 holders=frozenset(holders[name]),
             )
         )

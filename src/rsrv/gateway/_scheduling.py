@@ -99,7 +99,7 @@ class Scheduling:
         self.fleet = fleet
         self.ledger = InflightLedger()
         self.meta = RoutingMeta()
-        self._disciplines: list[str] = []  # warnings about workers' disciplines
+        self._disciplines: dict[str, str] = {}  # worker -> the warning about its discipline
         self.planner: RepackPlanner | None = None
         self.repacks = 0
         self.moves = 0
@@ -130,7 +130,7 @@ class Scheduling:
     def warnings(self) -> list[str]:
         """What GetSchedulingStatus reports: the fill settings in force now, and each
         worker found on a discipline that breaks lpt_packing's batches."""
-        return [*self._fill_warnings(), *self._disciplines]
+        return [*self._fill_warnings(), *self._disciplines.values()]
 
     def _fill_warnings(self) -> list[str]:
         if not isinstance(self.router, FillRouter):
@@ -228,9 +228,11 @@ class Scheduling:
                     f"{report.worker} runs {report.discipline!r}, which interleaves models "
                     "and breaks the batches the gateway fills"
                 )
-                self._disciplines.append(warning)
+                self._disciplines[report.worker] = warning
                 log.error("%s", warning)
-        self._disciplines_checked &= self.fleet.by_name.keys()
+        present = self.fleet.by_name.keys()  # (workers that left the fleet: forgotten)
+        self._disciplines_checked &= present
+        self._disciplines = {w: text for w, text in self._disciplines.items() if w in present}
 
     def request_repack(self) -> int:
         """An operator repack at the next round (lpt_packing); its sequence number."""

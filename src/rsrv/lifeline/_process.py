@@ -29,7 +29,8 @@ _LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
 
 class Server(Protocol):
     """A server process's root: ``run`` starts its task tree (``started()`` once it
-    serves); ``shutdown`` stops it gracefully."""
+    serves); ``shutdown`` stops it gracefully, at any time after ``run`` was called
+    (during its start-up too)."""
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None: ...
 
@@ -59,9 +60,9 @@ def serve_process(name: str, server: Server, status: Callable[[], ChildStatus]) 
 
 async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus]) -> None:
     """Serve until SIGINT / SIGTERM (which the supervisor link also sends when the
-    supervisor is gone). Both are watched from the start: a signal during start-up
-    cancels the start-up (nothing is served yet, so nothing to drain); one after it
-    stops the server gracefully."""
+    supervisor is gone). Both are watched from the start: a signal stops the server
+    gracefully (``shutdown``: what it accepted is answered), during start-up too (a
+    worker listens while its models load), and the start-up is then cancelled."""
     stopping = False
     serving = False
 
@@ -86,11 +87,9 @@ async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus])
             async for signum in signals:
                 name = signal.Signals(signum).name
                 stopping = True
-                if serving:
-                    log.info("received %s: shutting down gracefully", name)
-                    await server.shutdown()
-                else:
-                    log.info("received %s while starting: stopping", name)
+                during = "" if serving else " (while starting)"
+                log.info("received %s%s: shutting down gracefully", name, during)
+                await server.shutdown()
                 nursery.cancel_scope.cancel()
                 return
 

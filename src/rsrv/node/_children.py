@@ -138,8 +138,11 @@ class Child:
         self.state = ChildState.STOPPED
 
     def keep_down(self) -> None:
-        """Do not restart it when it exits from now on (the node is stopping)."""
+        """Do not restart it when it exits from now on (the node is stopping); one
+        waiting to be restarted stops waiting."""
         self._down = True
+        if self.state is ChildState.BACKOFF:  # (no process: nothing to stop but the wait)
+            self._stop.set()
 
     def kill(self) -> None:
         """SIGKILL the running process now, if there is one (a second stop signal)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 
 import trio
 
@@ -34,8 +35,11 @@ def _write_all(fd: int, data: bytes) -> bool:
     view = memoryview(data)
     try:
         while view:
-            view = view[os.write(fd, view) :]
-    except OSError:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:  # a non-blocking descriptor that is full: wait
+                select.select([], [fd], [])
+    except OSError:  # EPIPE, EIO...: nothing more can be written there
         return False
     return True
 

@@ -92,7 +92,7 @@ def cuda_names(devices: list[str]) -> list[str]:
 def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
     """How to run the gateway in front of ``plan``'s workers: ``rsrv gateway`` with the
     node's gateway file (if any), listening on the node's public port, the workers as
-    its endpoints (each at its own port on this host)."""
+    its endpoints (each at its own host and port)."""
     argv = [sys.executable, "-m", "rsrv.cli", "gateway"]
     if plan.gateway_file is not None:
         argv.append(plan.gateway_file)
@@ -173,6 +173,7 @@ class Supervisor:
         self.children = [Child(spec, plan.supervisor, self._give_up) for spec in specs]
         self.stopping = False
         self.failure: str | None = None
+        self.forced = False  # a second stop signal killed the children
         self.started_at = 0.0
         self._stop_requested = trio.Event()
 
@@ -221,6 +222,9 @@ class Supervisor:
             log.error("node stopped: %s", self.failure)
             return 1
         killed = [c.name for c in self.children if c.killed]
+        if self.forced and not killed:
+            log.error("node stopped on a second signal")
+            return 1
         if killed:
             log.error(
                 "node stopped; killed (past their grace period, or on a second signal): %s",
@@ -233,13 +237,16 @@ class Supervisor:
     async def _watch_signals(self, signals) -> None:
         """The first SIGTERM / SIGINT stops the node gracefully; a second one kills every
         child at once (an impatient Ctrl-C)."""
+        seen = 0
         async for signum in signals:
             name = signal.Signals(signum).name
-            if not self._stop_requested.is_set():
+            seen += 1
+            if seen == 1:
                 log.info("received %s: stopping the node", name)
                 self._stop_requested.set()
                 continue
             log.warning("received %s again: killing every child now", name)
+            self.forced = True
             for child in self.children:
                 child.kill()
 

@@ -267,17 +267,19 @@ class Worker:
 
     async def shutdown(self) -> None:
         """Graceful stop: refuse new calls, answer everything accepted (within
-        ``endpoints.shutdown_grace_seconds``), release shared memory, then cancel."""
+        ``endpoints.shutdown_grace_seconds``), release shared memory, then cancel. Also
+        during start-up (the port listens while models load; the loads are cancelled)."""
         grace = self.config.endpoints.shutdown_grace_seconds
         self.admission.close()
         self.scheduler.hurry()  # what is accepted runs without waiting for company
-        with trio.move_on_after(grace) as scope:
+        with trio.move_on_after(grace if self.port is not None else 0) as scope:
             # Accepted calls may still be decoding or in a preprocess hook: the scheduler
-            # keeps admitting and dispatching until every one has been answered.
+            # keeps admitting and dispatching until every one has been answered. (Not
+            # listening yet, early in start-up: nothing was accepted.)
             while self.admission.inflight:
                 await trio.sleep(0.01)
             await self.scheduler.drain()
-        if scope.cancelled_caught:
+        if scope.cancelled_caught and self.port is not None:
             log.warning(
                 "shutdown grace period of %.1f s expired with %d call(s) in flight",
                 grace,
@@ -289,7 +291,8 @@ class Worker:
         if self.server is not None:
             # The last answers are flushed, then GOAWAY: clients see a clean end.
             await self.server.close()
-        self._nursery.cancel_scope.cancel()
+        if self._nursery is not None:  # (None: stopped before its tasks started)
+            self._nursery.cancel_scope.cancel()
 
     async def _load_startup_set(self) -> None:
         try:

@@ -132,6 +132,14 @@ async def test_a_child_kept_down_is_not_restarted_and_kill_is_at_once(tmp_path):
     with trio.fail_after(30):
         await c.run()
     assert count.read_text() == "x" and c.state is ChildState.STOPPED
+    waiting = child(script, SupervisorConfig(backoff_seconds=60), [])  # a long backoff
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiting.run)
+        with trio.fail_after(30):
+            while waiting.state is not ChildState.BACKOFF:
+                await trio.sleep(0.01)
+            waiting.keep_down()  # the node stops while it waits to be restarted
+    assert count.read_text() == "xx" and waiting.state is ChildState.STOPPED
     up = tmp_path / "up"
     ignoring = (
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -303,7 +311,8 @@ async def test_a_child_is_not_ready_while_it_starts_and_its_supervisor_going_sto
 ):
     """The link runs from the start (reporting not ready, whatever the server says, until
     it serves); the supervisor's going sends SIGTERM, which is watched from the start
-    too: a start-up that would never end is cancelled."""
+    too: the server is shut down gracefully and its start-up, which would never end,
+    cancelled."""
     supervisor_end, child_end = socket.socketpair()
     monkeypatch.setenv(LINK_FD_VARIABLE, str(child_end.fileno()))
     server = Starting()
@@ -313,7 +322,7 @@ async def test_a_child_is_not_ready_while_it_starts_and_its_supervisor_going_sto
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(supervisor_end))
             assert await read_status(stream).__anext__() == ChildStatus(False, 8101)
             await stream.aclose()  # the supervisor is gone
-    assert server.cancelled and not server.shut_down
+    assert server.shut_down and server.cancelled  # gracefully: it may have accepted calls
 
 
 @pytest.mark.parametrize(
@@ -388,3 +397,22 @@ def test_node_ports_must_not_be_a_workers(tmp_path, yaml, clash):
     path.write_text("cpu_workers: 2\n" + yaml)
     with pytest.raises(ConfigError, match=clash):
         check_node_ports(plan_node(load_node(path), {"PATH": ""}, source=path))
+
+
+async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_path):
+    path = tmp_path / "node.yaml"
+    path.write_text("cpu_workers: 1\n")
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    specs = [worker_spec(node_plan, w, str(path), {}) for w in node_plan.workers]
+    supervisor = Supervisor(node_plan, specs, "127.0.0.1")
+    supervisor._give_up("a child gave up")  # the node is stopping already
+    send, receive = trio.open_memory_channel(2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(supervisor._watch_signals, receive)
+        await send.send(signal.SIGTERM)  # docker stop: the first signal
+        await trio.testing.wait_all_tasks_blocked()
+        assert not supervisor.forced
+        await send.send(signal.SIGINT)
+        await trio.testing.wait_all_tasks_blocked()
+        assert supervisor.forced
+        await send.aclose()
