@@ -205,6 +205,11 @@ class FillRouter:
         """model -> placed workers (e.g. ``PlacementResult.assignment()``)."""
         self._placement = {m: tuple(sorted(set(ws))) for m, ws in assignment.items() if ws}
 
+    def forget(self, model: str) -> None:
+        """Drop ``model``'s run and rotation (it left every worker)."""
+        self._runs.pop(model, None)
+        self._rr.forget(model)
+
     def placement(self, model: str) -> tuple[str, ...]:
         return self._placement.get(model, ())
 

@@ -241,6 +241,11 @@ class ArrivalRates:
             self._rate[model] = ewma(old, count / wall_elapsed, compute_elapsed, self._halflife)
         self.rebase(totals)
 
+    def forget(self, model: str) -> None:
+        """Drop ``model`` (it left every worker; its arrival count is dropped too)."""
+        self._base.pop(model, None)
+        self._rate.pop(model, None)
+
     def rate(self, model: str) -> float:
         return self._rate.get(model, 0.0)
 

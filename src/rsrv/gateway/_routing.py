@@ -177,6 +177,13 @@ class InflightLedger:
         """Requests routed per model since start (the arrival counts of the repack clock)."""
         return MappingProxyType(dict(self._arrivals))
 
+    def forget(self, model: str) -> None:
+        """Drop ``model``'s counts (it left every worker); nothing of it may be in flight."""
+        assert not self._model_items.get(model), model
+        self._arrivals.pop(model, None)
+        self._routed.pop(model, None)
+        self._items.pop(model, None)
+
 
 def work_charge(basis: WorkBasis, meta: RoutingMeta, model: str, units: int) -> float:
     """One request's charge for least_outstanding: requests 1, items ``units``, compute
@@ -201,6 +208,9 @@ class RoundRobinRouter:
     def __init__(self, ledger: InflightLedger | None = None) -> None:
         self.ledger = ledger or InflightLedger()
         self._cursor: dict[str, int] = {}
+
+    def forget(self, model: str) -> None:
+        self._cursor.pop(model, None)
 
     def rotation(self, model: str, replicas: Sequence[str]) -> list[str]:
         """Advance ``model``'s cursor; ``replicas`` rotated so the choice is first."""
@@ -254,6 +264,9 @@ class LeastOutstandingRouter:
 
     def set_meta(self, meta: RoutingMeta) -> None:
         self.meta = meta
+
+    def forget(self, model: str) -> None:
+        """Nothing per model is kept here."""
 
     def route(self, model: str, replicas: Sequence[str], units: int = 1) -> Ticket:
         """Raises ValueError for no replica or ``units`` < 1."""

@@ -159,6 +159,7 @@ class Scheduling:
         return self.router.route(model, replicas, units)
 
     def tick(self) -> RepackOutcome | None:
+        self._forget_gone()
         if not self.needs_control:
             return None
         ready = self.fleet.ready
@@ -185,6 +186,25 @@ class Scheduling:
         if outcome is not None:
             self._apply(outcome)
         return outcome
+
+    def _forget_gone(self) -> None:
+        """Drop what is kept per model (arrival counts and rates, costs, rotation and run
+        state) for models no worker lists any more and with nothing in flight: model
+        names come and go (explicit-mode loads), and a long-lived gateway must not keep
+        every name it ever routed."""
+        known = set(self.fleet.routes)
+        for worker in self.fleet.workers:
+            known.update(row.name for row in worker.index)
+            if worker.control is not None:
+                known.update(m.name for m in worker.control.models)
+        for model in (set(self.ledger.arrivals()) | set(self.meta.models)) - known:
+            if self.ledger.model_outstanding(model):
+                continue
+            self.ledger.forget(model)
+            self.router.forget(model)
+            self.tracker.forget_model(model)
+            if self.planner is not None:
+                self.planner.rates.forget(model)
 
     def _apply(self, outcome: RepackOutcome) -> None:
         assert isinstance(self.router, FillRouter)

@@ -1,7 +1,8 @@
 """The scheduling front (rsrv.gateway._scheduling) over a fleet of scripted workers: a
 placement made while part of the fleet was still coming up is redone once it is up, a
-malformed batch input is INVALID_ARGUMENT, and each worker's discipline is checked the
-first time it reports."""
+malformed batch input is INVALID_ARGUMENT, each worker's discipline is checked the first
+time it reports, the first placement can wait for the whole fleet, and what is kept per
+model is dropped once the model has left every worker."""
 
 from __future__ import annotations
 
@@ -100,3 +101,22 @@ def test_the_first_placement_waits_for_every_configured_worker_when_asked():
     serve(fleet.workers[1], ["m"])
     fleet.rebuild_routes()
     assert scheduling.tick().window.trigger == "startup"
+
+
+@pytest.mark.parametrize("mode", ["round_robin", "least_outstanding", "lpt_packing"])
+def test_a_model_gone_from_every_worker_is_forgotten_once_nothing_is_in_flight(mode):
+    fleet = fleet_of("w0")
+    serve(fleet.workers[0], ["m", "gone"])
+    fleet.rebuild_routes()
+    scheduling = Scheduling(SchedulingConfig(mode=mode), fleet)
+    scheduling.tick()
+    scheduling.route("m", None, ("w0",)).release()
+    held = scheduling.route("gone", None, ("w0",))
+    serve(fleet.workers[0], ["m"])  # "gone" was unloaded
+    fleet.rebuild_routes()
+    scheduling.tick()
+    assert set(scheduling.ledger.arrivals()) == {"m", "gone"}  # one still in flight
+    held.release()
+    scheduling.tick()
+    assert set(scheduling.ledger.arrivals()) == {"m"}
+    assert "gone" not in scheduling.meta.models
