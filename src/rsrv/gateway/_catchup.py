@@ -87,6 +87,15 @@ class CatchUp:
             else:
                 self.dropped.pop(n, None)
 
+    def stray(self, name: str, workers: list[WorkerLink]) -> None:
+        """Region ``name`` may be left registered on ``workers`` (a failed registration
+        whose undo failed there): remove it from them now, and at their next catch-up
+        until it is gone."""
+        if name in self.regions:
+            return  # (registered through the gateway since: it is wanted)
+        self.dropped.setdefault(name, set()).update(w.name for w in workers)
+        self.start(workers)
+
     def loaded(self, model: str, body: bytes) -> None:
         self.loads[model] = body
         self.unloads.pop(model, None)

@@ -77,10 +77,19 @@ def _request(command: str, args: list[str], options: argparse.Namespace):
     )
 
 
+_BOOLEANS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+
+
 def _typed(message, key: str, value: str):
     field = message.DESCRIPTOR.fields_by_name[key]
     if field.type == field.TYPE_BOOL:
-        return value.lower() in ("1", "true", "yes", "on")
+        word = value.strip().lower()
+        if word not in _BOOLEANS:
+            raise ValueError(f"{key}={value!r}: expected true or false (1/0, yes/no, on/off)")
+        return _BOOLEANS[word]
     if field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):
         return float(value)
     if field.type in (field.TYPE_INT32, field.TYPE_UINT32, field.TYPE_INT64, field.TYPE_UINT64):
@@ -105,5 +114,12 @@ def ctl_main(command: str, args: list[str], options: argparse.Namespace) -> int:
         print(f"rsrv gateway {command}: {result.status.name}: {result.message}", file=sys.stderr)
         return 2 if not result.reached_server else 1
     answer = response_type.FromString(result.response or b"")
-    print(json_format.MessageToJson(answer, preserving_proto_field_name=True, indent=1))
+    # every field, false and zero included: scripts read keys such as "ready"
+    text = json_format.MessageToJson(
+        answer,
+        preserving_proto_field_name=True,
+        indent=1,
+        always_print_fields_with_no_presence=True,
+    )
+    print(text)
     return 0

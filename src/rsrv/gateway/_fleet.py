@@ -126,10 +126,16 @@ class WorkerLink:
         return frozenset(ready)
 
     def knows(self, model: str) -> bool:
-        """Whether ``model`` is on this worker in any state (index or control status)."""
-        return any(row.name == model for row in self.index) or (
+        """Whether ``model`` is on this worker in any state (index or control status);
+        not a model directory an explicit-mode worker only lists as "unloaded"."""
+        return any(row.name == model and not _unloaded(row) for row in self.index) or (
             self.control is not None and any(m.name == model for m in self.control.models)
         )
+
+
+def _unloaded(row: IndexRow) -> bool:
+    """An explicit-mode worker's row for a model directory it has no entry for."""
+    return not row.version and row.state == "UNAVAILABLE" and row.reason == "unloaded"
 
 
 @dataclass

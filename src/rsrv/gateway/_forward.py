@@ -173,11 +173,21 @@ class Forwarder:
         return await self.try_in_order(path, body, metadata, deadline, [self.any_ready()[0].name])
 
     async def to_model(
-        self, path: str, model: str, body: bytes, metadata: Mapping[str, str], deadline: float
+        self,
+        path: str,
+        model: str,
+        body: bytes,
+        metadata: Mapping[str, str],
+        deadline: float,
+        version: str = "",
     ) -> bytes:
         """A call about ``model`` (ModelReady, ModelMetadata, ModelConfig) to a worker
-        serving it, failing over like ModelInfer."""
+        serving it (one whose index has ``version`` READY first, when one is asked
+        for), failing over like ModelInfer."""
         names = list(await self.replicas(model)) or [w.name for w in self.any_ready()]
+        if version:
+            having = [n for n in names if _serves_version(self.fleet.by_name[n], model, version)]
+            names = having + [n for n in names if n not in having]
         return await self.try_in_order(path, body, metadata, deadline, names)
 
     async def try_in_order(
@@ -250,6 +260,13 @@ class Forwarder:
             for worker in targets:
                 nursery.start_soon(one, worker)
         return results
+
+
+def _serves_version(worker: WorkerLink, model: str, version: str) -> bool:
+    return any(
+        row.name == model and row.version == version and row.state == "READY"
+        for row in worker.index
+    )
 
 
 def first_failure(results: Mapping[str, CallResult]) -> Relayed | None:

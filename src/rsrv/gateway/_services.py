@@ -162,10 +162,12 @@ class GatewayServices:
 
     async def model_call(self, body: bytes, call: ServerCall) -> bytes:
         try:
-            name, _ = peek_name(body)
+            name, version = peek_name(body)
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
-        return await self.forward.to_model(call.path, name, body, call.metadata, call.deadline)
+        return await self.forward.to_model(
+            call.path, name, body, call.metadata, call.deadline, version
+        )
 
     # -- inference --------------------------------------------------------------------------
 
@@ -230,13 +232,21 @@ class GatewayServices:
         for worker, answer in zip(names, answers, strict=True):
             for row in answer.models:
                 where.setdefault((row.name, row.version), []).append((worker, row))
+        versioned = {name for name, version in where if version}
+        for name, version in [k for k in where if not k[1] and k[0] in versioned]:
+            # a worker without any version of a model some worker has versions of: its
+            # row's reason joins those rows (one model, not an extra UNAVAILABLE one)
+            for key in [k for k in where if k[0] == name and k[1]]:
+                where[key] += where[(name, version)]
+            del where[(name, version)]
         merged = pb.RepositoryIndexResponse()
         for (name, version), rows in sorted(where.items()):
             ready = [w for w, row in rows if row.state == "READY"]
             if ready:
                 state, reason = "READY", "ready on " + ", ".join(ready)
-            else:
-                state = rows[0][1].state
+            else:  # LOADING somewhere says more than UNAVAILABLE elsewhere
+                loading = any(row.state == "LOADING" for _, row in rows)
+                state = "LOADING" if loading else rows[0][1].state
                 reason = "; ".join(f"{w}: {row.reason or row.state}" for w, row in rows)
             merged.models.add(name=name, version=version, state=state, reason=reason)
         return merged.SerializeToString()
@@ -244,6 +254,14 @@ class GatewayServices:
     async def model_statistics(self, body: bytes, call: ServerCall) -> bytes:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         answers = merge_each(results, pb.ModelStatisticsResponse.FromString)
+        failed = {
+            n: r
+            for n, r in results.items()
+            if r.status not in (StatusCode.OK, StatusCode.NOT_FOUND)
+        }
+        if failed:  # (sums that leave a worker out would go down, and back up, between reads)
+            name = min(failed)
+            raise Relayed(failed[name].status, f"worker {name}: {failed[name].message}")
         if not answers:
             raise first_failure(results) or NotFound("no worker has statistics")
         merged: dict[tuple[str, str], pb.ModelStatistics] = {}
@@ -270,22 +288,49 @@ class GatewayServices:
     async def shm_register(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()
         request = _parse(pb.SystemSharedMemoryRegisterRequest, body)
-        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        failure = first_failure(results)
+        # All or nothing, carried through even if the client goes away meanwhile: a
+        # region left registered on some workers would refuse every later register of
+        # its name. (Each call is bounded by the worker client's request timeout.)
+        with trio.CancelScope(shield=True):
+            results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+            failure = first_failure(results)
+            if failure is not None:
+                await self._undo_register(request.name, results, call.metadata)
         if failure is not None:
-            done = [self.fleet.by_name[n] for n, r in results.items() if r.status == StatusCode.OK]
-            if done:  # all or nothing: undo where it succeeded
-                undo = pb.SystemSharedMemoryUnregisterRequest(name=request.name)
-                await self.forward.fan_out(
-                    INFERENCE + "SystemSharedMemoryUnregister",
-                    undo.SerializeToString(),
-                    call.metadata,
-                    workers=done,
-                )
             raise failure
         self.catchup.registered(request.name, body)
         self.catchup.missed(results)
         return pb.SystemSharedMemoryRegisterResponse().SerializeToString()
+
+    async def _undo_register(
+        self, name: str, results: Mapping[str, CallResult], metadata: Mapping[str, str]
+    ) -> None:
+        """Unregister ``name`` where the failed register may have taken effect (OK, or
+        an outcome that does not say: timed out, cut off); never where it was refused
+        (ALREADY_EXISTS: that registration is not this one). Where the undo fails too,
+        catch-up removes it (CatchUp.stray)."""
+        maybe = [
+            self.fleet.by_name[n]
+            for n, r in results.items()
+            if n in self.fleet.by_name and _maybe_done(r)
+        ]
+        if not maybe:
+            return
+        undo = pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString()
+        undone = await self.forward.fan_out(
+            INFERENCE + "SystemSharedMemoryUnregister", undo, metadata, workers=maybe
+        )
+        left = sorted(
+            n for n, r in undone.items() if r.status not in (StatusCode.OK, StatusCode.NOT_FOUND)
+        )
+        if left:
+            log.warning(
+                "shared memory region %r: a failed registration could not be undone on %s; "
+                "catch-up removes it there",
+                name,
+                ", ".join(left),
+            )
+            self.catchup.stray(name, [self.fleet.by_name[n] for n in left])
 
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()
@@ -345,6 +390,18 @@ class GatewayServices:
             merged.reloaded_models += answer.reloaded_models
             merged.resident_bytes_after += answer.resident_bytes_after
         return merged.SerializeToString()
+
+
+#: Outcomes after which a call may have taken effect on the worker.
+_UNSURE = frozenset(
+    {StatusCode.OK, StatusCode.DEADLINE_EXCEEDED, StatusCode.CANCELLED, StatusCode.UNKNOWN}
+)
+
+
+def _maybe_done(result: CallResult) -> bool:
+    if result.status == StatusCode.UNAVAILABLE:
+        return result.reached_server  # (it may have been processed before the end)
+    return result.status in _UNSURE
 
 
 def _first_answer(results: Mapping[str, CallResult]) -> bytes:

@@ -360,3 +360,45 @@ async def test_a_metas_sub_model_is_present_and_an_unread_control_status_loads_n
     del fake.fail[("ModelControlStatus", "w0")]
     await catchup.replay([worker])
     assert fake.changes() == [("RepositoryModelLoad", "part", "w0")]
+
+
+async def test_a_failed_registration_is_undone_wherever_it_may_have_taken_effect():
+    fake = FakeWorkers("w0", "w1", "w2")
+    fake.ready("w0", "w1", "w2")
+    services = services_of(fake)
+    fake.processes["w2"].regions["r"] = "/theirs"  # registered there otherwise
+    fake.fail[("SystemSharedMemoryRegister", "w1")] = StatusCode.DEADLINE_EXCEEDED
+    fake.fail[("SystemSharedMemoryRegister", "w2")] = StatusCode.ALREADY_EXISTS
+    with pytest.raises(Relayed):
+        await services.shm_register(region("r"), client_call("SystemSharedMemoryRegister"))
+    # undone on w0 (OK) and w1 (timed out: it may have registered), not on w2 (refused)
+    undone = [c[2] for c in fake.changes() if c[0] == "SystemSharedMemoryUnregister"]
+    assert sorted(undone) == ["w0", "w1"]
+    assert fake.processes["w2"].regions == {"r": "/theirs"}
+    assert "r" not in services.catchup.regions
+
+
+async def test_an_undo_that_fails_is_left_to_catch_up():
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    fake.fail[("SystemSharedMemoryRegister", "w1")] = StatusCode.INVALID_ARGUMENT
+    fake.fail[("SystemSharedMemoryUnregister", "w0")] = StatusCode.INTERNAL
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        with pytest.raises(Relayed):
+            await services.shm_register(region("r"), client_call("SystemSharedMemoryRegister"))
+        assert services.catchup.dropped == {"r": {"w0"}}
+        del fake.fail[("SystemSharedMemoryUnregister", "w0")]  # the replay it started
+    assert fake.processes["w0"].regions == {} and services.catchup.dropped == {}
+
+
+async def test_a_registration_is_carried_through_when_the_client_goes_away(autojump_clock):
+    fake = FakeWorkers("w0", "w1", client_delay=1.0)
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    with trio.move_on_after(0.5):  # the client's deadline, or its reset
+        await services.shm_register(region("r"), client_call("SystemSharedMemoryRegister"))
+    # not left half-done: registered on both workers, and remembered for catch-up
+    assert all(p.regions == {"r": "/k"} for p in fake.processes.values())
+    assert "r" in services.catchup.regions
