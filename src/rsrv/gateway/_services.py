@@ -165,9 +165,29 @@ class GatewayServices:
             name, version = peek_name(body)
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
+        if not version and call.path.endswith("/ModelMetadata"):
+            routes = self.fleet.routes.get(name, ())
+            holders = [w for w in self.fleet.ready if w.name in routes]
+            if len(holders) > 1 and (answer := await self._all_versions(holders, body, call)):
+                return answer
         return await self.forward.to_model(
             call.path, name, body, call.metadata, call.deadline, version
         )
+
+    async def _all_versions(self, holders: list, body: bytes, call) -> bytes | None:
+        """ModelMetadata without a version, from workers that may hold different
+        versions: the first worker's answer (by name), listing every worker's versions;
+        None when none answered (then it goes as any other call, failover included)."""
+        results = await self.forward.fan_out(
+            call.path, body, call.metadata, call.deadline, workers=holders
+        )
+        answers = merge_each(results, pb.ModelMetadataResponse.FromString)
+        if not answers:
+            return None
+        merged = answers[0]
+        versions = {v for answer in answers for v in answer.versions}
+        merged.versions[:] = sorted(versions, key=lambda v: (len(v), v))
+        return merged.SerializeToString()
 
     # -- inference --------------------------------------------------------------------------
 

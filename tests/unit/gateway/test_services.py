@@ -116,3 +116,33 @@ def test_a_model_directory_an_explicit_worker_lists_unloaded_is_not_held_there()
     assert [w.name for w in fleet.holders("lin")] == ["w0"]
     fleet.workers[1].index = (IndexRow("lin", "1", "UNAVAILABLE", "load failed"),)
     assert [w.name for w in fleet.holders("lin")] == ["w0", "w1"]  # known there, broken
+
+
+class Versions:
+    """A worker channel answering ModelMetadata with its own ``versions``."""
+
+    def __init__(self, *versions: str):
+        self.versions, self.opened = versions, 1
+
+    async def unary(self, path, body, *, metadata=(), timeout=None):
+        answer = pb.ModelMetadataResponse(name="m", versions=self.versions)
+        return UnaryResult(StatusCode.OK, response=answer.SerializeToString())
+
+
+async def test_metadata_without_a_version_lists_every_workers_versions():
+    workers = [
+        WorkerLink("w0", "h:0", "127.0.0.1", 0, Versions("1"), True, ready=True),
+        WorkerLink("w1", "h:1", "127.0.0.1", 1, Versions("2", "10"), True, ready=True),
+    ]
+    workers[0].index = (IndexRow("m", "1", "READY", ""),)
+    workers[1].index = (IndexRow("m", "2", "READY", ""), IndexRow("m", "10", "READY", ""))
+    fleet = Fleet(workers)
+    fleet.rebuild_routes()
+    discovery = SimpleNamespace(settings=SimpleNamespace(interval_seconds=2.0))
+    forward = Forwarder(fleet, discovery, router=None, request_timeout=60.0)
+    services = GatewayServices(fleet, forward, Admission(0), 4)
+    body = pb.ModelMetadataRequest(name="m").SerializeToString()
+    answer = pb.ModelMetadataResponse.FromString(
+        await services.model_call(body, call("ModelMetadata"))
+    )
+    assert list(answer.versions) == ["1", "2", "10"]
