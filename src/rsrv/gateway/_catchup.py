@@ -88,12 +88,12 @@ class CatchUp:
                 self.dropped.pop(n, None)
 
     def stray(self, name: str, workers: list[WorkerLink]) -> None:
-        """Region ``name`` may be left registered on ``workers`` (a failed registration
-        whose undo failed there): remove it from them now, and at their next catch-up
-        until it is gone."""
-        if name in self.regions:
-            return  # (registered through the gateway since: it is wanted)
-        self.dropped.setdefault(name, set()).update(w.name for w in workers)
+        """Region ``name`` on ``workers`` may not be what the gateway holds (a failed
+        registration, its undo failed or unknown): bring them in line now. A region of
+        that name the gateway holds is registered there as it holds it; any other is
+        removed (now, or at their next catch-up until it is gone)."""
+        if name not in self.regions:  # (a new set: a running pass holds the old one)
+            self.dropped[name] = self.dropped.get(name, set()) | {w.name for w in workers}
         self.start(workers)
 
     def loaded(self, model: str, body: bytes) -> None:

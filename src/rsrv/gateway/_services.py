@@ -12,7 +12,8 @@ Clients see one server:
   somewhere, its reason naming the workers. ModelStatistics: summed over workers.
   RepositoryModelLoad / Unload: every ready worker, all must succeed.
 * System shared memory: register/unregister on every ready worker, all or nothing
-  (a register that fails anywhere is undone everywhere). Refused with FAILED_PRECONDITION
+  (a register that fails anywhere is undone wherever it may have taken effect, and a
+  client that goes away meanwhile leaves it to catch-up). Refused with FAILED_PRECONDITION
   when a worker is not on this host (its memory is not this machine's).
 * Loads, unloads and shared-memory changes are replayed on a worker that becomes ready
   later or restarted (``rsrv.gateway._catchup``).
@@ -165,29 +166,29 @@ class GatewayServices:
             name, version = peek_name(body)
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
-        if not version and call.path.endswith("/ModelMetadata"):
-            routes = self.fleet.routes.get(name, ())
-            holders = [w for w in self.fleet.ready if w.name in routes]
-            if len(holders) > 1 and (answer := await self._all_versions(holders, body, call)):
-                return answer
-        return await self.forward.to_model(
+        answer = await self.forward.to_model(
             call.path, name, body, call.metadata, call.deadline, version
         )
+        if version or not call.path.endswith("/ModelMetadata"):
+            return answer
+        return self._all_versions(name, answer)
 
-    async def _all_versions(self, holders: list, body: bytes, call) -> bytes | None:
-        """ModelMetadata without a version, from workers that may hold different
-        versions: the first worker's answer (by name), listing every worker's versions;
-        None when none answered (then it goes as any other call, failover included)."""
-        results = await self.forward.fan_out(
-            call.path, body, call.metadata, call.deadline, workers=holders
-        )
-        answers = merge_each(results, pb.ModelMetadataResponse.FromString)
-        if not answers:
-            return None
-        merged = answers[0]
-        versions = {v for answer in answers for v in answer.versions}
-        merged.versions[:] = sorted(versions, key=lambda v: (len(v), v))
-        return merged.SerializeToString()
+    def _all_versions(self, name: str, answer: bytes) -> bytes:
+        """ModelMetadata without a version: one worker's answer, listing the versions
+        READY on any worker serving the model (workers may hold different ones), as
+        their last indexes show."""
+        metadata = pb.ModelMetadataResponse.FromString(answer)
+        versions = set(metadata.versions)
+        for worker in self.fleet.ready:
+            versions.update(
+                row.version
+                for row in worker.index
+                if row.name == name and row.version and row.state == "READY"
+            )
+        if versions != set(metadata.versions):
+            metadata.versions[:] = sorted(versions, key=lambda v: (len(v), v))
+            return metadata.SerializeToString()
+        return answer
 
     # -- inference --------------------------------------------------------------------------
 
@@ -261,18 +262,29 @@ class GatewayServices:
             del where[(name, version)]
         merged = pb.RepositoryIndexResponse()
         for (name, version), rows in sorted(where.items()):
+            rows.sort(key=lambda pair: pair[0])
             ready = [w for w, row in rows if row.state == "READY"]
+            others = [f"{w}: {row.reason or row.state}" for w, row in rows if w not in ready]
             if ready:
-                state, reason = "READY", "ready on " + ", ".join(ready)
+                state, reason = "READY", "; ".join(["ready on " + ", ".join(ready), *others])
             else:  # LOADING somewhere says more than UNAVAILABLE elsewhere
                 loading = any(row.state == "LOADING" for _, row in rows)
-                state = "LOADING" if loading else rows[0][1].state
-                reason = "; ".join(f"{w}: {row.reason or row.state}" for w, row in rows)
+                state, reason = "LOADING" if loading else rows[0][1].state, "; ".join(others)
             merged.models.add(name=name, version=version, state=state, reason=reason)
         return merged.SerializeToString()
 
     async def model_statistics(self, body: bytes, call: ServerCall) -> bytes:
-        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        try:
+            name, _ = peek_name(body)
+        except WireError as e:
+            raise InvalidArgument(f"malformed request: {e}") from None
+        # Of one model: the workers serving it (one still loading it, or whose load
+        # failed, would answer UNAVAILABLE); of every model: every ready worker.
+        routes = self.fleet.routes.get(name, ()) if name else ()
+        serving = [w for w in self.fleet.ready if w.name in routes] or None
+        results = await self.forward.fan_out(
+            call.path, body, call.metadata, call.deadline, workers=serving
+        )
         answers = merge_each(results, pb.ModelStatisticsResponse.FromString)
         failed = {
             n: r
@@ -308,15 +320,20 @@ class GatewayServices:
     async def shm_register(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()
         request = _parse(pb.SystemSharedMemoryRegisterRequest, body)
-        # All or nothing, carried through even if the client goes away meanwhile: a
-        # region left registered on some workers would refuse every later register of
-        # its name. (Each call is bounded by the worker client's request timeout.)
-        with trio.CancelScope(shield=True):
+        targets = list(self.fleet.ready)
+        try:
             results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-            failure = first_failure(results)
-            if failure is not None:
-                await self._undo_register(request.name, results, call.metadata)
+        except trio.Cancelled:
+            # The client went away mid-way: where it took effect is unknown. Catch-up
+            # brings every target in line (a region the gateway holds stays, another
+            # one of this name goes).
+            self.catchup.stray(request.name, targets)
+            raise
+        failure = first_failure(results)
         if failure is not None:
+            # All or nothing, bounded: the worker client's request timeout.
+            with trio.CancelScope(shield=True), trio.move_on_after(self.forward.request_timeout):
+                await self._undo_register(request.name, results, call.metadata)
             raise failure
         self.catchup.registered(request.name, body)
         self.catchup.missed(results)
@@ -327,12 +344,13 @@ class GatewayServices:
     ) -> None:
         """Unregister ``name`` where the failed register may have taken effect (OK, or
         an outcome that does not say: timed out, cut off); never where it was refused
-        (ALREADY_EXISTS: that registration is not this one). Where the undo fails too,
-        catch-up removes it (CatchUp.stray)."""
+        (ALREADY_EXISTS: that registration is not this one). Catch-up then brings those
+        workers in line: it registers again a region of this name the gateway holds
+        (the undo may have removed it), and removes it where the undo failed."""
         maybe = [
-            self.fleet.by_name[n]
+            worker
             for n, r in results.items()
-            if n in self.fleet.by_name and _maybe_done(r)
+            if _maybe_done(r) and (worker := self.fleet.by_name.get(n)) is not None
         ]
         if not maybe:
             return
@@ -340,17 +358,20 @@ class GatewayServices:
         undone = await self.forward.fan_out(
             INFERENCE + "SystemSharedMemoryUnregister", undo, metadata, workers=maybe
         )
-        left = sorted(
-            n for n, r in undone.items() if r.status not in (StatusCode.OK, StatusCode.NOT_FOUND)
-        )
+        left = [
+            w for w in maybe if undone[w.name].status not in (StatusCode.OK, StatusCode.NOT_FOUND)
+        ]
         if left:
             log.warning(
                 "shared memory region %r: a failed registration could not be undone on %s; "
                 "catch-up removes it there",
                 name,
-                ", ".join(left),
+                ", ".join(w.name for w in left),
             )
-            self.catchup.stray(name, [self.fleet.by_name[n] for n in left])
+        if name in self.catchup.regions:
+            self.catchup.stray(name, maybe)
+        elif left:
+            self.catchup.stray(name, left)
 
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()

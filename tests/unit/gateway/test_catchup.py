@@ -47,7 +47,8 @@ class Process:
 
 class FakeWorkers:
     """The Forwarder's fan_out over fake worker processes: each call takes ``delay``
-    seconds (``client_delay`` for the clients' fan-outs, sent to every ready worker),
+    seconds (``client_delay`` for the clients' fan-outs, sent to every ready worker; plus
+    ``slow[worker]`` on that worker),
     then acts on the process the worker has at that moment. ``fail[(method, worker)]``
     is the status that call fails with; ``during[(method, model or region)]`` runs the
     first time that change is made. A worker answers ModelControlStatus when it has
@@ -63,6 +64,8 @@ class FakeWorkers:
         )
         self.processes = {n: Process() for n in names}
         self.delay, self.client_delay = delay, client_delay
+        self.slow: dict[str, float] = {}  # worker -> seconds more it takes to answer
+        self.request_timeout = 60.0
         self.fail: dict[tuple[str, str], StatusCode] = {}
         self.subs: dict[str, set[str]] = {}
         self.during: dict[tuple[str, str], object] = {}
@@ -86,8 +89,15 @@ class FakeWorkers:
 
     async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
         targets = list(self.fleet.ready if workers is None else workers)
-        await trio.sleep(self.client_delay if workers is None else self.delay)
-        return {w.name: self._act(path.rsplit("/", 1)[1], body, w.name) for w in targets}
+        base = self.client_delay if workers is None else self.delay
+        results, elapsed = {}, 0.0
+        for w in sorted(targets, key=lambda w: self.slow.get(w.name, 0.0)):  # (stable)
+            wait = base + self.slow.get(w.name, 0.0) - elapsed
+            if wait > 0 or not elapsed:
+                await trio.sleep(wait)
+                elapsed += wait
+            results[w.name] = self._act(path.rsplit("/", 1)[1], body, w.name)
+        return results
 
     def _act(self, method: str, body: bytes, name: str) -> UnaryResult:
         process = self.processes[name]
@@ -393,12 +403,16 @@ async def test_an_undo_that_fails_is_left_to_catch_up():
     assert fake.processes["w0"].regions == {} and services.catchup.dropped == {}
 
 
-async def test_a_registration_is_carried_through_when_the_client_goes_away(autojump_clock):
-    fake = FakeWorkers("w0", "w1", client_delay=1.0)
+async def test_a_client_gone_mid_registration_leaves_no_stray_region(autojump_clock):
+    fake = FakeWorkers("w0", "w1")
+    fake.slow["w1"] = 1.0
     fake.ready("w0", "w1")
     services = services_of(fake)
-    with trio.move_on_after(0.5):  # the client's deadline, or its reset
-        await services.shm_register(region("r"), client_call("SystemSharedMemoryRegister"))
-    # not left half-done: registered on both workers, and remembered for catch-up
-    assert all(p.regions == {"r": "/k"} for p in fake.processes.values())
-    assert "r" in services.catchup.regions
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        with trio.move_on_after(0.5):  # the client's deadline, or its reset
+            await services.shm_register(region("r"), client_call("SystemSharedMemoryRegister"))
+        assert fake.processes["w0"].regions == {"r": "/k"}  # registered there, not on w1
+    # catch-up brought both in line: the registration the client gave up on is gone
+    assert all(p.regions == {} for p in fake.processes.values())
+    assert "r" not in services.catchup.regions and services.catchup.dropped == {}

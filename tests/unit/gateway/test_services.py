@@ -23,6 +23,8 @@ from rsrv.transport import UnaryResult
 class Fixed:
     """fan_out answering each worker with ``answers[worker]``."""
 
+    request_timeout = 60.0
+
     def __init__(self, fleet: Fleet, answers: dict[str, UnaryResult]):
         self.fleet, self.answers = fleet, answers
 
@@ -66,8 +68,11 @@ async def test_the_index_has_one_row_per_model_version_across_workers():
     merged = pb.RepositoryIndexResponse.FromString(
         await services.repository_index(b"", call("RepositoryIndex"))
     )
-    rows = [(m.name, m.version, m.state) for m in merged.models]
-    assert rows == [("lin", "1", "READY"), ("new", "1", "LOADING")]
+    rows = [(m.name, m.version, m.state, m.reason) for m in merged.models]
+    assert rows == [
+        ("lin", "1", "READY", "ready on w0; w1: unloaded; w2: unloaded"),
+        ("new", "1", "LOADING", "w0: broken; w1: LOADING"),
+    ]
 
 
 async def test_statistics_fail_when_a_worker_fails_the_call():
@@ -79,6 +84,14 @@ async def test_statistics_fail_when_a_worker_fails_the_call():
         await services.model_statistics(b"", call("ModelStatistics"))
     answers["w1"] = UnaryResult(StatusCode.NOT_FOUND, "no such model there")
     await services.model_statistics(b"", call("ModelStatistics"))  # not there: fine
+    # of one model: only the workers serving it are asked (w1 still loading it would
+    # answer UNAVAILABLE)
+    answers["w1"] = UnaryResult(StatusCode.UNAVAILABLE, "model 'm' is loading")
+    fleet.workers[0].index = (IndexRow("m", "1", "READY", ""),)
+    fleet.workers[1].index = (IndexRow("m", "1", "LOADING", ""),)
+    fleet.rebuild_routes()
+    body = pb.ModelStatisticsRequest(name="m").SerializeToString()
+    await services.model_statistics(body, call("ModelStatistics"))
 
 
 class Named:
