@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -424,6 +425,18 @@ def closed_loop(
     return LoadResult(
         concurrency, duration, len(latencies), errors[0], latencies, per_model, errors[1]
     )
+
+
+def closed_loop_reading(read: Callable[[], Any], *args: Any, **kwargs: Any):
+    """:func:`closed_loop` with ``read()`` (e.g. server counters) taken as the window
+    opens and as it closes: ``(result, reading at the start, reading at the end)``."""
+    readings: list = []
+
+    def take() -> None:
+        readings.append(read())
+
+    result = closed_loop(*args, at_start=take, at_end=take, **kwargs)
+    return result, readings[0], readings[1]
 
 
 def _sleep_until(t: float) -> None:

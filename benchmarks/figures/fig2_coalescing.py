@@ -14,7 +14,7 @@ import numpy as np
 from common import (
     COMPILE_CACHE,
     START_TIMEOUT,
-    closed_loop,
+    closed_loop_reading,
     control_status,
     interleave,
     log,
@@ -64,24 +64,14 @@ def run(quick: bool) -> dict:
         x = np.random.default_rng(1).random((1, WIDTH), dtype=np.float32)
 
         def measure(label, s, c):
-            snaps = []
-
-            def snap():
+            def read() -> tuple[int, int]:
                 m = control_status(s.port).models[0]
-                snaps.append((m.dispatches, m.rows_served))
+                return m.dispatches, m.rows_served
 
-            r = closed_loop(
-                s.url,
-                {"dense": {"x": x}},
-                c,
-                p.seconds,
-                warmup=p.warmup,
-                at_start=snap,
-                at_end=snap,
+            r, before, after = closed_loop_reading(
+                read, s.url, {"dense": {"x": x}}, c, p.seconds, warmup=p.warmup
             )
-            counters.setdefault((label, c), []).append(
-                (snaps[1][0] - snaps[0][0], snaps[1][1] - snaps[0][1])
-            )
+            counters.setdefault((label, c), []).append((after[0] - before[0], after[1] - before[1]))
             return r
 
         points = {}

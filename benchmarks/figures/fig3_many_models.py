@@ -29,7 +29,7 @@ from common import (
     START_TIMEOUT,
     PageCacheDropper,
     ServerProcess,
-    closed_loop,
+    closed_loop_reading,
     control_status,
     interleave,
     log,
@@ -147,31 +147,28 @@ def measure(
     deltas: dict[str, list] = {k: [] for k in servers}
 
     def one(label: str, s: ServerProcess):
-        snaps = []
-
-        def snap():
+        def read() -> tuple[int, int]:
             st = control_status(s.port)
-            snaps.append((st.weight_cache_loads, st.weight_cache_evictions))
+            return st.weight_cache_loads, st.weight_cache_evictions
 
         def load():
-            return closed_loop(
+            return closed_loop_reading(
+                read,
                 s.url,
                 inputs,
                 p.concurrency,
                 p.seconds,
                 warmup=p.warmup,
                 choose=lambda rng, _i: rng.choices(names, cum_weights=cum)[0],
-                at_start=snap,
-                at_end=snap,
                 seed=len(deltas[label]),
             )
 
         if label == RELOAD:
             with dropper:
-                result = load()
+                result, before, after = load()
         else:
-            result = load()
-        deltas[label].append((snaps[1][0] - snaps[0][0], snaps[1][1] - snaps[0][1]))
+            result, before, after = load()
+        deltas[label].append((after[0] - before[0], after[1] - before[1]))
         return result
 
     results = interleave(servers, p.rounds, one)

@@ -23,7 +23,7 @@ import numpy as np
 from common import (
     COMPILE_CACHE,
     START_TIMEOUT,
-    closed_loop,
+    closed_loop_reading,
     control_status,
     log,
     ratio,
@@ -70,25 +70,18 @@ def run(quick: bool) -> dict:
             f"{', '.join(f'{n}={w:g}' for n, w in WEIGHTS.items())}, {p.windows} windows"
         )
         for w in range(p.windows):
-            snaps = []
-
-            def snap(snaps=snaps):
-                st = control_status(server.port)
-                snaps.append({m.name: m.compute_seconds for m in st.models})
-
-            result = closed_loop(
+            result, before, after = closed_loop_reading(
+                lambda: {m.name: m.compute_seconds for m in control_status(server.port).models},
                 server.url,
                 {n: {"x": x} for n in names},
                 CLIENTS * len(names),
                 p.seconds,
                 warmup=p.warmup * (2 if w == 0 else 1),
                 choose=lambda rng, i: names[i % len(names)],
-                at_start=snap,
-                at_end=snap,
             )
             windows.append(
                 {
-                    "device_seconds": {n: snaps[1][n] - snaps[0][n] for n in names},
+                    "device_seconds": {n: after[n] - before[n] for n in names},
                     "answered": {n: result.per_model.get(n, 0) for n in names},
                     "errors": result.errors,
                     "first_error": result.first_error,

@@ -42,7 +42,7 @@ from common import (
     START_TIMEOUT,
     ModelCounts,
     ServerProcess,
-    closed_loop,
+    closed_loop_reading,
     control_status,
     cpu_seconds,
     free_port,
@@ -149,22 +149,16 @@ def closed_loop_overhead(p: Params, servers: dict[str, ServerProcess], x) -> lis
         completed = dict.fromkeys(servers, 0)
 
         def measure(name, server, c=c, cpu=cpu, completed=completed):
-            marks = []
-
-            def mark():
-                marks.append({k: cpu_seconds(pid) for k, pid in pids.items()})
-
-            r = closed_loop(
+            r, before, after = closed_loop_reading(
+                lambda: {k: cpu_seconds(pid) for k, pid in pids.items()},
                 server.url,
                 {"classifier": {"x": x}},
                 c,
                 p.seconds,
                 warmup=p.warmup,
-                at_start=mark,
-                at_end=mark,
             )
             for k in pids:
-                cpu[name][k] += marks[1][k] - marks[0][k]
+                cpu[name][k] += after[k] - before[k]
             completed[name] += r.completed
             return r
 
@@ -285,25 +279,20 @@ def coalescing(p: Params) -> dict:
         x = np.random.default_rng(3).random((1, WIDTH), dtype=np.float32)
         counts: dict[str, list[tuple[int, int]]] = {m: [] for m in MODES}
 
+        def totals() -> tuple[int, int]:  # (dispatches, rows served) over both workers
+            models = [control_status(w.port).models[0] for w in workers]
+            return sum(m.dispatches for m in models), sum(m.rows_served for m in models)
+
         def measure(mode, gateway):
-            snaps = []
-
-            def snap():
-                models = [control_status(w.port).models[0] for w in workers]
-                snaps.append(
-                    (sum(m.dispatches for m in models), sum(m.rows_served for m in models))
-                )
-
-            r = closed_loop(
+            r, before, after = closed_loop_reading(
+                totals,
                 gateway.url,
                 {"dense": {"x": x}},
                 p.fill_clients,
                 p.seconds,
                 warmup=p.warmup,
-                at_start=snap,
-                at_end=snap,
             )
-            counts[mode].append((snaps[1][0] - snaps[0][0], snaps[1][1] - snaps[0][1]))
+            counts[mode].append((after[0] - before[0], after[1] - before[1]))
             return r
 
         log("fig 9b: fill routing vs round robin")
