@@ -200,7 +200,7 @@ class InferenceClient(ChannelClient):
                 SERVICE + "ModelStreamInfer", metadata=self._metadata, timeout=timeout
             ) as call:
                 async with trio.open_nursery() as nursery:
-                    stream = InferStream(call, channel.limits.max_send_message_bytes)
+                    stream = InferStream(call)
                     nursery.start_soon(stream._read)
                     try:
                         yield stream

@@ -15,7 +15,7 @@ from purerpc.grpclib.status import StatusCode
 from rsrv.client._errors import InferenceServerError
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
-from rsrv.transport import CallEnded, StreamingCall
+from rsrv.transport import CallEnded, MessageTooLarge, StreamingCall
 
 __all__ = ["InferStream"]
 
@@ -38,9 +38,8 @@ class InferStream:
     answers). Several tasks may send and wait at once.
     """
 
-    def __init__(self, call: StreamingCall, max_send_message_bytes: int = 1 << 28):
+    def __init__(self, call: StreamingCall):
         self._call = call
-        self._max_send = max_send_message_bytes
         self._send_lock = trio.StrictFIFOLock()
         self._waiting: dict[str, list] = {}  # id -> [event, answer]
         self._unclaimed_in, self._unclaimed = trio.open_memory_channel(math.inf)
@@ -114,18 +113,15 @@ class InferStream:
         return _result(answer)
 
     async def _send(self, payload: bytes) -> None:
-        if len(payload) > self._max_send:  # (the transport would reset the whole stream)
-            raise InferenceServerError(
-                StatusCode.RESOURCE_EXHAUSTED,
-                f"request of {len(payload)} bytes is larger than the channel's maximum "
-                f"{self._max_send} (ClientLimits.max_send_message_bytes)",
-                reached_server=False,
-            )
         async with self._send_lock:
             try:
                 await self._call.send(payload)
             except CallEnded:
                 raise self._stream_error() from None
+            except MessageTooLarge as e:  # (not sent; the stream goes on)
+                raise InferenceServerError(
+                    StatusCode.RESOURCE_EXHAUSTED, str(e), reached_server=False
+                ) from None
 
     def _stream_error(self) -> InferenceServerError:
         call = self._call

@@ -24,7 +24,7 @@ from rsrv.transport._channel import (
     grpc_timeout,
     open_channel,
 )
-from rsrv.transport._client_stream import CallEnded
+from rsrv.transport._client_stream import CallEnded, MessageTooLarge
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     GrpcServer,
@@ -44,6 +44,7 @@ __all__ = [
     "GrpcServer",
     "ListenSettings",
     "MessageError",
+    "MessageTooLarge",
     "Method",
     "ServerCall",
     "StreamingCall",

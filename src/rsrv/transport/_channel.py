@@ -52,7 +52,8 @@ class ClientLimits:
     ``max_connections``: HTTP/2 connections to the endpoint, opened lazily; a new one
     is opened when every open one carries ``streams_per_connection`` calls, or the
     server's SETTINGS_MAX_CONCURRENT_STREAMS, or is closing. Messages above
-    ``max_send_message_bytes`` fail RESOURCE_EXHAUSTED without being sent, received
+    ``max_send_message_bytes`` fail without being sent (a unary call RESOURCE_EXHAUSTED,
+    a stream's message :class:`MessageTooLarge`, the stream going on), received
     ones above ``max_receive_message_bytes`` (decompressed) RESOURCE_EXHAUSTED.
     ``connect_timeout``: a connection (TCP and TLS) must be up within this.
     ``accept_compressed``: ask the server to compress its responses (gzip, deflate);

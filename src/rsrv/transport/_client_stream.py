@@ -42,6 +42,11 @@ class CallEnded(Exception):
     """Sending on a call that has ended (its status says why) or was half-closed."""
 
 
+class MessageTooLarge(ValueError):
+    """A message above ``ClientLimits.max_send_message_bytes``: not sent; the call goes
+    on."""
+
+
 def _status_of(code: int) -> StatusCode:
     try:
         return StatusCode(code)
@@ -209,16 +214,16 @@ class ClientStream:
 
     async def send(self, payload: bytes, *, end: bool = False) -> None:
         """Send one message (``end``: and half-close). Raises :class:`CallEnded` once
-        the call has ended or was half-closed; waits for flow control."""
+        the call has ended or was half-closed, :class:`MessageTooLarge` (nothing sent,
+        the call goes on) for a message above the channel's limit; waits for flow
+        control."""
         if self.done or self.half_closed:
             raise CallEnded(f"the call has ended ({self.status})" if self.done else "half-closed")
         if len(payload) > self.conn.max_send:
-            self._abort(
-                StatusCode.RESOURCE_EXHAUSTED,
+            raise MessageTooLarge(
                 f"message of {len(payload)} bytes is larger than the channel's maximum "
-                f"{self.conn.max_send} (ClientLimits.max_send_message_bytes)",
+                f"{self.conn.max_send} (ClientLimits.max_send_message_bytes)"
             )
-            raise CallEnded(self.message)
         conn = self.conn
         data = memoryview(frame(payload))
         self.half_closed = end

@@ -31,6 +31,7 @@ from rsrv.transport import (
     CallEnded,
     Channel,
     ClientLimits,
+    MessageTooLarge,
     TransportLimits,
     grpc_timeout,
     open_channel,
@@ -253,6 +254,18 @@ async def test_bidirectional_stream():
             assert call.status is StatusCode.OK
             with pytest.raises(CallEnded):
                 await call.send(b"late")
+
+
+async def test_an_oversized_stream_message_is_refused_alone():
+    limits = ClientLimits(max_send_message_bytes=MIB)
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
+        async with ch.stream(STREAM) as call:
+            with pytest.raises(MessageTooLarge, match="ClientLimits.max_send_message_bytes"):
+                await call.send(bytes(MIB + 1))
+            await call.send(b"still open")  # the stream goes on
+            await call.end()
+            assert [m async for m in call] == [b"still open"]
+            assert call.status is StatusCode.OK
 
 
 async def test_stream_deadline_and_leaving_early():
