@@ -25,6 +25,7 @@ from ._gateway import (
     ModelPlacementConfig,
     SchedulingConfig,
     gateway_json_schema,
+    join_address,
     load_gateway,
     split_address,
 )
@@ -83,5 +84,6 @@ __all__ = [
     "parse_env_value",
     "plan_node",
     "resolve_worker",
+    "join_address",
     "split_address",
 ]

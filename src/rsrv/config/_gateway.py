@@ -49,6 +49,11 @@ def split_address(text: str) -> tuple[str, int]:
     return match["host"].strip("[]"), int(match["port"])
 
 
+def join_address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (what :func:`split_address` reads)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ListenConfig(_Strict):
     grpc: Annotated[Address, _doc("Where clients connect (gRPC), host:port.")] = "127.0.0.1:8001"
     metrics: Annotated[

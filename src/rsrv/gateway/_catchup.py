@@ -96,6 +96,16 @@ class CatchUp:
             self.dropped[name] = self.dropped.get(name, set()) | {w.name for w in workers}
         self.start(workers)
 
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` left the fleet (DNS; a pod that returns comes as a new process):
+        no region is waiting to be removed from it any more."""
+        for name, away in list(self.dropped.items()):
+            if worker in away:
+                if len(away) == 1:
+                    del self.dropped[name]
+                else:  # (a new set: a running pass holds the old one)
+                    self.dropped[name] = away - {worker}
+
     def loaded(self, model: str, body: bytes) -> None:
         self.loads[model] = body
         self.unloads.pop(model, None)

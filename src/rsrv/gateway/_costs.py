@@ -22,7 +22,7 @@ its sample is skipped. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -259,12 +259,11 @@ class CostTracker:
         sums: dict[str, list[float]] = {}  # model -> [d compute, d requests, d rows]
         seen: dict[str, list[tuple[str, ModelCounters]]] = {}
         for report in reports:
-            self._budgets[report.worker] = report.weight_cache_budget_bytes
             if report.instance:
                 if self._instances.get(report.worker, report.instance) != report.instance:
-                    for key in [k for k in self._pairs if k[0] == report.worker]:
-                        del self._pairs[key]  # a new process: its counters start again
+                    self.forget_worker(report.worker)  # a new process: counters start again
                 self._instances[report.worker] = report.instance
+            self._budgets[report.worker] = report.weight_cache_budget_bytes
             for c in report.models:
                 seen.setdefault(c.name, []).append((report.worker, c))
                 key = (report.worker, c.name)
@@ -319,14 +318,13 @@ class CostTracker:
                 model.batch_input, model.batch_axis = c.batch_input_name, c.batch_axis
                 break
 
-    def keep_workers(self, workers: Container[str]) -> None:
-        """Drop the baselines and budgets of workers not in ``workers`` (they left the
-        fleet; one that comes back starts afresh)."""
-        for key in [k for k in self._pairs if k[0] not in workers]:
+    def forget_worker(self, worker: str) -> None:
+        """Drop ``worker``'s baselines and budget (it left the fleet; if it comes back,
+        its first report is a baseline)."""
+        for key in [k for k in self._pairs if k[0] == worker]:
             del self._pairs[key]
-        for table in (self._budgets, self._instances):
-            for name in [n for n in table if n not in workers]:
-                del table[name]
+        self._budgets.pop(worker, None)
+        self._instances.pop(worker, None)
 
     def forget_model(self, model: str) -> None:
         """Drop everything known about ``model`` (e.g. after it left every worker)."""

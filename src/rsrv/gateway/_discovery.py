@@ -115,6 +115,10 @@ class Discovery:
         self._last_refresh = now
         await self.round()
 
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` left the fleet (DNS): drop what is kept of it."""
+        self._failing = {key for key in self._failing if key[0] != worker}
+
     async def _call(self, worker: WorkerLink, path: str) -> tuple[StatusCode, bytes | None]:
         """The call's status, and its response when it succeeded. A failure is logged,
         unless the worker is going away (UNAVAILABLE) or has no control service: as a

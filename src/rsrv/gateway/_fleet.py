@@ -125,6 +125,14 @@ class WorkerLink:
             ready.update(m.name for m in self.control.models if m.state == "READY")
         return frozenset(ready)
 
+    def ready_versions(self, model: str) -> set[str]:
+        """The versions of ``model`` READY here, by its last index."""
+        return {
+            row.version
+            for row in self.index
+            if row.name == model and row.version and row.state == "READY"
+        }
+
     def knows(self, model: str) -> bool:
         """Whether ``model`` is on this worker in any state (index or control status);
         not a model directory an explicit-mode worker only lists as "unloaded"."""

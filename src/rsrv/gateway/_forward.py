@@ -186,7 +186,7 @@ class Forwarder:
         for), failing over like ModelInfer."""
         names = list(await self.replicas(model)) or [w.name for w in self.any_ready()]
         if version:
-            having = [n for n in names if _serves_version(self.fleet.by_name[n], model, version)]
+            having = [n for n in names if version in self.fleet.by_name[n].ready_versions(model)]
             names = having + [n for n in names if n not in having]
         return await self.try_in_order(path, body, metadata, deadline, names)
 
@@ -260,13 +260,6 @@ class Forwarder:
             for worker in targets:
                 nursery.start_soon(one, worker)
         return results
-
-
-def _serves_version(worker: WorkerLink, model: str, version: str) -> bool:
-    return any(
-        row.name == model and row.version == version and row.state == "READY"
-        for row in worker.index
-    )
 
 
 def first_failure(results: Mapping[str, CallResult]) -> Relayed | None:

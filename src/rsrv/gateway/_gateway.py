@@ -21,7 +21,7 @@ import ssl
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.config import GatewayConfig, split_address
+from rsrv.config import GatewayConfig, join_address, split_address
 from rsrv.gateway._admin import serve_gateway_admin
 from rsrv.gateway._control import GatewayControl
 from rsrv.gateway._discovery import Discovery
@@ -200,12 +200,14 @@ class Gateway:
                 continue
             for info in infos:
                 address = info[4][0]
-                name = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+                name = join_address(address, port)
                 found[name] = (address, port)
         current = {w.name for w in self.fleet.workers if w.from_dns}
         for name in sorted(current - found.keys()):
             log.info("worker %s left (no longer in DNS)", name)
             self.fleet.remove(name).leaving.set()
+            for part in (self.discovery, self.scheduler, self.services.catchup):
+                part.forget_worker(name)
         for name in sorted(found.keys() - current):
             host, port = found[name]
             worker = WorkerLink(name, name, host, port, None, is_local_host(host), from_dns=True)

@@ -99,7 +99,8 @@ class Scheduling:
         self.fleet = fleet
         self.ledger = InflightLedger()
         self.meta = RoutingMeta()
-        self._disciplines: dict[str, str] = {}  # worker -> the warning about its discipline
+        # worker -> the warning about its discipline ("" when fine), once it has reported
+        self._disciplines: dict[str, str] = {}
         self.planner: RepackPlanner | None = None
         self.repacks = 0
         self.moves = 0
@@ -124,13 +125,12 @@ class Scheduling:
                 config.ema_halflife_compute_seconds, config.rebalance_compute_seconds
             )
         )
-        self._disciplines_checked: set[str] = set()  # workers whose discipline was read
 
     @property
     def warnings(self) -> list[str]:
         """What GetSchedulingStatus reports: the fill settings in force now, and each
         worker found on a discipline that breaks lpt_packing's batches."""
-        return [*self._fill_warnings(), *self._disciplines.values()]
+        return [*self._fill_warnings(), *filter(None, self._disciplines.values())]
 
     def _fill_warnings(self) -> list[str]:
         if not isinstance(self.router, FillRouter):
@@ -167,7 +167,6 @@ class Scheduling:
             WorkerReport.from_response(w.name, w.control) for w in ready if w.control is not None
         ]
         delta = self.tracker.observe(reports)
-        self.tracker.keep_workers(self.fleet.by_name)  # (DNS: workers come and go)
         self.meta = self.tracker.snapshot()
         self.router.set_meta(self.meta)
         if self.planner is None:
@@ -239,20 +238,22 @@ class Scheduling:
         """The first time each worker reports: say loudly if it runs a discipline that
         breaks the batches lpt_packing builds."""
         for report in reports:
-            if report.worker in self._disciplines_checked:
+            if report.worker in self._disciplines:
                 continue
-            self._disciplines_checked.add(report.worker)
+            warning = ""
             if report.discipline and report.discipline not in PACKING_DISCIPLINES:
                 warning = (
                     f"lpt_packing needs workers on scheduler.discipline fifo or edf; worker "
                     f"{report.worker} runs {report.discipline!r}, which interleaves models "
                     "and breaks the batches the gateway fills"
                 )
-                self._disciplines[report.worker] = warning
                 log.error("%s", warning)
-        present = self.fleet.by_name.keys()  # (workers that left the fleet: forgotten)
-        self._disciplines_checked &= present
-        self._disciplines = {w: text for w, text in self._disciplines.items() if w in present}
+            self._disciplines[report.worker] = warning
+
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` left the fleet (DNS): drop what is kept of it."""
+        self.tracker.forget_worker(worker)
+        self._disciplines.pop(worker, None)
 
     def request_repack(self) -> int:
         """An operator repack at the next round (lpt_packing); its sequence number."""

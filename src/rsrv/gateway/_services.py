@@ -178,13 +178,9 @@ class GatewayServices:
         READY on any worker serving the model (workers may hold different ones), as
         their last indexes show."""
         metadata = pb.ModelMetadataResponse.FromString(answer)
-        versions = set(metadata.versions)
-        for worker in self.fleet.ready:
-            versions.update(
-                row.version
-                for row in worker.index
-                if row.name == name and row.version and row.state == "READY"
-            )
+        versions = set(metadata.versions).union(
+            *(worker.ready_versions(name) for worker in self.fleet.ready)
+        )
         if versions != set(metadata.versions):
             metadata.versions[:] = sorted(versions, key=lambda v: (len(v), v))
             return metadata.SerializeToString()

@@ -9,13 +9,14 @@ from rsrv.lifeline._lifeline import (
     read_status,
     supervised,
 )
-from rsrv.lifeline._process import Server, serve_process
+from rsrv.lifeline._process import Server, first_error, serve_process
 
 __all__ = [
     "LINK_FD_VARIABLE",
     "ChildStatus",
     "Server",
     "SupervisorLink",
+    "first_error",
     "read_status",
     "serve_process",
     "supervised",

@@ -20,7 +20,7 @@ import trio
 
 from rsrv.lifeline._lifeline import ChildStatus, SupervisorLink
 
-__all__ = ["Server", "serve_process"]
+__all__ = ["Server", "first_error", "serve_process"]
 
 log = logging.getLogger("rsrv.lifeline")
 
@@ -50,10 +50,7 @@ def serve_process(name: str, server: Server, status: Callable[[], ChildStatus]) 
             raise
     if unbound is not None:
         # One line, and an exit status a supervisor restarts after (the port may free up).
-        first = unbound
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        print(f"rsrv: {name}: cannot listen: {first}", file=sys.stderr)
+        print(f"rsrv: {name}: cannot listen: {first_error(unbound)}", file=sys.stderr)
         return 1
     return 0
 
@@ -92,6 +89,13 @@ async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus])
                 await server.shutdown()
                 nursery.cancel_scope.cancel()
                 return
+
+
+def first_error(error: BaseException) -> BaseException:
+    """The first exception inside ``error``'s (nested) groups; ``error`` if none."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 def _raise_descriptor_limit() -> None:

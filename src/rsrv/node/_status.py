@@ -7,8 +7,8 @@ import sys
 import urllib.error
 import urllib.request
 
-from rsrv.config import ConfigError, load_node, plan_node
-from rsrv.node._supervisor import address, dialled
+from rsrv.config import ConfigError, join_address, load_node, plan_node
+from rsrv.node._supervisor import dialled
 
 __all__ = ["status_main"]
 
@@ -22,7 +22,7 @@ def status_main(node_file: str | None, timeout: float = 5.0) -> int:
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
-    url = f"http://{address(host, node.metrics_port)}/healthz"
+    url = f"http://{join_address(host, node.metrics_port)}/healthz"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as answer:
             report = json.load(answer)

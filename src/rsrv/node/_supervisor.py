@@ -31,10 +31,12 @@ from rsrv.config import (
     ConfigError,
     NodePlan,
     WorkerConfig,
+    join_address,
     load_gateway,
     load_node,
     plan_node,
 )
+from rsrv.lifeline import first_error
 from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
@@ -79,11 +81,6 @@ def dialled(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def address(host: str, port: int) -> str:
-    """``host:port``, an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def cuda_names(devices: list[str]) -> list[str]:
     """``devices`` as INFERENCE_SERVER_GPUS lists them unambiguously (ordinals as cuda:N)."""
     return [f"cuda:{d}" if d.isdigit() else d for d in devices]
@@ -96,14 +93,14 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
     argv = [sys.executable, "-m", "rsrv.cli", "gateway"]
     if plan.gateway_file is not None:
         argv.append(plan.gateway_file)
-    endpoints = [address(dialled(w.endpoints.host), w.endpoints.port) for w in plan.workers]
+    endpoints = [join_address(dialled(w.endpoints.host), w.endpoints.port) for w in plan.workers]
     env = {
         **base_env,
         "PYTHONUNBUFFERED": "1",
-        f"{GATEWAY_ENV_PREFIX}LISTEN_GRPC": address(plan.host, plan.port),
+        f"{GATEWAY_ENV_PREFIX}LISTEN_GRPC": join_address(plan.host, plan.port),
         f"{GATEWAY_ENV_PREFIX}LISTEN_METRICS": "none"
         if plan.gateway_metrics_port is None
-        else address(plan.host, plan.gateway_metrics_port),
+        else join_address(plan.host, plan.gateway_metrics_port),
         f"{GATEWAY_ENV_PREFIX}ENDPOINTS": ",".join(endpoints),
         f"{GATEWAY_ENV_PREFIX}ENDPOINTS_DNS": "",  # the node's workers, and only they
         f"{GATEWAY_ENV_PREFIX}WORKER_NAMES": ",".join(w.name for w in plan.workers),
@@ -131,12 +128,6 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
         grace=grace + plan.supervisor.kill_after_seconds,
         port=plan.port,
     )
-
-
-def _first(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 def check_node_ports(plan: NodePlan) -> None:
@@ -167,9 +158,8 @@ def check_node_ports(plan: NodePlan) -> None:
 class Supervisor:
     """Runs the children of one node; see the module docstring."""
 
-    def __init__(self, plan: NodePlan, specs: list[ChildSpec], host: str):
+    def __init__(self, plan: NodePlan, specs: list[ChildSpec]):
         self.plan = plan
-        self.host = host
         self.children = [Child(spec, plan.supervisor, self._give_up) for spec in specs]
         self.stopping = False
         self.failure: str | None = None
@@ -202,12 +192,14 @@ class Supervisor:
         self.started_at = trio.current_time()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                admin = address(self.host, self.plan.metrics_port)
-                unbound: OSError | None = None
+                admin = join_address(self.plan.host, self.plan.metrics_port)
+                unbound: BaseException | None = None
                 try:
-                    await nursery.start(serve_node_admin, self, self.host, self.plan.metrics_port)
+                    await nursery.start(
+                        serve_node_admin, self, self.plan.host, self.plan.metrics_port
+                    )
                 except* OSError as group:  # nothing started yet: one line, a failed start
-                    unbound = _first(group)
+                    unbound = first_error(group)
                 if unbound is not None:
                     log.error("node admin HTTP: cannot listen on %s: %s", admin, unbound)
                     return 1
@@ -290,4 +282,4 @@ def node_main(node_file: str | None) -> int:
             spec.port,
             f", device {spec.device or 'none'}" if spec.kind == "worker" else "",
         )
-    return trio.run(Supervisor(plan, specs, plan.host).run)
+    return trio.run(Supervisor(plan, specs).run)

@@ -316,6 +316,8 @@ async def test_an_unregistered_region_is_forgotten_once_no_worker_can_hold_it():
         pb.SystemSharedMemoryUnregisterRequest(name="r2").SerializeToString(), unregister
     )
     assert catchup.dropped == {"r2": {"w1"}}
+    catchup.forget_worker("w2")  # another worker leaving the fleet changes nothing here
+    assert catchup.dropped == {"r2": {"w1"}}
     fake.ready("w1")
     await catchup.replay([fake.worker("w1")])
     assert fake.processes["w1"].regions == {} and catchup.dropped == {}
@@ -416,3 +418,10 @@ async def test_a_client_gone_mid_registration_leaves_no_stray_region(autojump_cl
     # catch-up brought both in line: the registration the client gave up on is gone
     assert all(p.regions == {} for p in fake.processes.values())
     assert "r" not in services.catchup.regions and services.catchup.dropped == {}
+
+
+def test_a_worker_that_left_the_fleet_is_no_longer_waited_for():
+    catchup = CatchUp(FakeWorkers("w0"))
+    catchup.dropped = {"a": {"w0", "w1"}, "b": {"w1"}}
+    catchup.forget_worker("w1")
+    assert catchup.dropped == {"a": {"w0"}}

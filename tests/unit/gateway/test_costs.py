@@ -134,7 +134,7 @@ def test_a_metas_compute_is_its_sub_models_and_counts_once():
 def test_workers_that_left_the_fleet_are_forgotten():
     tracker = CostTracker()
     tracker.observe([report("w0", counters(compute=1.0), budget=8), report("w1", budget=9)])
-    tracker.keep_workers({"w1"})
+    tracker.forget_worker("w0")
     assert tracker.snapshot().budgets == {"w1": 9}
     delta = tracker.observe([report("w0", counters(compute=5.0))])  # back: a new baseline
     assert delta.compute_seconds == 0.0

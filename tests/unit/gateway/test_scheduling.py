@@ -90,6 +90,8 @@ def test_each_workers_discipline_is_checked_when_it_first_reports():
     scheduling.tick()
     scheduling.tick()  # each worker once
     assert len(scheduling.warnings) == 2 and "worker w2 runs 'fair'" in scheduling.warnings[1]
+    scheduling.forget_worker("w0")  # it left the fleet (DNS)
+    assert len(scheduling.warnings) == 1 and "worker w2" in scheduling.warnings[0]
 
 
 def test_the_first_placement_waits_for_every_configured_worker_when_asked():

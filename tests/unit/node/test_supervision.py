@@ -356,7 +356,7 @@ def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path)
     path.write_text("cpu_workers: 2\n")
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     specs = [worker_spec(node_plan, w, str(path), {}) for w in node_plan.workers]
-    supervisor = Supervisor(node_plan, [*specs, gateway_spec(node_plan, {})], "127.0.0.1")
+    supervisor = Supervisor(node_plan, [*specs, gateway_spec(node_plan, {})])
     *workers, gateway = supervisor.children
     gateway.ready = True
     assert not supervisor.ready  # both workers still starting
@@ -404,7 +404,7 @@ async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_pat
     path.write_text("cpu_workers: 1\n")
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     specs = [worker_spec(node_plan, w, str(path), {}) for w in node_plan.workers]
-    supervisor = Supervisor(node_plan, specs, "127.0.0.1")
+    supervisor = Supervisor(node_plan, specs)
     supervisor._give_up("a child gave up")  # the node is stopping already
     send, receive = trio.open_memory_channel(2)
     async with trio.open_nursery() as nursery:
