@@ -7,15 +7,18 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import TextIO
 
 __all__ = ["configure_logging"]
 
 
-def configure_logging(name: str, level: str, format: str, *, tag: bool = True) -> None:
-    """Send every log record to stderr, as ``format`` (``text`` or ``json``) says.
-    ``tag=False`` leaves ``[name]`` out of text lines, for a process whose supervisor
-    puts it at the start of each line."""
-    handler = logging.StreamHandler(sys.stderr)
+def configure_logging(
+    name: str, level: str, format: str, *, tag: bool = True, stream: TextIO | None = None
+) -> None:
+    """Send every log record to stderr (or ``stream``), as ``format`` (``text`` or
+    ``json``) says. ``tag=False`` leaves ``[name]`` out of text lines, for a process
+    whose supervisor puts it at the start of each line."""
+    handler = logging.StreamHandler(stream or sys.stderr)
     if format == "json":
         handler.setFormatter(_JsonFormatter(name))
     else:

@@ -22,7 +22,7 @@ import trio
 
 from rsrv.config import SupervisorConfig
 from rsrv.lifeline import LINK_FD_VARIABLE, read_status
-from rsrv.node._output import forward_lines
+from rsrv.node._output import OutputSink, forward_lines
 
 __all__ = ["FATAL_EXIT", "Child", "ChildSpec", "ChildState", "restart_delay"]
 
@@ -76,12 +76,14 @@ class Child:
     """The live state of one child; :meth:`run` supervises it until :meth:`stop`.
 
     ``on_give_up(reason)`` is called once when the child will not be restarted (the
-    restart limit, or a fatal exit); the supervisor then stops the node.
+    restart limit, or a fatal exit); the supervisor then stops the node. ``output``:
+    where the child's stdout and stderr lines go.
     """
 
     spec: ChildSpec
     policy: SupervisorConfig
     on_give_up: Callable[[str], None]
+    output: tuple[OutputSink, OutputSink]
     state: ChildState = ChildState.STARTING
     pid: int | None = None
     ready: bool = False
@@ -190,8 +192,9 @@ class Child:
         try:
             async with trio.open_nursery() as nursery:
                 assert process.stdout is not None and process.stderr is not None
-                nursery.start_soon(forward_lines, self.name, process.stdout, 1)
-                nursery.start_soon(forward_lines, self.name, process.stderr, 2)
+                stdout, stderr = self.output
+                nursery.start_soon(forward_lines, self.name, process.stdout, stdout)
+                nursery.start_soon(forward_lines, self.name, process.stderr, stderr)
                 nursery.start_soon(self._follow_status, link)
                 async with trio.open_nursery() as waiting:
                     waiting.start_soon(self._terminate_once_stopped, process)

@@ -1,17 +1,24 @@
-"""Forwarding a child's output, line by line, tagged with the child's name."""
+"""The supervisor's output: children's lines, tagged with the child's name, and its own
+log lines, written to its stdout and stderr without ever holding the supervisor up."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 
 import trio
 
-__all__ = ["forward_lines", "tag_line"]
+__all__ = ["OutputSink", "SinkStream", "forward_lines", "standard_output", "tag_line"]
+
+log = logging.getLogger("rsrv.node")
 
 #: A line longer than this is forwarded in pieces rather than held whole.
 MAX_LINE_BYTES = 64 * 1024
+#: Output queued for a descriptor that is not read as fast as it comes; past it, lines
+#: are dropped (and counted) instead of held.
+QUEUE_LIMIT_BYTES = 4 << 20
 
 
 def tag_line(name: str, line: bytes) -> bytes:
@@ -30,8 +37,8 @@ def tag_line(name: str, line: bytes) -> bytes:
 
 
 def _write_all(fd: int, data: bytes) -> bool:
-    """Write ``data`` whole; False when ``fd`` no longer takes output (a closed pipe:
-    ``rsrv node ... | head``, a log shipper that went away)."""
+    """Write ``data`` whole, blocking; False when ``fd`` no longer takes output (a
+    closed pipe: ``rsrv node ... | head``, a log shipper that went away)."""
     view = memoryview(data)
     try:
         while view:
@@ -44,14 +51,111 @@ def _write_all(fd: int, data: bytes) -> bool:
     return True
 
 
-async def forward_lines(name: str, stream: trio.abc.ReceiveStream, fd: int) -> None:
-    """Copy ``stream`` to ``fd`` one whole tagged line at a time, until end of file
-    (a last line without a newline is forwarded too). Each line is written in one
-    piece from this thread, so lines of different children never interleave. Once
-    ``fd`` takes no more output, the child's output is still read, and dropped (the
-    child must not block on a full pipe, nor the node fail)."""
+class OutputSink:
+    """One of the supervisor's output descriptors (``fd``), written whole lines at a
+    time so that lines never interleave.
+
+    While :meth:`run` runs, :meth:`write` only queues, and the writer task writes in a
+    worker thread: a reader that is slow, or stopped (a paused terminal, a stalled log
+    shipper), never holds up the supervisor's task, nor its children, whose pipes are
+    still read. Past ``limit`` bytes queued, lines are dropped; once there is room
+    again, a warning says how many. Before :meth:`run` starts and after it ends,
+    :meth:`write` writes at once. Once ``fd`` takes no more output (a closed pipe), what
+    is written is dropped. Call :meth:`write` from the trio thread, or while the writer
+    is not running.
+    """
+
+    def __init__(self, fd: int, name: str, limit: int = QUEUE_LIMIT_BYTES):
+        self.fd = fd
+        self.name = name  # "stdout", "stderr": for the warning about dropped lines
+        self.limit = limit
+        self.open = True  # fd still takes output
+        self.dropped = 0  # lines dropped so far
+        self._queue: list[bytes] = []
+        self._queued = 0
+        self._unreported = 0  # lines dropped since the last warning
+        self._running = False
+        self._wake = trio.Event()
+        self._idle = trio.Event()  # nothing queued nor being written
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` (whole lines) to be written; never waits while the writer
+        runs."""
+        if not self.open:
+            return
+        if not self._running:
+            self.open = _write_all(self.fd, data)
+            return
+        if self._queued + len(data) > self.limit:
+            lines = data.count(b"\n") or 1
+            self.dropped += lines
+            self._unreported += lines
+            return
+        if self._unreported:
+            dropped, self._unreported = self._unreported, 0
+            log.warning(
+                "%d lines of output to %s were dropped: it was not read as fast as they came",
+                dropped,
+                self.name,
+            )  # (queued here, through the log handler, when that writes to this sink)
+        self._queue.append(data)
+        self._queued += len(data)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        self._wake.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Write what is queued, as it comes, until cancelled (then :meth:`write` writes
+        at once again). A write blocked on a reader that never reads is abandoned on
+        cancel."""
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                if not self._queue:
+                    self._idle.set()
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                data = b"".join(self._queue)
+                self._queue.clear()
+                self._queued = 0
+                if self.open:
+                    self.open = await trio.to_thread.run_sync(
+                        _write_all, self.fd, data, abandon_on_cancel=True
+                    )
+        finally:
+            self._running = False
+
+    async def flushed(self) -> None:
+        """Return once everything queued has been written (or dropped)."""
+        if self._running:
+            await self._idle.wait()
+
+
+def standard_output() -> tuple[OutputSink, OutputSink]:
+    """Sinks for this process's stdout and stderr."""
+    return OutputSink(1, "stdout"), OutputSink(2, "stderr")
+
+
+class SinkStream:
+    """A text stream over an :class:`OutputSink`, for a ``logging.StreamHandler``."""
+
+    def __init__(self, sink: OutputSink):
+        self.sink = sink
+
+    def write(self, text: str) -> None:
+        self.sink.write(text.encode("utf-8", "replace"))
+
+    def flush(self) -> None:
+        pass
+
+
+async def forward_lines(name: str, stream: trio.abc.ReceiveStream, sink: OutputSink) -> None:
+    """Copy ``stream`` to ``sink`` one whole tagged line at a time, until end of file
+    (a last line without a newline is forwarded too). The stream is read to its end
+    whatever becomes of the lines, so the child never blocks on a full pipe."""
     pending = b""
-    writing = True
     while True:
         chunk = await stream.receive_some(MAX_LINE_BYTES)
         if not chunk:
@@ -61,7 +165,7 @@ async def forward_lines(name: str, stream: trio.abc.ReceiveStream, fd: int) -> N
         if len(pending) >= MAX_LINE_BYTES:
             lines.append(pending)
             pending = b""
-        if lines and writing:
-            writing = _write_all(fd, b"".join(tag_line(name, line) for line in lines))
-    if pending and writing:
-        _write_all(fd, tag_line(name, pending))
+        if lines:
+            sink.write(b"".join(tag_line(name, line) for line in lines))
+    if pending:
+        sink.write(tag_line(name, pending))

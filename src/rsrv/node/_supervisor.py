@@ -40,6 +40,7 @@ from rsrv.lifeline import first_error
 from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
+from rsrv.node._output import OutputSink, SinkStream, standard_output
 
 __all__ = ["Supervisor", "node_main"]
 
@@ -158,9 +159,15 @@ def check_node_ports(plan: NodePlan) -> None:
 class Supervisor:
     """Runs the children of one node; see the module docstring."""
 
-    def __init__(self, plan: NodePlan, specs: list[ChildSpec]):
+    def __init__(
+        self,
+        plan: NodePlan,
+        specs: list[ChildSpec],
+        output: tuple[OutputSink, OutputSink] | None = None,
+    ):
         self.plan = plan
-        self.children = [Child(spec, plan.supervisor, self._give_up) for spec in specs]
+        self.output = output or standard_output()
+        self.children = [Child(spec, plan.supervisor, self._give_up, self.output) for spec in specs]
         self.stopping = False
         self.failure: str | None = None
         self.forced = False  # a second stop signal killed the children
@@ -188,7 +195,22 @@ class Supervisor:
         self._stop_requested.set()
 
     async def run(self) -> int:
-        """Supervise until a signal or a failure; returns the exit status."""
+        """Supervise until a signal or a failure; returns the exit status. Output is
+        written by its own tasks meanwhile (``OutputSink``), and flushed at the end (for
+        at most 2 s)."""
+        async with trio.open_nursery() as writers:
+            for sink in self.output:
+                await writers.start(sink.run)
+            try:
+                return await self._supervise()
+            finally:
+                with trio.move_on_after(2.0) as flushing:
+                    flushing.shield = True
+                    for sink in self.output:
+                        await sink.flushed()
+                writers.cancel_scope.cancel()
+
+    async def _supervise(self) -> int:
         self.started_at = trio.current_time()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
@@ -270,8 +292,11 @@ def node_main(node_file: str | None) -> int:
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
+    output = standard_output()
     logging_config = node.global_.logging
-    configure_logging("node", logging_config.level, logging_config.format)
+    configure_logging(
+        "node", logging_config.level, logging_config.format, stream=SinkStream(output[1])
+    )
     if plan.device_source:
         log.info("devices: %s (from %s)", ", ".join(plan.devices) or "none", plan.device_source)
     for spec in specs:
@@ -282,4 +307,4 @@ def node_main(node_file: str | None) -> int:
             spec.port,
             f", device {spec.device or 'none'}" if spec.kind == "worker" else "",
         )
-    return trio.run(Supervisor(plan, specs).run)
+    return trio.run(Supervisor(plan, specs, output).run)

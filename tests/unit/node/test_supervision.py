@@ -18,7 +18,13 @@ from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_st
 from rsrv.lifeline._process import _serve_until_signal
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
-from rsrv.node._output import MAX_LINE_BYTES, forward_lines, tag_line
+from rsrv.node._output import (
+    MAX_LINE_BYTES,
+    OutputSink,
+    forward_lines,
+    standard_output,
+    tag_line,
+)
 from rsrv.node._supervisor import Supervisor, check_node_ports, gateway_spec, worker_spec
 
 
@@ -37,7 +43,7 @@ async def test_output_is_forwarded_in_whole_lines(tmp_path):
     out = tmp_path / "out"
     with open(out, "wb") as sink:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(forward_lines, "w", receive, sink.fileno())
+            nursery.start_soon(forward_lines, "w", receive, OutputSink(sink.fileno(), "out"))
             for piece in (b"one\ntw", b"o\n", b"x" * (MAX_LINE_BYTES + 10), b"\nlast"):
                 await send.send_all(piece)
                 await trio.testing.wait_all_tasks_blocked()
@@ -56,13 +62,71 @@ async def test_output_to_a_closed_pipe_is_read_and_dropped():
     os.close(read_end)
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(forward_lines, "w", receive, write_end)
+            nursery.start_soon(forward_lines, "w", receive, OutputSink(write_end, "out"))
             for _ in range(3):
                 await send.send_all(b"line\n" * 1000)
                 await trio.testing.wait_all_tasks_blocked()
             await send.aclose()
     finally:
         os.close(write_end)
+
+
+async def test_a_reader_that_stops_reading_holds_the_supervisor_up_nowhere(caplog):
+    """A paused terminal or a stalled log shipper: the supervisor's task goes on (a
+    ticker keeps ticking), children's lines are still read, what does not fit the queue
+    is dropped and counted, and once the reader reads again it gets the queued lines,
+    a warning, then new lines."""
+    read_end, write_end = os.pipe()
+    sink = OutputSink(write_end, "out", limit=256 * 1024)
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    def read_all() -> bytes:
+        with os.fdopen(read_end, "rb") as reader:
+            return reader.read()
+
+    out: list[bytes] = []
+
+    async def reader():
+        out.append(await trio.to_thread.run_sync(read_all))
+
+    async with trio.open_nursery() as outer:
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sink.run)
+                nursery.start_soon(ticker)
+                nursery.start_soon(forward_lines, "w", receive, sink)
+                line = b"%06d " + b"x" * 1000 + b"\n"
+                for n in range(2000):  # ~2 MB: the pipe holds 64 KiB, the queue 256 KiB
+                    await send.send_all(line % n)
+                with trio.fail_after(10):
+                    while ticks < 20:  # nothing is read meanwhile
+                        await trio.sleep(0.01)
+                assert sink.dropped > 1000
+                with caplog.at_level("WARNING", logger="rsrv.node"):
+                    outer.start_soon(reader)
+                    with trio.fail_after(10):
+                        await sink.flushed()
+                    await send.send_all(b"after\n")
+                    await send.aclose()
+                    await trio.testing.wait_all_tasks_blocked()
+                    with trio.fail_after(10):
+                        await sink.flushed()
+                nursery.cancel_scope.cancel()
+        finally:
+            os.close(write_end)  # the reader reads to the end
+    lines = out[0].splitlines()
+    numbers = [int(x.split()[1]) for x in lines[:-1]]
+    assert numbers == list(range(len(numbers)))  # the first lines, whole and in order
+    assert lines[-1] == b"[w] after"
+    assert len(numbers) + sink.dropped == 2000
+    assert f"{sink.dropped} lines of output to out were dropped" in caplog.text
 
 
 def test_restart_delays_double_up_to_the_limit():
@@ -79,7 +143,7 @@ def child(script: str, policy: SupervisorConfig, failures: list[str], grace=5.0)
         grace=grace,
         port=0,
     )
-    return Child(spec, policy, failures.append)
+    return Child(spec, policy, failures.append, standard_output())
 
 
 async def test_a_crashing_child_is_restarted_until_the_limit(tmp_path):
