@@ -27,15 +27,25 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is lo
 
 
 class Resolver(trio.abc.HostnameResolver):
-    """``workers.test`` resolves to ``self.addresses``; every other name as usual."""
+    """``workers.test`` and ``other.test`` resolve as ``self.names`` says (a list of
+    addresses, IPv6 ones with a colon; "fail"; "hang"); every other name as usual."""
 
-    def __init__(self, addresses: list[str]):
-        self.addresses = addresses
+    def __init__(self, names: dict[str, list[str] | str]):
+        self.names = names
 
     async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):
-        if host in (b"workers.test", "workers.test"):
+        name = host.decode() if isinstance(host, bytes) else host
+        if name in self.names:
+            answer = self.names[name]
+            if answer == "fail":
+                raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            if answer == "hang":
+                await trio.sleep_forever()
             return [
-                (socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, int(port))) for a in self.addresses
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", (a, int(port), 0, 0))
+                if ":" in a
+                else (socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, int(port)))
+                for a in answer
             ]
         return await trio.to_thread.run_sync(
             socket.getaddrinfo, host, port, family, type, proto, flags
@@ -88,12 +98,12 @@ def test_workers_join_and_leave_with_dns(tmp_path, cache_dir):
 
 
 async def gateway_follows_dns(port: int) -> None:
-    resolver = Resolver(["127.0.0.1"])
+    resolver = Resolver({"workers.test": ["127.0.0.1"], "other.test": []})
     trio.socket.set_custom_hostname_resolver(resolver)
     config = load_gateway(
         None,
         {
-            "INFERENCE_GATEWAY_ENDPOINTS_DNS": f"workers.test:{port}",
+            "INFERENCE_GATEWAY_ENDPOINTS_DNS": f"workers.test:{port},other.test:{port}",
             "INFERENCE_GATEWAY_LISTEN_GRPC": "127.0.0.1:0",
             "INFERENCE_GATEWAY_LISTEN_METRICS": "none",
             "INFERENCE_GATEWAY_DISCOVERY_INTERVAL_SECONDS": "0.1",
@@ -114,7 +124,21 @@ async def gateway_follows_dns(port: int) -> None:
         gateway_port = await nursery.start(gateway.run)
         async with open_channel("127.0.0.1", gateway_port) as channel:
             await wait_for({one}, {one})
-            resolver.addresses = ["127.0.0.1", "127.0.0.2"]
+            resolver.names["other.test"] = ["127.0.0.2"]
+            await wait_for({one, two}, {one, two})
+            # A name that fails keeps its own workers, not the other name's.
+            resolver.names.update({"workers.test": "fail", "other.test": []})
+            await wait_for({one}, {one})
+            # A name that does not answer holds no round up; a dual-stack name is taken
+            # in one family (each pod has an address in each).
+            resolver.names.update({"workers.test": "hang", "other.test": ["127.0.0.2", "::1"]})
+            await wait_for({one, two}, {one, two})
+            rounds = gateway.discovery.rounds
+            await wait_for({one, two}, {one, two})
+            with trio.fail_after(30):
+                while gateway.discovery.rounds < rounds + 3:
+                    await trio.sleep(0.05)
+            resolver.names.update({"workers.test": ["127.0.0.1", "127.0.0.2"], "other.test": []})
             await wait_for({one, two}, {one, two})
             for _ in range(4):
                 result = await infer(channel)
@@ -122,8 +146,11 @@ async def gateway_follows_dns(port: int) -> None:
             routed = gateway.forwarder.counters.routed
             assert routed.get((one, "OK")) and routed.get((two, "OK"))
 
-            resolver.addresses = ["127.0.0.2"]
+            resolver.names["workers.test"] = ["127.0.0.2"]
             await wait_for({two}, {two})
+            # What was kept of the worker that left is dropped (its metric series too).
+            assert not [key for key in routed if key[0] == one]
+            assert gateway.scheduler.ledger.routed("lin", one) == 0
             assert gateway.fleet.routes["lin"] == (two,)
             result = await infer(channel)
             response = pb.ModelInferResponse.FromString(result.response)

@@ -30,6 +30,7 @@ __all__ = [
     "GatewayConfig",
     "ModelPlacementConfig",
     "SchedulingConfig",
+    "gateway_config_dict",
     "gateway_json_schema",
     "load_gateway",
     "split_address",
@@ -356,6 +357,15 @@ def _absolute_files(config: GatewayConfig, base: Path) -> GatewayConfig:
     return msgspec.structs.replace(
         config, grpc=fix(config.grpc), worker_client=fix(config.worker_client)
     )
+
+
+def gateway_config_dict(config: GatewayConfig) -> dict[str, Any]:
+    """``config`` as plain JSON data, for the startup log: the values of
+    ``worker_client.headers`` (a restricted protocol's key) are shown as ``"***"``."""
+    data = msgspec.json.decode(msgspec.json.encode(config))
+    headers = data["worker_client"]["headers"]
+    data["worker_client"]["headers"] = dict.fromkeys(headers, "***")
+    return data
 
 
 def gateway_json_schema() -> dict[str, Any]:

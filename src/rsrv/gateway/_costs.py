@@ -47,11 +47,17 @@ def ewma(old: float | None, sample: float, dt: float, halflife: float) -> float:
     return old + alpha * (sample - old)
 
 
+#: The most items one request is charged: a shape no worker accepts (say 2**62 rows)
+#: must not swamp the in-flight loads, which are floats.
+MAX_UNITS = 1 << 31
+
+
 def batch_units(shape: Sequence[int] | None, axis: int) -> int:
-    """A request's items: its extent along ``axis`` of ``shape``; 1 when unknown or < 1."""
+    """A request's items: its extent along ``axis`` of ``shape``; 1 when unknown or < 1,
+    at most MAX_UNITS."""
     if shape is None or not (0 <= axis < len(shape)):
         return 1
-    return max(1, int(shape[axis]))
+    return min(max(1, int(shape[axis])), MAX_UNITS)
 
 
 @dataclass(frozen=True)

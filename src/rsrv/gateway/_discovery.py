@@ -11,8 +11,9 @@ serves, the sub-models a meta calls too (RepositoryIndex leaves them out), and t
 worker process's ``instance``, which tells a restart; a worker without the control
 service (UNIMPLEMENTED) is routed by its index alone. A worker that does not answer gets
 no traffic from that round on, and gets it back at the first round it answers. A
-request for a model no worker is known to serve triggers one refresh (single-flight, at
-most one per ``refresh_min_seconds``) before it is refused.
+request for a model no worker is known to serve wakes the discovery task for a round now
+(at most one per ``refresh_min_seconds``) and waits for it before it is refused; its
+deadline cuts short its wait, never the round.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class Discovery:
         self.before_round = before_round
         self.rounds = 0
         self._failing: set[tuple[str, str]] = set()  # (worker, path) whose failure was logged
-        self._round_done = trio.Event()
+        self._started = 0  # rounds begun (``rounds``: completed)
+        self._round_done = trio.Event()  # set as each round completes
         self._wake = trio.Event()
-        self._running: trio.Event | None = None
         self._last_refresh = -float("inf")
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -89,31 +90,33 @@ class Discovery:
             self._wake.set()
 
     async def round(self) -> None:
-        if self._running is not None:  # single flight: wait for the round under way
-            await self._running.wait()
-            return
-        self._running = trio.Event()
-        try:
-            if self.before_round is not None:
-                await self.before_round()  # membership first (DNS)
-            async with trio.open_nursery() as nursery:
-                for worker in self.fleet.workers:
-                    nursery.start_soon(self._probe, worker)
-            self.fleet.rebuild_routes()
-            self.rounds += 1
-            self.on_round()
-        finally:
-            self._running.set()
-            self._running = None
+        """One round, in the caller's task (:meth:`run`'s; tests)."""
+        self._started += 1
+        if self.before_round is not None:
+            await self.before_round()  # membership first (DNS)
+        async with trio.open_nursery() as nursery:
+            for worker in self.fleet.workers:
+                nursery.start_soon(self._probe, worker)
+        self.fleet.rebuild_routes()
+        self.rounds += 1
+        self.on_round()
+        self._round_done.set()
+        self._round_done = trio.Event()
 
     async def refresh(self) -> None:
-        """A round now, unless one ran within ``refresh_min_seconds`` (an unknown model
-        must not turn every request into a probe of the whole fleet)."""
+        """Wake the discovery task for a round now and wait until a round begun after
+        this call has completed; unless one was asked for within
+        ``refresh_min_seconds`` (an unknown model must not turn every request into a
+        probe of the whole fleet). The round runs in the discovery task: cancelling
+        the caller (its deadline, a reset) cancels only the wait."""
         now = trio.current_time()
         if now - self._last_refresh < self.settings.refresh_min_seconds:
             return
         self._last_refresh = now
-        await self.round()
+        target = self._started + 1
+        self._wake.set()
+        while self.rounds < target:
+            await self._round_done.wait()
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS): drop what is kept of it."""
@@ -121,16 +124,19 @@ class Discovery:
 
     async def _call(self, worker: WorkerLink, path: str) -> tuple[StatusCode, bytes | None]:
         """The call's status, and its response when it succeeded. A failure is logged,
-        unless the worker is going away (UNAVAILABLE) or has no control service: as a
-        warning the first time, then at debug level until that call succeeds again (a
-        failure that repeats every round is reported once)."""
+        unless the worker is going away (UNAVAILABLE from a worker that has answered
+        before) or has no control service: as a warning the first time, then at debug
+        level until that call succeeds again (a failure that repeats every round is
+        reported once)."""
         timeout = self.settings.probe_timeout_seconds
         result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
         key = (worker.name, path)
         if result.status == StatusCode.OK and result.response is not None:
             self._failing.discard(key)
             return result.status, result.response
-        quiet = result.status == StatusCode.UNAVAILABLE or (
+        # A worker that answered before and is now unreachable is going away (the
+        # "not ready" warning says so); one that never answered is warned about.
+        quiet = (result.status == StatusCode.UNAVAILABLE and worker.ever_answered) or (
             result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
         )
         if not quiet:

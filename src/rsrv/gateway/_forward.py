@@ -79,6 +79,12 @@ class ForwardCounters:
         key = (worker, status.name)
         table[key] = table.get(key, 0) + 1
 
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` left the fleet (DNS): its series leave /metrics."""
+        for table in (self.routed, self.failovers):
+            for key in [k for k in table if k[0] == worker]:
+                del table[key]
+
 
 class Forwarder:
     """Sends calls to workers for the gateway's services."""

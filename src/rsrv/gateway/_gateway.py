@@ -92,6 +92,7 @@ class Gateway:
         self.port: int | None = None
         self.server: GrpcServer | None = None
         self._nursery: trio.Nursery | None = None
+        self._resolved: dict[str, dict[str, tuple[str, int]]] = {}  # by endpoints_dns entry
 
     @property
     def ready(self) -> bool:
@@ -186,33 +187,48 @@ class Gateway:
 
     async def _resolve_dns(self) -> None:
         """Bring the fleet in line with what ``endpoints_dns`` resolves to now: new
-        addresses join (probed before they get traffic), vanished ones leave."""
+        addresses join (probed before they get traffic), vanished ones leave. A name
+        that fails to resolve, or takes longer than a probe, keeps the workers it last
+        resolved to. A name with both IPv4 and IPv6 addresses (a dual-stack Service
+        lists each pod once per family) is taken in the family of its first address."""
         if not self.config.endpoints_dns:
             return
         found: dict[str, tuple[str, int]] = {}
         for entry in self.config.endpoints_dns:
             host, port = split_address(entry)
-            try:
-                infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
-            except OSError as e:
-                log.warning("cannot resolve %s: %s (keeping its workers)", entry, e)
-                found.update({w.name: (w.host, w.port) for w in self.fleet.workers if w.from_dns})
+            infos = None
+            limit = self.config.discovery.probe_timeout_seconds
+            with trio.move_on_after(limit) as timer:
+                try:
+                    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+                except OSError as e:
+                    log.warning("cannot resolve %s: %s (keeping its workers)", entry, e)
+            if timer.cancelled_caught:
+                log.warning("resolving %s took over %g s (keeping its workers)", entry, limit)
+            if infos is None:
+                found.update(self._resolved.get(entry, {}))
                 continue
-            for info in infos:
-                address = info[4][0]
-                name = join_address(address, port)
-                found[name] = (address, port)
+            resolved = self._resolved[entry] = {}
+            for family, _, _, _, sockaddr in infos:
+                if family == infos[0][0]:
+                    resolved[join_address(sockaddr[0], port)] = (sockaddr[0], port)
+            found.update(resolved)
         current = {w.name for w in self.fleet.workers if w.from_dns}
         for name in sorted(current - found.keys()):
             log.info("worker %s left (no longer in DNS)", name)
             self.fleet.remove(name).leaving.set()
-            for part in (self.discovery, self.scheduler, self.services.catchup):
+            for part in (
+                self.discovery,
+                self.scheduler,
+                self.services.catchup,
+                self.forwarder.counters,
+            ):
                 part.forget_worker(name)
         for name in sorted(found.keys() - current):
             host, port = found[name]
             worker = WorkerLink(name, name, host, port, None, is_local_host(host), from_dns=True)
-            self.fleet.add(worker)
             await self._channels.start(self._hold_channel, worker)
+            self.fleet.add(worker)  # with its channel: a probe may call it from now on
             log.info("worker %s joined (from DNS)", name)
         self.admission.limit = self.config.grpc.max_concurrent_requests_per_worker * max(
             1, len(self.fleet.workers)

@@ -6,12 +6,11 @@ gateway file or its environment overrides are invalid.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
-import msgspec
-
-from rsrv.config import ConfigError, load_gateway
+from rsrv.config import ConfigError, gateway_config_dict, load_gateway
 from rsrv.gateway._gateway import Gateway
 from rsrv.lifeline import ChildStatus, serve_process, supervised
 from rsrv.logsetup import configure_logging
@@ -29,7 +28,7 @@ def gateway_main(gateway_file: str | None) -> int:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
     configure_logging("gateway", config.logging.level, config.logging.format, tag=not supervised())
-    log.info("effective configuration: %s", msgspec.json.encode(config).decode())
+    log.info("effective configuration: %s", json.dumps(gateway_config_dict(config)))
     gateway = Gateway(config)
     return serve_process(
         "gateway", gateway, lambda: ChildStatus(ready=gateway.ready, port=gateway.port)

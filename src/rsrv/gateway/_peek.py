@@ -17,40 +17,60 @@ class WireError(ValueError):
     """The bytes are not a well-formed protobuf message."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+_U64 = (1 << 64) - 1
+
+
+def _varint(data: bytes, pos: int, end: int | None = None) -> tuple[int, int]:
+    """The varint at ``pos`` (cut to 64 bits, as protobuf does) and the position after
+    it; it must end before ``end`` (default: the end of ``data``)."""
+    end = len(data) if end is None else end
     result = shift = 0
     while True:
-        if pos >= len(data) or shift > 63:
+        if pos >= end or shift > 63:
             raise WireError("truncated varint")
         byte = data[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return result, pos
+            return result & _U64, pos
         shift += 7
 
 
+def _value(data: bytes, pos: int, end: int, tag: int, depth: int = 0) -> tuple[object, int]:
+    """The value of the field whose ``tag`` ends at ``pos``, and the position after it:
+    an int (varint), (start, end) into ``data`` (length-delimited), or None (fixed
+    width, or a group: deprecated, but a valid unknown field, skipped)."""
+    wire = tag & 7
+    if wire == 0:
+        return _varint(data, pos, end)
+    if wire == 2:
+        length, pos = _varint(data, pos, end)
+        return (pos, pos + length), pos + length
+    if wire == 1:
+        return None, pos + 8
+    if wire == 5:
+        return None, pos + 4
+    if wire == 3 and depth < 100:  # (protobuf's own nesting limit)
+        while pos < end:
+            inner, pos = _varint(data, pos, end)
+            if inner & 7 == 4:
+                if inner >> 3 != tag >> 3:
+                    raise WireError("a group ends with another group's tag")
+                return None, pos
+            _, pos = _value(data, pos, end, inner, depth + 1)
+        raise WireError("a group without its end")
+    raise WireError(f"unexpected wire type {wire}")
+
+
 def _fields(data: bytes, start: int = 0, end: int | None = None):
-    """(field number, wire type, value) of each field; a length-delimited value is
-    (start, end) into ``data``, not a copy."""
+    """(field number, wire type, value) of each field (see :func:`_value`)."""
     pos, end = start, len(data) if end is None else end
     while pos < end:
-        tag, pos = _varint(data, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, pos = _varint(data, pos)
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            value, pos = (pos, pos + length), pos + length
-        elif wire == 1:
-            value, pos = None, pos + 8
-        elif wire == 5:
-            value, pos = None, pos + 4
-        else:
-            raise WireError(f"unsupported wire type {wire}")
+        tag, pos = _varint(data, pos, end)
+        value, pos = _value(data, pos, end, tag)
         if pos > end:
             raise WireError("truncated field")
-        yield number, wire, value
+        yield tag >> 3, tag & 7, value
 
 
 def _text(data: bytes, span: tuple[int, int]) -> str:
@@ -80,7 +100,7 @@ class InferHead:
                 elif number == 3 and wire == 2:  # packed int64
                     pos, stop = value
                     while pos < stop:
-                        dim, pos = _varint(self._body, pos)
+                        dim, pos = _varint(self._body, pos, stop)
                         shape.append(dim - (1 << 64) if dim >= 1 << 63 else dim)
                 elif number == 3 and wire == 0:  # unpacked
                     shape.append(value - (1 << 64) if value >= 1 << 63 else value)

@@ -184,6 +184,12 @@ class InflightLedger:
         self._routed.pop(model, None)
         self._items.pop(model, None)
 
+    def forget_worker(self, worker: str) -> None:
+        """Drop ``worker``'s routed counts (it left the fleet); what is in flight on it
+        is released as usual."""
+        for counts in self._routed.values():
+            counts.pop(worker, None)
+
 
 def work_charge(basis: WorkBasis, meta: RoutingMeta, model: str, units: int) -> float:
     """One request's charge for least_outstanding: requests 1, items ``units``, compute

@@ -253,6 +253,7 @@ class Scheduling:
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS): drop what is kept of it."""
         self.tracker.forget_worker(worker)
+        self.ledger.forget_worker(worker)
         self._disciplines.pop(worker, None)
 
     def request_repack(self) -> int:

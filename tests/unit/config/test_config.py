@@ -16,6 +16,8 @@ from rsrv.config import (
     NodeConfig,
     WorkerConfig,
     effective_config_dict,
+    gateway_config_dict,
+    load_gateway,
     load_node,
     load_worker,
     node_json_schema,
@@ -540,6 +542,22 @@ def test_effective_config_dict_round_trips(tmp_path):
     assert data["endpoints"]["port"] == 8101
     assert data["overrides"] == ["INFERENCE_SERVER_LOGGING_FORMAT=json"]
     assert msgspec.convert(data, WorkerConfig) == worker
+
+
+def test_the_gateway_logs_its_configuration_without_the_workers_key(tmp_path):
+    path = write(
+        tmp_path,
+        "gateway.toml",
+        """
+        endpoints = ["127.0.0.1:8101"]
+        [worker_client.headers]
+        rsrv-control-key = "s3cret"
+        """,
+    )
+    data = gateway_config_dict(load_gateway(path, env={}))
+    assert data["worker_client"]["headers"] == {"rsrv-control-key": "***"}
+    assert data["endpoints"] == ["127.0.0.1:8101"]
+    assert "s3cret" not in str(data)
 
 
 def test_configs_are_immutable(tmp_path):

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from rsrv.gateway._costs import (
+    MAX_UNITS,
     CostTracker,
     ModelCounters,
     ModelMeta,
@@ -219,6 +220,9 @@ def test_units_read_the_wire_shape_at_the_row_major_axis():
     assert ModelMeta("u").units(lambda name: calls.append(name)) == 1
     assert calls == []  # nothing read without a batch input
     assert batch_units(None, 0) == 1 and batch_units([5], -1) == 1 and batch_units([5], 0) == 5
+    # A shape no worker accepts is charged no more than MAX_UNITS: the loads, floats,
+    # keep counting the other requests exactly.
+    assert batch_units([2**62, 4], 0) == MAX_UNITS
 
 
 def test_reports_convert_from_the_control_messages():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.config import GatewayConfig
@@ -142,3 +143,56 @@ async def test_a_restart_whose_first_control_call_fails_is_seen_at_the_next_answ
     channel.answers[CONTROL_STATUS] = worker_answers(["lin"], instance="second")[CONTROL_STATUS]
     await discovery.round()
     assert worker.restarted and worker.instance == "second"
+
+
+class HangingChannel:
+    """A wedged worker: every call runs to its timeout."""
+
+    opened = 1
+
+    async def unary(self, path, body, *, metadata=(), timeout=None):
+        await trio.sleep(timeout)
+        return UnaryResult(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+
+
+async def test_requests_cut_short_while_refreshing_leave_discovery_running(autojump_clock):
+    """Requests for a model with no route wake a round and wait for it; their deadlines
+    (shorter than a round, which waits for a wedged worker's probes) cancel only their
+    wait, never the round: the routes keep being rebuilt."""
+    channel = ScriptedChannel(worker_answers(["m"]))
+    channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=False)
+    channel.answers[REPOSITORY_INDEX] = pb.RepositoryIndexResponse()
+    wedged = WorkerLink("wedged", "127.0.0.2:1", "127.0.0.2", 1, HangingChannel(), True)
+    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, channel, True)
+    fleet = Fleet([wedged, worker])
+    discovery = Discovery(fleet, GatewayConfig(endpoints=["127.0.0.2:1", "127.0.0.1:1"]))
+    assert discovery.settings.probe_timeout_seconds > 0.9
+    async with trio.open_nursery() as nursery:
+        await nursery.start(discovery.run)
+
+        async def requests():
+            while True:
+                with trio.move_on_after(0.9):
+                    await discovery.refresh()
+                await trio.sleep(0.3)
+
+        nursery.start_soon(requests)
+        await trio.sleep(5)
+        channel.answers.update(worker_answers(["m"]))  # its model is loaded
+        rounds = discovery.rounds
+        await trio.sleep(30)
+        assert discovery.rounds > rounds + 5
+        assert fleet.routes == {"m": ("w0",)}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_worker_that_never_answered_is_reported_once(caplog):
+    """A mistyped endpoint (connection refused from the start) is warned about once;
+    a worker that answered before and goes away is reported as not ready instead."""
+    channel = ScriptedChannel(worker_answers(["m"]))
+    channel.answers[SERVER_READY] = StatusCode.UNAVAILABLE
+    _, _, discovery = fleet_of(channel)
+    with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+        for _ in range(3):
+            await discovery.round()
+    assert caplog.text.count("UNAVAILABLE to ServerReady") == 1

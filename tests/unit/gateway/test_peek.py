@@ -52,6 +52,29 @@ def test_empty_and_malformed_bodies():
             peek_infer(broken)
 
 
+def test_what_protobuf_accepts_the_gateway_reads_alike():
+    # A group (deprecated, still a valid unknown field), nested, is skipped.
+    group = b"\x53" + b"\x08\x01" + b"\x63\x10\x02\x64" + b"\x54"  # 10 { 12 {} }
+    body = b"\x0a\x01a" + group + b"\x1a\x01r"
+    parsed = pb.ModelInferRequest.FromString(body)
+    head = peek_infer(body)
+    assert (head.model, head.id) == (parsed.model_name, parsed.id) == ("a", "r")
+    with pytest.raises(WireError):
+        peek_infer(b"\x0a\x01a\x53\x08\x01")  # a group without its end
+    # A varint of ten bytes is cut to 64 bits, as protobuf cuts it.
+    dims = b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x7f"
+    tensor = b"\x0a\x01x\x1a" + bytes([len(dims)]) + dims
+    body = b"\x2a" + bytes([len(tensor)]) + tensor
+    assert peek_infer(body).input_shape("x") == list(
+        pb.ModelInferRequest.FromString(body).inputs[0].shape
+    )
+    # A packed shape's last dim may not borrow bytes from the next field.
+    tensor = b"\x1a\x02\x04\x80" + b"\x0a\x01x"
+    body = b"\x2a" + bytes([len(tensor)]) + tensor
+    with pytest.raises(WireError):
+        peek_infer(body).input_shape("x")
+
+
 def test_name_and_version_of_model_requests():
     body = pb.ModelMetadataRequest(name="grader", version="3").SerializeToString()
     assert peek_name(body) == ("grader", "3")
