@@ -34,6 +34,7 @@ from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.gateway._catchup import CatchUp
 from rsrv.gateway._fleet import CallResult, Fleet
 from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed, first_failure, merge_each
+from rsrv.gateway._merge import merge_control_status, merge_index, sum_statistics
 from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
 from rsrv.protocol import Admission, grpc_status
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -244,30 +245,8 @@ class GatewayServices:
         answers = merge_each(results, pb.RepositoryIndexResponse.FromString)
         if not answers and (failure := first_failure(results)) is not None:
             raise failure
-        where: dict[tuple[str, str], list[tuple[str, pb.RepositoryIndexResponse.ModelIndex]]] = {}
         names = sorted(n for n, r in results.items() if r.status == StatusCode.OK)
-        for worker, answer in zip(names, answers, strict=True):
-            for row in answer.models:
-                where.setdefault((row.name, row.version), []).append((worker, row))
-        versioned = {name for name, version in where if version}
-        for name, version in [k for k in where if not k[1] and k[0] in versioned]:
-            # a worker without any version of a model some worker has versions of: its
-            # row's reason joins those rows (one model, not an extra UNAVAILABLE one)
-            for key in [k for k in where if k[0] == name and k[1]]:
-                where[key] += where[(name, version)]
-            del where[(name, version)]
-        merged = pb.RepositoryIndexResponse()
-        for (name, version), rows in sorted(where.items()):
-            rows.sort(key=lambda pair: pair[0])
-            ready = [w for w, row in rows if row.state == "READY"]
-            others = [f"{w}: {row.reason or row.state}" for w, row in rows if w not in ready]
-            if ready:
-                state, reason = "READY", "; ".join(["ready on " + ", ".join(ready), *others])
-            else:  # LOADING somewhere says more than UNAVAILABLE elsewhere
-                loading = any(row.state == "LOADING" for _, row in rows)
-                state, reason = "LOADING" if loading else rows[0][1].state, "; ".join(others)
-            merged.models.add(name=name, version=version, state=state, reason=reason)
-        return merged.SerializeToString()
+        return merge_index(zip(names, answers, strict=True)).SerializeToString()
 
     async def model_statistics(self, body: bytes, call: ServerCall) -> bytes:
         try:
@@ -292,16 +271,7 @@ class GatewayServices:
             raise Relayed(failed[name].status, f"worker {name}: {failed[name].message}")
         if not answers:
             raise first_failure(results) or NotFound("no worker has statistics")
-        merged: dict[tuple[str, str], pb.ModelStatistics] = {}
-        for answer in answers:
-            for stats in answer.model_stats:
-                key = (stats.name, stats.version)
-                if key in merged:
-                    _add(merged[key], stats)
-                else:
-                    merged[key] = stats
-        response = pb.ModelStatisticsResponse(model_stats=[merged[k] for k in sorted(merged)])
-        return response.SerializeToString()
+        return sum_statistics(answers).SerializeToString()
 
     # -- shared memory -------------------------------------------------------------------------
 
@@ -387,22 +357,7 @@ class GatewayServices:
         answers = merge_each(results, control_pb.ModelControlStatusResponse.FromString)
         if not answers:
             raise first_failure(results) or NotFound("no worker answered")
-        merged = control_pb.ModelControlStatusResponse(
-            discipline=answers[0].discipline, control_mode=answers[0].control_mode
-        )
-        models: dict[str, control_pb.ModelStatus] = {}
-        for answer in answers:
-            merged.weight_cache_budget_bytes += answer.weight_cache_budget_bytes
-            merged.weight_cache_resident_bytes += answer.weight_cache_resident_bytes
-            merged.weight_cache_loads += answer.weight_cache_loads
-            merged.weight_cache_evictions += answer.weight_cache_evictions
-            for model in answer.models:
-                if model.name in models:
-                    _add(models[model.name], model)
-                else:
-                    models[model.name] = model
-        merged.models.extend(models[name] for name in sorted(models))
-        return merged.SerializeToString()
+        return merge_control_status(answers).SerializeToString()
 
     async def model_holders(self, body: bytes, call: ServerCall) -> bytes:
         try:
@@ -450,51 +405,3 @@ def _first_answer(results: Mapping[str, CallResult]) -> bytes:
 
 def _any_ok(results: Mapping[str, CallResult]) -> bool:
     return any(r.status == StatusCode.OK for r in results.values())
-
-
-#: Fields that are not counters: kept from the first message, or the latest time.
-# Identity fields: the first worker's value stands (a number here is a label, a size or an
-# enum, not a counter).
-_KEEP = frozenset(
-    {
-        "name",
-        "version",
-        "kind",
-        "state",
-        "batch_input_name",
-        "batch_axis",
-        "batch_size",
-        "weight",
-        "weight_bytes",
-        "residency",
-    }
-)
-_LATEST = frozenset({"last_inference"})
-_LARGEST = frozenset({"max_batch_size"})
-
-
-def _add(into: Message, other: Message) -> None:
-    """Add ``other``'s counters into ``into``: numbers summed (times since the epoch
-    take the latest), sub-messages recursively, repeated batch statistics matched by
-    batch size."""
-    for fd, value in other.ListFields():
-        name = fd.name
-        if name in _KEEP or fd.type == fd.TYPE_STRING:
-            continue
-        if fd.label == fd.LABEL_REPEATED:
-            if name == "batch_stats":
-                sizes = {b.batch_size: b for b in getattr(into, name)}
-                for item in value:
-                    if item.batch_size in sizes:
-                        _add(sizes[item.batch_size], item)
-                    else:
-                        getattr(into, name).add().CopyFrom(item)
-            continue  # memory usage, response maps: per worker, not additive
-        if fd.type == fd.TYPE_MESSAGE:
-            _add(getattr(into, name), value)
-        elif fd.type == fd.TYPE_BOOL:
-            setattr(into, name, getattr(into, name) or value)
-        elif name in _LATEST or name in _LARGEST:
-            setattr(into, name, max(getattr(into, name), value))
-        else:
-            setattr(into, name, getattr(into, name) + value)
