@@ -149,6 +149,7 @@ class ServerCall:
                     "(endpoints.receive_timeout_seconds)",
                 )
         message = self._inbox.popleft()
+        self._reader.consumed(message)
         self._received = True
         if self._deferred and len(self._inbox) < INBOX_LIMIT:
             self.conn.acknowledge(self, self._deferred)

@@ -73,7 +73,7 @@ def _parse_headers(headers: list[tuple[bytes, bytes]]) -> tuple:
         if name == b":status":
             http = value
         elif name == b"grpc-status":
-            grpc = int(value) if value.isdigit() else -1
+            grpc = int(value) if value.isdigit() and len(value) <= 3 else -1
         elif name == b"grpc-message":
             message = urllib.parse.unquote(value.decode("latin-1"))
         elif name == b"grpc-encoding":
@@ -140,13 +140,13 @@ class ClientConnection(Http2Endpoint):
             self._on_change(self)
             self.ready.set()
             self.finished.set()
-            await trio.aclose_forcefully(self.stream)
+            await self._close_socket()
 
     def close(self) -> None:
         """Stop opening streams and end the connection once its streams have ended
         (GOAWAY to the server then)."""
         self.draining = True
-        if not self.streams:
+        if not self.streams and not self.closed:
             self._send_goaway(F.NO_ERROR)
             self._read_scope.cancel()
 

@@ -257,6 +257,7 @@ class ClientStream:
                 return None
             await self._wait()
         message = self._inbox.popleft()
+        self._reader.consumed(message)
         if self._deferred and len(self._inbox) < INBOX_LIMIT:
             self.conn.acknowledge(self, self._deferred)
             self._deferred = 0
@@ -270,6 +271,8 @@ class ClientStream:
     def take_messages(self) -> list[bytes]:
         messages = list(self._inbox)
         self._inbox.clear()
+        for message in messages:
+            self._reader.consumed(message)
         return messages
 
     def cancel(self, code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:

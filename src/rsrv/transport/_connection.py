@@ -122,7 +122,7 @@ class ServerConnection(Http2Endpoint):
         finally:
             for call in list(self.streams.values()):
                 call.release()
-            await trio.aclose_forcefully(self.stream)
+            await self._close_socket()
 
     def goaway(self) -> None:
         """Close the connection cleanly (server shutdown): GOAWAY, flushed, then close.

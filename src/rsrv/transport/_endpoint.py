@@ -30,6 +30,7 @@ CONNECTION_WINDOW = 2**30  # what the connection-level receive window is raised 
 MAX_FRAME = 2**24 - 1  # the largest frame we accept
 MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
 MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
+MAX_CONTINUATIONS = 64  # CONTINUATION frames in one header block (empty ones cost too)
 RECEIVE_SIZE = 256 * 1024
 
 
@@ -55,12 +56,14 @@ class Http2Endpoint:
         self._frames = F.FrameReader(MAX_FRAME)
         self._settled = False  # the peer's first SETTINGS arrived
         self._continuing: tuple[int, int, list[bytes]] | None = None  # HEADERS cont'd
+        self._continued_bytes = 0  # of the block being continued
         self._last_stream = 0  # highest stream id opened (by the client)
         self._out: list[bytes] = []  # frames queued, not yet written
         self._writable = trio.lowlevel.ParkingLot()
         # plain TCP: flush() writes straight to the socket (see there)
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self._sending = False  # the writer task is in send_all
+        self._shut = False  # the socket is (being) closed: nothing more is written
         self._pending: memoryview | None = None  # bytes flush() could not write
         self._closing = False
         self._writer_done = trio.Event()
@@ -203,6 +206,7 @@ class Http2Endpoint:
             block = block[5:]
         if not flags & F.END_HEADERS:
             self._continuing = (sid, flags, [block])
+            self._continued_bytes = len(block)
             return
         self._headers_complete(sid, flags, block)
 
@@ -211,7 +215,8 @@ class Http2Endpoint:
             raise F.ConnectionError_(F.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
         _, first_flags, pieces = self._continuing
         pieces.append(payload)
-        if sum(len(p) for p in pieces) > MAX_HEADER_BLOCK:
+        self._continued_bytes += len(payload)
+        if self._continued_bytes > MAX_HEADER_BLOCK or len(pieces) > MAX_CONTINUATIONS:
             raise F.ConnectionError_(F.ENHANCE_YOUR_CALM, "header block too large")
         if flags & F.END_HEADERS:
             self._continuing = None
@@ -334,6 +339,13 @@ class Http2Endpoint:
                 stream.recv_window += stream.recv_unacked
                 stream.recv_unacked = 0
 
+    async def _close_socket(self) -> None:
+        """Close the socket, for good: frames queued from now on are dropped."""
+        self._shut = True
+        self._fd = None
+        self._out.clear()
+        await trio.aclose_forcefully(self.stream)
+
     def wake_writer(self) -> None:
         self._writable.unpark_all()
 
@@ -346,6 +358,9 @@ class Http2Endpoint:
         which alone waits for the socket. Never blocks and never raises.
         """
         if not self._out:
+            return
+        if self._shut:
+            self._out.clear()  # the socket is closed: its descriptor may be another's now
             return
         if self._fd is None or self._sending or self._pending:
             self.wake_writer()

@@ -41,7 +41,8 @@ def frame(payload: bytes) -> bytes:
 class InflateBudget:
     """Decompressed bytes that the messages of one connection may hold at once.
 
-    Charged when a compressed message is inflated, released when its call ends.
+    Charged when a compressed message is inflated, given back when the message is
+    consumed (:meth:`MessageReader.consumed`) or its call ends.
     """
 
     __slots__ = ("limit", "used")
@@ -56,8 +57,10 @@ class MessageReader:
 
     ``feed`` returns the messages (``bytes``, or :class:`MessageError` for one that
     cannot be delivered) completed by a payload. ``partial`` is True while a message
-    has started arriving and is not complete. ``release`` returns this stream's share
-    of the connection's inflate budget (call it when the call ends).
+    has started arriving and is not complete. Each message taken from the stream's
+    inbox is passed to ``consumed``, which gives back what it charged to the
+    connection's inflate budget; ``release`` gives back the rest (call it when the
+    call ends).
     """
 
     __slots__ = (
@@ -69,6 +72,7 @@ class MessageReader:
         "_limit",
         "_budget",
         "_setting",
+        "_charged",
         "inflated",
     )
 
@@ -87,7 +91,10 @@ class MessageReader:
         self._limit = limit
         self._budget = budget
         self._setting = setting  # what sets ``limit``, named when a message exceeds it
-        self.inflated = 0  # bytes charged to the budget by this stream
+        self.inflated = 0  # bytes charged to the budget by this stream, not given back
+        # id -> size of each inflated message not consumed yet (alive in the inbox, so
+        # no other object has its id meanwhile)
+        self._charged: dict[int, int] = {}
 
     @property
     def partial(self) -> bool:
@@ -167,13 +174,29 @@ class MessageReader:
                     f"exceed {budget.limit} bytes; send fewer compressed messages at once",
                 )
             return _too_large(f"more than {self._limit} (decompressed)", self._limit, self._setting)
+        if not inflater.eof or inflater.unused_data:
+            return MessageError(
+                StatusCode.INTERNAL,
+                f"cannot decompress the {encoding} message: it is cut short or has bytes "
+                "after its end",
+            )
         budget.used += len(out)
         self.inflated += len(out)
+        self._charged[id(out)] = len(out)
         return out
+
+    def consumed(self, message: bytes | MessageError) -> None:
+        """``message``, taken from the inbox, is the handler's now: what it charged to
+        the inflate budget is given back."""
+        if self._charged:
+            size = self._charged.pop(id(message), 0)
+            self._budget.used -= size
+            self.inflated -= size
 
     def release(self) -> None:
         self._budget.used -= self.inflated
         self.inflated = 0
+        self._charged.clear()
         self._buf = bytearray()
 
 

@@ -6,6 +6,7 @@ responses, HTTP errors)."""
 from __future__ import annotations
 
 import gzip
+import os
 import socket
 import ssl
 import struct
@@ -38,7 +39,7 @@ from rsrv.transport import (
     server_tls_context,
 )
 from rsrv.transport import _frames as F
-from rsrv.transport._client import ClientConnection
+from rsrv.transport._client import ClientConnection, _parse_headers
 
 MIB = 1 << 20
 
@@ -393,3 +394,32 @@ async def test_trailers_only_http_errors_and_missing_trailers():
     assert b.status is StatusCode.UNAVAILABLE and "HTTP 503" in b.message
     assert c.status is StatusCode.INTERNAL and "without trailers" in c.message
     assert frames == []  # nothing to reset: every stream ended on the server's side
+
+
+async def test_nothing_is_written_to_a_connection_once_its_socket_is_closed(monkeypatch):
+    """A server that closes the connection before its settings (over its connection
+    limit): the channel gives up on it without writing a GOAWAY to the closed socket's
+    descriptor, which by then may be another file's."""
+    written_to_closed: list[int] = []
+    write = os.write
+
+    def checked_write(fd, data):
+        try:
+            os.fstat(fd)
+        except OSError:
+            written_to_closed.append(fd)
+        return write(fd, data)
+
+    monkeypatch.setattr("rsrv.transport._endpoint.os.write", checked_write)
+    async with (
+        echo_server(limits=TransportLimits(max_connections=0)) as echo,
+        open_channel("127.0.0.1", echo.port, limits=ClientLimits(max_connections=1)) as channel,
+    ):
+        result = await channel.unary(UNARY, b"x")
+    assert result.status == StatusCode.UNAVAILABLE and not result.reached_server
+    assert written_to_closed == []
+
+
+def test_a_grpc_status_of_endless_digits_is_unknown_not_a_crash():
+    _, status, *_ = _parse_headers([(b":status", b"200"), (b"grpc-status", b"9" * 5000)])
+    assert status == -1

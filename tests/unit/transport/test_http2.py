@@ -16,6 +16,7 @@ import pytest
 from rsrv.transport import TransportLimits
 from rsrv.transport import _frames as F
 from rsrv.transport._connection import ServerConnection
+from rsrv.transport._endpoint import MAX_CONTINUATIONS
 
 PATH = b"/inference.GRPCInferenceService/ModelInfer"
 
@@ -218,6 +219,16 @@ async def test_an_interrupted_header_block_is_an_error():
     client.start()
     client.send(client.headers(1, flags=0))
     assert protocol_error(client, F.frame(F.PING, 0, 0, bytes(8))) == F.PROTOCOL_ERROR
+
+
+async def test_a_header_block_of_endless_continuations_is_refused():
+    """Empty CONTINUATION frames add nothing to a block's size, but each costs the
+    reader: a block may have only so many."""
+    client = Client()
+    client.start()
+    client.send(client.headers(1, flags=0))
+    flood = F.frame(F.CONTINUATION, 0, 1) * MAX_CONTINUATIONS
+    assert protocol_error(client, flood) == F.ENHANCE_YOUR_CALM
 
 
 async def test_streams_beyond_the_limit_are_refused():

@@ -81,6 +81,32 @@ def test_inflate_budget_is_shared_by_a_connection_and_returned_when_calls_end():
     assert reader("gzip", budget=budget).feed(bomb) == [bytes(MIB)]
 
 
+def test_a_consumed_message_gives_its_budget_back():
+    """A long stream of compressed messages, each consumed before the next: the budget
+    counts what is held now, not what the stream ever inflated."""
+    budget = InflateBudget(MIB)
+    stream = reader("gzip", budget=budget)
+    for _ in range(8):  # 8 x 300 KiB through a 1 MiB budget
+        (message,) = stream.feed(compressed(bytes(300 * 1024)))
+        assert message == bytes(300 * 1024) and budget.used == 300 * 1024
+        stream.consumed(message)
+        assert budget.used == 0
+    stream.consumed(b"plain")  # an uncompressed message charged nothing
+    (held,) = stream.feed(compressed(bytes(1000)))
+    stream.release()  # unread when the call ends
+    assert budget.used == 0 and stream.inflated == 0
+    assert held
+
+
+def test_a_cut_short_or_overlong_compressed_message_is_an_error():
+    body = gzip.compress(b"hello" * 1000)
+    for broken in (body[: len(body) // 2], body + b"trailing"):
+        (error,) = reader("gzip").feed(struct.pack(">?I", True, len(broken)) + broken)
+        assert isinstance(error, MessageError)
+        assert error.status.status_code is StatusCode.INTERNAL
+        assert "cut short or has bytes after its end" in error.status.status_message
+
+
 def test_bomb_larger_than_the_message_limit():
     (error,) = reader("gzip", limit=MIB).feed(compressed(bytes(4 * MIB)))
     assert error.status.status_code is StatusCode.RESOURCE_EXHAUSTED
