@@ -181,7 +181,7 @@ class ServerConnection(Http2Endpoint):
         if sid <= self._last_stream:  # trailers (or a late block) of a known stream
             call = self.streams.get(sid)
             if call is None:
-                self._out.append(F.rst_stream(sid, F.STREAM_CLOSED))
+                self._answer(F.rst_stream(sid, F.STREAM_CLOSED))
                 return
             if not flags & F.END_STREAM:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "trailers without END_STREAM")
@@ -189,7 +189,7 @@ class ServerConnection(Http2Endpoint):
             return
         self._last_stream = sid
         if len(self.streams) >= self.max_streams:
-            self._out.append(F.rst_stream(sid, F.REFUSED_STREAM))
+            self._answer(F.rst_stream(sid, F.REFUSED_STREAM))
             return
         self._on_request(sid, flags, headers)
 
@@ -200,7 +200,7 @@ class ServerConnection(Http2Endpoint):
         for name, value in headers:
             if name[:1] == b":":
                 if regular or name not in _PSEUDO:
-                    self._out.append(F.rst_stream(sid, F.PROTOCOL_ERROR))
+                    self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
                     return
                 if name == b":path":
                     path = value
@@ -209,7 +209,7 @@ class ServerConnection(Http2Endpoint):
                 continue
             regular = True
             if name != name.lower() or name in _CONNECTION_SPECIFIC:
-                self._out.append(F.rst_stream(sid, F.PROTOCOL_ERROR))
+                self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
                 return
             if name == b"content-type":
                 content_type = value
@@ -252,7 +252,7 @@ class ServerConnection(Http2Endpoint):
         """A non-gRPC request: an HTTP status, and the stream is done."""
         self.write_headers(sid, F.header_block([(b":status", status)]), end_stream=True)
         if not ended:
-            self._out.append(F.rst_stream(sid, F.NO_ERROR))
+            self._answer(F.rst_stream(sid, F.NO_ERROR))
 
     def forget(self, call: ServerCall) -> None:
         if self.streams.get(call.id) is call:

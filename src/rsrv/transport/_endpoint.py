@@ -31,6 +31,10 @@ MAX_FRAME = 2**24 - 1  # the largest frame we accept
 MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
 MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
 MAX_CONTINUATIONS = 64  # CONTINUATION frames in one header block (empty ones cost too)
+#: Frames queued in answer to the peer's (PING and SETTINGS acknowledgements, resets of
+#: its streams) that may wait unsent at once: a peer that sends PINGs and reads nothing
+#: must not make the queue grow without bound.
+MAX_UNSENT_ANSWERS = 1000
 RECEIVE_SIZE = 256 * 1024
 
 
@@ -64,6 +68,7 @@ class Http2Endpoint:
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self._sending = False  # the writer task is in send_all
         self._shut = False  # the socket is (being) closed: nothing more is written
+        self._unsent_answers = 0  # frames _answer queued since the queue was last empty
         self._pending: memoryview | None = None  # bytes flush() could not write
         self._closing = False
         self._writer_done = trio.Event()
@@ -162,7 +167,7 @@ class Http2Endpoint:
                 if sid != 0 or len(payload) != 8:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "malformed PING")
                 if not flags & F.ACK:
-                    self._out.append(F.frame(F.PING, F.ACK, 0, payload))
+                    self._answer(F.frame(F.PING, F.ACK, 0, payload))
             elif kind == F.PRIORITY:
                 if sid == 0:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "PRIORITY on stream 0")
@@ -271,7 +276,7 @@ class Http2Endpoint:
             elif key == F.MAX_CONCURRENT_STREAMS:
                 self._on_peer_max_streams(value)
             # HEADER_TABLE_SIZE: our header blocks never use the dynamic table
-        self._out.append(F.frame(F.SETTINGS, F.ACK, 0))
+        self._answer(F.frame(F.SETTINGS, F.ACK, 0))
 
     # -- writing ------------------------------------------------------------------------
 
@@ -314,8 +319,19 @@ class Http2Endpoint:
 
     def _reset(self, stream, code: int) -> None:
         """End ``stream`` because it broke a rule: RST_STREAM, and tell the stream."""
-        self.reset_stream(stream.id, code)
+        self._answer(F.rst_stream(stream.id, code))
         stream._on_reset(code)
+
+    def _answer(self, frame: bytes) -> None:
+        """Queue a frame the peer's own frame calls for (from the reader). Raises
+        ConnectionError_ (ENHANCE_YOUR_CALM) when more than MAX_UNSENT_ANSWERS wait
+        unsent: the peer sends and does not read."""
+        self._unsent_answers += 1
+        if self._unsent_answers > MAX_UNSENT_ANSWERS:
+            raise F.ConnectionError_(
+                F.ENHANCE_YOUR_CALM, "the peer does not read what its frames call for"
+            )
+        self._out.append(frame)
 
     def _send_goaway(self, code: int, why: str = "") -> None:
         self._goaway_sent = True
@@ -367,6 +383,7 @@ class Http2Endpoint:
             return
         data = b"".join(self._out)
         self._out.clear()
+        self._unsent_answers = 0  # (what stays pending is counted again from here)
         try:
             sent = os.write(self._fd, data)
         except BlockingIOError:
@@ -386,6 +403,7 @@ class Http2Endpoint:
                 elif self._out:
                     data = b"".join(self._out)
                     self._out.clear()
+                    self._unsent_answers = 0
                 else:
                     data = None
                 if data:

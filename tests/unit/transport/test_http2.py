@@ -16,7 +16,7 @@ import pytest
 from rsrv.transport import TransportLimits
 from rsrv.transport import _frames as F
 from rsrv.transport._connection import ServerConnection
-from rsrv.transport._endpoint import MAX_CONTINUATIONS
+from rsrv.transport._endpoint import MAX_CONTINUATIONS, MAX_UNSENT_ANSWERS
 
 PATH = b"/inference.GRPCInferenceService/ModelInfer"
 
@@ -229,6 +229,16 @@ async def test_a_header_block_of_endless_continuations_is_refused():
     client.send(client.headers(1, flags=0))
     flood = F.frame(F.CONTINUATION, 0, 1) * MAX_CONTINUATIONS
     assert protocol_error(client, flood) == F.ENHANCE_YOUR_CALM
+
+
+async def test_a_peer_that_sends_pings_and_reads_nothing_is_cut_off():
+    """Answers (PING and SETTINGS acknowledgements) wait unsent only up to a bound."""
+    client = Client()
+    client.start()
+    ping = F.frame(F.PING, 0, 0, bytes(8))
+    client.conn._unsent_answers = 0  # (as if the socket took everything so far)
+    assert len(client.send(ping * MAX_UNSENT_ANSWERS)) == MAX_UNSENT_ANSWERS
+    assert protocol_error(client, ping) == F.ENHANCE_YOUR_CALM
 
 
 async def test_streams_beyond_the_limit_are_refused():
