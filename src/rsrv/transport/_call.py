@@ -27,6 +27,28 @@ _RESPONSE_BLOCK = header_block(_RESPONSE)  # the same bytes for every response
 _OK_BLOCK = header_block([(b"grpc-status", b"0")])
 
 
+#: The longest grpc-message sent (percent-encoded): a client's header list limit (16 KiB
+#: here, 8 KiB by default in gRPC's C core) must not fail the call, nor its connection.
+MAX_STATUS_MESSAGE = 4096
+
+
+def trailers_only(code: StatusCode, message: str, extra=(), *, with_response=True) -> bytes:
+    """The header block that ends a call with ``code``: the response headers first when
+    none were sent (a trailers-only response), ``message`` percent-encoded and cut to
+    MAX_STATUS_MESSAGE bytes, then ``extra`` custom trailers (name, value as text)."""
+    trailers = list(_RESPONSE) if with_response else []
+    trailers.append((b"grpc-status", b"%d" % code.value))
+    if message:
+        quoted = urllib.parse.quote(message, safe="")
+        if len(quoted) > MAX_STATUS_MESSAGE:
+            end = MAX_STATUS_MESSAGE - 6  # room for "%20..."
+            percent = quoted.rfind("%", end - 2, end)  # an escape (%XX) is never split
+            quoted = quoted[: end if percent == -1 else percent] + "%20..."
+        trailers.append((b"grpc-message", quoted.encode()))
+    trailers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra)
+    return header_block(trailers)
+
+
 class ServerCall:
     """One gRPC call: what a handler may read about it, and its stream's state.
 
@@ -191,12 +213,7 @@ class ServerCall:
         if code is StatusCode.OK and not message and self._started and not extra:
             block = _OK_BLOCK
         else:
-            trailers = [] if self._started else list(_RESPONSE)
-            trailers.append((b"grpc-status", b"%d" % code.value))
-            if message:
-                trailers.append((b"grpc-message", urllib.parse.quote(message, safe="").encode()))
-            trailers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra)
-            block = header_block(trailers)
+            block = trailers_only(code, message, extra, with_response=not self._started)
         conn = self.conn
         conn.write_headers(self.id, block, end_stream=True)
         # A client still sending may finish: what it sends is acknowledged and dropped

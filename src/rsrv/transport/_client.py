@@ -29,6 +29,7 @@ import urllib.parse
 from collections.abc import Callable
 
 import trio
+from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import _frames as F
 from rsrv.transport._client_stream import ClientStream
@@ -181,10 +182,16 @@ class ClientConnection(Http2Endpoint):
         self.ready.set()
 
     def _headers_complete(self, sid: int, flags: int, block: bytes) -> None:
-        parsed = self._decoder.decode(block)  # its state must follow every block
+        try:
+            parsed = self._decoder.decode(block)  # its state must follow every block
+        except F.HeaderListTooLarge as e:
+            parsed = e
         stream = self.streams.get(sid)
         if stream is not None:
-            stream._on_headers(parsed, bool(flags & F.END_STREAM))
+            if isinstance(parsed, F.HeaderListTooLarge):
+                stream._abort(StatusCode.RESOURCE_EXHAUSTED, f"the server sent {parsed}")
+            else:
+                stream._on_headers(parsed, bool(flags & F.END_STREAM))
         elif sid > self._last_stream:
             raise F.ConnectionError_(F.PROTOCOL_ERROR, f"HEADERS on idle stream {sid}")
 

@@ -40,7 +40,7 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import _frames as F
-from rsrv.transport._call import ServerCall
+from rsrv.transport._call import ServerCall, trailers_only
 from rsrv.transport._endpoint import (
     CONNECTION_WINDOW,
     MAX_FRAME,
@@ -177,11 +177,17 @@ class ServerConnection(Http2Endpoint):
         self._read_scope.deadline = trio.current_time() + idle if idle else math.inf
 
     def _headers_complete(self, sid: int, flags: int, block: bytes) -> None:
-        headers = self._decoder.decode(block)  # its state must follow every block
+        try:
+            headers = self._decoder.decode(block)  # its state must follow every block
+        except F.HeaderListTooLarge as e:
+            headers = e
         if sid <= self._last_stream:  # trailers (or a late block) of a known stream
             call = self.streams.get(sid)
             if call is None:
                 self._answer(F.rst_stream(sid, F.STREAM_CLOSED))
+                return
+            if isinstance(headers, F.HeaderListTooLarge):
+                self._reset(call, F.ENHANCE_YOUR_CALM)
                 return
             if not flags & F.END_STREAM:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "trailers without END_STREAM")
@@ -190,6 +196,14 @@ class ServerConnection(Http2Endpoint):
         self._last_stream = sid
         if len(self.streams) >= self.max_streams:
             self._answer(F.rst_stream(sid, F.REFUSED_STREAM))
+            return
+        if isinstance(headers, F.HeaderListTooLarge):
+            self._refuse(
+                sid,
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"the request's headers are too large: {headers}",
+                bool(flags & F.END_STREAM),
+            )
             return
         self._on_request(sid, flags, headers)
 
@@ -251,6 +265,13 @@ class ServerConnection(Http2Endpoint):
     def _respond_http(self, sid: int, status: bytes, ended: bool) -> None:
         """A non-gRPC request: an HTTP status, and the stream is done."""
         self.write_headers(sid, F.header_block([(b":status", status)]), end_stream=True)
+        if not ended:
+            self._answer(F.rst_stream(sid, F.NO_ERROR))
+
+    def _refuse(self, sid: int, code: StatusCode, message: str, ended: bool) -> None:
+        """A request refused before it became a call: its gRPC status, and the stream
+        is done."""
+        self.write_headers(sid, trailers_only(code, message), end_stream=True)
         if not ended:
             self._answer(F.rst_stream(sid, F.NO_ERROR))
 

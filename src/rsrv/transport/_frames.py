@@ -208,6 +208,15 @@ def header_fields(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b"".join(out)
 
 
+class HeaderListTooLarge(Exception):
+    """A header list larger than this side accepts (its stream fails, not the
+    connection)."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"a header list of {size} bytes, above the {limit} accepted")
+        self.size, self.limit = size, limit
+
+
 class HeaderDecoder:
     """The peer's header blocks, decoded (``hpack``) once per dynamic-table state.
 
@@ -218,18 +227,22 @@ class HeaderDecoder:
     decoded list into what the connection keeps (cached with it, so it must not be
     mutated); by default the list itself.
 
-    :meth:`decode` raises :class:`ConnectionError_` (ENHANCE_YOUR_CALM for a header
-    list above ``max_header_list_size``, COMPRESSION_ERROR for a malformed block): the
-    decoder's state no longer matches the peer's, so the connection must end.
+    :meth:`decode` raises :class:`HeaderListTooLarge` for a list above
+    ``max_header_list_size`` (RFC 9113 §6.5.2's size: names, values, 32 bytes each)
+    that was decoded whole: only its stream fails. It raises :class:`ConnectionError_`
+    (ENHANCE_YOUR_CALM for a list above four times that, at which hpack stops
+    mid-block; COMPRESSION_ERROR for a malformed block) when the decoder's state no
+    longer matches the peer's, so the connection must end.
     """
 
-    __slots__ = ("_decoder", "_decoded", "_parse")
+    __slots__ = ("_decoder", "_decoded", "_parse", "max_header_list_size")
 
     def __init__(self, max_header_list_size: int, parse: Callable[[list], Any] | None = None):
         self._decoder = hpack.Decoder()
-        self._decoder.max_header_list_size = max_header_list_size
+        self._decoder.max_header_list_size = 4 * max_header_list_size
         self._decoded: dict[bytes, tuple] = {}  # block -> (table state, parsed)
         self._parse = parse
+        self.max_header_list_size = max_header_list_size
 
     def decode(self, block: bytes) -> Any:
         table = self._decoder.header_table
@@ -244,6 +257,9 @@ class HeaderDecoder:
             raise ConnectionError_(ENHANCE_YOUR_CALM, "header list too large") from None
         except hpack.exceptions.HPACKError as e:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {e}") from None
+        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        if size > self.max_header_list_size:
+            raise HeaderListTooLarge(size, self.max_header_list_size)
         parsed = headers if self._parse is None else self._parse(headers)
         if _table_state(table) == state:
             if len(self._decoded) >= 64:

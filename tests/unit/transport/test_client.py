@@ -423,3 +423,27 @@ async def test_nothing_is_written_to_a_connection_once_its_socket_is_closed(monk
 def test_a_grpc_status_of_endless_digits_is_unknown_not_a_crash():
     _, status, *_ = _parse_headers([(b":status", b"200"), (b"grpc-status", b"9" * 5000)])
     assert status == -1
+
+
+async def test_a_long_status_message_is_cut_and_fails_only_its_call():
+    """A handler's error message of 16 KB (48 KB percent-encoded) would exceed the
+    client's header list limit: it is cut, and neither the call nor a call beside it
+    on the same connection loses its status."""
+    async with (
+        echo_server() as echo,
+        open_channel("127.0.0.1", echo.port, limits=ClientLimits(max_connections=1)) as channel,
+    ):
+        results = {}
+
+        async def beside():
+            results["beside"] = await channel.unary(SLEEP, b"0.5")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(beside)
+            await wait_for(lambda: echo.server.connections and channel.connections[0].streams)
+            results["failed"] = await channel.unary(FAIL, b"3:" + "é ".encode() * 8000)
+    failed = results["failed"]
+    assert failed.status == StatusCode.INVALID_ARGUMENT
+    assert failed.message.startswith("é é ") and failed.message.endswith(" ...")
+    assert len(failed.message) < 2000
+    assert results["beside"].ok and channel.opened == 1
