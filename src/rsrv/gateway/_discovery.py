@@ -151,7 +151,7 @@ class Discovery:
         return result.status, None
 
     async def _probe(self, worker: WorkerLink) -> None:
-        was_ready = worker.ready
+        was_ready, marks = worker.ready, worker.unreachable_marks
         ready, index, control = False, worker.index, worker.control
         with trio.move_on_after(self.settings.probe_timeout_seconds * 3):
             _, answer = await self._call(worker, SERVER_READY)
@@ -186,6 +186,9 @@ class Discovery:
                         control = None  # no control service, or nothing known of this run
                     # UNIMPLEMENTED is an answer; any other failure: asked again next round
                     worker.control_due = answer is None and status != StatusCode.UNIMPLEMENTED
+        if worker.unreachable_marks != marks:
+            ready = False  # a call found it unreachable meanwhile: that is newer news
+            was_ready = worker.ready
         if ready and not was_ready and control is worker.control:
             control = None  # cut short: the last answer may be of a process now gone
         worker.probe_failures = 0 if ready else worker.probe_failures + 1

@@ -115,6 +115,7 @@ class WorkerLink:
     control_due: bool = False
     inflight: int = 0  # calls the gateway has open on it
     leaving: Any = None  # a trio.Event set when the worker leaves the fleet
+    unreachable_marks: int = 0  # times a call found it unreachable (mark_unreachable)
 
     @property
     def serving(self) -> frozenset[str]:
@@ -195,6 +196,7 @@ class Fleet:
     def mark_unreachable(self, worker: WorkerLink) -> None:
         """A call found ``worker`` unreachable: it gets no traffic until a probe
         answers again."""
+        worker.unreachable_marks += 1
         if worker.ready:
             log.warning("worker %s (%s) is unreachable", worker.name, worker.address)
             worker.ready, worker.away = False, True

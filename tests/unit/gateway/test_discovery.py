@@ -196,3 +196,26 @@ async def test_a_worker_that_never_answered_is_reported_once(caplog):
         for _ in range(3):
             await discovery.round()
     assert caplog.text.count("UNAVAILABLE to ServerReady") == 1
+
+
+async def test_a_call_that_finds_the_worker_unreachable_mid_probe_has_the_last_word():
+    """The probe's answers came before the call's failure: the worker stays out of the
+    routes until a probe begun after that failure answers."""
+    channel = ScriptedChannel(worker_answers(["m"]))
+    fleet, worker, discovery = fleet_of(channel)
+    await discovery.round()
+    assert fleet.routes == {"m": ("w0",)}
+    answer = channel.unary
+
+    async def unreachable_after_answering(path, body, **kw):
+        result = await answer(path, body, **kw)
+        if path == REPOSITORY_INDEX:
+            fleet.mark_unreachable(worker)  # a call's failure, between two probe calls
+        return result
+
+    channel.unary = unreachable_after_answering
+    await discovery.round()
+    assert not worker.ready and fleet.routes == {}
+    channel.unary = answer
+    await discovery.round()
+    assert worker.ready and fleet.routes == {"m": ("w0",)}
