@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rsrv.dtypes import DType
@@ -38,10 +38,10 @@ class WeightsFile:
     path: Path
     data_offset: int  # where the data region starts in the file
     weights: tuple[WeightInfo, ...]  # in argument order
+    nbytes: int = field(init=False)  # of every weight (summed once: status calls read it)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(w.end - w.start for w in self.weights)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(w.end - w.start for w in self.weights))
 
 
 def read_weights_header(path: Path) -> WeightsFile:

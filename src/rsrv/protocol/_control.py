@@ -32,12 +32,13 @@ class ControlService(ControlServiceServicer):
         """The snapshot's fields carry the message's names: copied over one to one, the
         residency name mapped to the wire enum."""
         snapshot = self.backend.control_status()
-        models = []
+        response = pb.ModelControlStatusResponse(**{**_fields(snapshot), "models": ()})
+        add = response.models.add  # (in place: no message built, then copied in)
         for m in snapshot.models:
             fields = _fields(m)
             fields["residency"] = RESIDENCY.get(m.residency, pb.RESIDENCY_UNSPECIFIED)
-            models.append(pb.ModelStatus(**fields))
-        return pb.ModelControlStatusResponse(**{**_fields(snapshot), "models": models})
+            add(**fields)
+        return response
 
     async def SetModelResidency(self, message, request):
         residency = FROM_RESIDENCY.get(message.residency)
