@@ -130,8 +130,8 @@ async def gateway_follows_dns(port: int) -> None:
             resolver.names.update({"workers.test": "fail", "other.test": []})
             await wait_for({one}, {one})
             # A name that does not answer holds no round up; a dual-stack name is taken
-            # in one family (each pod has an address in each).
-            resolver.names.update({"workers.test": "hang", "other.test": ["127.0.0.2", "::1"]})
+            # by its IPv4 addresses (each pod has one in each family), whichever comes first.
+            resolver.names.update({"workers.test": "hang", "other.test": ["::1", "127.0.0.2"]})
             await wait_for({one, two}, {one, two})
             rounds = gateway.discovery.rounds
             await wait_for({one, two}, {one, two})

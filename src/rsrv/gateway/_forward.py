@@ -220,11 +220,13 @@ class Forwarder:
             if not worker.ready and last is not None:
                 continue  # found down since routing: try it only if nothing else answered
             if last is not None:
-                self.counters.count(self.counters.failovers, last_name, last.status)
+                if last_name in self.fleet.by_name:  # (not after it left the fleet)
+                    self.counters.count(self.counters.failovers, last_name, last.status)
                 if on_failover is not None:
                     on_failover(name)  # the work in flight is now on this worker
             result = await self.call(worker, path, body, headers, deadline)
-            self.counters.count(self.counters.routed, name, result.status)
+            if self.fleet.by_name.get(name) is worker:  # (it may have left meanwhile)
+                self.counters.count(self.counters.routed, name, result.status)
             if result.status == StatusCode.OK and result.response is not None:
                 return result.response
             if result.status not in FAILOVER:

@@ -190,7 +190,8 @@ class Gateway:
         addresses join (probed before they get traffic), vanished ones leave. A name
         that fails to resolve, or takes longer than a probe, keeps the workers it last
         resolved to. A name with both IPv4 and IPv6 addresses (a dual-stack Service
-        lists each pod once per family) is taken in the family of its first address."""
+        lists each pod once per family) is taken by its IPv4 addresses, which a worker
+        listening on ``0.0.0.0`` or ``::`` both accept."""
         if not self.config.endpoints_dns:
             return
         found: dict[str, tuple[str, int]] = {}
@@ -208,9 +209,11 @@ class Gateway:
             if infos is None:
                 found.update(self._resolved.get(entry, {}))
                 continue
+            families = {info[0] for info in infos}
+            family = trio.socket.AF_INET if trio.socket.AF_INET in families else None
             resolved = self._resolved[entry] = {}
-            for family, _, _, _, sockaddr in infos:
-                if family == infos[0][0]:
+            for info_family, _, _, _, sockaddr in infos:
+                if family is None or info_family == family:
                     resolved[join_address(sockaddr[0], port)] = (sockaddr[0], port)
             found.update(resolved)
         current = {w.name for w in self.fleet.workers if w.from_dns}

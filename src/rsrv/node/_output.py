@@ -58,11 +58,11 @@ class OutputSink:
     While :meth:`run` runs, :meth:`write` only queues, and the writer task writes in a
     worker thread: a reader that is slow, or stopped (a paused terminal, a stalled log
     shipper), never holds up the supervisor's task, nor its children, whose pipes are
-    still read. Past ``limit`` bytes queued, lines are dropped; once there is room
-    again, a warning says how many. Before :meth:`run` starts and after it ends,
-    :meth:`write` writes at once. Once ``fd`` takes no more output (a closed pipe), what
-    is written is dropped. Call :meth:`write` from the trio thread, or while the writer
-    is not running.
+    still read. Past ``limit`` bytes queued (besides the batch being written), lines
+    are dropped; once that batch has been written, a warning says how many. Before
+    :meth:`run` starts and after it ends, :meth:`write` writes at once. Once ``fd``
+    takes no more output (a closed pipe), what is written is dropped. Call
+    :meth:`write` from the trio thread, or while the writer is not running.
     """
 
     def __init__(self, fd: int, name: str, limit: int = QUEUE_LIMIT_BYTES):
@@ -91,13 +91,6 @@ class OutputSink:
             self.dropped += lines
             self._unreported += lines
             return
-        if self._unreported:
-            dropped, self._unreported = self._unreported, 0
-            log.warning(
-                "%d lines of output to %s were dropped: it was not read as fast as they came",
-                dropped,
-                self.name,
-            )  # (queued here, through the log handler, when that writes to this sink)
         self._queue.append(data)
         self._queued += len(data)
         if self._idle.is_set():
@@ -124,6 +117,14 @@ class OutputSink:
                     self.open = await trio.to_thread.run_sync(
                         _write_all, self.fd, data, abandon_on_cancel=True
                     )
+                if self._unreported:  # the reader took a whole batch: it is catching up
+                    dropped, self._unreported = self._unreported, 0
+                    log.warning(
+                        "%d lines of output to %s were dropped: it was not read as fast as "
+                        "they came",
+                        dropped,
+                        self.name,
+                    )  # (queued, through the log handler, when that writes to a sink)
         finally:
             self._running = False
 

@@ -35,7 +35,8 @@ MAX_STATUS_MESSAGE = 4096
 def trailers_only(code: StatusCode, message: str, extra=(), *, with_response=True) -> bytes:
     """The header block that ends a call with ``code``: the response headers first when
     none were sent (a trailers-only response), ``message`` percent-encoded and cut to
-    MAX_STATUS_MESSAGE bytes, then ``extra`` custom trailers (name, value as text)."""
+    MAX_STATUS_MESSAGE bytes (between two characters, ending in " ..."), then ``extra``
+    custom trailers (name, value as text)."""
     trailers = list(_RESPONSE) if with_response else []
     trailers.append((b"grpc-status", b"%d" % code.value))
     if message:
@@ -43,7 +44,9 @@ def trailers_only(code: StatusCode, message: str, extra=(), *, with_response=Tru
         if len(quoted) > MAX_STATUS_MESSAGE:
             end = MAX_STATUS_MESSAGE - 6  # room for "%20..."
             percent = quoted.rfind("%", end - 2, end)  # an escape (%XX) is never split
-            quoted = quoted[: end if percent == -1 else percent] + "%20..."
+            head = urllib.parse.unquote_to_bytes(quoted[: end if percent == -1 else percent])
+            # nor a character: grpc-message is UTF-8
+            quoted = urllib.parse.quote(head.decode("utf-8", "ignore"), safe="") + "%20..."
         trailers.append((b"grpc-message", quoted.encode()))
     trailers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra)
     return header_block(trailers)

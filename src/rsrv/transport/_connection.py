@@ -28,6 +28,9 @@ Lifetime guarantees:
   no call open for ``idle_timeout`` is closed with GOAWAY.
 * A stream's complete, unconsumed messages are not acknowledged beyond a few (flow
   control pushes back on a client that sends faster than its handler reads).
+* While more than ``max_unsent_bytes`` waits unsent to the client, the connection reads
+  nothing more (until half is left): a client that sends and does not read makes its
+  own sends wait, not the server's output grow.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class ServerConnection(Http2Endpoint):
         self._preface = b""  # the client preface received so far (24 bytes in all)
         self._opened = trio.current_time()
         self._read_scope = trio.CancelScope()  # the reader's; its deadline: see _reader
+        self.max_unsent = limits.max_unsent_bytes
         self._idle_since: float | None = self._opened  # None while a call is open
 
     @property
@@ -254,6 +258,7 @@ class ServerConnection(Http2Endpoint):
         if timeout is not None:
             seconds = _parse_timeout(timeout)
             if seconds is None:
+                self._answered()
                 call.finish(StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {timeout!r}")
                 call.release()
                 return
@@ -264,6 +269,7 @@ class ServerConnection(Http2Endpoint):
 
     def _respond_http(self, sid: int, status: bytes, ended: bool) -> None:
         """A non-gRPC request: an HTTP status, and the stream is done."""
+        self._answered()
         self.write_headers(sid, F.header_block([(b":status", status)]), end_stream=True)
         if not ended:
             self._answer(F.rst_stream(sid, F.NO_ERROR))
@@ -271,6 +277,7 @@ class ServerConnection(Http2Endpoint):
     def _refuse(self, sid: int, code: StatusCode, message: str, ended: bool) -> None:
         """A request refused before it became a call: its gRPC status, and the stream
         is done."""
+        self._answered()
         self.write_headers(sid, trailers_only(code, message), end_stream=True)
         if not ended:
             self._answer(F.rst_stream(sid, F.NO_ERROR))

@@ -30,7 +30,7 @@ CONNECTION_WINDOW = 2**30  # what the connection-level receive window is raised 
 MAX_FRAME = 2**24 - 1  # the largest frame we accept
 MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
 MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
-MAX_CONTINUATIONS = 64  # CONTINUATION frames in one header block (empty ones cost too)
+MAX_CONTINUATIONS = 64  # frames of one header block, HEADERS included (empty ones cost too)
 #: Frames queued in answer to the peer's (PING and SETTINGS acknowledgements, resets of
 #: its streams) that may wait unsent at once: a peer that sends PINGs and reads nothing
 #: must not make the queue grow without bound.
@@ -69,6 +69,11 @@ class Http2Endpoint:
         self._sending = False  # the writer task is in send_all
         self._shut = False  # the socket is (being) closed: nothing more is written
         self._unsent_answers = 0  # frames _answer queued since the queue was last empty
+        # Reading waits while more than this is unsent (None: never; the server's side,
+        # so that a peer that sends and does not read cannot grow the output queue)
+        self.max_unsent: int | None = None
+        self._writing = 0  # bytes the writer task is sending
+        self._sent = trio.lowlevel.ParkingLot()  # the writer sent something
         self._pending: memoryview | None = None  # bytes flush() could not write
         self._closing = False
         self._writer_done = trio.Event()
@@ -117,6 +122,8 @@ class Http2Endpoint:
         error code then), or ``_closing`` is set."""
         receive = self.stream.receive_some
         while not self._closing:
+            if self.max_unsent is not None and (self._pending is not None or self._sending):
+                await self._unsent_below(self.max_unsent)
             try:
                 data = await receive(RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -323,15 +330,20 @@ class Http2Endpoint:
         stream._on_reset(code)
 
     def _answer(self, frame: bytes) -> None:
-        """Queue a frame the peer's own frame calls for (from the reader). Raises
-        ConnectionError_ (ENHANCE_YOUR_CALM) when more than MAX_UNSENT_ANSWERS wait
-        unsent: the peer sends and does not read."""
+        """Queue a frame the peer's own frame calls for (from the reader); see
+        :meth:`_answered`."""
+        self._answered()
+        self._out.append(frame)
+
+    def _answered(self) -> None:
+        """Count one answer the reader queues itself (an acknowledgement, a reset, a
+        refused request's status). Raises ConnectionError_ (ENHANCE_YOUR_CALM) when more
+        than MAX_UNSENT_ANSWERS wait unsent: the peer sends and does not read."""
         self._unsent_answers += 1
         if self._unsent_answers > MAX_UNSENT_ANSWERS:
             raise F.ConnectionError_(
                 F.ENHANCE_YOUR_CALM, "the peer does not read what its frames call for"
             )
-        self._out.append(frame)
 
     def _send_goaway(self, code: int, why: str = "") -> None:
         self._goaway_sent = True
@@ -407,11 +419,12 @@ class Http2Endpoint:
                 else:
                     data = None
                 if data:
-                    self._sending = True
+                    self._sending, self._writing = True, len(data)
                     try:
                         await send(data)
                     finally:
-                        self._sending = False
+                        self._sending, self._writing = False, 0
+                        self._sent.unpark_all()
                 elif self._closing:
                     return
                 else:
@@ -420,6 +433,20 @@ class Http2Endpoint:
             self._broken()
         finally:
             self._writer_done.set()
+            self._sent.unpark_all()
+
+    def _unsent(self) -> int:
+        """Bytes queued or being written, not yet taken by the socket."""
+        pending = len(self._pending) if self._pending is not None else 0
+        return self._writing + pending + sum(map(len, self._out))
+
+    async def _unsent_below(self, limit: int) -> None:
+        """Wait (reading nothing) while more than ``limit`` bytes are unsent, until half
+        of it is left, or the writer has ended."""
+        if self._unsent() <= limit:
+            return
+        while self._unsent() > limit // 2 and not self._writer_done.is_set():
+            await self._sent.park()
 
     async def _drain_writer(self, timeout: float = 1.0) -> None:
         """Let the writer send what is queued (a GOAWAY, the last frames), then stop it."""

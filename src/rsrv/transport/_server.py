@@ -82,6 +82,9 @@ class TransportLimits:
     receive_timeout: float = 60.0  # a request message must arrive whole within this
     handshake_timeout: float = 10.0  # TLS + HTTP/2 preface
     idle_timeout: float = 600.0  # a connection with no call open is closed; 0: never
+    # A connection's reader stops reading while more than this waits unsent to its
+    # client (until half is left): a client that sends and does not read holds no more.
+    max_unsent_bytes: int = 16 << 20
 
 
 class ListenSettings(Protocol):

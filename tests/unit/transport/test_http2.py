@@ -8,10 +8,15 @@ these tests cover what polite clients never send.
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
+import time
 
 import hpack
 import pytest
+import trio
+from support.echo import echo_server
 
 from rsrv.transport import TransportLimits
 from rsrv.transport import _frames as F
@@ -356,3 +361,56 @@ async def test_repeated_header_blocks_decode_as_the_table_says():
         client.send(F.frame(F.HEADERS, F.END_HEADERS, sid, block))
         assert client.calls[-1].metadata["x-id"] == want, (sid, want)
         sid += 2
+
+
+async def test_a_client_that_sends_and_never_reads_holds_a_bounded_output():
+    """Each read of requests is answered (here: UNIMPLEMENTED, by the calls' tasks) and
+    the client reads none of it: past ``max_unsent_bytes`` the server stops reading, so
+    the client's sends block (18 MB of requests is more than the sockets' buffers hold)
+    instead of the server's output growing."""
+    limit = 32 * 1024
+    unsent: list[int] = []
+    sent = 0
+
+    def flood(port: int) -> None:
+        nonlocal sent
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            s.settimeout(0.5)
+            encoder = hpack.Encoder()
+            message = struct.pack(">?I", False, 1000) + bytes(1000)
+            s.sendall(F.PREFACE + F.settings({}))
+            try:
+                for burst in range(300):
+                    frames = []
+                    for i in range(60):
+                        sid = 2 * (60 * burst + i) + 1
+                        block = encoder.encode(
+                            [
+                                (b":method", b"POST"),
+                                (b":scheme", b"http"),
+                                (b":path", b"/no.Such/Method"),
+                                (b":authority", b"x"),
+                                (b"content-type", b"application/grpc"),
+                            ]
+                        )
+                        frames.append(F.frame(F.HEADERS, F.END_HEADERS, sid, block))
+                        frames.append(F.frame(F.DATA, F.END_STREAM, sid, message))
+                    s.sendall(b"".join(frames))
+                    sent += 60
+                    time.sleep(0.001)
+            except (TimeoutError, OSError):
+                pass  # the server stopped reading: the sends block
+
+    async with echo_server(limits=TransportLimits(max_unsent_bytes=limit)) as echo:
+        thread = threading.Thread(target=flood, args=(echo.port,), daemon=True)
+        thread.start()
+        while thread.is_alive():
+            for conn in echo.server.connections:
+                conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                unsent.append(conn._unsent())
+            await trio.sleep(0.01)
+    assert sent < 300 * 60  # held up
+    # the limit, and the answers to one read (256 KiB: about 250 of these requests)
+    assert max(unsent) < limit + 64 * 1024
