@@ -417,6 +417,15 @@ class SupervisorConfig(_Strict):
             "take before SIGKILL."
         ),
     ] = 5.0
+    startup_timeout_seconds: Annotated[
+        float,
+        Meta(ge=0),
+        _doc(
+            "A child not serving this long after it started is stopped (as on SIGTERM, "
+            "then SIGKILL) and counts as a crash; 0: no limit (a large repository on a "
+            "cold compile cache can take long)."
+        ),
+    ] = 0.0
 
 
 class WorkerEntry(_Strict):

@@ -91,6 +91,7 @@ class Child:
     restarts_total: int = 0
     last_exit: str | None = None
     killed: bool = False  # SIGKILLed: it outlived its grace period, or a second signal
+    timed_out: bool = False  # its last start did not serve within startup_timeout_seconds
     started_at: float = 0.0
     _stop: trio.Event = field(default_factory=trio.Event)
     _down: bool = False  # not restarted when it exits (the node is stopping)
@@ -120,14 +121,20 @@ class Child:
                     "is unusable; see its last lines above); not restarting"
                 )
                 return
-            if uptime >= self.policy.stable_seconds:
-                self.restarts = 0
+            if uptime >= self.policy.stable_seconds and not self.timed_out:
+                self.restarts = 0  # (one that never served has not been stable)
             self.restarts += 1
             if self.restarts > self.policy.max_restarts:
+                how = (
+                    f"was not serving {self.policy.startup_timeout_seconds:g} s after "
+                    f"starting (supervisor.startup_timeout_seconds) {self.restarts} time(s)"
+                    if self.timed_out
+                    else f"exited {self.restarts} time(s) in a row, each within "
+                    f"{self.policy.stable_seconds:g} s of starting"
+                )
                 self._give_up(
-                    f"{self.name} exited {self.restarts} time(s) in a row, each within "
-                    f"{self.policy.stable_seconds:g} s of starting (limit "
-                    f"supervisor.max_restarts = {self.policy.max_restarts}); giving up"
+                    f"{self.name} {how} (limit supervisor.max_restarts = "
+                    f"{self.policy.max_restarts}); giving up"
                 )
                 return
             delay = restart_delay(self.restarts, self.policy)
@@ -186,7 +193,7 @@ class Child:
         finally:
             child_end.close()
         self._process, self.pid = process, process.pid
-        self.state, self.ready = ChildState.STARTING, False
+        self.state, self.ready, self.timed_out = ChildState.STARTING, False, False
         self.started_at = trio.current_time()
         log.info("started %s %s (pid %d)", self.spec.kind, self.name, process.pid)
         try:
@@ -198,6 +205,8 @@ class Child:
                 nursery.start_soon(self._follow_status, link)
                 async with trio.open_nursery() as waiting:
                     waiting.start_soon(self._terminate_once_stopped, process)
+                    if self.policy.startup_timeout_seconds:
+                        waiting.start_soon(self._stop_unless_serving, process)
                     await process.wait()
                     waiting.cancel_scope.cancel()
                 # Output still in the pipes is forwarded; a descendant holding them
@@ -218,13 +227,33 @@ class Child:
     async def _terminate_once_stopped(self, process: trio.Process) -> None:
         await self._stop.wait()
         self.state = ChildState.STOPPING
+        if await self._terminate(process):
+            self.killed = True
+
+    async def _terminate(self, process: trio.Process) -> bool:
+        """SIGTERM (its graceful stop), then SIGKILL once ``spec.grace`` has passed;
+        True when it had to be killed."""
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.spec.grace):
             await process.wait()
-            return
+            return False
         log.warning("%s still running %.1f s after SIGTERM: killing it", self.name, self.spec.grace)
-        self.killed = True
         process.kill()
+        return True
+
+    async def _stop_unless_serving(self, process: trio.Process) -> None:
+        """Stop the process if it has not served within startup_timeout_seconds."""
+        timeout = self.policy.startup_timeout_seconds
+        await trio.sleep(timeout)
+        if self.state is ChildState.STARTING and not self._stop.is_set():
+            log.error(
+                "%s is not serving %g s after it started (supervisor.startup_timeout_seconds): "
+                "stopping it",
+                self.name,
+                timeout,
+            )
+            self.timed_out = True
+            await self._terminate(process)
 
     async def _follow_status(self, link: socket.socket) -> None:
         async with trio.SocketStream(trio.socket.from_stdlib_socket(link)) as stream:

@@ -163,6 +163,25 @@ async def test_a_crashing_child_is_restarted_until_the_limit(tmp_path):
     assert len(failures) == 1 and "exited 3 time(s) in a row" in failures[0]
 
 
+async def test_a_child_that_never_serves_is_stopped_and_restarted_until_the_limit(tmp_path):
+    """supervisor.startup_timeout_seconds: a start-up that hangs (here: a process that
+    never reports on its supervisor link) is stopped like a crash, and is never counted
+    as stable however long the timeout."""
+    policy = SupervisorConfig(
+        max_restarts=1, backoff_seconds=0.01, stable_seconds=0.1, startup_timeout_seconds=0.5
+    )
+    count = tmp_path / "count"
+    script = f"import time; open({str(count)!r}, 'a').write('x'); time.sleep(60)"
+    failures: list[str] = []
+    c = child(script, policy, failures, grace=5.0)
+    with trio.fail_after(30):
+        await c.run()
+    assert count.read_text() == "xx"  # the first start and one restart
+    assert c.state is ChildState.FAILED and c.timed_out and not c.killed
+    assert c.last_exit == "signal SIGTERM"  # stopped gracefully
+    assert "not serving 0.5 s after starting" in failures[0]
+
+
 async def test_a_fatal_exit_is_not_restarted(tmp_path):
     failures: list[str] = []
     c = child("raise SystemExit(2)", SupervisorConfig(backoff_seconds=0.01), failures)
