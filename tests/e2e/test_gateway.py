@@ -593,3 +593,36 @@ def test_fill_routing_coalesces_more_rows_than_round_robin(tmp_path, cache_dir, 
         measured[mode] = (rows_after - rows) / (executions_after - executions)
         gateway.kill()
     assert measured["lpt_packing"] >= 1.15 * measured["round_robin"], measured
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"INFERENCE_GATEWAY_WORKER_CLIENT_TLS_CA_FILE": "/nonexistent/ca.pem"},
+        {
+            "INFERENCE_GATEWAY_GRPC_TLS_CERT_FILE": "/nonexistent/cert.pem",
+            "INFERENCE_GATEWAY_GRPC_TLS_KEY_FILE": "/nonexistent/key.pem",
+        },
+    ],
+)
+def test_a_tls_file_that_cannot_be_used_is_a_configuration_error(tmp_path, variables):
+    """Exit 2 with one line, as for any invalid setting (a supervisor does not restart
+    it: exit 1 would read as a port that may free up)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    result = subprocess.run(
+        [*rsrv_command(), "gateway"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={
+            **environ,
+            "INFERENCE_GATEWAY_ENDPOINTS": "127.0.0.1:1",
+            "INFERENCE_GATEWAY_LISTEN_GRPC": "127.0.0.1:0",
+            "INFERENCE_GATEWAY_LISTEN_METRICS": "none",
+            **variables,
+        },
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("rsrv: a TLS file cannot be used")

@@ -58,7 +58,8 @@ def join_address(host: str, port: int) -> str:
 class ListenConfig(_Strict):
     grpc: Annotated[Address, _doc("Where clients connect (gRPC), host:port.")] = "127.0.0.1:8001"
     metrics: Annotated[
-        Address | None, _doc("Admin HTTP (/healthz, /readyz, /metrics), host:port; null: none.")
+        Address | None,
+        _doc('Admin HTTP (/healthz, /readyz, /metrics), host:port; null (or "none"): none.'),
     ] = "127.0.0.1:8002"
 
 
@@ -169,7 +170,10 @@ class SchedulingConfig(_Strict):
     ] = "round_robin"
     work_basis: Annotated[
         Literal["requests", "items", "compute"],
-        _doc("What a request weighs for least_outstanding and fill_least: 1, rows, or seconds."),
+        _doc(
+            "What a request weighs for least_outstanding and fill_least: 1 (lpt_packing: "
+            "the model's cost per request), rows, or seconds."
+        ),
     ] = "requests"
     rebalance_compute_seconds: Annotated[
         float, msgspec.Meta(gt=0), _doc("Repack after the fleet computes this many seconds.")
@@ -209,7 +213,12 @@ class SchedulingConfig(_Strict):
         _doc("After a repack that moved models: CompactMemory on the workers it changed."),
     ] = "eager"
     compaction_interval: Annotated[
-        int, msgspec.Meta(ge=1), _doc("Compact after every Nth repack that moved something.")
+        int,
+        msgspec.Meta(ge=1),
+        _doc(
+            "Compact at the first repack that moves something once N repacks (moving or "
+            "not) have run since the last compaction."
+        ),
     ] = 1
     models: Annotated[
         dict[str, ModelPlacementConfig], _doc("Per-model overrides (file only).")
@@ -306,6 +315,9 @@ def load_gateway(
     raw: dict[str, Any] = {} if path is None else read_document(Path(where))
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a table at the top level")
+    listen = raw.get("listen")
+    if isinstance(listen, dict) and listen.get("metrics") == "none":
+        listen["metrics"] = None  # (TOML has no null)
     _apply_env(raw, env)
     config = convert(raw, GatewayConfig, where)
     if not config.endpoints and not config.endpoints_dns:

@@ -21,7 +21,7 @@ import ssl
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.config import GatewayConfig, join_address, split_address
+from rsrv.config import ConfigError, GatewayConfig, join_address, split_address
 from rsrv.gateway._admin import serve_gateway_admin
 from rsrv.gateway._control import GatewayControl
 from rsrv.gateway._discovery import Discovery
@@ -90,9 +90,36 @@ class Gateway:
         self.control = GatewayControl(self.scheduler, self.discovery.wake)
         self.stopping = False
         self.port: int | None = None
-        self.server: GrpcServer | None = None
         self._nursery: trio.Nursery | None = None
         self._resolved: dict[str, dict[str, tuple[str, int]]] = {}  # by endpoints_dns entry
+        host, port = split_address(config.listen.grpc)
+        try:
+            self.server = GrpcServer.configured(
+                guard(
+                    [
+                        *self.services.methods(),
+                        *self.control.methods(),
+                        # grpc.health.v1: "ready" is gateway.ready (a ready worker, not
+                        # stopping)
+                        *HealthService(lambda: self.ready).methods(),
+                    ],
+                    self.admission,
+                ),
+                host,
+                port,
+                grpc,
+                status_of=grpc_status,
+                trailers_of=grpc_trailers,
+            )
+            worker_tls = _worker_tls(config)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"a TLS file cannot be used: {e}") from None
+        limits = ClientLimits(
+            max_concurrent_streams=config.worker_client.max_concurrent_streams,
+            max_send_message_bytes=grpc.max_message_bytes,
+            max_receive_message_bytes=grpc.max_message_bytes,
+        )
+        self._channel_settings = (worker_tls, limits)
 
     @property
     def ready(self) -> bool:
@@ -125,31 +152,7 @@ class Gateway:
         """Serve until cancelled (or :meth:`shutdown`); ``started(port)`` once the
         gRPC server listens (after the first discovery round)."""
         cfg = self.config
-        grpc = cfg.grpc
-        host, port = split_address(cfg.listen.grpc)
-        self.server = GrpcServer.configured(
-            guard(
-                [
-                    *self.services.methods(),
-                    *self.control.methods(),
-                    # grpc.health.v1: "ready" is gateway.ready (a ready worker, not stopping)
-                    *HealthService(lambda: self.ready).methods(),
-                ],
-                self.admission,
-            ),
-            host,
-            port,
-            grpc,
-            status_of=grpc_status,
-            trailers_of=grpc_trailers,
-        )
-        limits = ClientLimits(
-            max_concurrent_streams=cfg.worker_client.max_concurrent_streams,
-            max_send_message_bytes=grpc.max_message_bytes,
-            max_receive_message_bytes=grpc.max_message_bytes,
-        )
-        tls = _worker_tls(cfg)
-        self._channel_settings = (tls, limits)
+        host = split_address(cfg.listen.grpc)[0]
         async with trio.open_nursery() as channels:
             self._channels = channels
             for worker in self.fleet.workers:
@@ -249,7 +252,6 @@ class Gateway:
             log.warning(
                 "shutdown grace period expired with %d call(s) in flight", self.admission.inflight
             )
-        if self.server is not None:
-            await self.server.close()
+        await self.server.close()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()

@@ -29,7 +29,11 @@ def gateway_main(gateway_file: str | None) -> int:
         return 2
     configure_logging("gateway", config.logging.level, config.logging.format, tag=not supervised())
     log.info("effective configuration: %s", json.dumps(gateway_config_dict(config)))
-    gateway = Gateway(config)
+    try:
+        gateway = Gateway(config)
+    except ConfigError as e:  # (a TLS file that cannot be used)
+        print(f"rsrv: {e}", file=sys.stderr)
+        return 2
     return serve_process(
         "gateway", gateway, lambda: ChildStatus(ready=gateway.ready, port=gateway.port)
     )

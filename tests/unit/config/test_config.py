@@ -560,6 +560,13 @@ def test_the_gateway_logs_its_configuration_without_the_workers_key(tmp_path):
     assert "s3cret" not in str(data)
 
 
+def test_a_gateway_file_turns_admin_http_off_with_none(tmp_path):
+    path = write(
+        tmp_path, "gateway.toml", 'endpoints = ["127.0.0.1:8101"]\n[listen]\nmetrics = "none"\n'
+    )
+    assert load_gateway(path, env={}).listen.metrics is None  # TOML has no null
+
+
 def test_configs_are_immutable(tmp_path):
     worker = worker_of(tmp_path, "")
     with pytest.raises(AttributeError):

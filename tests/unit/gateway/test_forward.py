@@ -5,6 +5,7 @@ carries one."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +111,18 @@ async def test_a_call_that_ends_after_its_worker_left_the_fleet_leaves_no_series
         f.fleet.remove("w0")  # as Gateway._resolve_dns does
         f.counters.forget_worker("w0")
     assert f.counters.routed == {} and f.counters.failovers == {}
+
+
+async def test_a_call_gets_the_clients_deadline_or_else_the_request_timeout(autojump_clock):
+    timeouts: list[float] = []
+
+    class Recording(Answering):
+        async def unary(self, path, body, *, metadata=(), timeout=None):
+            timeouts.append(timeout)
+            return self.result
+
+    f = forwarder(UnaryResult(StatusCode.OK, response=b"ok"))
+    f.fleet.workers[0].channel = Recording(UnaryResult(StatusCode.OK, response=b"ok"))
+    for deadline in (trio.current_time() + 300, math.inf):
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"])
+    assert timeouts == [300, 60]  # a long deadline is the client's to give, not capped
