@@ -31,9 +31,9 @@ MAX_FRAME = 2**24 - 1  # the largest frame we accept
 MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
 MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
 MAX_CONTINUATIONS = 64  # frames of one header block, HEADERS included (empty ones cost too)
-#: Frames queued in answer to the peer's (PING and SETTINGS acknowledgements, resets of
-#: its streams) that may wait unsent at once: a peer that sends PINGs and reads nothing
-#: must not make the queue grow without bound.
+#: Answers the reader queues itself (PING and SETTINGS acknowledgements, resets of the
+#: peer's streams, statuses of requests refused before they became calls) that may wait
+#: unsent at once: a peer that sends PINGs and reads nothing must not grow the queue.
 MAX_UNSENT_ANSWERS = 1000
 RECEIVE_SIZE = 256 * 1024
 
