@@ -625,4 +625,5 @@ def test_a_tls_file_that_cannot_be_used_is_a_configuration_error(tmp_path, varia
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("rsrv: a TLS file cannot be used")
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("rsrv: a TLS file cannot be used") and "/nonexistent/" in line

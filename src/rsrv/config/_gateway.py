@@ -101,7 +101,10 @@ class WorkerClientConfig(_Strict):
     request_timeout_seconds: Annotated[
         float,
         msgspec.Meta(gt=0),
-        _doc("Longest a forwarded call may take when the client gave no deadline."),
+        _doc(
+            "Longest a call to a worker may take: the client's deadline up to this (this "
+            "when it gave none)."
+        ),
     ] = 60.0
     max_concurrent_streams: Annotated[
         int, msgspec.Meta(ge=1), _doc("Calls in flight to one worker at once; more wait.")

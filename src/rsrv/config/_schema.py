@@ -421,9 +421,9 @@ class SupervisorConfig(_Strict):
         float,
         Meta(ge=0),
         _doc(
-            "A child not serving this long after it started is stopped (as on SIGTERM, "
+            "A worker not serving this long after it started is stopped (as on SIGTERM, "
             "then SIGKILL) and counts as a crash; 0: no limit (a large repository on a "
-            "cold compile cache can take long)."
+            "cold compile cache can take long). Not the gateway."
         ),
     ] = 0.0
 

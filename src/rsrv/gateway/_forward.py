@@ -116,19 +116,18 @@ class Forwarder:
         metadata: Iterable[tuple[str, str]],
         deadline: float,
     ) -> CallResult:
-        """One unary call with the time left of ``deadline``, or the worker client's
-        request timeout when there is none (inf: the client sent no deadline). Raises
-        DeadlineExceeded when no time is left. A worker that could not be reached is
-        taken out of the routes at once."""
-        if deadline == math.inf:
-            timeout = self.request_timeout
-        else:
-            timeout = deadline - trio.current_time()
-            if timeout <= 0:
-                raise DeadlineExceeded("deadline exceeded before the request reached a worker")
+        """One unary call with the time left of ``deadline``, at most the worker
+        client's request timeout (a worker that hangs holds a call, and its admission
+        slot, no longer than that). Raises DeadlineExceeded when no time is left. A
+        worker that could not be reached is taken out of the routes at once."""
+        remaining = deadline - trio.current_time()
+        if remaining <= 0:
+            raise DeadlineExceeded("deadline exceeded before the request reached a worker")
         worker.inflight += 1
         try:
-            result = await worker.channel.unary(path, body, metadata=metadata, timeout=timeout)
+            result = await worker.channel.unary(
+                path, body, metadata=metadata, timeout=min(remaining, self.request_timeout)
+            )
         finally:
             worker.inflight -= 1
         if result.status == StatusCode.UNAVAILABLE and not result.reached_server:

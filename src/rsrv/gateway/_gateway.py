@@ -113,7 +113,17 @@ class Gateway:
             )
             worker_tls = _worker_tls(config)
         except (OSError, ssl.SSLError) as e:
-            raise ConfigError(f"a TLS file cannot be used: {e}") from None
+            server, client = config.grpc, config.worker_client
+            files = {
+                "grpc.tls_cert_file": server.tls_cert_file,
+                "grpc.tls_key_file": server.tls_key_file,
+                "grpc.tls_client_ca_file": server.tls_client_ca_file,
+                "worker_client.tls_ca_file": client.tls_ca_file,
+                "worker_client.tls_cert_file": client.tls_cert_file,
+                "worker_client.tls_key_file": client.tls_key_file,
+            }
+            named = ", ".join(f"{key} = {path}" for key, path in files.items() if path)
+            raise ConfigError(f"a TLS file cannot be used ({named}): {e}") from None
         limits = ClientLimits(
             max_concurrent_streams=config.worker_client.max_concurrent_streams,
             max_send_message_bytes=grpc.max_message_bytes,

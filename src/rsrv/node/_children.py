@@ -92,6 +92,7 @@ class Child:
     last_exit: str | None = None
     killed: bool = False  # SIGKILLed: it outlived its grace period, or a second signal
     timed_out: bool = False  # its last start did not serve within startup_timeout_seconds
+    served: bool = False  # its last start reported ready at some point
     started_at: float = 0.0
     _stop: trio.Event = field(default_factory=trio.Event)
     _down: bool = False  # not restarted when it exits (the node is stopping)
@@ -121,16 +122,17 @@ class Child:
                     "is unusable; see its last lines above); not restarting"
                 )
                 return
-            if uptime >= self.policy.stable_seconds and not self.timed_out:
+            if uptime >= self.policy.stable_seconds and self.served and not self.timed_out:
                 self.restarts = 0  # (one that never served has not been stable)
             self.restarts += 1
             if self.restarts > self.policy.max_restarts:
                 how = (
-                    f"was not serving {self.policy.startup_timeout_seconds:g} s after "
-                    f"starting (supervisor.startup_timeout_seconds) {self.restarts} time(s)"
+                    f"stopped {self.restarts} time(s) in a row, the last one not serving "
+                    f"{self.policy.startup_timeout_seconds:g} s after starting "
+                    "(supervisor.startup_timeout_seconds)"
                     if self.timed_out
                     else f"exited {self.restarts} time(s) in a row, each within "
-                    f"{self.policy.stable_seconds:g} s of starting"
+                    f"{self.policy.stable_seconds:g} s of starting or before serving"
                 )
                 self._give_up(
                     f"{self.name} {how} (limit supervisor.max_restarts = "
@@ -193,7 +195,8 @@ class Child:
         finally:
             child_end.close()
         self._process, self.pid = process, process.pid
-        self.state, self.ready, self.timed_out = ChildState.STARTING, False, False
+        self.state, self.ready = ChildState.STARTING, False
+        self.timed_out = self.served = False
         self.started_at = trio.current_time()
         log.info("started %s %s (pid %d)", self.spec.kind, self.name, process.pid)
         try:
@@ -205,7 +208,8 @@ class Child:
                 nursery.start_soon(self._follow_status, link)
                 async with trio.open_nursery() as waiting:
                     waiting.start_soon(self._terminate_once_stopped, process)
-                    if self.policy.startup_timeout_seconds:
+                    # (a worker: a gateway serves only once a worker does)
+                    if self.policy.startup_timeout_seconds and self.spec.kind == "worker":
                         waiting.start_soon(self._stop_unless_serving, process)
                     await process.wait()
                     waiting.cancel_scope.cancel()
@@ -253,12 +257,14 @@ class Child:
                 timeout,
             )
             self.timed_out = True
-            await self._terminate(process)
+            if await self._terminate(process) and self._stop.is_set():
+                self.killed = True  # (the node's stop came meanwhile: it had to kill it)
 
     async def _follow_status(self, link: socket.socket) -> None:
         async with trio.SocketStream(trio.socket.from_stdlib_socket(link)) as stream:
             async for status in read_status(stream):
                 self.ready = status.ready
+                self.served |= status.ready
                 if self.state is ChildState.STOPPING:
                     continue
                 if status.ready:

@@ -4,6 +4,7 @@ supervisor link between two ends of a socket."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -179,7 +180,7 @@ async def test_a_child_that_never_serves_is_stopped_and_restarted_until_the_limi
     assert count.read_text() == "xx"  # the first start and one restart
     assert c.state is ChildState.FAILED and c.timed_out and not c.killed
     assert c.last_exit == "signal SIGTERM"  # stopped gracefully
-    assert "not serving 0.5 s after starting" in failures[0]
+    assert "the last one not serving 0.5 s after starting" in failures[0]
 
 
 async def test_a_fatal_exit_is_not_restarted(tmp_path):
@@ -191,12 +192,19 @@ async def test_a_fatal_exit_is_not_restarted(tmp_path):
     assert "configuration or device is unusable" in failures[0]
 
 
+#: A child's script that reports ready on its supervisor link.
+REPORT_READY = (
+    "import os, socket; socket.socket(fileno=int(os.environ['RSRV_SUPERVISOR_FD']))"
+    '.sendall(b\'{"ready": true, "port": 1}\\n\'); '
+)
+
+
 async def test_a_stable_child_has_its_count_reset(tmp_path):
-    # Each run lives longer than stable_seconds: however often it exits, it never
-    # reaches the limit of one restart in a row.
+    # Each run serves and lives longer than stable_seconds: however often it exits, it
+    # never reaches the limit of one restart in a row.
     policy = SupervisorConfig(max_restarts=1, backoff_seconds=0.01, stable_seconds=0.2)
     count = tmp_path / "count"
-    script = f"import time; open({str(count)!r}, 'a').write('x'); time.sleep(0.3)"
+    script = REPORT_READY + f"import time; open({str(count)!r}, 'a').write('x'); time.sleep(0.3)"
     failures: list[str] = []
     c = child(script, policy, failures)
     async with trio.open_nursery() as nursery:
@@ -206,6 +214,33 @@ async def test_a_stable_child_has_its_count_reset(tmp_path):
                 await trio.sleep(0.05)
         await c.stop()
     assert not failures and c.state is ChildState.STOPPED
+
+
+async def test_a_child_that_never_serves_is_not_stable_however_long_it_runs(tmp_path):
+    policy = SupervisorConfig(max_restarts=1, backoff_seconds=0.01, stable_seconds=0.1)
+    failures: list[str] = []
+    c = child("import time; time.sleep(0.3)", policy, failures)
+    with trio.fail_after(30):
+        await c.run()
+    assert c.state is ChildState.FAILED and "before serving" in failures[0]
+
+
+async def test_a_child_serving_in_time_is_left_alone_and_a_gateway_is_not_timed(tmp_path):
+    """The start-up timeout stops a worker that is not serving, not one that is, nor a
+    gateway (which serves only once a worker does)."""
+    policy = SupervisorConfig(startup_timeout_seconds=0.3)
+    serving = child(REPORT_READY + "import time; time.sleep(60)", policy, [])
+    gateway = child("import time; time.sleep(60)", policy, [])
+    gateway.spec = dataclasses.replace(gateway.spec, kind="gateway")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serving.run)
+        nursery.start_soon(gateway.run)
+        await trio.sleep(1.0)
+        assert serving.state is ChildState.SERVING and not serving.timed_out
+        assert gateway.state is ChildState.STARTING and not gateway.timed_out
+        nursery.start_soon(serving.stop)
+        nursery.start_soon(gateway.stop)
+    assert serving.restarts_total == gateway.restarts_total == 0
 
 
 async def test_a_child_kept_down_is_not_restarted_and_kill_is_at_once(tmp_path):
