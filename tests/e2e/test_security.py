@@ -8,7 +8,9 @@ tritonclient's ``ssl=True`` options and a CA made for the test (trustme).
 
 from __future__ import annotations
 
+import os
 import ssl
+import subprocess
 
 import numpy as np
 import purerpc
@@ -18,7 +20,7 @@ import trustme
 from support.assertions import raises
 from support.bundles import make_repo
 from support.clients import connect, infer_input, raises_status
-from support.serving import node_config, running
+from support.serving import free_port, node_config, rsrv_command, running
 
 from rsrv.client import ControlClient
 from rsrv.config import ConfigError
@@ -251,3 +253,27 @@ def test_tls_files_must_pair(tmp_path, pki, node):
         node_config(tmp_path, node(tmp_path, endpoints=f'tls_cert_file = "{pki["cert"]}"'))
     with raises(ConfigError, "tls_client_ca_file needs"):
         node_config(tmp_path, node(tmp_path, endpoints=f'tls_client_ca_file = "{pki["ca"]}"'))
+
+
+@pytest.mark.parametrize("broken", ["missing", "garbage"])
+def test_a_tls_file_that_cannot_be_used_is_a_configuration_error(tmp_path, node, broken):
+    """Exit 2 with one line naming the files, as for any invalid setting (a traceback
+    and exit 1 read, to a supervisor, as a port that may free up)."""
+    (tmp_path / "repo").mkdir()
+    if broken == "garbage":
+        (tmp_path / "cert.pem").write_text("not a certificate\n")
+        (tmp_path / "key.pem").write_text("not a key\n")
+    endpoints = f'port = {free_port()}\ntls_cert_file = "cert.pem"\ntls_key_file = "key.pem"'
+    (tmp_path / "node.toml").write_text(node(tmp_path / "repo", endpoints=endpoints))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    result = subprocess.run(
+        [*rsrv_command(), "serve", str(tmp_path / "node.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("rsrv: a TLS file cannot be used (endpoints.tls_cert_file = ")

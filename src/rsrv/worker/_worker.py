@@ -8,6 +8,7 @@ loads run in it too. Cancelling the nursery is shutdown; no task or thread outli
 from __future__ import annotations
 
 import logging
+import ssl
 import uuid
 from pathlib import Path
 
@@ -80,7 +81,7 @@ class Worker:
         None). ``allocator``: where the weight budget and the warm-up scratch measurement
         read the allocator's statistics; None (always, outside tests) reads the device's
         own. Raises ConfigError when ``runtime.weight_staging`` names a route the device
-        cannot take."""
+        cannot take, or a TLS file of ``endpoints`` cannot be read or used."""
         self.config = config
         self.instance = uuid.uuid4().hex  # ModelControlStatus.instance: new at each start
         self.models = ModelSet()
@@ -131,8 +132,32 @@ class Worker:
         self._loading: dict[str, trio.Lock] = {}
         self._residency: dict[str, str] = {}  # floors set by SetModelResidency, by name
         self.watcher = None  # the RepositoryWatcher, in dynamic mode
-        self.server: GrpcServer | None = None
         self._nursery: trio.Nursery | None = None
+        ep = config.endpoints
+        self.inference = InferenceService(self)  # the REST endpoint answers through it too
+        methods = [
+            m
+            for service in (self.inference, ControlService(self))
+            for m in methods_of(service.service)
+        ]
+        # grpc.health.v1: ready while ServerReady is and the worker is not draining.
+        methods += HealthService(lambda: self.ready and not self.admission.closed).methods()
+        try:
+            self.server = GrpcServer.configured(
+                guard(methods, self.admission, self.restrictions),
+                ep.host,
+                ep.port,
+                ep,
+                status_of=grpc_status,
+                trailers_of=grpc_trailers,
+            )
+        except (OSError, ssl.SSLError) as e:
+            files = ", ".join(
+                f"endpoints.{key} = {path}"
+                for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+                if (path := getattr(ep, key))
+            )
+            raise ConfigError(f"a TLS file cannot be used ({files}): {e}") from None
 
     # -- facts the protocol reports ---------------------------------------------------
 
@@ -216,20 +241,7 @@ class Worker:
         cfg = self.config
         ep = cfg.endpoints
         self.compiler = Compiler(Path(cfg.cache_dir))
-        inference = InferenceService(self)  # the REST endpoint answers through it too
-        methods = [
-            m for service in (inference, ControlService(self)) for m in methods_of(service.service)
-        ]
-        # grpc.health.v1: ready while ServerReady is and the worker is not draining.
-        methods += HealthService(lambda: self.ready and not self.admission.closed).methods()
-        server = self.server = GrpcServer.configured(
-            guard(methods, self.admission, self.restrictions),
-            ep.host,
-            ep.port,
-            ep,
-            status_of=grpc_status,
-            trailers_of=grpc_trailers,
-        )
+        server = self.server
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -248,7 +260,7 @@ class Worker:
                     )
                     log.info("admin HTTP on %s:%d", cfg.endpoints.host, cfg.endpoints.metrics_port)
                 if ep.http_port is not None:
-                    self.http_port = await nursery.start(serve_rest, self, inference)
+                    self.http_port = await nursery.start(serve_rest, self, self.inference)
                     log.info("KServe V2 REST on %s:%d", ep.host, self.http_port)
                 if cfg.model_control_mode == "dynamic":
                     self.watcher = RepositoryWatcher(
@@ -288,9 +300,8 @@ class Worker:
         regions = len(self.shm.status())
         self.shm.close()
         log.info("shutdown: released %d shared memory region(s); stopping", regions)
-        if self.server is not None:
-            # The last answers are flushed, then GOAWAY: clients see a clean end.
-            await self.server.close()
+        # The last answers are flushed, then GOAWAY: clients see a clean end.
+        await self.server.close()
         if self._nursery is not None:  # (None: stopped before its tasks started)
             self._nursery.cancel_scope.cancel()
 
