@@ -273,6 +273,23 @@ def test_an_invalid_gateway_file_stops_the_node_before_it_starts(tmp_path):
     assert line.startswith("rsrv: ") and "lpt_packin" in line, line
 
 
+@pytest.mark.parametrize("child", ["worker", "gateway"])
+def test_a_tls_file_that_cannot_be_used_stops_the_node_before_it_starts(tmp_path, child):
+    (tmp_path / "repo").mkdir()
+    tls = 'tls_cert_file = "missing.pem"\ntls_key_file = "missing.key"\n'
+    if child == "worker":
+        text = f'model_repo = "repo"\ncpu_workers = 2\n[global.endpoints]\n{tls}'
+    else:
+        (tmp_path / "gateway.toml").write_text(f"[grpc]\n{tls}")
+        text = 'model_repo = "repo"\ncpu_workers = 2\n[gateway]\nfile = "gateway.toml"\n'
+    result = run_node(tmp_path, text, "node")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()  # nothing started, nothing else logged
+    who = "worker worker0" if child == "worker" else "gateway"
+    assert line.startswith(f"rsrv: {who}: a TLS file cannot be used ("), line
+    assert "missing.pem" in line
+
+
 def test_a_taken_admin_port_is_one_line_and_a_failed_start(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

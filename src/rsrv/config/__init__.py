@@ -18,7 +18,7 @@ from ._env import (
     env_variables,
     parse_env_value,
 )
-from ._errors import ConfigError
+from ._errors import ConfigError, unusable_tls
 from ._gateway import (
     GATEWAY_ENV_PREFIX,
     GatewayConfig,
@@ -86,6 +86,7 @@ __all__ = [
     "parse_env_value",
     "plan_node",
     "resolve_worker",
+    "unusable_tls",
     "join_address",
     "split_address",
 ]

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-__all__ = ["ConfigError", "convert", "key_segment"]
+__all__ = ["ConfigError", "convert", "key_segment", "unusable_tls"]
 
 _T = TypeVar("_T")
 
@@ -23,6 +23,14 @@ class ConfigError(ValueError):
     single field, its ``$.path`` or the environment variable's name. It is
     meant to be shown to the operator as is.
     """
+
+
+def unusable_tls(files: dict[str, str | None], error: Exception, who: str = "") -> ConfigError:
+    """The error for TLS ``files`` (setting -> path) that cannot be read or used, naming
+    those that are set; ``who`` (e.g. "worker gpu0") leads the message."""
+    named = ", ".join(f"{key} = {path}" for key, path in files.items() if path)
+    lead = f"{who}: " if who else ""
+    return ConfigError(f"{lead}a TLS file cannot be used ({named}): {error}")
 
 
 def key_segment(key: str) -> str:

@@ -256,6 +256,16 @@ class GatewayConfig(_Strict):
         """Each endpoint's name: ``worker_names[i]``, else the address."""
         return list(self.worker_names) or list(self.endpoints)
 
+    def tls_files(self) -> dict[str, str | None]:
+        """The TLS settings (serving clients, calling workers), by their names in the
+        gateway file."""
+        server = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+        client = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+        return {
+            **{f"grpc.{key}": getattr(self.grpc, key) for key in server},
+            **{f"worker_client.{key}": getattr(self.worker_client, key) for key in client},
+        }
+
 
 _SECTIONS = {
     "listen": ListenConfig,

@@ -304,6 +304,11 @@ class EndpointsConfig(_Strict):
         _doc("Protocols that need a header; unlisted protocols stay open."),
     ] = []
 
+    def tls_files(self) -> dict[str, str | None]:
+        """The TLS settings, by their names in the node file."""
+        keys = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+        return {f"endpoints.{key}": getattr(self, key) for key in keys}
+
 
 class LoggingConfig(_Strict):
     """What the worker logs, and how."""

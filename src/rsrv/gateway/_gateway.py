@@ -21,7 +21,7 @@ import ssl
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.config import ConfigError, GatewayConfig, join_address, split_address
+from rsrv.config import GatewayConfig, join_address, split_address, unusable_tls
 from rsrv.gateway._admin import serve_gateway_admin
 from rsrv.gateway._control import GatewayControl
 from rsrv.gateway._discovery import Discovery
@@ -31,11 +31,7 @@ from rsrv.gateway._scheduling import Scheduling
 from rsrv.gateway._services import CONTROL, GatewayServices
 from rsrv.protocol import Admission, HealthService, grpc_status, grpc_trailers, guard
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
-from rsrv.transport import (
-    ClientLimits,
-    GrpcServer,
-    open_channel,
-)
+from rsrv.transport import ClientLimits, GrpcServer, client_tls_context, open_channel
 
 __all__ = ["Gateway"]
 
@@ -46,10 +42,7 @@ def _worker_tls(config: GatewayConfig) -> ssl.SSLContext | None:
     client = config.worker_client
     if client.tls_ca_file is None:
         return None
-    context = ssl.create_default_context(cafile=client.tls_ca_file)
-    if client.tls_cert_file is not None:
-        context.load_cert_chain(client.tls_cert_file, client.tls_key_file)
-    return context
+    return client_tls_context(client.tls_ca_file, client.tls_cert_file, client.tls_key_file)
 
 
 class Gateway:
@@ -113,17 +106,7 @@ class Gateway:
             )
             worker_tls = _worker_tls(config)
         except (OSError, ssl.SSLError) as e:
-            server, client = config.grpc, config.worker_client
-            files = {
-                "grpc.tls_cert_file": server.tls_cert_file,
-                "grpc.tls_key_file": server.tls_key_file,
-                "grpc.tls_client_ca_file": server.tls_client_ca_file,
-                "worker_client.tls_ca_file": client.tls_ca_file,
-                "worker_client.tls_cert_file": client.tls_cert_file,
-                "worker_client.tls_key_file": client.tls_key_file,
-            }
-            named = ", ".join(f"{key} = {path}" for key, path in files.items() if path)
-            raise ConfigError(f"a TLS file cannot be used ({named}): {e}") from None
+            raise unusable_tls(config.tls_files(), e) from None
         limits = ClientLimits(
             max_concurrent_streams=config.worker_client.max_concurrent_streams,
             max_send_message_bytes=grpc.max_message_bytes,

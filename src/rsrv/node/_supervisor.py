@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -29,18 +31,21 @@ from rsrv.config import (
     GATEWAY_ENV_PREFIX,
     GPUS_VARIABLE,
     ConfigError,
+    GatewayConfig,
     NodePlan,
     WorkerConfig,
     join_address,
     load_gateway,
     load_node,
     plan_node,
+    unusable_tls,
 )
 from rsrv.lifeline import first_error
 from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
 from rsrv.node._output import OutputSink, SinkStream, standard_output
+from rsrv.transport import client_tls_context, server_tls_context
 
 __all__ = ["Supervisor", "node_main"]
 
@@ -277,6 +282,31 @@ class Supervisor:
                     nursery.start_soon(child.stop)
 
 
+def check_tls(plan: NodePlan, gateway: GatewayConfig | None) -> None:
+    """Build the TLS contexts the children will build, so that a file that cannot be
+    read or used stops the node before it starts anything. Raises ConfigError."""
+
+    def build(who: str, files: dict[str, str | None], make: Callable, *paths) -> None:
+        try:
+            make(*paths)
+        except (OSError, ssl.SSLError) as e:
+            raise unusable_tls(files, e, who) from None
+
+    for worker in plan.workers:
+        ep = worker.endpoints
+        if ep.tls_cert_file is not None:
+            paths = (ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file)
+            build(f"worker {worker.name}", ep.tls_files(), server_tls_context, *paths)
+    if gateway is not None:
+        server, client = gateway.grpc, gateway.worker_client
+        if server.tls_cert_file is not None:
+            paths = (server.tls_cert_file, server.tls_key_file, server.tls_client_ca_file)
+            build("gateway", gateway.tls_files(), server_tls_context, *paths)
+        if client.tls_ca_file is not None:
+            paths = (client.tls_ca_file, client.tls_cert_file, client.tls_key_file)
+            build("gateway", gateway.tls_files(), client_tls_context, *paths)
+
+
 def node_main(node_file: str | None) -> int:
     """Entry point of ``rsrv node``: plan the node, then supervise it under trio."""
     try:
@@ -285,10 +315,13 @@ def node_main(node_file: str | None) -> int:
         check_node_ports(plan)
         env = dict(os.environ)
         specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
+        gateway_config = None
         if plan.gateway:
             gateway = gateway_spec(plan, env)
-            load_gateway(plan.gateway_file, gateway.env)  # its checks, before anything starts
+            # its checks, before anything starts
+            gateway_config = load_gateway(plan.gateway_file, gateway.env)
             specs.append(gateway)
+        check_tls(plan, gateway_config)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2

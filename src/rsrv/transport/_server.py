@@ -370,3 +370,15 @@ def server_tls_context(
         context.load_verify_locations(client_ca_file)
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def client_tls_context(
+    ca_file: str, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext:
+    """A TLS context for calling a server whose certificate ``ca_file`` signed (and
+    presenting ``cert_file`` with ``key_file``, for mutual TLS). Raises OSError /
+    ssl.SSLError when a file cannot be read or used."""
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert_file is not None:
+        context.load_cert_chain(cert_file, key_file)
+    return context

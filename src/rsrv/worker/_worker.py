@@ -16,7 +16,7 @@ import msgspec
 import trio
 
 from rsrv.bundle import Bundle, discover, load_bundle, model_versions, version_policy_of
-from rsrv.config import ConfigError, ModelSchedConfig, WorkerConfig
+from rsrv.config import ConfigError, ModelSchedConfig, WorkerConfig, unusable_tls
 from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol import (
     Admission,
@@ -152,12 +152,7 @@ class Worker:
                 trailers_of=grpc_trailers,
             )
         except (OSError, ssl.SSLError) as e:
-            files = ", ".join(
-                f"endpoints.{key} = {path}"
-                for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
-                if (path := getattr(ep, key))
-            )
-            raise ConfigError(f"a TLS file cannot be used ({files}): {e}") from None
+            raise unusable_tls(ep.tls_files(), e) from None
 
     # -- facts the protocol reports ---------------------------------------------------
 
