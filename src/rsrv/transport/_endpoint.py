@@ -27,6 +27,10 @@ import trio
 from rsrv.transport import _frames as F
 
 CONNECTION_WINDOW = 2**30  # what the connection-level receive window is raised to
+#: The largest stream window advertised: a stream whose handler does not read holds up
+#: to its window unacknowledged, so it takes several such streams, not one or two, to
+#: exhaust the connection's window and hold up every other call on it.
+MAX_STREAM_WINDOW = CONNECTION_WINDOW // 8
 MAX_FRAME = 2**24 - 1  # the largest frame we accept
 MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
 MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
@@ -42,14 +46,15 @@ class Http2Endpoint:
     """Protocol state and I/O of one HTTP/2 connection, either side.
 
     ``streams`` maps open stream ids to their stream objects. ``stream_window`` is the
-    per-stream receive window we advertise (SETTINGS_INITIAL_WINDOW_SIZE).
+    per-stream receive window we advertise (SETTINGS_INITIAL_WINDOW_SIZE), at most
+    MAX_STREAM_WINDOW.
     """
 
     def __init__(self, stream: trio.abc.Stream, stream_window: int, parse=None):
         self.stream = stream
         self.streams: dict[int, Any] = {}
         # what we told the peer, and what we owe it
-        self.stream_window = stream_window
+        self.stream_window = min(stream_window, MAX_STREAM_WINDOW)
         self._recv_window = CONNECTION_WINDOW  # connection-level, left before WINDOW_UPDATE
         self._recv_unacked = 0
         # what the peer told us
@@ -352,11 +357,13 @@ class Http2Endpoint:
 
     def acknowledge(self, stream, flow: int) -> None:
         """``flow`` received bytes were consumed: give them back to the peer (a
-        WINDOW_UPDATE once half a window is owed; on the stream too while it is open)."""
+        WINDOW_UPDATE once half the stream's window is owed, on the stream while it is
+        open; on the connection once a sixteenth of its window is, so that little of it
+        sits acknowledged but not given back)."""
         if not flow:
             return
         self._recv_unacked += flow
-        if self._recv_unacked >= CONNECTION_WINDOW // 2:
+        if self._recv_unacked >= CONNECTION_WINDOW // 16:
             self._out.append(F.window_update(0, self._recv_unacked))
             self._recv_window += self._recv_unacked
             self._recv_unacked = 0

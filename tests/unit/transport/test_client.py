@@ -447,3 +447,35 @@ async def test_a_long_status_message_is_cut_and_fails_only_its_call():
     assert failed.message.startswith("é é ") and failed.message.endswith(" ...")
     assert len(failed.message) < 2000 and "\ufffd" not in failed.message  # whole characters
     assert results["beside"].ok and channel.opened == 1
+
+
+async def test_streams_that_nobody_reads_leave_room_for_the_calls_beside_them(monkeypatch):
+    """Three bidirectional calls whose responses are not read, and whose handlers then
+    stop reading too, on the one connection of a channel: each holds at most a stream
+    window (an eighth of the connection's), so a unary call beside them still goes
+    through. (The windows are scaled down: 8 MiB for the connection.)"""
+    from rsrv.transport import _endpoint
+
+    monkeypatch.setattr(_endpoint, "CONNECTION_WINDOW", 8 * MIB)
+    monkeypatch.setattr(_endpoint, "MAX_STREAM_WINDOW", MIB, raising=False)
+    limits = ClientLimits(
+        max_connections=1, max_send_message_bytes=4 * MIB, max_receive_message_bytes=4 * MIB
+    )
+    async with (
+        echo_server(limits=TransportLimits(max_message_bytes=4 * MIB)) as echo,
+        open_channel("127.0.0.1", echo.port, limits=limits) as channel,
+    ):
+
+        async def stalled():
+            async with channel.stream(STREAM) as call:
+                while True:
+                    await call.send(bytes(256 * 1024))  # until flow control stops it
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(stalled)
+            await trio.sleep(0.5)
+            with trio.fail_after(10):
+                result = await channel.unary(UNARY, bytes(2 * MIB))
+            nursery.cancel_scope.cancel()
+    assert result.ok and len(result.response) == 2 * MIB and channel.opened == 1
