@@ -322,8 +322,8 @@ def load_gateway(
     """Read and check a gateway file (None: defaults only), with ``INFERENCE_GATEWAY_*``
     overrides from ``env`` applied over it. Checks: at least one endpoint, no endpoint
     twice, ``worker_names`` (when given) one per endpoint and unique, a per-model
-    ``fill_mode`` or ``replicas`` well formed. Raises ConfigError naming the file, the
-    key or the variable."""
+    ``fill_mode`` or ``replicas`` well formed, TLS settings that go together. Raises
+    ConfigError naming the file, the key or the variable."""
     where = "<gateway defaults>" if path is None else os.fspath(path)
     raw: dict[str, Any] = {} if path is None else read_document(Path(where))
     if not isinstance(raw, dict):
@@ -362,9 +362,13 @@ def load_gateway(
     grpc = config.grpc
     if (grpc.tls_cert_file is None) != (grpc.tls_key_file is None):
         raise ConfigError(f"{where}: grpc.tls_cert_file and tls_key_file go together")
+    if grpc.tls_client_ca_file is not None and grpc.tls_cert_file is None:
+        raise ConfigError(f"{where}: grpc.tls_client_ca_file needs tls_cert_file and tls_key_file")
     client = config.worker_client
     if (client.tls_cert_file is None) != (client.tls_key_file is None):
         raise ConfigError(f"{where}: worker_client.tls_cert_file and tls_key_file go together")
+    if client.tls_cert_file is not None and client.tls_ca_file is None:
+        raise ConfigError(f"{where}: worker_client.tls_cert_file needs tls_ca_file")
     return config
 
 

@@ -31,7 +31,13 @@ from rsrv.gateway._scheduling import Scheduling
 from rsrv.gateway._services import CONTROL, GatewayServices
 from rsrv.protocol import Admission, HealthService, grpc_status, grpc_trailers, guard
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
-from rsrv.transport import ClientLimits, GrpcServer, client_tls_context, open_channel
+from rsrv.transport import (
+    TLS_ERRORS,
+    ClientLimits,
+    GrpcServer,
+    client_tls_context,
+    open_channel,
+)
 
 __all__ = ["Gateway"]
 
@@ -105,7 +111,7 @@ class Gateway:
                 trailers_of=grpc_trailers,
             )
             worker_tls = _worker_tls(config)
-        except (OSError, ssl.SSLError) as e:
+        except TLS_ERRORS as e:
             raise unusable_tls(config.tls_files(), e) from None
         limits = ClientLimits(
             max_concurrent_streams=config.worker_client.max_concurrent_streams,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import ssl
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +44,7 @@ from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
 from rsrv.node._output import OutputSink, SinkStream, standard_output
-from rsrv.transport import client_tls_context, server_tls_context
+from rsrv.transport import TLS_ERRORS, client_tls_context, server_tls_context
 
 __all__ = ["Supervisor", "node_main"]
 
@@ -289,7 +288,7 @@ def check_tls(plan: NodePlan, gateway: GatewayConfig | None) -> None:
     def build(who: str, files: dict[str, str | None], make: Callable, *paths) -> None:
         try:
             make(*paths)
-        except (OSError, ssl.SSLError) as e:
+        except TLS_ERRORS as e:
             raise unusable_tls(files, e, who) from None
 
     for worker in plan.workers:

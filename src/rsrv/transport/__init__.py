@@ -27,6 +27,7 @@ from rsrv.transport._channel import (
 from rsrv.transport._client_stream import CallEnded, MessageTooLarge
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
+    TLS_ERRORS,
     GrpcServer,
     ListenSettings,
     Method,
@@ -39,6 +40,7 @@ from rsrv.transport._server import (
 )
 
 __all__ = [
+    "TLS_ERRORS",
     "CallEnded",
     "Channel",
     "ClientLimits",

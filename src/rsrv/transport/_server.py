@@ -360,11 +360,12 @@ def server_tls_context(
     """A TLS context for the gRPC endpoint (HTTP/2 by ALPN, TLS 1.2 or newer).
 
     With ``client_ca_file``, clients must present a certificate signed by that CA
-    (mutual TLS). Raises OSError / ssl.SSLError when a file cannot be read or used.
+    (mutual TLS). Raises OSError / ssl.SSLError / ValueError when a file cannot be read
+    or used (an encrypted key included: nobody is there to type its passphrase).
     """
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(cert_file, key_file)
+    context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
     context.set_alpn_protocols(["h2"])
     if client_ca_file:
         context.load_verify_locations(client_ca_file)
@@ -377,8 +378,19 @@ def client_tls_context(
 ) -> ssl.SSLContext:
     """A TLS context for calling a server whose certificate ``ca_file`` signed (and
     presenting ``cert_file`` with ``key_file``, for mutual TLS). Raises OSError /
-    ssl.SSLError when a file cannot be read or used."""
+    ssl.SSLError / ValueError when a file cannot be read or used (an encrypted key
+    included)."""
     context = ssl.create_default_context(cafile=ca_file)
     if cert_file is not None:
-        context.load_cert_chain(cert_file, key_file)
+        context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
     return context
+
+
+def _no_passphrase() -> bytes:
+    """OpenSSL's passphrase prompt for an encrypted key, answered: there is no terminal
+    to type it on (a supervised process), so the key must be unencrypted."""
+    raise ValueError("the private key is encrypted; give an unencrypted key")
+
+
+#: What building a TLS context raises for a file that cannot be read or used.
+TLS_ERRORS = (OSError, ssl.SSLError, ValueError)

@@ -8,7 +8,6 @@ loads run in it too. Cancelling the nursery is shutdown; no task or thread outli
 from __future__ import annotations
 
 import logging
-import ssl
 import uuid
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from rsrv.runtime import (
 )
 from rsrv.runtime import device as default_device
 from rsrv.scheduler import Scheduler
-from rsrv.transport import GrpcServer, methods_of
+from rsrv.transport import TLS_ERRORS, GrpcServer, methods_of
 from rsrv.versions import DEFAULT_POLICY, VersionPolicy
 from rsrv.worker import _files as files_override
 from rsrv.worker import _reporting as reporting
@@ -151,7 +150,7 @@ class Worker:
                 status_of=grpc_status,
                 trailers_of=grpc_trailers,
             )
-        except (OSError, ssl.SSLError) as e:
+        except TLS_ERRORS as e:
             raise unusable_tls(ep.tls_files(), e) from None
 
     # -- facts the protocol reports ---------------------------------------------------

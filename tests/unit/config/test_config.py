@@ -560,6 +560,22 @@ def test_the_gateway_logs_its_configuration_without_the_workers_key(tmp_path):
     assert "s3cret" not in str(data)
 
 
+@pytest.mark.parametrize(
+    ("tls", "needle"),
+    [
+        ('[grpc]\ntls_client_ca_file = "ca.pem"', "grpc.tls_client_ca_file needs tls_cert_file"),
+        (
+            '[worker_client]\ntls_cert_file = "c.pem"\ntls_key_file = "k.pem"',
+            "worker_client.tls_cert_file needs tls_ca_file",
+        ),
+    ],
+)
+def test_gateway_tls_settings_that_would_be_ignored_are_refused(tmp_path, tls, needle):
+    path = write(tmp_path, "gateway.toml", f'endpoints = ["127.0.0.1:8101"]\n{tls}\n')
+    with pytest.raises(ConfigError, match=needle):
+        load_gateway(path, env={})
+
+
 def test_a_gateway_file_turns_admin_http_off_with_none(tmp_path):
     path = write(
         tmp_path, "gateway.toml", 'endpoints = ["127.0.0.1:8101"]\n[listen]\nmetrics = "none"\n'

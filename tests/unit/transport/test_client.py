@@ -29,11 +29,13 @@ from support.echo import (
 )
 
 from rsrv.transport import (
+    TLS_ERRORS,
     CallEnded,
     Channel,
     ClientLimits,
     MessageTooLarge,
     TransportLimits,
+    client_tls_context,
     grpc_timeout,
     open_channel,
     server_tls_context,
@@ -479,3 +481,30 @@ async def test_streams_that_nobody_reads_leave_room_for_the_calls_beside_them(mo
                 result = await channel.unary(UNARY, bytes(2 * MIB))
             nursery.cancel_scope.cancel()
     assert result.ok and len(result.response) == 2 * MIB and channel.opened == 1
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_an_encrypted_key_is_refused_without_asking_for_its_passphrase(tmp_path, side):
+    """Nobody is there to type it (a supervised process, no terminal): OpenSSL's prompt
+    is answered with an error that says what is wrong."""
+    from cryptography.hazmat.primitives import serialization
+
+    ca = trustme.CA()
+    issued = ca.issue_cert("localhost")
+    issued.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    key = serialization.load_pem_private_key(issued.private_key_pem.bytes(), None)
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    cert, key_file = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    with pytest.raises(TLS_ERRORS) as info:
+        if side == "server":
+            server_tls_context(cert, key_file)
+        else:
+            client_tls_context(str(tmp_path / "ca.pem"), cert, key_file)
+    assert "encrypted" in str(info.value)
