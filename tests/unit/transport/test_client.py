@@ -442,7 +442,7 @@ async def test_a_long_status_message_is_cut_and_fails_only_its_call():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(beside)
-            await wait_for(lambda: echo.server.connections and channel.connections[0].streams)
+            await wait_for(lambda: channel.connections and channel.connections[0].streams)
             results["failed"] = await channel.unary(FAIL, b"3:" + "é ".encode() * 8000)
     failed = results["failed"]
     assert failed.status == StatusCode.INVALID_ARGUMENT
