@@ -149,6 +149,7 @@ async def gateway_follows_dns(port: int) -> None:
             resolver.names["workers.test"] = ["127.0.0.2"]
             await wait_for({two}, {two})
             # What was kept of the worker that left is dropped (its metric series too).
+            routed = gateway.forwarder.counters.routed
             assert not [key for key in routed if key[0] == one]
             assert gateway.scheduler.ledger.routed("lin", one) == 0
             assert gateway.fleet.routes["lin"] == (two,)

@@ -116,6 +116,8 @@ class WorkerLink:
     inflight: int = 0  # calls the gateway has open on it
     leaving: Any = None  # a trio.Event set when the worker leaves the fleet
     unreachable_marks: int = 0  # times a call found it unreachable (mark_unreachable)
+    routed: dict[str, int] = field(default_factory=dict)  # calls sent to it, by status
+    failovers: dict[str, int] = field(default_factory=dict)  # calls moved on from it
 
     @property
     def serving(self) -> frozenset[str]:

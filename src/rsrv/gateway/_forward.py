@@ -70,20 +70,15 @@ def forwarded_headers(metadata: Mapping[str, str]) -> tuple[tuple[str, str], ...
 
 @dataclass
 class ForwardCounters:
-    """What the gateway's metrics report about forwarded calls."""
+    """What the gateway's metrics report about forwarded calls, by (worker, status), of
+    the workers in the fleet (each worker keeps its own counts: they leave with it)."""
 
-    routed: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, status)
-    failovers: dict[tuple[str, str], int] = field(default_factory=dict)  # (worker, status)
+    routed: dict[tuple[str, str], int] = field(default_factory=dict)
+    failovers: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def count(self, table: dict[tuple[str, str], int], worker: str, status: StatusCode) -> None:
-        key = (worker, status.name)
-        table[key] = table.get(key, 0) + 1
 
-    def forget_worker(self, worker: str) -> None:
-        """``worker`` left the fleet (DNS): its series leave /metrics."""
-        for table in (self.routed, self.failovers):
-            for key in [k for k in table if k[0] == worker]:
-                del table[key]
+def _count(table: dict[str, int], status: StatusCode) -> None:
+    table[status.name] = table.get(status.name, 0) + 1
 
 
 class Forwarder:
@@ -103,8 +98,15 @@ class Forwarder:
         self.router = router
         self.request_timeout = request_timeout
         self.headers = tuple(headers)  # the gateway's own calls (fan-outs)
-        self.counters = ForwardCounters()
         self._rotation = 0
+
+    @property
+    def counters(self) -> ForwardCounters:
+        workers = self.fleet.workers
+        return ForwardCounters(
+            routed={(w.name, s): n for w in workers for s, n in w.routed.items()},
+            failovers={(w.name, s): n for w in workers for s, n in w.failovers.items()},
+        )
 
     # -- one call to one worker -------------------------------------------------------
 
@@ -212,7 +214,7 @@ class Forwarder:
         UNAVAILABLE carries a retry pushback."""
         headers = forwarded_headers(metadata)
         last: CallResult | None = None
-        last_name = ""
+        last_worker: WorkerLink | None = None
         reached = False  # some worker may have processed it
         for name in order:
             worker = self.fleet.by_name.get(name)
@@ -221,20 +223,18 @@ class Forwarder:
             if not worker.ready and last is not None:
                 continue  # found down since routing: try it only if nothing else answered
             if last is not None:
-                if last_name in self.fleet.by_name:  # (not after it left the fleet)
-                    self.counters.count(self.counters.failovers, last_name, last.status)
+                _count(last_worker.failovers, last.status)
                 if on_failover is not None:
                     on_failover(name)  # the work in flight is now on this worker
             result = await self.call(worker, path, body, headers, deadline)
-            if self.fleet.by_name.get(name) is worker:  # (it may have left meanwhile)
-                self.counters.count(self.counters.routed, name, result.status)
+            _count(worker.routed, result.status)
             if result.status == StatusCode.OK and result.response is not None:
                 return result.response
             if result.status not in FAILOVER:
                 raise Relayed(result.status, result.message)
             if result.status == StatusCode.NOT_FOUND:
                 self.discovery.stale()  # its index may be stale
-            last, last_name = result, name
+            last, last_worker = result, worker
             # (a worker's own pushback: it refused the call before processing it)
             reached |= result.reached_server and pushback_of(result.trailers) is None
         if last is None:

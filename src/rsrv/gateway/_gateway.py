@@ -222,12 +222,7 @@ class Gateway:
         for name in sorted(current - found.keys()):
             log.info("worker %s left (no longer in DNS)", name)
             self.fleet.remove(name).leaving.set()
-            for part in (
-                self.discovery,
-                self.scheduler,
-                self.services.catchup,
-                self.forwarder.counters,
-            ):
+            for part in (self.discovery, self.scheduler, self.services.catchup):
                 part.forget_worker(name)
         for name in sorted(found.keys() - current):
             host, port = found[name]
