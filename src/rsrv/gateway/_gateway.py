@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import ssl
 
 import trio
 from purerpc.grpclib.status import StatusCode
@@ -35,20 +34,13 @@ from rsrv.transport import (
     TLS_ERRORS,
     ClientLimits,
     GrpcServer,
-    client_tls_context,
+    client_tls,
     open_channel,
 )
 
 __all__ = ["Gateway"]
 
 log = logging.getLogger("rsrv.gateway")
-
-
-def _worker_tls(config: GatewayConfig) -> ssl.SSLContext | None:
-    client = config.worker_client
-    if client.tls_ca_file is None:
-        return None
-    return client_tls_context(client.tls_ca_file, client.tls_cert_file, client.tls_key_file)
 
 
 class Gateway:
@@ -110,7 +102,7 @@ class Gateway:
                 status_of=grpc_status,
                 trailers_of=grpc_trailers,
             )
-            worker_tls = _worker_tls(config)
+            worker_tls = client_tls(config.worker_client)
         except TLS_ERRORS as e:
             raise unusable_tls(config.tls_files(), e) from None
         limits = ClientLimits(

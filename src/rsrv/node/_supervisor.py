@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -44,7 +43,7 @@ from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
 from rsrv.node._output import OutputSink, SinkStream, standard_output
-from rsrv.transport import TLS_ERRORS, client_tls_context, server_tls_context
+from rsrv.transport import TLS_ERRORS, client_tls, server_tls
 
 __all__ = ["Supervisor", "node_main"]
 
@@ -284,26 +283,17 @@ class Supervisor:
 def check_tls(plan: NodePlan, gateway: GatewayConfig | None) -> None:
     """Build the TLS contexts the children will build, so that a file that cannot be
     read or used stops the node before it starts anything. Raises ConfigError."""
-
-    def build(who: str, files: dict[str, str | None], make: Callable, *paths) -> None:
-        try:
-            make(*paths)
-        except TLS_ERRORS as e:
-            raise unusable_tls(files, e, who) from None
-
     for worker in plan.workers:
-        ep = worker.endpoints
-        if ep.tls_cert_file is not None:
-            paths = (ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file)
-            build(f"worker {worker.name}", ep.tls_files(), server_tls_context, *paths)
+        try:
+            server_tls(worker.endpoints)
+        except TLS_ERRORS as e:
+            raise unusable_tls(worker.endpoints.tls_files(), e, f"worker {worker.name}") from None
     if gateway is not None:
-        server, client = gateway.grpc, gateway.worker_client
-        if server.tls_cert_file is not None:
-            paths = (server.tls_cert_file, server.tls_key_file, server.tls_client_ca_file)
-            build("gateway", gateway.tls_files(), server_tls_context, *paths)
-        if client.tls_ca_file is not None:
-            paths = (client.tls_ca_file, client.tls_cert_file, client.tls_key_file)
-            build("gateway", gateway.tls_files(), client_tls_context, *paths)
+        try:
+            server_tls(gateway.grpc)
+            client_tls(gateway.worker_client)
+        except TLS_ERRORS as e:
+            raise unusable_tls(gateway.tls_files(), e, "gateway") from None
 
 
 def node_main(node_file: str | None) -> int:

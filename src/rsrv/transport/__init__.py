@@ -32,10 +32,12 @@ from rsrv.transport._server import (
     ListenSettings,
     Method,
     TransportLimits,
+    client_tls,
     client_tls_context,
     default_status,
     methods_of,
     request_decoder,
+    server_tls,
     server_tls_context,
 )
 
@@ -53,11 +55,13 @@ __all__ = [
     "StreamingCall",
     "TransportLimits",
     "UnaryResult",
+    "client_tls",
     "client_tls_context",
     "default_status",
     "grpc_timeout",
     "methods_of",
     "open_channel",
     "request_decoder",
+    "server_tls",
     "server_tls_context",
 ]

@@ -266,7 +266,7 @@ class Channel:
                     raise _Unreachable(f"cannot connect to {where}: {_why(e)}") from None
                 conn = ClientConnection(
                     stream,
-                    stream_window=min(2 * limits.max_receive_message_bytes, F.MAX_WINDOW),
+                    stream_window=2 * limits.max_receive_message_bytes,  # (capped there)
                     max_send=limits.max_send_message_bytes,
                     max_receive=limits.max_receive_message_bytes,
                     on_change=self._on_change,

@@ -269,10 +269,8 @@ class ClientStream:
             await self._wait()
 
     def take_messages(self) -> list[bytes]:
-        messages = list(self._inbox)
+        messages = list(self._inbox)  # (once the call is done: its reader released)
         self._inbox.clear()
-        for message in messages:
-            self._reader.consumed(message)
         return messages
 
     def cancel(self, code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:

@@ -82,7 +82,7 @@ class ServerConnection(Http2Endpoint):
 
     def __init__(self, stream: trio.abc.Stream, server: GrpcServer, peer: str):
         limits = server.limits
-        super().__init__(stream, min(2 * limits.max_message_bytes, F.MAX_WINDOW))
+        super().__init__(stream, 2 * limits.max_message_bytes)  # (the endpoint caps it)
         self.server = server
         self.peer = peer
         self.budget = InflateBudget(limits.max_message_bytes)
@@ -202,12 +202,9 @@ class ServerConnection(Http2Endpoint):
             self._answer(F.rst_stream(sid, F.REFUSED_STREAM))
             return
         if isinstance(headers, F.HeaderListTooLarge):
-            self._refuse(
-                sid,
-                StatusCode.RESOURCE_EXHAUSTED,
-                f"the request's headers are too large: {headers}",
-                bool(flags & F.END_STREAM),
-            )
+            message = f"the request's headers are too large: {headers}"
+            block = trailers_only(StatusCode.RESOURCE_EXHAUSTED, message)
+            self._end_request(sid, block, bool(flags & F.END_STREAM))
             return
         self._on_request(sid, flags, headers)
 
@@ -239,11 +236,18 @@ class ServerConnection(Http2Endpoint):
                 metadata[name.decode("latin-1")] = value.decode("latin-1")
         end = bool(flags & F.END_STREAM)
         if method != b"POST" or not path:
-            self._respond_http(sid, b"405", end)
+            self._end_request(sid, F.header_block([(b":status", b"405")]), end)
             return
         if not (content_type or b"").startswith(b"application/grpc"):
-            self._respond_http(sid, b"415", end)
+            self._end_request(sid, F.header_block([(b":status", b"415")]), end)
             return
+        seconds = math.inf
+        if timeout is not None:
+            seconds = _parse_timeout(timeout)
+            if seconds is None:
+                message = f"malformed grpc-timeout {timeout!r}"
+                self._end_request(sid, trailers_only(StatusCode.INVALID_ARGUMENT, message), end)
+                return
         limits = self.server.limits
         call = ServerCall(self, sid, path.decode("latin-1"), metadata, math.inf)
         call.recv_window = self.stream_window
@@ -255,30 +259,18 @@ class ServerConnection(Http2Endpoint):
         )
         self.streams[sid] = call
         self._idle_since = None
-        if timeout is not None:
-            seconds = _parse_timeout(timeout)
-            if seconds is None:
-                self._answered()
-                call.finish(StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {timeout!r}")
-                call.release()
-                return
+        if seconds != math.inf:
             call.deadline = call.scope.deadline = trio.current_time() + seconds
         if end:
             call._on_end()
         self._nursery.start_soon(self.server._run_call, call)
 
-    def _respond_http(self, sid: int, status: bytes, ended: bool) -> None:
-        """A non-gRPC request: an HTTP status, and the stream is done."""
+    def _end_request(self, sid: int, block: bytes, ended: bool) -> None:
+        """Answer a request refused before it became a call with ``block`` (an HTTP
+        status, or a gRPC trailers-only status): the stream is done (RST_STREAM NO_ERROR
+        stops a client still sending)."""
         self._answered()
-        self.write_headers(sid, F.header_block([(b":status", status)]), end_stream=True)
-        if not ended:
-            self._answer(F.rst_stream(sid, F.NO_ERROR))
-
-    def _refuse(self, sid: int, code: StatusCode, message: str, ended: bool) -> None:
-        """A request refused before it became a call: its gRPC status, and the stream
-        is done."""
-        self._answered()
-        self.write_headers(sid, trailers_only(code, message), end_stream=True)
+        self.write_headers(sid, block, end_stream=True)
         if not ended:
             self._answer(F.rst_stream(sid, F.NO_ERROR))
 

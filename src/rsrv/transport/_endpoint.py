@@ -19,6 +19,7 @@ the read loop answers it with GOAWAY and ends.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -71,7 +72,6 @@ class Http2Endpoint:
         self._writable = trio.lowlevel.ParkingLot()
         # plain TCP: flush() writes straight to the socket (see there)
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
-        self._sending = False  # the writer task is in send_all
         self._shut = False  # the socket is (being) closed: nothing more is written
         self._unsent_answers = 0  # frames _answer queued since the queue was last empty
         # Reading waits while more than this is unsent (None: never; the server's side,
@@ -127,7 +127,7 @@ class Http2Endpoint:
         error code then), or ``_closing`` is set."""
         receive = self.stream.receive_some
         while not self._closing:
-            if self.max_unsent is not None and (self._pending is not None or self._sending):
+            if self.max_unsent is not None and (self._pending is not None or self._writing):
                 await self._unsent_below(self.max_unsent)
             try:
                 data = await receive(RECEIVE_SIZE)
@@ -377,7 +377,6 @@ class Http2Endpoint:
     async def _close_socket(self) -> None:
         """Close the socket, for good: frames queued from now on are dropped."""
         self._shut = True
-        self._fd = None
         self._out.clear()
         await trio.aclose_forcefully(self.stream)
 
@@ -397,7 +396,7 @@ class Http2Endpoint:
         if self._shut:
             self._out.clear()  # the socket is closed: its descriptor may be another's now
             return
-        if self._fd is None or self._sending or self._pending:
+        if self._fd is None or self._writing or self._pending:
             self.wake_writer()
             return
         data = b"".join(self._out)
@@ -426,11 +425,11 @@ class Http2Endpoint:
                 else:
                     data = None
                 if data:
-                    self._sending, self._writing = True, len(data)
+                    self._writing = len(data)
                     try:
                         await send(data)
                     finally:
-                        self._sending, self._writing = False, 0
+                        self._writing = 0
                         self._sent.unpark_all()
                 elif self._closing:
                     return
@@ -442,15 +441,16 @@ class Http2Endpoint:
             self._writer_done.set()
             self._sent.unpark_all()
 
-    def _unsent(self) -> int:
-        """Bytes queued or being written, not yet taken by the socket."""
-        pending = len(self._pending) if self._pending is not None else 0
-        return self._writing + pending + sum(map(len, self._out))
+    def _unsent(self, beyond: float = math.inf) -> int:
+        """Bytes queued or being written, not yet taken by the socket; the queue's
+        frames are summed only while the rest is at most ``beyond``."""
+        unsent = self._writing + (len(self._pending) if self._pending is not None else 0)
+        return unsent if unsent > beyond else unsent + sum(map(len, self._out))
 
     async def _unsent_below(self, limit: int) -> None:
         """Wait (reading nothing) while more than ``limit`` bytes are unsent, until half
         of it is left, or the writer has ended."""
-        if self._unsent() <= limit:
+        if self._unsent(beyond=limit) <= limit:
             return
         while self._unsent() > limit // 2 and not self._writer_done.is_set():
             await self._sent.park()

@@ -170,8 +170,8 @@ class MessageReader:
             if room < self._limit:
                 return MessageError(
                     StatusCode.RESOURCE_EXHAUSTED,
-                    f"decompressed messages of this connection's calls in flight would "
-                    f"exceed {budget.limit} bytes; send fewer compressed messages at once",
+                    f"decompressed messages not yet read by this connection's calls in flight "
+                    f"would exceed {budget.limit} bytes; send fewer compressed messages at once",
                 )
             return _too_large(f"more than {self._limit} (decompressed)", self._limit, self._setting)
         if not inflater.eof or inflater.unused_data:

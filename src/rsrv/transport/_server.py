@@ -152,9 +152,9 @@ class GrpcServer:
         status_of: Callable[[BaseException], tuple[StatusCode, str]] = default_status,
         trailers_of: Callable[[BaseException], Trailers] | None = None,
     ) -> GrpcServer:
-        """A server with the limits and TLS (when a certificate is set) of ``settings``;
-        the TLS handshake must finish within the receive timeout. Raises OSError /
-        ssl.SSLError when a TLS file cannot be read or used."""
+        """A server with the limits and TLS (:func:`server_tls`) of ``settings``; the
+        TLS handshake must finish within the receive timeout. Raises one of TLS_ERRORS
+        when a TLS file cannot be read or used."""
         s = settings
         return cls(
             methods,
@@ -168,9 +168,7 @@ class GrpcServer:
                 handshake_timeout=s.receive_timeout_seconds,
                 idle_timeout=s.idle_connection_seconds,
             ),
-            tls=server_tls_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
-            if s.tls_cert_file
-            else None,
+            tls=server_tls(s),
             status_of=status_of,
             trailers_of=trailers_of,
         )
@@ -384,6 +382,32 @@ def client_tls_context(
     if cert_file is not None:
         context.load_cert_chain(cert_file, key_file, password=_no_passphrase)
     return context
+
+
+class CallerTls(Protocol):
+    """A caller's TLS settings as rsrv's configuration files name them (a gateway's
+    ``worker_client``)."""
+
+    tls_ca_file: str | None
+    tls_cert_file: str | None
+    tls_key_file: str | None
+
+
+def server_tls(settings: ListenSettings) -> ssl.SSLContext | None:
+    """The TLS context of a server's settings (a worker's ``endpoints``, a gateway's
+    ``grpc``); None when no certificate is set. Raises one of TLS_ERRORS."""
+    if not settings.tls_cert_file:
+        return None
+    s = settings
+    return server_tls_context(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+
+
+def client_tls(settings: CallerTls) -> ssl.SSLContext | None:
+    """The TLS context of a caller's settings (a gateway's ``worker_client``); None when
+    no CA is set. Raises one of TLS_ERRORS."""
+    if settings.tls_ca_file is None:
+        return None
+    return client_tls_context(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
 
 
 def _no_passphrase() -> bytes:

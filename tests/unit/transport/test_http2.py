@@ -271,6 +271,13 @@ async def test_malformed_requests_end_their_stream_only():
     assert client.calls == []
     client.send(client.headers(9))  # the connection carries on
     assert [c.id for c in client.calls] == [9]
+    # A malformed grpc-timeout: INVALID_ARGUMENT without a call; a client still sending
+    # is stopped (RST_STREAM NO_ERROR).
+    frames = client.send(client.headers(11, [(b"grpc-timeout", b"soon")]))
+    (block,) = [payload for kind, _, sid, payload in frames if kind == F.HEADERS and sid == 11]
+    trailers = dict(client.decoder.decode(block))
+    assert trailers["grpc-status"] == "3" and "grpc-timeout" in trailers["grpc-message"]
+    assert rst(frames, 11) == F.NO_ERROR and [c.id for c in client.calls] == [9]
 
 
 async def test_response_respects_the_peer_window_and_frame_size():
