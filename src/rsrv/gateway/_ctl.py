@@ -16,7 +16,7 @@ import trio
 from google.protobuf import json_format
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.config import split_address
+from rsrv.config import parse_env_value, split_address
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
 from rsrv.transport import open_channel
 
@@ -77,21 +77,22 @@ def _request(command: str, args: list[str], options: argparse.Namespace):
     )
 
 
-_BOOLEANS = {
-    **dict.fromkeys(("1", "true", "yes", "on"), True),
-    **dict.fromkeys(("0", "false", "no", "off"), False),
-}
-
-
 def _typed(message, key: str, value: str):
+    """``value`` as the type of ``message``'s field ``key``, parsed as the environment's
+    values are (rsrv.config.parse_env_value). Raises ValueError naming the key."""
     field = message.DESCRIPTOR.fields_by_name[key]
     if field.type == field.TYPE_BOOL:
-        word = value.strip().lower()
-        if word not in _BOOLEANS:
-            raise ValueError(f"{key}={value!r}: expected true or false (1/0, yes/no, on/off)")
-        return _BOOLEANS[word]
+        try:
+            return parse_env_value(value, bool)
+        except ValueError:
+            raise ValueError(
+                f"{key}={value!r}: expected true or false (1/0, yes/no, on/off)"
+            ) from None
     if field.type in (field.TYPE_DOUBLE, field.TYPE_FLOAT):
-        return float(value)
+        try:
+            return parse_env_value(value, float)
+        except ValueError as e:
+            raise ValueError(f"{key}={value!r}: {e}") from None
     if field.type in (field.TYPE_INT32, field.TYPE_UINT32, field.TYPE_INT64, field.TYPE_UINT64):
         return -1 if value == "all" else int(value)
     return value

@@ -98,6 +98,7 @@ class Child:
     _down: bool = False  # not restarted when it exits (the node is stopping)
     _process: trio.Process | None = None
     _incarnation: trio.Event | None = None  # set once the process being started has exited
+    _halt: trio.Event | None = None  # the running process's: set, it is stopped
 
     @property
     def name(self) -> str:
@@ -197,6 +198,9 @@ class Child:
         self._process, self.pid = process, process.pid
         self.state, self.ready = ChildState.STARTING, False
         self.timed_out = self.served = False
+        self._halt = halt = trio.Event()  # stop this process (see _terminate_when_told)
+        if self._stop.is_set():
+            halt.set()
         self.started_at = trio.current_time()
         log.info("started %s %s (pid %d)", self.spec.kind, self.name, process.pid)
         try:
@@ -207,10 +211,10 @@ class Child:
                 nursery.start_soon(forward_lines, self.name, process.stderr, stderr)
                 nursery.start_soon(self._follow_status, link)
                 async with trio.open_nursery() as waiting:
-                    waiting.start_soon(self._terminate_once_stopped, process)
+                    waiting.start_soon(self._terminate_when_told, process, halt)
                     # (a worker: a gateway serves only once a worker does)
                     if self.policy.startup_timeout_seconds and self.spec.kind == "worker":
-                        waiting.start_soon(self._stop_unless_serving, process)
+                        waiting.start_soon(self._halt_unless_serving, halt)
                     await process.wait()
                     waiting.cancel_scope.cancel()
                 # Output still in the pipes is forwarded; a descendant holding them
@@ -221,35 +225,34 @@ class Child:
                 process.kill()
                 with trio.CancelScope(shield=True):
                     await process.wait()
-            self._process, self.ready = None, False
+            self._process, self._halt, self.ready = None, None, False
         uptime = trio.current_time() - self.started_at
         self.last_exit = describe_exit(process.returncode)
         log_exit = log.info if self._stop.is_set() and not self.killed else log.warning
         log_exit("%s exited (%s) after %.1f s", self.name, self.last_exit, uptime)
         return process.returncode
 
-    async def _terminate_once_stopped(self, process: trio.Process) -> None:
-        await self._stop.wait()
-        self.state = ChildState.STOPPING
-        if await self._terminate(process):
-            self.killed = True
-
-    async def _terminate(self, process: trio.Process) -> bool:
-        """SIGTERM (its graceful stop), then SIGKILL once ``spec.grace`` has passed;
-        True when it had to be killed."""
+    async def _terminate_when_told(self, process: trio.Process, halt: trio.Event) -> None:
+        """Once ``halt`` is set (the node's stop, or the start-up timeout: one path, one
+        SIGTERM): SIGTERM, its graceful stop, then SIGKILL once ``spec.grace`` has
+        passed (``killed`` when the node's stop had to)."""
+        await halt.wait()
+        if self._stop.is_set():
+            self.state = ChildState.STOPPING
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.spec.grace):
             await process.wait()
-            return False
+            return
         log.warning("%s still running %.1f s after SIGTERM: killing it", self.name, self.spec.grace)
+        if self._stop.is_set():
+            self.killed = True
         process.kill()
-        return True
 
-    async def _stop_unless_serving(self, process: trio.Process) -> None:
-        """Stop the process if it has not served within startup_timeout_seconds."""
+    async def _halt_unless_serving(self, halt: trio.Event) -> None:
+        """Set ``halt`` if the child has not served within startup_timeout_seconds."""
         timeout = self.policy.startup_timeout_seconds
         await trio.sleep(timeout)
-        if self.state is ChildState.STARTING and not self._stop.is_set():
+        if self.state is ChildState.STARTING and not halt.is_set():
             log.error(
                 "%s is not serving %g s after it started (supervisor.startup_timeout_seconds): "
                 "stopping it",
@@ -257,8 +260,7 @@ class Child:
                 timeout,
             )
             self.timed_out = True
-            if await self._terminate(process) and self._stop.is_set():
-                self.killed = True  # (the node's stop came meanwhile: it had to kill it)
+            halt.set()
 
     async def _follow_status(self, link: socket.socket) -> None:
         async with trio.SocketStream(trio.socket.from_stdlib_socket(link)) as stream:
@@ -280,5 +282,7 @@ class Child:
         being started when this was called included; a child waiting to be restarted is
         not restarted."""
         self._stop.set()
+        if self._halt is not None:
+            self._halt.set()
         if self._incarnation is not None:
             await self._incarnation.wait()
