@@ -261,14 +261,11 @@ class GatewayServices:
             call.path, body, call.metadata, call.deadline, workers=serving
         )
         answers = merge_each(results, pb.ModelStatisticsResponse.FromString)
-        failed = {
-            n: r
-            for n, r in results.items()
-            if r.status not in (StatusCode.OK, StatusCode.NOT_FOUND)
-        }
-        if failed:  # (sums that leave a worker out would go down, and back up, between reads)
-            name = min(failed)
-            raise Relayed(failed[name].status, f"worker {name}: {failed[name].message}")
+        # Any failure but NOT_FOUND fails the call: sums that left a worker out would go
+        # down, and back up, between reads.
+        found = {n: r for n, r in results.items() if r.status != StatusCode.NOT_FOUND}
+        if (failure := first_failure(found)) is not None:
+            raise failure
         if not answers:
             raise first_failure(results) or NotFound("no worker has statistics")
         return sum_statistics(answers).SerializeToString()
