@@ -40,6 +40,7 @@ async def test_a_client_whose_open_failed_can_be_entered_again():
             scope.cancel()  # the open is cancelled
             async with client:
                 pass
+        assert scope.cancelled_caught  # the open was cut short
         async with client:
             assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"
 

@@ -62,15 +62,18 @@ async def test_output_to_a_closed_pipe_is_read_and_dropped():
     send, receive = trio.testing.memory_stream_one_way_pair()
     read_end, write_end = os.pipe()
     os.close(read_end)
+    sink = OutputSink(write_end, "out")
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(forward_lines, "w", receive, OutputSink(write_end, "out"))
-            for _ in range(3):
-                await send.send_all(b"line\n" * 1000)
-                await trio.testing.wait_all_tasks_blocked()
-            await send.aclose()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(forward_lines, "w", receive, sink)
+                for _ in range(3):
+                    await send.send_all(b"line\n" * 1000)
+                    await trio.testing.wait_all_tasks_blocked()
+                await send.aclose()  # forward_lines reads to the end and returns
     finally:
         os.close(write_end)
+    assert not sink.open  # (the closed pipe was seen: later lines are dropped)
 
 
 async def test_a_reader_that_stops_reading_holds_the_supervisor_up_nowhere(caplog):
@@ -194,7 +197,7 @@ async def test_a_fatal_exit_is_not_restarted(tmp_path):
 
 #: A child's script that reports ready on its supervisor link.
 REPORT_READY = (
-    "import os, socket; socket.socket(fileno=int(os.environ['RSRV_SUPERVISOR_FD']))"
+    f"import os, socket; socket.socket(fileno=int(os.environ[{LINK_FD_VARIABLE!r}]))"
     '.sendall(b\'{"ready": true, "port": 1}\\n\'); '
 )
 
@@ -228,14 +231,17 @@ async def test_a_child_that_never_serves_is_not_stable_however_long_it_runs(tmp_
 async def test_a_child_serving_in_time_is_left_alone_and_a_gateway_is_not_timed(tmp_path):
     """The start-up timeout stops a worker that is not serving, not one that is, nor a
     gateway (which serves only once a worker does)."""
-    policy = SupervisorConfig(startup_timeout_seconds=0.3)
+    policy = SupervisorConfig(startup_timeout_seconds=2.0)
     serving = child(REPORT_READY + "import time; time.sleep(60)", policy, [])
     gateway = child("import time; time.sleep(60)", policy, [])
     gateway.spec = dataclasses.replace(gateway.spec, kind="gateway")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serving.run)
         nursery.start_soon(gateway.run)
-        await trio.sleep(1.0)
+        with trio.fail_after(30):
+            while serving.state is not ChildState.SERVING:
+                await trio.sleep(0.01)
+        await trio.sleep(2.5)  # past the timeout
         assert serving.state is ChildState.SERVING and not serving.timed_out
         assert gateway.state is ChildState.STARTING and not gateway.timed_out
         nursery.start_soon(serving.stop)
@@ -267,9 +273,9 @@ async def test_a_child_kept_down_is_not_restarted_and_kill_is_at_once(tmp_path):
         f"open({str(up)!r}, 'w').close(); time.sleep(60)"
     )
     c = child(ignoring, SupervisorConfig(), [], grace=60)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(c.run)
-        with trio.fail_after(30):
+    with trio.fail_after(30):  # well within the 60 s grace: the kill is at once
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(c.run)
             while not up.exists():
                 await trio.sleep(0.01)
             nursery.start_soon(c.stop)

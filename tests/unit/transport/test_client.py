@@ -459,7 +459,7 @@ async def test_streams_that_nobody_reads_leave_room_for_the_calls_beside_them(mo
     from rsrv.transport import _endpoint
 
     monkeypatch.setattr(_endpoint, "CONNECTION_WINDOW", 8 * MIB)
-    monkeypatch.setattr(_endpoint, "MAX_STREAM_WINDOW", MIB, raising=False)
+    monkeypatch.setattr(_endpoint, "MAX_STREAM_WINDOW", MIB)
     limits = ClientLimits(
         max_connections=1, max_send_message_bytes=4 * MIB, max_receive_message_bytes=4 * MIB
     )

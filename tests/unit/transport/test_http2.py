@@ -384,7 +384,7 @@ async def test_a_client_that_sends_and_never_reads_holds_a_bounded_output():
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", port))
-            s.settimeout(0.5)
+            s.settimeout(2)  # (a send that waits this long: the server stopped reading)
             encoder = hpack.Encoder()
             message = struct.pack(">?I", False, 1000) + bytes(1000)
             s.sendall(F.PREFACE + F.settings({}))
