@@ -121,8 +121,17 @@ def test_two_cpu_workers_each_answer_on_their_own_port(tmp_path, node):
         with tc.InferenceServerClient(f"127.0.0.1:{port}") as client:
             assert client.is_server_ready()
             assert matches(infer_y(client, "lin", X), 3, X)
-    gateway = Scrape(n.ports["gateway_metrics_port"])
-    assert gateway.value("rsrv_gateway_worker_up", worker="worker1") == 1
+    # The gateway finds worker1 up at its next discovery round (the node saw it serve
+    # on its own link, which can come first).
+    wait_until(
+        lambda: (
+            Scrape(n.ports["gateway_metrics_port"]).value(
+                "rsrv_gateway_worker_up", worker="worker1"
+            )
+            == 1
+        ),
+        what="the gateway to see worker1 up",
+    )
     # The node says it is ready, per child and as a whole.
     assert get(n.metrics_port, "/readyz")[0] == 200
     scrape = Scrape(n.metrics_port)
