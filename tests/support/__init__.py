@@ -20,6 +20,8 @@
 * :mod:`support.channel_bench`: the paired benchmark of rsrv's channel against
   purerpc's client (a script, not a fixture);
 * :mod:`support.scheduler`: a fake executor and submit helpers for the scheduler tests;
+* :mod:`support.gateway`: fake worker links (channels answering from this process) and a
+  client call's envelope, for the gateway's unit tests;
 * :mod:`support.waiting`: :func:`~support.waiting.wait_until`, the one polling loop;
 * :mod:`support.assertions`: ``pytest.raises`` that also checks the message;
 * :mod:`support.allocator`: GPU-shaped allocator statistics, replayed in order, for the

@@ -8,15 +8,15 @@ once no worker can hold it (but not one dropped while a replay ran)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
+from support.gateway import client_call, fleet_of, ok, worker_link
 
 from rsrv.gateway._catchup import CatchUp
-from rsrv.gateway._fleet import Fleet, WorkerLink
-from rsrv.gateway._forward import INFERENCE, Relayed
+from rsrv.gateway._fleet import WorkerLink
+from rsrv.gateway._forward import Relayed
 from rsrv.gateway._services import GatewayServices
 from rsrv.protocol import Admission
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -56,12 +56,7 @@ class FakeWorkers:
     ``sent`` records (method, model or region, worker)."""
 
     def __init__(self, *names: str, delay: float = 0.0, client_delay: float = 0.0):
-        self.fleet = Fleet(
-            [
-                WorkerLink(n, f"127.0.0.1:{i}", "127.0.0.1", i, None, True)
-                for i, n in enumerate(names)
-            ]
-        )
+        self.fleet = fleet_of(*names)
         self.processes = {n: Process() for n in names}
         self.delay, self.client_delay = delay, client_delay
         self.slow: dict[str, float] = {}  # worker -> seconds more it takes to answer
@@ -112,7 +107,7 @@ class FakeWorkers:
             status = cpb.ModelControlStatusResponse(
                 models=[cpb.ModelStatus(name=m, state="READY") for m in models]
             )
-            return UnaryResult(StatusCode.OK, response=status.SerializeToString())
+            return ok(status)
         if method == "RepositoryIndex":
             index = pb.RepositoryIndexResponse(
                 models=[
@@ -121,7 +116,7 @@ class FakeWorkers:
                 ]
             )
             self.sent.append((method, "", name))
-            return UnaryResult(StatusCode.OK, response=index.SerializeToString())
+            return ok(index)
         if method == "SystemSharedMemoryStatus":
             status = pb.SystemSharedMemoryStatusResponse()
             for n, key in process.regions.items():
@@ -129,7 +124,7 @@ class FakeWorkers:
                     pb.SystemSharedMemoryStatusResponse.RegionStatus(name=n, key=key, byte_size=64)
                 )
             self.sent.append((method, "", name))
-            return UnaryResult(StatusCode.OK, response=status.SerializeToString())
+            return ok(status)
         if method == "RepositoryModelLoad":
             what = pb.RepositoryModelLoadRequest.FromString(body).model_name
             process.models.add(what)
@@ -147,7 +142,7 @@ class FakeWorkers:
             raise AssertionError(f"unexpected {method}")
         self.sent.append((method, what, name))
         self.during.pop((method, what), lambda: None)()
-        return UnaryResult(StatusCode.OK, response=b"")
+        return ok(b"")
 
 
 def services_of(fake: FakeWorkers) -> GatewayServices:
@@ -162,10 +157,6 @@ def one_worker(*models: str, delay: float = 0.0) -> tuple[FakeWorkers, CatchUp, 
     for model in models:
         catchup.loaded(model, load(model))
     return fake, catchup, fake.worker("w0")
-
-
-def client_call(method: str) -> SimpleNamespace:
-    return SimpleNamespace(path=INFERENCE + method, metadata={}, deadline=1e9)
 
 
 async def test_a_replay_reads_the_worker_and_survives_changes_made_while_it_runs():
@@ -229,7 +220,7 @@ async def test_a_replay_stops_when_its_worker_goes_away_or_leaves_the_fleet(auto
         nursery.start_soon(catchup.replay, [old])
         await trio.sleep(0.5)
         fake.fleet.remove("w0")  # DNS dropped it, then lists it again: a new link
-        new = WorkerLink("w0", "127.0.0.1:9", "127.0.0.1", 9, None, True, ready=True)
+        new = worker_link("w0", 9, ready=True)
         fake.fleet.add(new)
         nursery.start_soon(catchup.replay, [new])  # not folded into the old link's replay
     assert fake.changes() == [("RepositoryModelLoad", "a", "w0")] * 2  # (one process here)

@@ -9,6 +9,7 @@ import logging
 
 import trio
 from purerpc.grpclib.status import StatusCode
+from support.gateway import ok, worker_link
 
 from rsrv.config import GatewayConfig
 from rsrv.gateway._discovery import CONTROL_STATUS, REPOSITORY_INDEX, SERVER_READY, Discovery
@@ -31,7 +32,7 @@ class ScriptedChannel:
         answer = self.answers[path]
         if isinstance(answer, StatusCode):
             return UnaryResult(answer, f"scripted {answer.name}")
-        return UnaryResult(StatusCode.OK, response=answer.SerializeToString())
+        return ok(answer)
 
 
 def worker_answers(models: list[str], subs: list[str] = (), instance: str = "a") -> dict:
@@ -50,7 +51,7 @@ def worker_answers(models: list[str], subs: list[str] = (), instance: str = "a")
 
 
 def fleet_of(channel: ScriptedChannel) -> tuple[Fleet, WorkerLink, Discovery]:
-    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, channel, True)
+    worker = worker_link("w0", 1, channel)
     fleet = Fleet([worker])
     return fleet, worker, Discovery(fleet, GatewayConfig(endpoints=["127.0.0.1:1"]))
 
@@ -84,7 +85,7 @@ async def test_the_control_status_is_read_again_when_the_index_changes():
 
 async def test_a_mode_that_reads_costs_asks_every_round():
     channel = ScriptedChannel(worker_answers(["lin"]))
-    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, channel, True)
+    worker = worker_link("w0", 1, channel)
     config = GatewayConfig(endpoints=["127.0.0.1:1"])
     discovery = Discovery(Fleet([worker]), config, needs_control=True)
     for _ in range(3):
@@ -162,10 +163,10 @@ async def test_requests_cut_short_while_refreshing_leave_discovery_running(autoj
     channel = ScriptedChannel(worker_answers(["m"]))
     channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=False)
     channel.answers[REPOSITORY_INDEX] = pb.RepositoryIndexResponse()
-    wedged = WorkerLink("wedged", "127.0.0.2:1", "127.0.0.2", 1, HangingChannel(), True)
-    worker = WorkerLink("w0", "127.0.0.1:1", "127.0.0.1", 1, channel, True)
+    wedged = worker_link("wedged", 2, HangingChannel())
+    worker = worker_link("w0", 1, channel)
     fleet = Fleet([wedged, worker])
-    discovery = Discovery(fleet, GatewayConfig(endpoints=["127.0.0.2:1", "127.0.0.1:1"]))
+    discovery = Discovery(fleet, GatewayConfig(endpoints=["127.0.0.1:2", "127.0.0.1:1"]))
     assert discovery.settings.probe_timeout_seconds > 0.9
     async with trio.open_nursery() as nursery:
         await nursery.start(discovery.run)

@@ -6,14 +6,13 @@ carries one."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
+from support.gateway import Answering, discovery_settings, fleet_of, ok
 
 from rsrv.errors import Unavailable
-from rsrv.gateway._fleet import Fleet, WorkerLink
 from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed
 from rsrv.protocol import grpc_trailers
 from rsrv.transport import UnaryResult
@@ -27,26 +26,11 @@ SHUTTING_DOWN = UnaryResult(
 )
 
 
-class Answering:
-    """A worker channel answering every call with ``result``."""
-
-    def __init__(self, result: UnaryResult):
-        self.result = result
-        self.opened = 1
-
-    async def unary(self, path, body, *, metadata=(), timeout=None):
-        return self.result
-
-
 def forwarder(*results: UnaryResult) -> Forwarder:
-    workers = [
-        WorkerLink(f"w{i}", f"h:{i}", "127.0.0.1", i, Answering(r), True, ready=True)
-        for i, r in enumerate(results)
-    ]
-    discovery = SimpleNamespace(
-        settings=SimpleNamespace(interval_seconds=2.0), stale=lambda: None, wake=lambda: None
-    )
-    return Forwarder(Fleet(workers), discovery, router=None, request_timeout=60.0)
+    names = [f"w{i}" for i in range(len(results))]
+    channels = {n: Answering(r) for n, r in zip(names, results, strict=True)}
+    fleet = fleet_of(*names, channels=channels, ready=True)
+    return Forwarder(fleet, discovery_settings(), router=None, request_timeout=60.0)
 
 
 async def forward(f: Forwarder) -> BaseException:
@@ -83,7 +67,7 @@ async def test_no_worker_ready_carries_a_pushback():
 
 
 async def test_failover_skips_a_worker_that_left_the_fleet_meanwhile():
-    f = forwarder(REFUSED, BUSY, UnaryResult(StatusCode.OK, response=b"ok"))
+    f = forwarder(REFUSED, BUSY, ok(b"ok"))
     f.fleet.remove("w1")  # DNS dropped it after the request was routed
     order = ["w0", "w1", "w2"]
     answer = await f.try_in_order(
@@ -101,7 +85,7 @@ async def test_a_call_that_ends_after_its_worker_left_the_fleet_leaves_no_series
             await trio.sleep(1)
             return self.result
 
-    f = forwarder(UnaryResult(StatusCode.OK, response=b"ok"))
+    f = forwarder(ok(b"ok"))
     worker = f.fleet.workers[0]
     worker.channel = Slow(worker.channel.result)
     async with trio.open_nursery() as nursery:
@@ -120,8 +104,8 @@ async def test_a_call_gets_the_clients_deadline_up_to_the_request_timeout(autoju
             timeouts.append(timeout)
             return self.result
 
-    f = forwarder(UnaryResult(StatusCode.OK, response=b"ok"))
-    f.fleet.workers[0].channel = Recording(UnaryResult(StatusCode.OK, response=b"ok"))
+    f = forwarder(ok(b"ok"))
+    f.fleet.workers[0].channel = Recording(ok(b"ok"))
     for deadline in (trio.current_time() + 30, trio.current_time() + 300, math.inf):
         await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"])
     assert timeouts == [30, 60, 60]  # a worker that hangs holds a call 60 s at most

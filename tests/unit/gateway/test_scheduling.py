@@ -7,6 +7,7 @@ model is dropped once the model has left every worker."""
 from __future__ import annotations
 
 import pytest
+from support.gateway import fleet_of
 
 from rsrv.config import SchedulingConfig
 from rsrv.errors import InvalidArgument
@@ -30,10 +31,6 @@ def serve(worker: WorkerLink, models: list[str], discipline: str = "fifo") -> No
             for m in models
         ],
     )
-
-
-def fleet_of(*names: str) -> Fleet:
-    return Fleet([WorkerLink(n, n, "127.0.0.1", 1, None, True) for n in names])
 
 
 def lpt(fleet: Fleet, **settings) -> Scheduling:

@@ -1,0 +1,56 @@
+"""Fake worker links for the gateway's unit tests: a fleet of workers whose channels
+answer from this process, a client call's envelope, and discovery's few settings."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from purerpc.grpclib.status import StatusCode
+
+from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._forward import INFERENCE
+from rsrv.transport import UnaryResult
+
+
+class Answering:
+    """A worker channel answering every call with ``result``."""
+
+    opened = 1  # connections opened so far
+
+    def __init__(self, result: UnaryResult):
+        self.result = result
+
+    async def unary(self, path, body, *, metadata=(), timeout=None):
+        return self.result
+
+
+def ok(message) -> UnaryResult:
+    """An OK answer carrying ``message`` (a protobuf message, or bytes)."""
+    body = message if isinstance(message, bytes) else message.SerializeToString()
+    return UnaryResult(StatusCode.OK, response=body)
+
+
+def worker_link(name: str, port: int = 1, channel=None, *, ready: bool = False) -> WorkerLink:
+    """A worker on 127.0.0.1:``port`` (this host, so shared memory reaches it)."""
+    return WorkerLink(name, f"127.0.0.1:{port}", "127.0.0.1", port, channel, True, ready=ready)
+
+
+def fleet_of(*names: str, channels=None, ready: bool = False) -> Fleet:
+    """Workers ``names`` on ports 0, 1, ..., each with ``channels[name]`` (None: none)."""
+    channels = channels or {}
+    return Fleet([worker_link(n, i, channels.get(n), ready=ready) for i, n in enumerate(names)])
+
+
+def client_call(method: str, metadata: dict | None = None) -> SimpleNamespace:
+    """What a gateway service reads of a client's call to ``method``."""
+    return SimpleNamespace(path=INFERENCE + method, metadata=metadata or {}, deadline=1e9)
+
+
+def discovery_settings(interval_seconds: float = 2.0) -> SimpleNamespace:
+    """The part of Discovery a Forwarder reads: its interval (retry pushback), and the
+    wake-ups a call gives it (ignored)."""
+    return SimpleNamespace(
+        settings=SimpleNamespace(interval_seconds=interval_seconds),
+        stale=lambda: None,
+        wake=lambda: None,
+    )
