@@ -140,7 +140,6 @@ class ModelMeta:
     batch_axis: int = -1
     weight_bytes: int = 0
     holders: frozenset[str] = frozenset()
-    kind: str = ""
 
     def units(self, shape_of: Callable[[str], Sequence[int] | None]) -> int:
         """A request's items: ``shape_of(input name)`` gives an input's wire shape or None
@@ -223,7 +222,6 @@ class _Model:
     batch_axis: int = -1
     weight_bytes: int = 0
     holders: frozenset[str] = frozenset()
-    kind: str = ""
 
 
 class CostTracker:
@@ -318,7 +316,6 @@ class CostTracker:
         model.max_batch = max(c.max_batch_size for _, c in entries)
         model.weight_bytes = max(c.weight_bytes for _, c in entries)
         model.holders = frozenset(worker for worker, _ in entries)
-        model.kind = entries[0][1].kind
         for _, c in entries:  # in worker-name order: the first non-empty report wins
             if c.batch_input_name and c.batch_axis >= 0:
                 model.batch_input, model.batch_axis = c.batch_input_name, c.batch_axis
@@ -350,7 +347,6 @@ class CostTracker:
                     batch_axis=m.batch_axis,
                     weight_bytes=m.weight_bytes,
                     holders=m.holders,
-                    kind=m.kind,
                 )
                 for name, m in sorted(self._models.items())
             },

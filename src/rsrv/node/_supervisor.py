@@ -23,6 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
+import msgspec
 import trio
 
 from rsrv.config import (
@@ -90,10 +91,11 @@ def cuda_names(devices: list[str]) -> list[str]:
     return [f"cuda:{d}" if d.isdigit() else d for d in devices]
 
 
-def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
+def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, GatewayConfig]:
     """How to run the gateway in front of ``plan``'s workers: ``rsrv gateway`` with the
     node's gateway file (if any), listening on the node's public port, the workers as
-    its endpoints (each at its own host and port)."""
+    its endpoints (each at its own host and port); and the configuration it will read
+    (loaded here, so its errors stop the node before anything starts: ConfigError)."""
     argv = [sys.executable, "-m", "rsrv.cli", "gateway"]
     if plan.gateway_file is not None:
         argv.append(plan.gateway_file)
@@ -120,11 +122,14 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
     # It drains at least as long as its workers may (its own longer grace stands; so
     # does one set in the environment), and is given that long before SIGKILL.
     drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"
-    grace = load_gateway(plan.gateway_file, env).grpc.shutdown_grace_seconds
+    config = load_gateway(plan.gateway_file, env)
+    grace = config.grpc.shutdown_grace_seconds
     workers = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
     if drain not in base_env and grace < workers:
         env[drain], grace = str(workers), workers
-    return ChildSpec(
+        grpc = msgspec.structs.replace(config.grpc, shutdown_grace_seconds=workers)
+        config = msgspec.structs.replace(config, grpc=grpc)
+    spec = ChildSpec(
         name="gateway",
         kind="gateway",
         argv=argv,
@@ -132,6 +137,7 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> ChildSpec:
         grace=grace + plan.supervisor.kill_after_seconds,
         port=plan.port,
     )
+    return spec, config
 
 
 def check_node_ports(plan: NodePlan) -> None:
@@ -306,9 +312,7 @@ def node_main(node_file: str | None) -> int:
         specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
         gateway_config = None
         if plan.gateway:
-            gateway = gateway_spec(plan, env)
-            # its checks, before anything starts
-            gateway_config = load_gateway(plan.gateway_file, gateway.env)
+            gateway, gateway_config = gateway_spec(plan, env)
             specs.append(gateway)
         check_tls(plan, gateway_config)
     except ConfigError as e:

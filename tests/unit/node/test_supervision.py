@@ -471,8 +471,9 @@ def test_the_gateway_drains_as_long_as_its_workers_and_is_given_that_long(
         f"global: {{endpoints: {{shutdown_grace_seconds: {worker_grace}}}}}\n"
     )
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
-    spec = gateway_spec(node_plan, {})
-    assert load_gateway(node_plan.gateway_file, spec.env).grpc.shutdown_grace_seconds == drain
+    spec, config = gateway_spec(node_plan, {})
+    assert load_gateway(node_plan.gateway_file, spec.env) == config  # what the child reads
+    assert config.grpc.shutdown_grace_seconds == drain
     assert spec.grace == drain + node_plan.supervisor.kill_after_seconds
 
 
@@ -483,7 +484,7 @@ def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path)
     path.write_text("cpu_workers: 2\n")
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     specs = [worker_spec(node_plan, w, str(path), {}) for w in node_plan.workers]
-    supervisor = Supervisor(node_plan, [*specs, gateway_spec(node_plan, {})])
+    supervisor = Supervisor(node_plan, [*specs, gateway_spec(node_plan, {})[0]])
     *workers, gateway = supervisor.children
     gateway.ready = True
     assert not supervisor.ready  # both workers still starting
@@ -506,7 +507,8 @@ def test_the_gateway_listens_on_the_nodes_host_and_dials_its_workers(
     path = tmp_path / "node.yaml"
     path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{yaml}")
     node_plan = plan_node(load_node(path), {"PATH": "", **env}, source=path)
-    config = load_gateway(node_plan.gateway_file, gateway_spec(node_plan, env).env)
+    spec, config = gateway_spec(node_plan, env)
+    assert load_gateway(node_plan.gateway_file, spec.env) == config  # what the child reads
     assert config.listen.grpc == f"{listen}:{node_plan.port}"
     assert config.endpoints == [f"{dial}:{w.endpoints.port}" for w in node_plan.workers]
     assert config.endpoints_dns == []
