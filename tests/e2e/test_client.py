@@ -184,6 +184,20 @@ async def test_a_stream_keeps_going_past_a_misused_request(worker):
         assert (await stream.infer("classifier", {"x": x}))["logits"].shape == (1, 10)
 
 
+async def test_a_stream_reset_on_an_oversized_answer_ends_alone(worker):
+    """The client resets its stream when an answer is over its receive limit, while the
+    worker is sending it: that ends the stream, never the worker."""
+    x = np.ones((1, 256), np.float32)
+    async with client_of(worker, limits=ClientLimits(max_receive_message_bytes=16)) as small:
+        for _ in range(3):
+            with pytest.raises(InferenceServerError) as info:
+                async with small.stream() as stream:
+                    await stream.infer("classifier", {"x": x})
+            assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+    async with client_of(worker) as client:
+        assert (await client.infer("classifier", {"x": x}))["logits"].shape == (1, 10)
+
+
 async def test_system_shared_memory(worker):
     suffix = uuid.uuid4().hex[:10]
     a = np.arange(16, dtype=np.int32).reshape(1, 16)

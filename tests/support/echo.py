@@ -102,15 +102,34 @@ class EchoServer:
         return "\n".join(lines).encode()
 
     async def _stream(self, requests, call):
+        """Answers come from a task of their own, through a ``trio.as_safe_channel``
+        the generator reads and yields from: it holds a nursery across its yields."""
         self.started += 1
         ended = False
         try:
-            async for request in requests:
-                yield request
+            async with _echoed(requests) as answers:
+                async for answer in answers:
+                    yield answer
             ended = True
         finally:  # cancelled, or closed while suspended at a yield
             if not ended:
                 self.cancelled += 1
+
+
+@trio.as_safe_channel
+async def _echoed(requests):
+    send, receive = trio.open_memory_channel(0)
+
+    async def pump() -> None:
+        async with send:
+            async for request in requests:
+                await send.send(request)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump)
+        async with receive:
+            async for answer in receive:
+                yield answer
 
 
 @asynccontextmanager

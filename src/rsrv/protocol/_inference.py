@@ -102,13 +102,6 @@ class InferenceService(GRPCInferenceServiceServicer):
         until one finishes); each answer (or its error_message) is sent as it completes,
         and a failed request never ends the stream. The stream's grpc-timeout bounds the
         whole stream (DEADLINE_EXCEEDED when it expires) and every request on it."""
-        async with self._stream_responses(messages, request.deadline) as responses:
-            async for response in responses:
-                yield response
-
-    @trio.as_safe_channel
-    async def _stream_responses(self, messages, deadline: float):
-        call_deadline.set(deadline)  # this task's context: inherited by the request tasks
         send, receive = trio.open_memory_channel(0)
         limit = self.backend.max_message_bytes
         slots = trio.Semaphore(self.backend.max_requests_per_stream)
@@ -147,7 +140,9 @@ class InferenceService(GRPCInferenceServiceServicer):
                             break
                         requests.start_soon(one, message)
 
-        async with trio.open_nursery() as nursery:  # the transport enforces the deadline
+        # The transport runs this generator in a task of its own (a nursery may stay
+        # open across its yields) and enforces the deadline.
+        async with trio.open_nursery() as nursery:
             nursery.start_soon(pump)
             async with receive:
                 async for response in receive:

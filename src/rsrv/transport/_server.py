@@ -14,7 +14,6 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,7 +40,9 @@ class Method:
 
     ``handler(request, call)`` for a unary request, ``handler(requests, call)`` with an
     async iterator of requests for a streaming one; it returns the response, or is an
-    async generator of responses for a streaming response. ``decode`` parses a request
+    async generator of responses for a streaming response, which the server runs in a
+    task of its own (``trio.as_safe_channel``), so it may hold a nursery across its
+    yields. ``decode`` parses a request
     message's bytes, ``encode`` serializes a response.
     """
 
@@ -292,7 +293,10 @@ class GrpcServer:
             request = method.decode(raw)
         limit = self.limits.max_message_bytes
         if method.server_streaming:
-            async with aclosing(method.handler(request, call)) as responses:
+            # The handler's generator runs in a task of its own: it may hold a nursery
+            # across its yields, and closing it suspended at a yield in a call that was
+            # cancelled (a reset, the deadline) must end only this call.
+            async with trio.as_safe_channel(method.handler)(request, call) as responses:
                 async for response in responses:
                     await call.send(_encode(method, response, limit))
         else:

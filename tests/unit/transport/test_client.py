@@ -284,6 +284,22 @@ async def test_stream_deadline_and_leaving_early():
         await wait_for(lambda: echo.cancelled == 2, "both streams cancelled on the server")
 
 
+async def test_a_stream_reset_while_its_answer_is_being_sent_ends_only_that_call():
+    """The client resets the stream (the answer is over its receive limit) while the
+    server sends that answer: the handler's generator, which holds a nursery across its
+    yields, is closed while suspended at a yield, in a cancelled call. That ends the
+    call, never the connection nor the server."""
+    limits = ClientLimits(max_receive_message_bytes=100)
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
+        for i in range(1, 4):
+            async with ch.stream(STREAM) as call:
+                await call.send(bytes(1000))
+                assert [m async for m in call] == []
+            assert call.status is StatusCode.RESOURCE_EXHAUSTED
+            await wait_for(lambda: echo.cancelled == i, "the handler closed")  # noqa: B023
+            assert (await ch.unary(UNARY, b"still serving")).response == b"still serving"
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     ca = trustme.CA()
