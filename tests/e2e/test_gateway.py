@@ -350,8 +350,10 @@ def test_loads_made_through_the_gateway_reach_a_worker_that_was_away(
     tmp_path, cache_dir, processes
 ):
     """Explicit mode: a restarted worker comes back with nothing loaded, and gets the
-    loads made through the gateway; a model unloaded through the gateway while a worker
-    was unresponsive (SIGSTOP) is unloaded there once it is back."""
+    loads made through the gateway, and the residency and policy set through it (set
+    right after the load: the gateway's routes catch up first); a model unloaded
+    through the gateway while a worker was unresponsive (SIGSTOP) is unloaded there
+    once it is back."""
     export_linear(tmp_path / "repo" / "lin", seed=11)
     export_linear(tmp_path / "repo" / "lin2", seed=12)
     workers = start_workers(tmp_path, cache_dir, 2, mode="explicit")
@@ -366,13 +368,22 @@ def test_loads_made_through_the_gateway_reach_a_worker_that_was_away(
         except Exception:
             return set()
 
+    def settings_on(worker) -> tuple[int, float]:
+        status = model_status(worker, "lin")
+        return status.residency, status.weight
+
     with connect(gateway) as client:
         client.load_model("lin")
+        assert control(gateway, "set_residency", "lin", "system") == "system"
+        assert control(gateway, "set_policy", "lin", weight=4.0) == 4.0
         client.load_model("lin2")
         assert ready_on(workers[1]) == {"lin", "lin2"}
+        pinned = settings_on(workers[0])
+        assert settings_on(workers[1]) == pinned and pinned[1] == 4.0
         before = control_status(workers[1]).instance
         workers[1].restart()
         wait_until(lambda: ready_on(workers[1]) == {"lin", "lin2"}, 60, "w1's loads replayed")
+        wait_until(lambda: settings_on(workers[1]) == pinned, 30, "w1's settings replayed")
         assert before and control_status(workers[1]).instance not in ("", before)
 
         os.kill(workers[0].process.pid, signal.SIGSTOP)

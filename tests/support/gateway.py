@@ -41,16 +41,30 @@ def fleet_of(*names: str, channels=None, ready: bool = False) -> Fleet:
     return Fleet([worker_link(n, i, channels.get(n), ready=ready) for i, n in enumerate(names)])
 
 
-def client_call(method: str, metadata: dict | None = None) -> SimpleNamespace:
-    """What a gateway service reads of a client's call to ``method``."""
-    return SimpleNamespace(path=INFERENCE + method, metadata=metadata or {}, deadline=1e9)
+def client_call(method: str, service: str = INFERENCE) -> SimpleNamespace:
+    """What a gateway service reads of a client's call to ``method`` of ``service``
+    (a path prefix: the KServe V2 service's, or rsrv's ``CONTROL``)."""
+    return SimpleNamespace(path=service + method, metadata={}, deadline=1e9)
 
 
-def discovery_settings(interval_seconds: float = 2.0) -> SimpleNamespace:
-    """The part of Discovery a Forwarder reads: its interval (retry pushback), and the
-    wake-ups a call gives it (ignored)."""
-    return SimpleNamespace(
-        settings=SimpleNamespace(interval_seconds=interval_seconds),
-        stale=lambda: None,
-        wake=lambda: None,
-    )
+class FakeDiscovery:
+    """What the forwarder and the services use of Discovery: its interval (retry
+    pushback), the wake-ups calls give it (counted), and refreshes (counted; each runs
+    ``on_refresh``, which stands for the round)."""
+
+    def __init__(self, interval_seconds: float = 2.0, on_refresh=lambda: None):
+        self.settings = SimpleNamespace(interval_seconds=interval_seconds)
+        self.on_refresh = on_refresh
+        self.wakes = self.changes = self.refreshes = 0
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+    stale = wake
+
+    def changed(self) -> None:
+        self.changes += 1
+
+    async def refresh(self) -> None:
+        self.refreshes += 1
+        self.on_refresh()

@@ -1,8 +1,9 @@
 """Bringing a worker that (re)joins the fleet in line with what was done through the gateway.
 
 System shared-memory registrations and explicit-mode model loads made through the gateway
-go to every ready worker; a worker away at the time (restarting, unreachable, or not yet
-discovered) missed them. :class:`CatchUp` remembers them, in the gateway's memory (a
+go to every ready worker, residency and policy settings to every worker holding the
+model; a worker away at the time (restarting, unreachable, or not yet discovered), or
+that restarted since, missed them. :class:`CatchUp` remembers them, in the gateway's memory (a
 restarted gateway starts with nothing to replay; a load request is kept whole, file
 overrides included), and :meth:`CatchUp.replay` brings a worker in line when discovery
 finds it ready again after being away, or restarted (its ModelControlStatus ``instance``
@@ -14,7 +15,11 @@ RepositoryIndex, ModelControlStatus), then:
   there;
 * a model loaded through the gateway and neither READY nor LOADING there is loaded with
   the same request (config overrides included); one unloaded through the gateway since
-  and READY or LOADING there (its own start-up loads included) is unloaded.
+  and READY or LOADING there (its own start-up loads included) is unloaded;
+* a model whose residency or policy was set through the gateway (SetModelResidency,
+  SetModelPolicy: the last residency, the policy fields last set) and READY or LOADING
+  there, after those loads, gets them again (a restarted worker starts with the
+  defaults); they are forgotten when the model is unloaded through the gateway.
 
 A change is remembered once at least one worker accepted it; a ready worker it did not
 reach, or that failed it, is brought in line once it is remembered (it may have become
@@ -35,7 +40,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.gateway._discovery import CONTROL_STATUS, REPOSITORY_INDEX
 from rsrv.gateway._fleet import CallResult, WorkerLink
-from rsrv.gateway._forward import INFERENCE, Forwarder
+from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 
@@ -64,12 +69,14 @@ class CatchUp:
         self.dropped: dict[str, set[str]] = {}
         self.loads: dict[str, bytes] = {}  # model -> its load request
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
+        # model -> control method (SetModelResidency, SetModelPolicy) -> its request
+        self.settings: dict[str, dict[str, bytes]] = {}
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
         self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
         self._unfinished: set[int] = set()  # id(worker link): a call was shed or timed out
 
     def __bool__(self) -> bool:
-        return bool(self.regions or self.dropped or self.loads or self.unloads)
+        return bool(self.regions or self.dropped or self.loads or self.unloads or self.settings)
 
     def registered(self, name: str, body: bytes) -> None:
         self.regions[name] = body
@@ -113,6 +120,17 @@ class CatchUp:
     def unloaded(self, model: str, body: bytes) -> None:
         self.unloads[model] = body
         self.loads.pop(model, None)
+        self.settings.pop(model, None)  # a model loaded again starts with the defaults
+
+    def set(self, model: str, method: str, body: bytes) -> None:
+        """``method`` (SetModelResidency or SetModelPolicy) was done on ``model``; a
+        policy keeps the fields an earlier request set and this one leaves unset."""
+        held = self.settings.setdefault(model, {})
+        if method == "SetModelPolicy" and method in held:
+            merged = control_pb.SetModelPolicyRequest.FromString(held[method])
+            merged.MergeFromString(body)
+            body = merged.SerializeToString()
+        held[method] = body
 
     def start(self, workers: list[WorkerLink]) -> None:
         """:meth:`replay` on ``workers`` in the background (in ``nursery``), when there
@@ -120,11 +138,14 @@ class CatchUp:
         if workers and self and self.nursery is not None:
             self.nursery.start_soon(self.replay, workers)
 
-    def missed(self, results: Mapping[str, CallResult]) -> None:
+    def missed(
+        self, results: Mapping[str, CallResult], among: list[WorkerLink] | None = None
+    ) -> None:
         """A change was remembered after a fan-out whose results (by worker name) are
-        ``results``: the workers ready now that it did not reach, or that failed it,
-        are brought in line."""
-        self.start([w for w in self.forward.fleet.ready if not _ok(results.get(w.name))])
+        ``results``: the workers ready now (of ``among``, when given) that it did not
+        reach, or that failed it, are brought in line."""
+        workers = self.forward.fleet.ready if among is None else among
+        self.start([w for w in workers if w.ready and not _ok(results.get(w.name))])
 
     async def replay(self, workers: list[WorkerLink]) -> None:
         """Bring each of ``workers`` in line, all at once. A worker being brought in
@@ -190,6 +211,8 @@ class CatchUp:
             body = self.regions.get(name)  # (unregistered meanwhile: nothing to do)
             if body is not None:
                 await self._call(worker, INFERENCE + "SystemSharedMemoryRegister", body)
+                if self.regions.get(name) is not body:  # unregistered (or changed) meanwhile
+                    self.stray(name, [worker])
         if in_line:  # it holds none of the regions dropped before the read
             for name, away in dropped.items():
                 if self.dropped.get(name) is away:
@@ -217,8 +240,8 @@ class CatchUp:
 
     async def _models_on(self, worker: WorkerLink) -> None:
         """Loads and unloads by what the worker holds now (each awaited to its end, so
-        the next pass reads their outcome)."""
-        if not (self.loads or self.unloads):
+        the next pass reads their outcome), then the settings of what it holds."""
+        if not (self.loads or self.unloads or self.settings):
             return
         present = await self._present(worker)
         if present is None:
@@ -227,11 +250,19 @@ class CatchUp:
             if model in present or self.loads.get(model) is not body:
                 continue
             log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
-            await self._call(worker, INFERENCE + "RepositoryModelLoad", body)
+            if await self._call(worker, INFERENCE + "RepositoryModelLoad", body) is not None:
+                present.add(model)
+            if self.loads.get(model) is not body:  # unloaded meanwhile: look again
+                self.start([worker])
         for model, body in list(self.unloads.items()):
             if model in present and self.unloads.get(model) is body:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
-                await self._call(worker, INFERENCE + "RepositoryModelUnload", body)
+                if await self._call(worker, INFERENCE + "RepositoryModelUnload", body) is not None:
+                    present.discard(model)
+        for model, held in list(self.settings.items()):
+            if model in present:
+                for method, body in list(held.items()):
+                    await self._call(worker, CONTROL + method, body)
 
     async def _call(self, worker: WorkerLink, path: str, body: bytes) -> bytes | None:
         """The worker's answer; None when it failed."""

@@ -65,6 +65,7 @@ class Discovery:
         self._round_done = trio.Event()  # set as each round completes
         self._wake = trio.Event()
         self._last_refresh = -float("inf")
+        self._change_round = 0  # the round that shows the last change made through the gateway
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Probe every interval until cancelled; ``started()`` after the first round."""
@@ -78,6 +79,12 @@ class Discovery:
 
     def wake(self) -> None:
         """Run the next round now (an operator's repack, a worker found unreachable)."""
+        self._wake.set()
+
+    def changed(self) -> None:
+        """A change was made through the gateway (a model loaded or unloaded): run the
+        next round now. Until it has completed, :meth:`refresh` waits for it."""
+        self._change_round = self._started + 1
         self._wake.set()
 
     def stale(self) -> None:
@@ -104,17 +111,21 @@ class Discovery:
         self._round_done = trio.Event()
 
     async def refresh(self) -> None:
-        """Wake the discovery task for a round now and wait until a round begun after
-        this call has completed; unless one was asked for within
-        ``refresh_min_seconds`` (an unknown model must not turn every request into a
-        probe of the whole fleet). The round runs in the discovery task: cancelling
-        the caller (its deadline, a reset) cancels only the wait."""
-        now = trio.current_time()
-        if now - self._last_refresh < self.settings.refresh_min_seconds:
-            return
-        self._last_refresh = now
-        target = self._started + 1
-        self._wake.set()
+        """Wait for the round that shows the last change made through the gateway, when
+        it has not completed yet (:meth:`changed`); else wake the discovery task for a
+        round now and wait until a round begun after this call has completed, unless
+        one was asked for within ``refresh_min_seconds`` (an unknown model must not
+        turn every request into a probe of the whole fleet). The round runs in the
+        discovery task: cancelling the caller (its deadline, a reset) cancels only the
+        wait."""
+        target = self._change_round
+        if self.rounds >= target:
+            now = trio.current_time()
+            if now - self._last_refresh < self.settings.refresh_min_seconds:
+                return
+            self._last_refresh = now
+            target = self._started + 1
+            self._wake.set()
         while self.rounds < target:
             await self._round_done.wait()
 

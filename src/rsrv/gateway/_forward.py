@@ -25,11 +25,20 @@ from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._peek import InferHead
 from rsrv.protocol import pushback_of
 
-__all__ = ["INFERENCE", "Forwarder", "Relayed", "RouteTicket", "Router", "forwarded_headers"]
+__all__ = [
+    "CONTROL",
+    "INFERENCE",
+    "Forwarder",
+    "Relayed",
+    "RouteTicket",
+    "Router",
+    "forwarded_headers",
+]
 
 log = logging.getLogger("rsrv.gateway")
 
 INFERENCE = "/inference.GRPCInferenceService/"  # the KServe V2 service's path prefix
+CONTROL = "/rsrv.control.v1.ControlService/"  # rsrv's control service's
 
 #: Statuses after which the call moves on to the next replica.
 FAILOVER = frozenset({StatusCode.NOT_FOUND, StatusCode.UNAVAILABLE})

@@ -25,9 +25,9 @@ from rsrv.gateway._admin import serve_gateway_admin
 from rsrv.gateway._control import GatewayControl
 from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fleet import Fleet, WorkerLink, is_local_host
-from rsrv.gateway._forward import Forwarder
+from rsrv.gateway._forward import CONTROL, Forwarder
 from rsrv.gateway._scheduling import Scheduling
-from rsrv.gateway._services import CONTROL, GatewayServices
+from rsrv.gateway._services import GatewayServices
 from rsrv.protocol import Admission, HealthService, grpc_status, grpc_trailers, guard
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 from rsrv.transport import (

@@ -10,13 +10,14 @@ Clients see one server:
   ModelConfig forwarded to a worker serving the model.
 * RepositoryIndex: the union, one row per model and version, READY when it is ready
   somewhere, its reason naming the workers. ModelStatistics: summed over workers.
-  RepositoryModelLoad / Unload: every ready worker, all must succeed.
+  RepositoryModelLoad / Unload: every ready worker; the first failure is the answer
+  (a worker without the model left out when another did it), what was done is kept.
 * System shared memory: register/unregister on every ready worker, all or nothing
   (a register that fails anywhere is undone wherever it may have taken effect, and a
   client that goes away meanwhile leaves it to catch-up). Refused with FAILED_PRECONDITION
   when a worker is not on this host (its memory is not this machine's).
-* Loads, unloads and shared-memory changes are replayed on a worker that becomes ready
-  later or restarted (``rsrv.gateway._catchup``).
+* Loads, unloads, residency and policy settings and shared-memory changes are replayed
+  on a worker that becomes ready later or restarted (``rsrv.gateway._catchup``).
 * Control service: ModelControlStatus merged; SetModelResidency and SetModelPolicy on
   every worker holding the model; CompactMemory on every ready worker, counts summed.
 """
@@ -33,7 +34,7 @@ from purerpc.grpclib.status import StatusCode
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.gateway._catchup import CatchUp
 from rsrv.gateway._fleet import CallResult, Fleet
-from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed, first_failure, merge_each
+from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed, first_failure, merge_each
 from rsrv.gateway._merge import merge_control_status, merge_index, sum_statistics
 from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
 from rsrv.protocol import Admission, grpc_status
@@ -44,8 +45,6 @@ from rsrv.transport import Method, ServerCall
 __all__ = ["GatewayServices"]
 
 log = logging.getLogger("rsrv.gateway")
-
-CONTROL = "/rsrv.control.v1.ControlService/"
 
 
 def _method(path: str, handler, *, streaming: bool = False) -> Method:
@@ -159,7 +158,14 @@ class GatewayServices:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
         if _any_ok(results):
             (self.catchup.loaded if load else self.catchup.unloaded)(name, body)
-            self.catchup.missed(results)
+            # A worker without the model (NOT_FOUND: not in its repository, or for an
+            # unload not loaded there) is left out, of the answer and of catch-up.
+            absent = {n for n, r in results.items() if r.status == StatusCode.NOT_FOUND}
+            self.catchup.missed(
+                results, among=[w for w in self.fleet.ready if w.name not in absent]
+            )
+            self.forward.discovery.changed()  # routes and holders see it at once
+            results = {n: r for n, r in results.items() if n not in absent}
         return _first_answer(results)
 
     async def model_call(self, body: bytes, call: ServerCall) -> bytes:
@@ -197,12 +203,9 @@ class GatewayServices:
         return await self.forward.infer(call.path, head, body, call.metadata, call.deadline)
 
     async def model_stream_infer(self, messages, call: ServerCall):
-        async with self._stream(messages, call) as responses:
-            async for response in responses:
-                yield response
-
-    @trio.as_safe_channel
-    async def _stream(self, messages, call: ServerCall):
+        """Each request routed on its own, at most ``max_requests_per_stream`` at once;
+        answers sent as they complete. (The transport runs this generator in a task of
+        its own: its nursery stays open across its yields.)"""
         send, receive = trio.open_memory_channel(0)
         slots = trio.Semaphore(self.max_requests_per_stream)
         path = INFERENCE + "ModelInfer"
@@ -339,7 +342,15 @@ class GatewayServices:
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()
         request = _parse(pb.SystemSharedMemoryUnregisterRequest, body)
-        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        targets = list(self.fleet.ready)
+        try:
+            results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        except trio.Cancelled:
+            # The client went away mid-way: some workers may have dropped the region.
+            # It is dropped: catch-up removes it wherever it is left.
+            self.catchup.unregistered(request.name, {})
+            self.catchup.start(targets)
+            raise
         if _any_ok(results):
             self.catchup.unregistered(request.name, results)
             self.catchup.missed(results)
@@ -362,11 +373,17 @@ class GatewayServices:
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
         holders = self.fleet.holders(name)
+        if not holders:  # (loaded a moment ago? the next round shows it)
+            await self.forward.discovery.refresh()
+            holders = self.fleet.holders(name)
         if not holders:
             raise NotFound(f"model {name!r} is not on any ready worker")
         results = await self.forward.fan_out(
             call.path, body, call.metadata, call.deadline, workers=holders
         )
+        if _any_ok(results):  # remembered for a holder that restarts, or failed it
+            self.catchup.set(name, call.path.rsplit("/", 1)[1], body)
+            self.catchup.missed(results, among=holders)
         return _first_answer(results)
 
     async def compact_memory(self, body: bytes, call: ServerCall) -> bytes:

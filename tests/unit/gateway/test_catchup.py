@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.gateway import client_call, fleet_of, ok, worker_link
+from support.gateway import FakeDiscovery, client_call, fleet_of, ok, worker_link
 
 from rsrv.gateway._catchup import CatchUp
-from rsrv.gateway._fleet import WorkerLink
-from rsrv.gateway._forward import Relayed
+from rsrv.gateway._fleet import IndexRow, WorkerLink
+from rsrv.gateway._forward import CONTROL, Relayed
 from rsrv.gateway._services import GatewayServices
 from rsrv.protocol import Admission
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -43,6 +43,8 @@ class Process:
 
     models: set[str] = field(default_factory=set)
     regions: dict[str, str] = field(default_factory=dict)  # name -> key
+    residency: dict[str, int] = field(default_factory=dict)  # model -> residency floor
+    weight: dict[str, float] = field(default_factory=dict)  # model -> fair-share weight
 
 
 class FakeWorkers:
@@ -57,6 +59,7 @@ class FakeWorkers:
 
     def __init__(self, *names: str, delay: float = 0.0, client_delay: float = 0.0):
         self.fleet = fleet_of(*names)
+        self.discovery = FakeDiscovery()
         self.processes = {n: Process() for n in names}
         self.delay, self.client_delay = delay, client_delay
         self.slow: dict[str, float] = {}  # worker -> seconds more it takes to answer
@@ -138,11 +141,31 @@ class FakeWorkers:
         elif method == "SystemSharedMemoryUnregister":
             what = pb.SystemSharedMemoryUnregisterRequest.FromString(body).name
             process.regions.pop(what, None)
+        elif method == "SetModelResidency":
+            request = cpb.SetModelResidencyRequest.FromString(body)
+            what = request.name
+            process.residency[what] = request.residency
+        elif method == "SetModelPolicy":
+            request = cpb.SetModelPolicyRequest.FromString(body)
+            what = request.name
+            if request.HasField("weight"):
+                process.weight[what] = request.weight
         else:
             raise AssertionError(f"unexpected {method}")
         self.sent.append((method, what, name))
         self.during.pop((method, what), lambda: None)()
         return ok(b"")
+
+
+def residency(model: str, floor: int) -> bytes:
+    return cpb.SetModelResidencyRequest(name=model, residency=floor).SerializeToString()
+
+
+def policy(model: str, weight: float | None = None) -> bytes:
+    request = cpb.SetModelPolicyRequest(name=model)
+    if weight is not None:
+        request.weight = weight
+    return request.SerializeToString()
 
 
 def services_of(fake: FakeWorkers) -> GatewayServices:
@@ -416,3 +439,101 @@ def test_a_worker_that_left_the_fleet_is_no_longer_waited_for():
     catchup.dropped = {"a": {"w0", "w1"}, "b": {"w1"}}
     catchup.forget_worker("w1")
     assert catchup.dropped == {"a": {"w0"}}
+
+
+async def test_residency_and_policy_set_through_the_gateway_reach_a_restarted_worker():
+    fake, catchup, worker = one_worker("a")
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_DEVICE))
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_SYSTEM))  # the last
+    catchup.set("a", "SetModelPolicy", policy("a", weight=4.0))
+    catchup.set("a", "SetModelPolicy", policy("a"))  # leaves the weight as it was
+    catchup.set("b", "SetModelResidency", residency("b", cpb.RESIDENCY_SYSTEM))  # not there
+    await catchup.replay([worker])  # a restarted (explicit) worker: "a" loaded, then set
+    assert fake.changes() == [
+        ("RepositoryModelLoad", "a", "w0"),
+        ("SetModelResidency", "a", "w0"),
+        ("SetModelPolicy", "a", "w0"),
+    ]
+    process = fake.processes["w0"]
+    assert process.residency == {"a": cpb.RESIDENCY_SYSTEM} and process.weight == {"a": 4.0}
+    catchup.unloaded("a", unload("a"))  # unloaded: a later load starts with the defaults
+    assert set(catchup.settings) == {"b"}
+
+
+async def test_a_holder_that_failed_a_setting_is_brought_in_line():
+    fake = FakeWorkers("w0", "w1", "w2")
+    fake.ready("w0", "w1", "w2")
+    for name in ("w0", "w1"):  # w2 does not hold it: not asked
+        fake.processes[name].models.add("a")
+        fake.worker(name).index = (IndexRow("a", "1", "READY", ""),)
+    for worker in fake.fleet.workers:
+        worker.away = False
+    services = services_of(fake)
+    fake.fail[("SetModelResidency", "w1")] = StatusCode.UNAVAILABLE  # restarting
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        with pytest.raises(Relayed, match="w1"):
+            call = client_call("SetModelResidency", CONTROL)
+            await services.model_holders(residency("a", cpb.RESIDENCY_SYSTEM), call)
+        del fake.fail[("SetModelResidency", "w1")]  # back: its catch-up sets it
+    system = {"a": cpb.RESIDENCY_SYSTEM}
+    assert [p.residency for p in fake.processes.values()] == [system, system, {}]
+
+
+async def test_a_load_a_worker_has_no_such_model_for_is_done_where_it_can_be():
+    """Workers whose repositories differ: the load is OK where the model is; a worker
+    without it (NOT_FOUND) is left out of the answer and of catch-up."""
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    for worker in fake.fleet.workers:
+        worker.away = False
+    services = services_of(fake)
+    fake.fail[("RepositoryModelLoad", "w1")] = StatusCode.NOT_FOUND
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        await services.model_load(load("x"), client_call("RepositoryModelLoad"))
+    assert fake.changes() == [("RepositoryModelLoad", "x", "w0"), ("RepositoryModelLoad", "", "w1")]
+    assert services.forward.discovery.changes == 1  # a round to route it at once
+    fake.fail[("RepositoryModelLoad", "w0")] = StatusCode.NOT_FOUND
+    with pytest.raises(Relayed) as info:  # nowhere: NOT_FOUND
+        await services.model_load(load("y"), client_call("RepositoryModelLoad"))
+    assert info.value.code == "NOT_FOUND"
+
+
+async def test_a_client_gone_mid_unregistration_leaves_the_region_nowhere(autojump_clock):
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    await services.shm_register(region("r"), client_call("SystemSharedMemoryRegister"))
+    fake.slow["w1"] = 1.0
+    drop = pb.SystemSharedMemoryUnregisterRequest(name="r").SerializeToString()
+    async with trio.open_nursery() as nursery:
+        services.catchup.nursery = nursery
+        with trio.move_on_after(0.5):  # the client's deadline, or its reset
+            await services.shm_unregister(drop, client_call("SystemSharedMemoryUnregister"))
+        assert fake.processes["w1"].regions == {"r": "/k"}  # dropped on w0 only
+    assert all(p.regions == {} for p in fake.processes.values())
+    assert "r" not in services.catchup.regions and services.catchup.dropped == {}
+
+
+async def test_a_region_unregistered_while_a_replay_registers_it_is_removed_there():
+    """The client's unregister reaches the worker just before the replay's register of
+    the same region: the replay sees the region dropped and removes it there."""
+    fake, catchup, worker = one_worker()
+    catchup.registered("r", region("r"))
+
+    def client_unregisters() -> None:  # (its call found nothing there yet: OK)
+        catchup.unregistered("r", {"w0": ok(b"")})
+
+    fake.during[("SystemSharedMemoryRegister", "r")] = client_unregisters
+    async with trio.open_nursery() as nursery:
+        catchup.nursery = nursery
+        await catchup.replay([worker])
+    assert fake.processes["w0"].regions == {} and catchup.dropped == {}
+
+
+async def test_a_model_unloaded_while_a_replay_loads_it_is_unloaded_there():
+    fake, catchup, worker = one_worker("a")
+    fake.during[("RepositoryModelLoad", "a")] = lambda: catchup.unloaded("a", unload("a"))
+    await catchup.replay([worker])
+    assert fake.processes["w0"].models == set()

@@ -220,3 +220,22 @@ async def test_a_call_that_finds_the_worker_unreachable_mid_probe_has_the_last_w
     channel.unary = answer
     await discovery.round()
     assert worker.ready and fleet.routes == {"m": ("w0",)}
+
+
+async def test_a_refresh_after_a_change_through_the_gateway_waits_for_its_round(autojump_clock):
+    """A model loaded through the gateway moments after a refresh (which holds back the
+    next one for ``refresh_min_seconds``): a refresh still waits for the round that
+    shows it, so a control call right after the load finds the model."""
+    channel = ScriptedChannel(worker_answers([]))
+    fleet, worker, discovery = fleet_of(channel)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(discovery.run)
+        await discovery.refresh()  # (an unknown model's)
+        channel.answers.update(worker_answers(["lin"]))  # the load, accepted
+        discovery.changed()
+        await discovery.refresh()
+        assert fleet.holders("lin") == [worker]
+        rounds = discovery.rounds
+        await discovery.refresh()  # nothing changed since: held back, no round
+        assert discovery.rounds == rounds
+        nursery.cancel_scope.cancel()

@@ -10,7 +10,7 @@ import math
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.gateway import Answering, discovery_settings, fleet_of, ok
+from support.gateway import Answering, FakeDiscovery, fleet_of, ok
 
 from rsrv.errors import Unavailable
 from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed
@@ -30,7 +30,7 @@ def forwarder(*results: UnaryResult) -> Forwarder:
     names = [f"w{i}" for i in range(len(results))]
     channels = {n: Answering(r) for n, r in zip(names, results, strict=True)}
     fleet = fleet_of(*names, channels=channels, ready=True)
-    return Forwarder(fleet, discovery_settings(), router=None, request_timeout=60.0)
+    return Forwarder(fleet, FakeDiscovery(), router=None, request_timeout=60.0)
 
 
 async def forward(f: Forwarder) -> BaseException:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.gateway import Answering, client_call, discovery_settings, fleet_of, ok
+from support.gateway import Answering, FakeDiscovery, client_call, fleet_of, ok
 
+from rsrv.errors import NotFound
 from rsrv.gateway._fleet import Fleet, IndexRow
-from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed
+from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed
 from rsrv.gateway._services import GatewayServices
 from rsrv.protocol import Admission
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
 from rsrv.transport import UnaryResult
 
 
@@ -26,6 +28,7 @@ class Fixed:
 
     def __init__(self, fleet: Fleet, answers: dict[str, UnaryResult]):
         self.fleet, self.answers = fleet, answers
+        self.discovery = FakeDiscovery()
 
     async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
         targets = self.fleet.ready if workers is None else workers
@@ -82,7 +85,7 @@ async def test_a_call_about_one_version_goes_to_a_worker_serving_it():
     fleet.workers[0].index = (IndexRow("m", "1", "READY", ""),)
     fleet.workers[1].index = (IndexRow("m", "2", "READY", ""),)
     fleet.rebuild_routes()
-    forward = Forwarder(fleet, discovery_settings(), router=None, request_timeout=60.0)
+    forward = Forwarder(fleet, FakeDiscovery(), router=None, request_timeout=60.0)
     deadline = trio.current_time() + 10
     for version, expected in (("2", b"w1"), ("1", b"w0")):
         body = pb.ModelReadyRequest(name="m", version=version).SerializeToString()
@@ -110,10 +113,29 @@ async def test_metadata_without_a_version_lists_every_workers_versions():
     fleet.workers[0].index = (IndexRow("m", "1", "READY", ""),)
     fleet.workers[1].index = (IndexRow("m", "2", "READY", ""), IndexRow("m", "10", "READY", ""))
     fleet.rebuild_routes()
-    forward = Forwarder(fleet, discovery_settings(), router=None, request_timeout=60.0)
+    forward = Forwarder(fleet, FakeDiscovery(), router=None, request_timeout=60.0)
     services = GatewayServices(fleet, forward, Admission(0), 4)
     body = pb.ModelMetadataRequest(name="m").SerializeToString()
     answer = pb.ModelMetadataResponse.FromString(
         await services.model_call(body, client_call("ModelMetadata"))
     )
     assert list(answer.versions) == ["1", "2", "10"]
+
+
+async def test_a_control_call_for_a_model_no_round_has_seen_yet_waits_for_one():
+    """SetModelResidency right after the model was loaded: the routes do not list it
+    until the next discovery round, which the call waits for (a refresh)."""
+    fleet = fleet_of("w0", ready=True)
+    fixed = Fixed(fleet, {"w0": ok(cpb.SetModelResidencyResponse())})
+
+    def round_sees_the_load() -> None:
+        fleet.workers[0].index = (IndexRow("lin", "1", "READY", ""),)
+
+    fixed.discovery = FakeDiscovery(on_refresh=round_sees_the_load)
+    services = GatewayServices(fleet, fixed, Admission(0), 4)
+    body = cpb.SetModelResidencyRequest(name="lin").SerializeToString()
+    await services.model_holders(body, client_call("SetModelResidency", CONTROL))
+    assert fixed.discovery.refreshes == 1
+    with pytest.raises(NotFound, match="'gone' is not on any ready worker"):
+        body = cpb.SetModelResidencyRequest(name="gone").SerializeToString()
+        await services.model_holders(body, client_call("SetModelResidency", CONTROL))
