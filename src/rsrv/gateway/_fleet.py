@@ -64,20 +64,29 @@ class IndexRow:
 
 
 def is_local_host(host: str) -> bool:
-    """Whether ``host`` names this machine (loopback, or an address of one of its
-    interfaces), so that a system shared-memory region here is visible there."""
+    """Whether ``host`` names this machine, so that a system shared-memory region here
+    is visible there: every address it resolves to is loopback, unspecified (``0.0.0.0``
+    and ``::`` reach this machine), or one of this machine's own."""
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        if host == "localhost":
-            return True
-    try:
-        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
-        ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
     except OSError:
         return False
-    return bool(theirs & ours) or all(ipaddress.ip_address(a).is_loopback for a in theirs)
+    return bool(infos) and all(_is_own(family, sockaddr) for family, _, _, _, sockaddr in infos)
+
+
+def _is_own(family: int, sockaddr: tuple) -> bool:
+    address = sockaddr[0]
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    # The kernel routes an address of this machine's to itself, from that very address
+    # (a UDP connect sends nothing).
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9, *sockaddr[2:]))
+            return probe.getsockname()[0] == address
+    except OSError:
+        return False
 
 
 @dataclass
