@@ -49,6 +49,8 @@ def _request(command: str, args: list[str], options: argparse.Namespace):
             name=model, fill_mode=options.fill_mode, allow_unknown_model=options.allow_unknown
         )
         special = {"all": -1, "default": 0}
+        if count not in special and not (count.isdigit() and int(count) >= 1):
+            raise ValueError(f"set-replicas: {count!r}: expected N (1 or more), all or default")
         request.replicas = special[count] if count in special else int(count)
         if options.fill_factor is not None:
             request.fill_factor = options.fill_factor
@@ -94,7 +96,10 @@ def _typed(message, key: str, value: str):
         except ValueError as e:
             raise ValueError(f"{key}={value!r}: {e}") from None
     if field.type in (field.TYPE_INT32, field.TYPE_UINT32, field.TYPE_INT64, field.TYPE_UINT64):
-        return -1 if value == "all" else int(value)
+        try:
+            return -1 if value == "all" else int(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r}: expected an integer") from None
     return value
 
 

@@ -1,5 +1,6 @@
-"""``rsrv gateway set-policy`` values: a boolean is one of the spelled-out forms, and
-anything else is refused (exit 2) rather than read as false."""
+"""``rsrv gateway`` arguments: a set-policy boolean is one of the spelled-out forms, and
+anything else is refused (exit 2) rather than read as false; a number that is not one is
+refused naming its key; set-replicas takes N (1 or more), all or default."""
 
 from __future__ import annotations
 
@@ -23,3 +24,27 @@ def test_booleans_are_spelled_out(word, value):
 def test_anything_else_is_refused(word):
     with pytest.raises(ValueError, match="expected true or false"):
         _request("set-policy", [f"forbid_memory_oversubscription={word}"], argparse.Namespace())
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        ("set-policy", ["compaction_interval=x"], "compaction_interval='x': expected an integer"),
+        ("set-policy", ["hysteresis=abc"], "hysteresis='abc'"),
+        ("set-replicas", ["m", "abc"], "'abc': expected N"),
+        ("set-replicas", ["m", "0"], "'0': expected N"),
+        ("set-replicas", ["m", "-1"], "'-1': expected N"),
+    ],
+)
+def test_a_malformed_number_is_refused_naming_it(command, args, message):
+    options = argparse.Namespace(fill_mode="", allow_unknown=False, fill_factor=None)
+    with pytest.raises(ValueError, match=message):
+        _request(command, args, options)
+
+
+def test_replica_counts():
+    options = argparse.Namespace(fill_mode="", allow_unknown=False, fill_factor=None)
+    counts = [
+        _request("set-replicas", ["m", n], options)[1].replicas for n in ("3", "all", "default")
+    ]
+    assert counts == [3, -1, 0]
