@@ -1,5 +1,6 @@
 """How the answers of several workers combine into the one a client gets: the
-repository index (a union), statistics and control status (counters summed)."""
+repository index (a union), statistics and control status (counters summed), system
+shared-memory status (what every worker holds alike)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from google.protobuf.message import Message
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 
-__all__ = ["merge_control_status", "merge_index", "sum_statistics"]
+__all__ = ["common_regions", "merge_control_status", "merge_index", "sum_statistics"]
 
 _Row = pb.RepositoryIndexResponse.ModelIndex
 
@@ -43,6 +44,19 @@ def merge_index(
             loading = any(row.state == "LOADING" for _, row in rows)
             state, reason = "LOADING" if loading else rows[0][1].state, "; ".join(others)
         merged.models.add(name=name, version=version, state=state, reason=reason)
+    return merged
+
+
+def common_regions(
+    answers: Iterable[pb.SystemSharedMemoryStatusResponse],
+) -> pb.SystemSharedMemoryStatusResponse:
+    """The regions every answer holds alike (name, key, offset and size): those a
+    request may use, whichever worker it is routed to."""
+    first, *rest = answers
+    merged = pb.SystemSharedMemoryStatusResponse()
+    for name, region in first.regions.items():
+        if all(name in other.regions and other.regions[name] == region for other in rest):
+            merged.regions[name].CopyFrom(region)
     return merged
 
 

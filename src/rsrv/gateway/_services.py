@@ -12,7 +12,8 @@ Clients see one server:
   somewhere, its reason naming the workers. ModelStatistics: summed over workers.
   RepositoryModelLoad / Unload: every ready worker; the first failure is the answer
   (a worker without the model left out when another did it), what was done is kept.
-* System shared memory: register/unregister on every ready worker, all or nothing
+* System shared memory: status, the regions every ready worker holds alike;
+  register/unregister on every ready worker, all or nothing
   (a register that fails anywhere is undone wherever it may have taken effect, and a
   client that goes away meanwhile leaves it to catch-up). Refused with FAILED_PRECONDITION
   when a worker is not on this host (its memory is not this machine's).
@@ -35,7 +36,12 @@ from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.gateway._catchup import CatchUp
 from rsrv.gateway._fleet import CallResult, Fleet
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed, first_failure, merge_each
-from rsrv.gateway._merge import merge_control_status, merge_index, sum_statistics
+from rsrv.gateway._merge import (
+    common_regions,
+    merge_control_status,
+    merge_index,
+    sum_statistics,
+)
 from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
 from rsrv.protocol import Admission, grpc_status
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -94,7 +100,7 @@ class GatewayServices:
             "RepositoryIndex": self.repository_index,
             "RepositoryModelLoad": self.model_load,
             "RepositoryModelUnload": self.model_unload,
-            "SystemSharedMemoryStatus": self.any_worker,
+            "SystemSharedMemoryStatus": self.shm_status,
             "SystemSharedMemoryRegister": self.shm_register,
             "SystemSharedMemoryUnregister": self.shm_unregister,
             "CudaSharedMemoryStatus": self.any_worker,
@@ -282,6 +288,22 @@ class GatewayServices:
                 "system shared memory needs every worker on the gateway's host; "
                 + ", ".join(f"{w.name} is at {w.address}" for w in remote)
             )
+
+    async def shm_status(self, body: bytes, call: ServerCall) -> bytes:
+        """The regions every ready worker holds alike: those a request may use whichever
+        worker it is routed to. A worker failing the call fails it (a named region
+        unknown there: NOT_FOUND naming the worker)."""
+        name = _parse(pb.SystemSharedMemoryStatusRequest, body).name
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        if (failure := first_failure(results)) is not None:
+            raise failure
+        merged = common_regions(merge_each(results, pb.SystemSharedMemoryStatusResponse.FromString))
+        if name and name not in merged.regions:
+            raise NotFound(
+                f"Unable to find system shared memory region: '{name}' "
+                "(the workers hold it differently)"
+            )
+        return merged.SerializeToString()
 
     async def shm_register(self, body: bytes, call: ServerCall) -> bytes:
         self._require_local()

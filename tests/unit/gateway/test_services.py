@@ -139,3 +139,38 @@ async def test_a_control_call_for_a_model_no_round_has_seen_yet_waits_for_one():
     with pytest.raises(NotFound, match="'gone' is not on any ready worker"):
         body = cpb.SetModelResidencyRequest(name="gone").SerializeToString()
         await services.model_holders(body, client_call("SetModelResidency", CONTROL))
+
+
+def shm_status(*regions: tuple[str, str]) -> UnaryResult:
+    answer = pb.SystemSharedMemoryStatusResponse()
+    for name, key in regions:
+        answer.regions[name].CopyFrom(
+            pb.SystemSharedMemoryStatusResponse.RegionStatus(name=name, key=key, byte_size=64)
+        )
+    return ok(answer)
+
+
+async def test_shared_memory_status_is_what_every_worker_holds_alike():
+    """Whichever worker answered, a region only some workers hold (or hold otherwise)
+    looked registered, and a request using it failed on the others."""
+    fleet = fleet_of("w0", "w1", ready=True)
+    answers = {
+        "w0": shm_status(("both", "/k"), ("w0 only", "/k"), ("other key", "/a")),
+        "w1": shm_status(("both", "/k"), ("other key", "/b")),
+    }
+    services = GatewayServices(fleet, Fixed(fleet, answers), Admission(0), 4)
+    status = client_call("SystemSharedMemoryStatus")
+
+    async def regions(name: str = "") -> list[str]:
+        body = pb.SystemSharedMemoryStatusRequest(name=name).SerializeToString()
+        answer = await services.shm_status(body, status)
+        return sorted(pb.SystemSharedMemoryStatusResponse.FromString(answer).regions)
+
+    for _ in range(2):  # the same, whichever worker is asked first
+        assert await regions() == ["both"]
+    assert await regions("both") == ["both"]
+    with pytest.raises(NotFound, match="'other key'"):
+        await regions("other key")
+    answers["w1"] = UnaryResult(StatusCode.NOT_FOUND, "Unable to find 'w0 only'")
+    with pytest.raises(Relayed, match="worker w1: Unable to find"):
+        await regions("w0 only")
