@@ -184,6 +184,25 @@ async def test_a_stream_keeps_going_past_a_misused_request(worker):
         assert (await stream.infer("classifier", {"x": x}))["logits"].shape == (1, 10)
 
 
+async def test_a_cancelled_infers_answer_is_dropped_and_end_drains_the_stream(worker):
+    """An infer given up on (its answer held up behind a busy device): its answer,
+    coming later, is not what receive returns. After end(), the answers still due
+    arrive and iteration ends when the server ends the stream."""
+    x = np.ones((1, 256), np.float32)
+    async with client_of(worker) as client, client.stream() as stream:
+        with held_device(worker):
+            with trio.move_on_after(0.2) as gave_up:
+                await stream.infer("classifier", {"x": x}, request_id="gave-up")
+            assert gave_up.cancelled_caught
+            await stream.send("classifier", {"x": x}, request_id="wanted")
+        await stream.end()
+        with trio.fail_after(30):
+            answers = [answer async for answer in stream]
+        assert [answer.id for answer in answers] == ["wanted"]
+        with pytest.raises(InferenceServerError, match="the stream has ended"):
+            await stream.send("classifier", {"x": x})
+
+
 async def test_a_stream_reset_on_an_oversized_answer_ends_alone(worker):
     """The client resets its stream when an answer is over its receive limit, while the
     worker is sending it: that ends the stream, never the worker."""

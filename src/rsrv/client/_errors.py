@@ -33,5 +33,13 @@ class InferenceServerError(RpcFailedError):
         self.reached_server = reached_server
         self.request_id = request_id
 
+    def __reduce__(self):  # (across processes: its arguments are not its ``args``)
+        keywords = {"reached_server": self.reached_server, "request_id": self.request_id}
+        return _rebuild, (type(self), self.code, self.message, keywords)
+
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
+
+
+def _rebuild(cls: type, code: StatusCode, message: str, keywords: dict) -> InferenceServerError:
+    return cls(code, message, **keywords)

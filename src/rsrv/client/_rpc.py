@@ -26,8 +26,8 @@ class RetryPolicy:
     REFUSED_STREAM), or the server said so with a retry pushback
     (``grpc-retry-pushback-ms``: e.g. a gateway with no worker ready, a server shutting
     down) — never one the server may have processed. ``attempts`` counts the first one
-    (1: never retry); attempt *n* waits ``initial_backoff * multiplier**n`` seconds (at
-    most ``max_backoff``, ±20% jitter), or the server's pushback when longer, before
+    (1: never retry); attempt *n* waits ``initial_backoff * multiplier**n`` seconds
+    (±20% jitter, at most ``max_backoff``), or the server's pushback when longer, before
     the next. A call's timeout covers every attempt and wait. (Behind a gateway with no
     ready worker, the pushback is its discovery interval: with the defaults, 5 attempts
     2 s apart, a call rides out about 8 s of no worker before it fails.)"""
@@ -42,7 +42,7 @@ class RetryPolicy:
             delay = min(self.initial_backoff * self.multiplier**attempt, self.max_backoff)
         except OverflowError:  # (a policy retrying for ever reaches large attempts)
             delay = self.max_backoff
-        return delay * random.uniform(0.8, 1.2)
+        return min(delay * random.uniform(0.8, 1.2), self.max_backoff)
 
 
 NO_RETRY = RetryPolicy(attempts=1)

@@ -74,8 +74,10 @@ class SharedMemoryRegion:
 
     def read(self, datatype: str | np.dtype, shape: Sequence[int], offset: int = 0) -> np.ndarray:
         """A copy of the tensor at ``offset``: ``datatype`` a KServe name ("FP32",
-        "BYTES"...) or a numpy dtype, ``shape`` its shape. Raises ValueError when it
-        runs past the region, or the region is closed."""
+        "BYTES"...) or a numpy dtype, ``shape`` its shape. Raises ValueError when a
+        dimension is negative, it runs past the region, or the region is closed."""
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape {list(shape)} has a negative dimension")
         count = int(np.prod(shape, dtype=np.int64))
         dtype = numpy_dtype(datatype)
         bytes_tensor = dtype == np.dtype(object)

@@ -33,15 +33,19 @@ class InferStream:
     raises :class:`InferenceServerError` (code UNKNOWN: a stream's error answer carries
     only the server's text; ``request_id`` says which); one larger than
     ``max_send_message_bytes`` fails RESOURCE_EXHAUSTED without being sent, and the
-    stream goes on. Once the stream has ended, waiting calls raise
-    InferenceServerError with its status (UNAVAILABLE when it ended OK before their
-    answers). Several tasks may send and wait at once.
+    stream goes on. The answer of an :meth:`infer` that was cancelled (its timeout,
+    say) is dropped when it comes, never returned by :meth:`receive`. :meth:`end`
+    half-closes: answers keep coming, and ``async for`` ends once the server has ended
+    the stream. Once the stream has ended, waiting calls raise InferenceServerError
+    with its status (UNAVAILABLE when it ended OK before their answers). Several tasks
+    may send and wait at once.
     """
 
     def __init__(self, call: StreamingCall):
         self._call = call
         self._send_lock = trio.StrictFIFOLock()
         self._waiting: dict[str, list] = {}  # id -> [event, answer]
+        self._abandoned: set[str] = set()  # ids of cancelled infers: their answers go
         self._unclaimed_in, self._unclaimed = trio.open_memory_channel(math.inf)
         self._ended: InferenceServerError | None = None
 
@@ -80,6 +84,10 @@ class InferStream:
         try:
             await self.send(model, inputs, outputs, request_id=request_id, **kwargs)
             await slot[0].wait()
+        except trio.Cancelled:
+            if slot[1] is None and self._ended is None:  # its answer may yet come
+                self._abandoned.add(request_id)
+            raise
         finally:
             del self._waiting[request_id]
         if slot[1] is None:  # the stream ended first
@@ -101,6 +109,12 @@ class InferStream:
         except trio.EndOfChannel:
             raise self._ended from None
         return _result(answer)
+
+    async def end(self) -> None:
+        """Half-close the stream: no more requests (sending raises
+        InferenceServerError); the answers still to come keep coming."""
+        async with self._send_lock:
+            await self._call.end()
 
     def __aiter__(self):
         return self
@@ -138,8 +152,11 @@ class InferStream:
         async with self._unclaimed_in:
             async for message in self._call:
                 answer = pb.ModelStreamInferResponse.FromString(message)
-                slot = self._waiting.get(answer.infer_response.id)
-                if slot is not None and slot[1] is None:
+                request_id = answer.infer_response.id
+                slot = self._waiting.get(request_id)
+                if request_id in self._abandoned and slot is None:
+                    self._abandoned.discard(request_id)  # its infer was cancelled
+                elif slot is not None and slot[1] is None:
                     slot[1] = answer
                     slot[0].set()
                 else:

@@ -79,8 +79,9 @@ class _Loop:
 
 class SyncInferenceClient:
     """``InferenceClient``'s unary calls, blocking (same arguments, results and
-    ``InferenceServerError``s). Connects on construction (the constructor takes
-    ``InferenceClient``'s arguments); safe to call from several threads at once (the
+    ``InferenceServerError``s). The constructor takes ``InferenceClient``'s arguments
+    and starts the client's trio loop; the connection opens at the first call (a wrong
+    address fails that call, after its retries); safe to call from several threads at once (the
     calls run concurrently on the one trio loop). Streaming is async only. Its methods
     block, so a trio task must not call them (trio raises RuntimeError); :meth:`close`
     works from any thread.

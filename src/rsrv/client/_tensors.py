@@ -213,15 +213,27 @@ class InferResult:
 
 
 def _array(tensor: Any, shape: tuple[int, ...], data: bytes | None) -> np.ndarray:
+    """Output ``tensor``'s values; ValueError naming it when they do not fill ``shape``."""
     count = int(np.prod(shape, dtype=np.int64))
     if data is None:  # typed contents (a server that does not answer raw)
-        values = getattr(tensor.contents, _TYPED.get(tensor.datatype, "bytes_contents"))
+        values = list(getattr(tensor.contents, _TYPED.get(tensor.datatype, "bytes_contents")))
+        if len(values) != count:
+            raise _malformed(tensor, shape, f"{len(values)} values")
         dtype = object if tensor.datatype == "BYTES" else numpy_dtype(tensor.datatype)
-        return np.array(list(values), dtype=dtype).reshape(shape)
+        return np.array(values, dtype=dtype).reshape(shape)
     if tensor.datatype == "BYTES":
         return deserialize_bytes(data, count).reshape(shape)
     dtype = numpy_dtype(tensor.datatype).newbyteorder("<")
-    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+    if len(data) != count * dtype.itemsize:
+        raise _malformed(tensor, shape, f"{len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _malformed(tensor: Any, shape: tuple[int, ...], got: str) -> ValueError:
+    return ValueError(
+        f"output {tensor.name!r} of the response is malformed: "
+        f"{tensor.datatype}{list(shape)} but {got}"
+    )
 
 
 def _value(parameter: Any) -> Any:

@@ -1,24 +1,34 @@
 """rsrv.client parts without a worker: retry backoff, entering a client twice (or again
-after a failed open), shared-memory bounds, and BYTES inputs given as lists."""
+after a failed open), shared-memory bounds, BYTES inputs given as lists, outputs that do
+not fill their shape, and errors that cross processes."""
 
 from __future__ import annotations
 
 import math
+import pickle
 import uuid
 
 import numpy as np
 import pytest
 import trio
+from purerpc.grpclib.status import StatusCode
 from support.echo import UNARY, echo_server
 
-from rsrv.client import InferenceClient, RetryPolicy, create_shared_memory_region
-from rsrv.client._tensors import build_request, deserialize_bytes
+from rsrv.client import (
+    InferenceClient,
+    InferenceServerError,
+    RetryPolicy,
+    create_shared_memory_region,
+)
+from rsrv.client._tensors import InferResult, build_request, deserialize_bytes
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 
 def test_backoff_is_capped_for_any_attempt():
     policy = RetryPolicy(attempts=math.inf, initial_backoff=0.05, max_backoff=2.0)
-    assert 1.6 <= policy.backoff(1024) <= 2.4  # 2.0 ** 1024 overflows a float
+    assert 1.6 <= policy.backoff(1024) <= 2.0  # 2.0 ** 1024 overflows a float
     assert 0.04 <= policy.backoff(0) <= 0.06
+    assert max(policy.backoff(6) for _ in range(200)) <= 2.0  # 3.2 s, jittered, capped
 
 
 async def test_a_client_is_entered_once_at_a_time():
@@ -53,6 +63,8 @@ def test_shared_memory_reads_stay_inside_the_region():
         for offset in (-51, 65):
             with pytest.raises(ValueError, match="runs past region"):
                 region.read("BYTES", [1], offset=offset)
+        with pytest.raises(ValueError, match="negative dimension"):
+            region.read("FP32", [-1])
         region.close()
         with pytest.raises(ValueError, match="is closed"):
             region.read("FP32", [1])
@@ -71,3 +83,36 @@ def test_bytes_given_as_a_list_keep_their_trailing_nul_bytes():
     assert list(first) == [b"ab\x00\x00", b"c"]
     assert list(deserialize_bytes(request.raw_input_contents[1], 1)) == [b"x\x00"]
     assert [t.datatype for t in request.inputs] == ["BYTES", "BYTES"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "typed", "got"),
+    [
+        (bytes(4), None, "4 bytes"),  # too short
+        (bytes(12), None, "12 bytes"),  # too long
+        (None, [], "0 values"),  # no raw contents, no typed ones
+    ],
+)
+def test_an_output_that_does_not_fill_its_shape_is_refused_naming_it(raw, typed, got):
+    response = pb.ModelInferResponse(model_name="m")
+    output = response.outputs.add(name="y", datatype="FP32", shape=[2])
+    if raw is not None:
+        response.raw_output_contents.append(raw)
+    else:
+        output.contents.fp32_contents.extend(typed)
+    with pytest.raises(ValueError, match=f"output 'y' .* FP32\\[2\\] but {got}"):
+        InferResult(response)
+
+
+def test_an_error_survives_pickling():
+    error = InferenceServerError(
+        StatusCode.NOT_FOUND, "no model", reached_server=False, request_id="r1"
+    )
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.code, copy.message, copy.reached_server, copy.request_id) == (
+        StatusCode.NOT_FOUND,
+        "no model",
+        False,
+        "r1",
+    )
+    assert str(copy) == "NOT_FOUND: no model"
