@@ -12,10 +12,10 @@ from contextlib import asynccontextmanager
 
 import msgspec
 import numpy as np
-import purerpc
 import pytest
 import trio
 import tritonclient.grpc as tc
+from purerpc.grpclib.status import StatusCode
 from support.bundles import (
     WEIGHT_BYTES,
     X,
@@ -26,7 +26,7 @@ from support.bundles import (
     matches,
     x_input,
 )
-from support.clients import connect, index, status_of
+from support.clients import connect, index, server_error, status_of
 from support.serving import running, worker_config
 
 from rsrv.client import ControlClient
@@ -264,9 +264,9 @@ async def test_set_model_residency_needs_explicit_mode(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
     async with serving(config) as (worker, _):
         async with ControlClient("127.0.0.1", worker.port) as control:
-            with pytest.raises(purerpc.FailedPreconditionError, match="explicit"):
+            with server_error(StatusCode.FAILED_PRECONDITION, "explicit"):
                 await control.set_residency("a", "device")
-            with pytest.raises(purerpc.NotFoundError):
+            with server_error(StatusCode.NOT_FOUND):
                 await control.set_residency("nope", "device")
 
 
@@ -275,13 +275,13 @@ async def test_unknown_models_are_not_found_for_every_control_rpc(repo, cache_di
     async with serving(config) as (worker, client):
         client.load_model("a")
         async with ControlClient("127.0.0.1", worker.port) as control:
-            with pytest.raises(purerpc.NotFoundError, match="nope"):
+            with server_error(StatusCode.NOT_FOUND, "nope"):
                 await control.set_residency("nope", "system")
-            with pytest.raises(purerpc.NotFoundError, match="nope"):
+            with server_error(StatusCode.NOT_FOUND, "nope"):
                 await control.set_policy("nope", weight=2.0)
-            with pytest.raises(purerpc.NotFoundError, match="nope"):
+            with server_error(StatusCode.NOT_FOUND, "nope"):
                 await control.compact_memory(["a", "nope"])
-            with pytest.raises(purerpc.NotFoundError, match="b"):  # in the repo, not loaded
+            with server_error(StatusCode.NOT_FOUND, "b"):  # in the repo, not loaded
                 await control.set_policy("b", weight=2.0)
             assert [m.name for m in (await control.status()).models] == ["a"]
 
@@ -299,7 +299,7 @@ async def test_set_model_policy_changes_the_weight_live(repo, cache_dir):
             assert (models["a"].weight, models["b"].weight) == (3.5, 1.0)
             assert await control.set_policy("a") == 3.5  # nothing set: unchanged
             for bad in (0.0, -1.0):
-                with pytest.raises(purerpc.InvalidArgumentError, match="weight"):
+                with server_error(StatusCode.INVALID_ARGUMENT, "weight"):
                     await control.set_policy("a", weight=bad)
             assert (await statuses(control))["a"].weight == 3.5
             assert matches(infer_y(client, "a", X), 0, X)
@@ -366,7 +366,7 @@ async def test_control_rpcs_on_a_meta_model(tmp_path, cache_dir):
             assert (meta.kind, meta.state) == ("meta", "READY")
             assert meta.weight_bytes == sum(models[s].weight_bytes for s in subs)
 
-            with pytest.raises(purerpc.FailedPreconditionError, match="meta model"):
+            with server_error(StatusCode.FAILED_PRECONDITION, "meta model"):
                 await control.set_policy("region_pipeline", weight=2.0)
 
             assert await control.set_residency("region_pipeline", "device") == "device"

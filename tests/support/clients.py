@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as grpcclient
+from purerpc.grpclib.status import StatusCode
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from rsrv.client import ControlClient
+from rsrv.client import ControlClient, InferenceServerError
 from support.serving import url
 
 # -- tritonclient ------------------------------------------------------------------------------
@@ -79,6 +80,17 @@ def status_of(call: Callable[[], object]) -> str:
 
 
 # -- the control service -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def server_error(code: StatusCode, *needles: str) -> Iterator[pytest.ExceptionInfo]:
+    """``rsrv.client``'s InferenceServerError with status ``code`` and every needle in
+    its message."""
+    with pytest.raises(InferenceServerError) as info:
+        yield info
+    assert info.value.code is code, str(info.value)
+    for needle in needles:
+        assert needle in info.value.message, f"{needle!r} not in {info.value.message!r}"
 
 
 def control(worker, method: str, *args, **kwargs):

@@ -14,74 +14,87 @@ import ssl
 from collections.abc import Mapping
 from typing import Any
 
-from purerpc.grpclib.exceptions import RpcFailedError, raise_status
-from purerpc.grpclib.status import Status
-
-from rsrv.client._rpc import ChannelClient, unary_message
+from rsrv.client._errors import InferenceServerError
+from rsrv.client._rpc import ChannelClient, RetryPolicy, unary_message
 from rsrv.protocol import FROM_RESIDENCY, RESIDENCY
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
-from rsrv.transport import Channel, UnaryResult, open_channel
+from rsrv.transport import Channel, ClientLimits, open_channel
 
 SERVICE = "/rsrv.control.v1.ControlService/"
 
 
-def _error(result: UnaryResult) -> RpcFailedError:
-    try:
-        raise_status(Status(result.status, result.message))
-    except RpcFailedError as e:
-        return e
-    return RpcFailedError(Status(result.status, result.message))
-
-
 class ControlClient(ChannelClient):
-    """Failed calls raise purerpc's ``RpcFailedError`` subclasses (e.g. ``NotFoundError``;
-    a server that cannot be reached: ``UnavailableError``).
-
-    ``headers`` are sent with every call (e.g. the header of a restricted ``control``
-    protocol); ``ssl_context`` connects over TLS (``ssl.create_default_context()`` with
-    the server's CA, plus ``load_cert_chain`` for mutual TLS). Or give it a running
-    ``channel`` (``rsrv.transport.Channel``) to share.
+    """Its connection is InferenceClient's: to ``host:port`` (``tls``: a client
+    ``ssl.SSLContext``, e.g. ``ssl.create_default_context()`` with the server's CA, plus
+    ``load_cert_chain`` for mutual TLS, verified against ``server_hostname`` or ``host``)
+    when entered as ``async with``, or a running ``channel`` to share. ``headers`` go
+    with every call (e.g. the header of a restricted ``control`` protocol); ``retry``:
+    see :class:`RetryPolicy`. Each call takes a ``timeout`` (seconds); a failed call
+    raises :class:`InferenceServerError`, as InferenceClient's do.
     """
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        host: str = "127.0.0.1",
+        port: int = 8001,
         *,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
         headers: Mapping[str, str] | None = None,
-        ssl_context: ssl.SSLContext | None = None,
+        limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
         channel: Channel | None = None,
     ):
-        super().__init__(channel, lambda: open_channel(host, port, tls=ssl_context))
+        super().__init__(
+            channel,
+            lambda: open_channel(
+                host, port, tls=tls, server_hostname=server_hostname, limits=limits
+            ),
+        )
         self._metadata = tuple((headers or {}).items())
+        self.retry = retry
 
-    async def _call(self, method: str, request: Any, response_type: Any) -> Any:
+    async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
         return await unary_message(
-            self.channel, SERVICE + method, request, response_type, _error, metadata=self._metadata
+            self.channel,
+            SERVICE + method,
+            request,
+            response_type,
+            InferenceServerError.of,
+            metadata=self._metadata,
+            timeout=timeout,
+            retry=self.retry,
         )
 
-    async def status(self) -> pb.ModelControlStatusResponse:
+    async def status(self, *, timeout: float | None = None) -> pb.ModelControlStatusResponse:
+        request = pb.ModelControlStatusRequest()
         return await self._call(
-            "ModelControlStatus", pb.ModelControlStatusRequest(), pb.ModelControlStatusResponse
+            "ModelControlStatus", request, pb.ModelControlStatusResponse, timeout
         )
 
-    async def set_residency(self, name: str, residency: str) -> str:
+    async def set_residency(
+        self, name: str, residency: str, *, timeout: float | None = None
+    ) -> str:
         """Set ``name``'s residency floor (explicit mode); returns the floor now in force."""
+        request = pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency])
         response = await self._call(
-            "SetModelResidency",
-            pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency]),
-            pb.SetModelResidencyResponse,
+            "SetModelResidency", request, pb.SetModelResidencyResponse, timeout
         )
         return FROM_RESIDENCY[response.residency]
 
-    async def set_policy(self, name: str, *, weight: float | None = None) -> float:
+    async def set_policy(
+        self, name: str, *, weight: float | None = None, timeout: float | None = None
+    ) -> float:
         """Change ``name``'s fair-share weight live; returns the weight now in force."""
         request = pb.SetModelPolicyRequest(name=name)
         if weight is not None:
             request.weight = weight
-        return (await self._call("SetModelPolicy", request, pb.SetModelPolicyResponse)).weight
+        return (
+            await self._call("SetModelPolicy", request, pb.SetModelPolicyResponse, timeout)
+        ).weight
 
-    async def compact_memory(self, reload: list[str] = ()) -> pb.CompactMemoryResponse:
-        return await self._call(
-            "CompactMemory", pb.CompactMemoryRequest(reload_models=reload), pb.CompactMemoryResponse
-        )
+    async def compact_memory(
+        self, reload: list[str] = (), *, timeout: float | None = None
+    ) -> pb.CompactMemoryResponse:
+        request = pb.CompactMemoryRequest(reload_models=reload)
+        return await self._call("CompactMemory", request, pb.CompactMemoryResponse, timeout)

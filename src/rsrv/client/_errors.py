@@ -1,4 +1,4 @@
-"""The one exception of ``rsrv.client``'s inference client."""
+"""The one exception of ``rsrv.client``'s clients."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ class InferenceServerError(RpcFailedError):
         self.message = message
         self.reached_server = reached_server
         self.request_id = request_id
+
+    @classmethod
+    def of(cls, result) -> InferenceServerError:
+        """The error of a failed call's result (``rsrv.transport.UnaryResult``)."""
+        return cls(result.status, result.message, reached_server=result.reached_server)
 
     def __reduce__(self):  # (across processes: its arguments are not its ``args``)
         keywords = {"reached_server": self.reached_server, "request_id": self.request_id}

@@ -29,15 +29,11 @@ from rsrv.client._streaming import InferStream
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2
-from rsrv.transport import Channel, ClientLimits, UnaryResult, open_channel
+from rsrv.transport import Channel, ClientLimits, open_channel
 
 __all__ = ["InferenceClient"]
 
 SERVICE = "/inference.GRPCInferenceService/"
-
-
-def _error(result: UnaryResult) -> InferenceServerError:
-    return InferenceServerError(result.status, result.message, reached_server=result.reached_server)
 
 
 class InferenceClient(ChannelClient):
@@ -77,7 +73,7 @@ class InferenceClient(ChannelClient):
             SERVICE + method,
             request,
             response_type,
-            _error,
+            InferenceServerError.of,
             metadata=self._metadata,
             timeout=timeout,
             retry=self.retry,
