@@ -124,9 +124,11 @@ class Channel:
 
     async def aclose(self) -> None:
         """Close every connection (GOAWAY) and stop :meth:`run`; calls still in flight
-        end UNAVAILABLE, later calls fail UNAVAILABLE (never sent)."""
+        end UNAVAILABLE ("the client closed the channel ..."), later calls fail
+        UNAVAILABLE (never sent)."""
         self._closed = True
         for conn in list(self.connections):
+            conn.closed_here = True
             conn.close()
         with trio.move_on_after(1):  # idle ones send GOAWAY and close
             for conn in list(self.connections):

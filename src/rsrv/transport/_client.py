@@ -104,6 +104,7 @@ class ClientConnection(Http2Endpoint):
         self.budget = InflateBudget(max(4 * max_receive, 1 << 30))
         self.peer_max_streams = ASSUMED_MAX_STREAMS
         self.draining = False  # GOAWAY received (or sent): no new streams
+        self.closed_here = False  # the channel was closed: calls left end by our hand
         self.closed = False
         self._on_change = on_change
         self._read_scope = trio.CancelScope()
@@ -136,6 +137,8 @@ class ClientConnection(Http2Endpoint):
                 nursery.cancel_scope.cancel()
         finally:
             self.closed = self.draining = True
+            if self.closed_here:
+                reason = "the client closed the channel while the call was in flight"
             for stream in list(self.streams.values()):
                 stream._lost(True, reason)
             self._on_change(self)

@@ -300,6 +300,21 @@ async def test_a_stream_reset_while_its_answer_is_being_sent_ends_only_that_call
             assert (await ch.unary(UNARY, b"still serving")).response == b"still serving"
 
 
+async def test_a_call_in_flight_when_the_channel_closes_says_the_client_closed_it():
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        results = []
+
+        async def sleeping() -> None:
+            results.append(await channel.unary(SLEEP, b""))  # until cancelled
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sleeping)
+            await wait_for(lambda: echo.active == 1, "the call in flight")
+            await channel.aclose()
+    assert results[0].status is StatusCode.UNAVAILABLE
+    assert results[0].message.startswith("the client closed the channel")
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     ca = trustme.CA()
