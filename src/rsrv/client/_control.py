@@ -10,61 +10,22 @@ Use it from trio::
 
 from __future__ import annotations
 
-import ssl
-from collections.abc import Mapping
-from typing import Any
-
-from rsrv.client._errors import InferenceServerError
-from rsrv.client._rpc import ChannelClient, RetryPolicy, unary_message
+from rsrv.client._rpc import ChannelClient
 from rsrv.protocol import FROM_RESIDENCY, RESIDENCY
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
-from rsrv.transport import Channel, ClientLimits, open_channel
 
 SERVICE = "/rsrv.control.v1.ControlService/"
 
 
 class ControlClient(ChannelClient):
-    """Its connection is InferenceClient's: to ``host:port`` (``tls``: a client
-    ``ssl.SSLContext``, e.g. ``ssl.create_default_context()`` with the server's CA, plus
-    ``load_cert_chain`` for mutual TLS, verified against ``server_hostname`` or ``host``)
-    when entered as ``async with``, or a running ``channel`` to share. ``headers`` go
-    with every call (e.g. the header of a restricted ``control`` protocol); ``retry``:
-    see :class:`RetryPolicy`. Each call takes a ``timeout`` (seconds); a failed call
-    raises :class:`InferenceServerError`, as InferenceClient's do.
+    """rsrv's control service. Its connection, headers (e.g. the header of a restricted
+    ``control`` protocol) and retries: see :class:`ChannelClient`, as InferenceClient's
+    (``tls``: e.g. ``ssl.create_default_context()`` with the server's CA, plus
+    ``load_cert_chain`` for mutual TLS). Each call takes a ``timeout`` (seconds); a
+    failed call raises :class:`InferenceServerError`.
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 8001,
-        *,
-        tls: ssl.SSLContext | None = None,
-        server_hostname: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
-        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
-        channel: Channel | None = None,
-    ):
-        super().__init__(
-            channel,
-            lambda: open_channel(
-                host, port, tls=tls, server_hostname=server_hostname, limits=limits
-            ),
-        )
-        self._metadata = tuple((headers or {}).items())
-        self.retry = retry
-
-    async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
-        return await unary_message(
-            self.channel,
-            SERVICE + method,
-            request,
-            response_type,
-            InferenceServerError.of,
-            metadata=self._metadata,
-            timeout=timeout,
-            retry=self.retry,
-        )
+    service = SERVICE
 
     async def status(self, *, timeout: float | None = None) -> pb.ModelControlStatusResponse:
         request = pb.ModelControlStatusRequest()

@@ -14,7 +14,6 @@ past it fails at once with its last attempt's status (UNAVAILABLE).
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,12 +23,11 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
-from rsrv.client._rpc import ChannelClient, RetryPolicy, unary_message
+from rsrv.client._rpc import ChannelClient
 from rsrv.client._streaming import InferStream
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2
-from rsrv.transport import Channel, ClientLimits, open_channel
 
 __all__ = ["InferenceClient"]
 
@@ -39,45 +37,11 @@ SERVICE = "/inference.GRPCInferenceService/"
 class InferenceClient(ChannelClient):
     """Inference, health, metadata, repository, statistics and shared-memory calls.
 
-    Connects to ``host:port`` (``tls``: a client ``ssl.SSLContext``, verified against
-    ``server_hostname`` or ``host``) when entered as ``async with``; or give it a
-    running ``channel`` (then host, port, tls and limits are unused and it needs no
-    ``async with``). ``headers`` go with every call (e.g. a restricted protocol's
-    header). ``retry``: see :class:`RetryPolicy`.
+    Its connection, headers and retries: see :class:`ChannelClient` (``host``, ``port``,
+    ``tls``, ``server_hostname``, ``headers``, ``limits``, ``retry``, ``channel``).
     """
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 8001,
-        *,
-        tls: ssl.SSLContext | None = None,
-        server_hostname: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
-        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
-        channel: Channel | None = None,
-    ):
-        super().__init__(
-            channel,
-            lambda: open_channel(
-                host, port, tls=tls, server_hostname=server_hostname, limits=limits
-            ),
-        )
-        self._metadata = tuple((headers or {}).items())
-        self.retry = retry
-
-    async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
-        return await unary_message(
-            self.channel,
-            SERVICE + method,
-            request,
-            response_type,
-            InferenceServerError.of,
-            metadata=self._metadata,
-            timeout=timeout,
-            retry=self.retry,
-        )
+    service = SERVICE
 
     # -- health and metadata ------------------------------------------------------------
 

@@ -1,20 +1,23 @@
-"""Unary calls for the clients: protobuf in and out over a ``Channel``, retried with
-exponential backoff when the server certainly never processed them."""
+"""What the clients share: :class:`ChannelClient` (a service's client on a ``Channel``),
+and unary calls, protobuf in and out, retried with exponential backoff when the server
+certainly never processed them."""
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.client._errors import InferenceServerError
 from rsrv.protocol import pushback_of
-from rsrv.transport import Channel, UnaryResult
+from rsrv.transport import Channel, ClientLimits, UnaryResult, open_channel
 
 __all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
 
@@ -110,18 +113,48 @@ async def unary_message(
 
 
 class ChannelClient:
-    """A client on a :class:`Channel`: one it was given (running, owned by the caller),
-    or one it opens with ``open()`` on ``async with`` and closes on exit (entering it
-    again while open raises RuntimeError)."""
+    """A client of one gRPC service (``service``, its path prefix) on a
+    :class:`Channel`: to ``host:port`` (``tls``: a client ``ssl.SSLContext``, verified
+    against ``server_hostname`` or ``host``; ``limits``), opened on ``async with`` and
+    closed on exit (entering it again while open raises RuntimeError); or a running
+    ``channel`` it was given (owned by the caller; then host, port, tls and limits are
+    unused and it needs no ``async with``). ``headers`` go with every call (e.g. a
+    restricted protocol's header); ``retry``: see :class:`RetryPolicy`. A call that
+    does not succeed raises :class:`InferenceServerError`."""
+
+    service = ""
 
     def __init__(
         self,
-        channel: Channel | None,
-        open: Callable[[], AbstractAsyncContextManager[Channel]],
+        host: str = "127.0.0.1",
+        port: int = 8001,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        limits: ClientLimits = ClientLimits(),  # noqa: B008 (frozen)
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
+        channel: Channel | None = None,
     ):
         self._channel = channel
-        self._open = open
+        self._open = lambda: open_channel(
+            host, port, tls=tls, server_hostname=server_hostname, limits=limits
+        )
         self._stack: AsyncExitStack | None = None
+        self._metadata = tuple((headers or {}).items())
+        self.retry = retry
+
+    async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
+        return await unary_message(
+            self.channel,
+            self.service + method,
+            request,
+            response_type,
+            InferenceServerError.of,
+            metadata=self._metadata,
+            timeout=timeout,
+            retry=self.retry,
+        )
 
     async def __aenter__(self):
         if self._stack is not None:
