@@ -65,9 +65,11 @@ NUMBER = 9
 QUEUE_DELAY = 0.002  # seconds a batch may wait to fill (b)
 WIDTH, DEPTH = 1024, 4
 SIZES = [1, 8]  # the dense model's compiled batch sizes (b)
-MODES = {
+PACKING = 'mode = "lpt_packing"\ndefault_replicas = "all"'
+MODES = {  # (b): lpt_packing with its default run hold, and without any
     "round_robin": 'mode = "round_robin"',
-    "lpt_packing": 'mode = "lpt_packing"\ndefault_replicas = "all"',
+    "lpt_packing": PACKING,
+    "lpt_packing_no_hold": PACKING + "\nrouting_fill_hold_seconds = 0",
 }
 
 
@@ -307,6 +309,7 @@ def coalescing(p: Params) -> dict:
         "clients": p.fill_clients,
         "rows_per_execution": per_dispatch,
         "ratio": ratio(per_dispatch["lpt_packing"], per_dispatch["round_robin"]),
+        "ratio_no_hold": ratio(per_dispatch["lpt_packing_no_hold"], per_dispatch["round_robin"]),
         # the ratio if every lpt_packing execution ran a full batch: no routing does better
         "ceiling": ratio(max(SIZES), per_dispatch["round_robin"]),
         "req_s": {m: r.summary()["req_s"] for m, r in by.items()},
@@ -322,7 +325,8 @@ def run(quick: bool) -> dict:
         "title": "Gateway: one hop's cost, and fill routing's batches",
         "method": f"(a) a worker and a gateway in front of it side by side, tritonclient "
         f"closed loop in interleaved rounds whose order rotates ({rounds(p.rounds)} of "
-        f"{p.seconds} s per concurrency); (b) two gateways (round robin, lpt_packing) in "
+        f"{p.seconds} s per concurrency); (b) three gateways (round robin; lpt_packing with "
+        "its default run hold, and without) in "
         f"front of the same two fifo workers (queue delay {QUEUE_DELAY * 1e3:g} ms), "
         f"{p.fill_clients} closed-loop clients, "
         "interleaved rounds; rows per execution from the workers' ModelControlStatus; "
@@ -391,7 +395,8 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             ["gateway mode", "rows per execution", "req/s"],
         ),
         "",
-        f"lpt_packing / round robin: {times(c['ratio'])}; {times(c.get('ceiling'))} if every "
+        f"lpt_packing / round robin: {times(c['ratio'])} (without a run hold: "
+        f"{times(c.get('ratio_no_hold'))}); {times(c.get('ceiling'))} if every "
         f"lpt_packing execution held {max(SIZES)} rows (the most any routing could reach "
         "against these round-robin batches).",
         "",

@@ -211,6 +211,14 @@ class SchedulingConfig(_Strict):
     routing_fill_factor: Annotated[
         float, msgspec.Meta(gt=0), _doc("Rows per run: this times the largest compiled batch.")
     ] = 1.0
+    routing_fill_hold_seconds: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=1),
+        _doc(
+            "Run mode: hold a run's requests at the gateway until it is full, at most this "
+            "long after it opened, when the model has a run's worth in flight; 0: never."
+        ),
+    ] = 0.002
     compaction_mode: Annotated[
         Literal["eager", "off", "scheduled"],
         _doc("After a repack that moved models: CompactMemory on the workers it changed."),

@@ -36,6 +36,7 @@ _POLICY_FIELDS = {
     "routing_policy": "routing_policy",
     "routing_fill_mode": "routing_fill_mode",
     "routing_fill_factor": "routing_fill_factor",
+    "routing_fill_hold_seconds": "routing_fill_hold_seconds",
     "compaction_mode": "compaction_mode",
     "compaction_interval": "compaction_interval",
     "forbid_memory_oversubscription": "forbid_memory_oversubscription",
@@ -89,6 +90,7 @@ class GatewayControl:
             routing_policy=config.routing_policy,
             routing_fill_mode=config.routing_fill_mode,
             routing_fill_factor=config.routing_fill_factor,
+            routing_fill_hold_seconds=config.routing_fill_hold_seconds,
             compaction_mode=config.compaction_mode,
             compaction_interval=config.compaction_interval,
             forbid_memory_oversubscription=config.forbid_memory_oversubscription,
@@ -196,12 +198,13 @@ class GatewayControl:
         except (msgspec.ValidationError, ConfigError, ValueError) as e:
             raise InvalidArgument(str(e)) from None
         s = self.scheduling
-        assert s.planner is not None and isinstance(s.router, FillRouter)
+        assert s.planner is not None and s.holds is not None and isinstance(s.router, FillRouter)
         warnings = s.planner.configure(settings)
         s.tracker.halflife_compute_seconds = settings.halflife_compute_seconds
         s.router.settings = fill
         s.router.policy = config.routing_policy
         s.router.work_basis = config.work_basis
+        s.holds.seconds = config.routing_fill_hold_seconds  # (runs held now keep theirs)
         s.config = config
         return warnings
 

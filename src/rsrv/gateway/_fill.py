@@ -15,7 +15,8 @@ rows along the model's batch axis (1 per request when unknown). Per model, the f
 ``out_i`` is the model's items in flight on replica ``i``; ``load_i`` the worker's in-flight
 work over all models (policy ``fill_least``; ``fill_rr`` leaves it out), compared in
 nanosecond steps; rotation is the distance after the model's cursor, so exact ties rotate.
-Pure: no clock, no I/O.
+A request routed into a run carries its place in it (:class:`RunPlace`: which run, how
+full), by which ``_hold`` holds the run until it is full. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -148,6 +149,17 @@ class _Run:
     cursor: str | None = None
     target: str | None = None
     units: int = 0
+    number: int = 0  # runs opened so far
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlace:
+    """Where a request stands in its model's run (mode run): the run's ``number``, the
+    ``units`` the run holds with this request, and its ``quantum``."""
+
+    number: int
+    units: int
+    quantum: int
 
 
 class FillRouter:
@@ -235,7 +247,11 @@ class FillRouter:
             key=lambda w: (out(model, w) // q, out(model, w), w),
         )
         outside = [w for w in discovered if w not in members]
-        return self.ledger.open(model, [chosen, *rest, *outside], units, charge)
+        ticket = self.ledger.open(model, [chosen, *rest, *outside], units, charge)
+        if len(members) > 1 and plan.mode is FillMode.RUN:
+            run = self._runs[model]
+            ticket.run = RunPlace(run.number, run.units, q)
+        return ticket
 
     def _choose(self, model: str, members: tuple[str, ...], plan: FillPlan, units: int) -> str:
         run = self._runs.setdefault(model, _Run())
@@ -262,6 +278,7 @@ class FillRouter:
             i = min(indices, key=lambda i: (buckets[i], loads[i], dist[i]))
             run.cursor = run.target = members[i]
             run.units = units
+            run.number += 1
             return members[i]
 
         if plan.mode is FillMode.SPREAD:

@@ -53,10 +53,18 @@ class Relayed(RsrvError):
         self.code = status.name
 
 
+class Hold(Protocol):
+    """What a routed request waits at before it is sent (``_hold.RunGate``)."""
+
+    async def wait(self) -> None: ...
+
+
 class RouteTicket(Protocol):
-    """One routing decision: the replicas to try in order; released exactly once."""
+    """One routing decision: the replicas to try in order, and what the request waits at
+    first (None: nothing); released exactly once."""
 
     order: list[str]
+    hold: Hold | None
 
     def release(self) -> None: ...
 
@@ -181,6 +189,8 @@ class Forwarder:
         if replicas:
             ticket = self.router.route(head.model, head, replicas)
             try:
+                if ticket.hold is not None:
+                    await ticket.hold.wait()
                 return await self.try_in_order(
                     path, body, metadata, deadline, ticket.order, on_failover=ticket.redirect
                 )

@@ -48,13 +48,15 @@ def check_units(units: int) -> int:
 
 class Ticket:
     """One routing decision. ``order``: workers to try, choice first. ``worker``: where the
-    charge sits now (the choice, or the worker named by :meth:`redirect`).
+    charge sits now (the choice, or the worker named by :meth:`redirect`). ``run``: where
+    the request stands in its model's fill run (lpt_packing, mode run), else None;
+    ``hold``: what it waits at before it is sent (``_hold.RunGate``), else None.
 
     Release it exactly once when the request is over, success or not; further releases
     are ignored. Usable as a context manager (released on exit).
     """
 
-    __slots__ = ("model", "order", "worker", "units", "charge", "_ledger", "_live")
+    __slots__ = ("model", "order", "worker", "units", "charge", "run", "hold", "_ledger", "_live")
 
     def __init__(
         self,
@@ -70,6 +72,8 @@ class Ticket:
         self.worker = order[0]
         self.units = units
         self.charge = charge
+        self.run = None
+        self.hold = None
         self._live = True
 
     @property

@@ -7,7 +7,7 @@ once per discovery round, learns from the workers' reports (and repacks).
 * ``lpt_packing``: models placed on ``replicas`` workers each by longest-processing-time
   packing over measured load and weight bytes (``_placement``), repacked as the fleet
   computes (``_planner``), requests routed to fill one replica's batch before the next
-  (``_fill``).
+  (``_fill``), a run's requests held until it is full (``_hold``).
 
 The pure parts (costs, placement, routing, repack clock) take the time and the
 measurements as arguments; this module feeds them from the fleet and the monotonic clock.
@@ -26,6 +26,7 @@ from rsrv.errors import InvalidArgument
 from rsrv.gateway._costs import CostTracker, RoutingMeta, WorkerReport, resolve_halflife
 from rsrv.gateway._fill import FillRouter, FillSettings, ModelFill, fill_mode_warning
 from rsrv.gateway._fleet import Fleet
+from rsrv.gateway._hold import RunHolds
 from rsrv.gateway._peek import InferHead, WireError
 from rsrv.gateway._placement import ALL_REPLICAS, PlacementPolicy, WorkerBudget
 from rsrv.gateway._planner import PackingSettings, RepackOutcome, RepackPlanner
@@ -102,6 +103,7 @@ class Scheduling:
         # worker -> the warning about its discipline ("" when fine), once it has reported
         self._disciplines: dict[str, str] = {}
         self.planner: RepackPlanner | None = None
+        self.holds: RunHolds | None = None  # lpt_packing: fill runs held until full
         self.repacks = 0
         self.moves = 0
         self.last_repack_unix: float | None = None
@@ -112,6 +114,7 @@ class Scheduling:
         else:
             settings = packing_settings(config)
             self.planner = RepackPlanner(settings, now=time.monotonic())
+            self.holds = RunHolds(config.routing_fill_hold_seconds)
             self.router = FillRouter(
                 settings=fill_settings(config),
                 policy=config.routing_policy,
@@ -156,7 +159,14 @@ class Scheduling:
                     units = meta.units(head.input_shape)
                 except WireError as e:
                     raise InvalidArgument(f"malformed ModelInferRequest: {e}") from None
-        return self.router.route(model, replicas, units)
+        ticket = self.router.route(model, replicas, units)
+        if ticket.run is not None and self.holds is not None:
+            place = ticket.run
+            outstanding = self.ledger.model_outstanding(model)
+            ticket.hold = self.holds.gate(
+                model, place.number, place.units, place.quantum, outstanding
+            )
+        return ticket
 
     def tick(self) -> RepackOutcome | None:
         self._forget_gone()
@@ -201,6 +211,8 @@ class Scheduling:
                 continue
             self.ledger.forget(model)
             self.router.forget(model)
+            if self.holds is not None:
+                self.holds.forget(model)
             self.tracker.forget_model(model)
             if self.planner is not None:
                 self.planner.rates.forget(model)
@@ -279,3 +291,17 @@ class Scheduling:
             "Models moved to another worker by lpt_packing repacks",
             value=self.moves,
         )
+        if self.holds is not None:
+            yield CounterMetricFamily(
+                "rsrv_gateway_held_requests",
+                "Requests held at the gateway until their fill run was full (lpt_packing)",
+                value=self.holds.held,
+            )
+            holds = CounterMetricFamily(
+                "rsrv_gateway_run_holds",
+                "Fill runs held, by how the hold ended: full, timeout, replaced",
+                labels=["outcome"],
+            )
+            for outcome, count in self.holds.outcomes.items():
+                holds.add_metric([outcome], count)
+            yield holds

@@ -11,7 +11,7 @@ class GetSchedulingStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulingPolicy(_message.Message):
-    __slots__ = ("rebalance_compute_seconds", "first_rebalance_compute_seconds", "hysteresis", "ema_halflife_compute_seconds", "default_replicas", "routing_policy", "routing_fill_mode", "routing_fill_factor", "compaction_mode", "compaction_interval", "forbid_memory_oversubscription", "work_basis", "generation")
+    __slots__ = ("rebalance_compute_seconds", "first_rebalance_compute_seconds", "hysteresis", "ema_halflife_compute_seconds", "default_replicas", "routing_policy", "routing_fill_mode", "routing_fill_factor", "compaction_mode", "compaction_interval", "forbid_memory_oversubscription", "work_basis", "generation", "routing_fill_hold_seconds")
     REBALANCE_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_REBALANCE_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HYSTERESIS_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class SchedulingPolicy(_message.Message):
     FORBID_MEMORY_OVERSUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
     WORK_BASIS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FILL_HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rebalance_compute_seconds: float
     first_rebalance_compute_seconds: float
     hysteresis: float
@@ -38,7 +39,8 @@ class SchedulingPolicy(_message.Message):
     forbid_memory_oversubscription: bool
     work_basis: str
     generation: int
-    def __init__(self, rebalance_compute_seconds: _Optional[float] = ..., first_rebalance_compute_seconds: _Optional[float] = ..., hysteresis: _Optional[float] = ..., ema_halflife_compute_seconds: _Optional[float] = ..., default_replicas: _Optional[int] = ..., routing_policy: _Optional[str] = ..., routing_fill_mode: _Optional[str] = ..., routing_fill_factor: _Optional[float] = ..., compaction_mode: _Optional[str] = ..., compaction_interval: _Optional[int] = ..., forbid_memory_oversubscription: _Optional[bool] = ..., work_basis: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    routing_fill_hold_seconds: float
+    def __init__(self, rebalance_compute_seconds: _Optional[float] = ..., first_rebalance_compute_seconds: _Optional[float] = ..., hysteresis: _Optional[float] = ..., ema_halflife_compute_seconds: _Optional[float] = ..., default_replicas: _Optional[int] = ..., routing_policy: _Optional[str] = ..., routing_fill_mode: _Optional[str] = ..., routing_fill_factor: _Optional[float] = ..., compaction_mode: _Optional[str] = ..., compaction_interval: _Optional[int] = ..., forbid_memory_oversubscription: _Optional[bool] = ..., work_basis: _Optional[str] = ..., generation: _Optional[int] = ..., routing_fill_hold_seconds: _Optional[float] = ...) -> None: ...
 
 class RepackStatus(_message.Message):
     __slots__ = ("last_repack_unix_seconds", "last_repack_wall_seconds", "last_repack_compute_seconds", "last_trigger", "last_models_placed", "last_models_moved", "repack_count", "compute_accumulated_seconds", "threshold_seconds", "first_traffic_repack_done", "operator_repacks_requested", "operator_repacks_completed")

@@ -1,0 +1,105 @@
+"""Holding fill runs at the gateway (rsrv.gateway._hold), on trio's mock clock: a run
+whose model has a run's worth in flight waits until it is full, or until its hold time
+after it opened; a new run releases the one before; a lone client is never held; the
+outcomes are counted."""
+
+from __future__ import annotations
+
+import trio
+from support.gateway import fleet_of
+
+from rsrv.config import SchedulingConfig
+from rsrv.gateway._fleet import IndexRow
+from rsrv.gateway._hold import RunHolds
+from rsrv.gateway._scheduling import Scheduling
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
+
+
+def packing(hold: float) -> Scheduling:
+    """lpt_packing over w0 and w1, both serving "m" (compiled up to a batch of 8: runs of
+    8), both its replicas."""
+    fleet = fleet_of("w0", "w1")
+    for worker in fleet.workers:
+        worker.ready = True
+        worker.index = (IndexRow("m", "1", "READY", ""),)
+        worker.control = cpb.ModelControlStatusResponse(
+            discipline="fifo",
+            models=[cpb.ModelStatus(name="m", state="READY", max_batch_size=8)],
+        )
+    fleet.rebuild_routes()
+    scheduling = Scheduling(
+        SchedulingConfig(
+            mode="lpt_packing", default_replicas="all", routing_fill_hold_seconds=hold
+        ),
+        fleet,
+    )
+    scheduling.tick()  # the first placement
+    return scheduling
+
+
+def route(scheduling: Scheduling):
+    return scheduling.route("m", None, ("w0", "w1"))
+
+
+async def test_a_run_is_held_until_it_is_full(autojump_clock):
+    scheduling = packing(hold=0.01)
+    first = [route(scheduling) for _ in range(8)]  # a run of 8 in flight: never held
+    assert {t.order[0] for t in first} == {"w0"} and all(t.hold is None for t in first)
+    released: list[float] = []
+
+    async def request() -> None:
+        ticket = route(scheduling)
+        assert ticket.order[0] == "w1" and ticket.hold is not None
+        await ticket.hold.wait()
+        released.append(trio.current_time())
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for _ in range(7):
+            nursery.start_soon(request)
+            await trio.sleep(0.001)  # clients' answers come back apart
+        assert released == []
+        last = route(scheduling)  # the 8th: full, and the 7 go with it
+        assert last.hold is None
+    assert released == [start + 0.007] * 7
+    holds = scheduling.holds
+    assert holds.held == 7 and holds.outcomes == {"full": 1, "timeout": 0, "replaced": 0}
+
+
+async def test_a_run_that_does_not_fill_goes_at_its_hold_time(autojump_clock):
+    scheduling = packing(hold=0.01)
+    first = [route(scheduling) for _ in range(8)]
+    start = trio.current_time()
+    held = [route(scheduling) for _ in range(3)]
+    assert {t.hold for t in held} == {held[0].hold} and held[0].hold is not None
+    for ticket in held:
+        await ticket.hold.wait()
+    assert trio.current_time() == start + 0.01
+    # Late joiners of the same run go at once; the next run counts the timeout.
+    late = route(scheduling)
+    assert late.hold is None
+    for ticket in [*first, *held, late]:
+        ticket.release()
+    assert scheduling.holds.outcomes["timeout"] == 0
+    route(scheduling)  # nothing in flight: a new run, which retires the held one
+    assert scheduling.holds.outcomes["timeout"] == 1
+
+
+async def test_a_lone_client_is_never_held(autojump_clock):
+    scheduling = packing(hold=0.01)
+    for _ in range(20):  # one request in flight at a time: no run can fill
+        ticket = route(scheduling)
+        assert ticket.hold is None
+        ticket.release()
+    assert scheduling.holds.held == 0
+
+
+async def test_a_new_run_releases_the_one_before(autojump_clock):
+    holds = RunHolds(seconds=0.01)
+    gate = holds.gate("m", run=2, units=3, quantum=8, outstanding=11)
+    assert gate is not None and not gate.opened
+    assert holds.gate("m", run=3, units=1, quantum=8, outstanding=12) is not None
+    assert gate.opened and holds.outcomes["replaced"] == 1
+    holds.forget("m")  # the model left every worker
+    assert holds.outcomes["replaced"] == 2
+    assert RunHolds(seconds=0).gate("m", run=1, units=1, quantum=8, outstanding=99) is None
