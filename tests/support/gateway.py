@@ -65,6 +65,9 @@ class FakeDiscovery:
     def changed(self) -> None:
         self.changes += 1
 
+    async def changes_seen(self) -> None:
+        pass
+
     async def refresh(self) -> None:
         self.refreshes += 1
         self.on_refresh()

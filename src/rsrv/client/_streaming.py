@@ -81,11 +81,13 @@ class InferStream:
                 "stream (answers are matched by id)"
             )
         slot = self._waiting[request_id] = [trio.Event(), None]
+        sent = False
         try:
             await self.send(model, inputs, outputs, request_id=request_id, **kwargs)
+            sent = True
             await slot[0].wait()
         except trio.Cancelled:
-            if slot[1] is None and self._ended is None:  # its answer may yet come
+            if sent and slot[1] is None and self._ended is None:  # its answer may yet come
                 self._abandoned.add(request_id)
             raise
         finally:

@@ -18,8 +18,9 @@ RepositoryIndex, ModelControlStatus), then:
   and READY or LOADING there (its own start-up loads included) is unloaded;
 * a model whose residency or policy was set through the gateway (SetModelResidency,
   SetModelPolicy: the last residency, the policy fields last set) and READY or LOADING
-  there, after those loads, gets them again (a restarted worker starts with the
-  defaults); they are forgotten when the model is unloaded through the gateway.
+  there, after those loads, gets them again, over what a restarted worker is configured
+  with; they are forgotten when the model is unloaded through the gateway, or when no
+  worker lists it any more and no load through the gateway brings it back.
 
 A change is remembered once at least one worker accepted it; a ready worker it did not
 reach, or that failed it, is brought in line once it is remembered (it may have become
@@ -71,6 +72,7 @@ class CatchUp:
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
         # model -> control method (SetModelResidency, SetModelPolicy) -> its request
         self.settings: dict[str, dict[str, bytes]] = {}
+        self._unloaded: dict[str, int] = {}  # model -> unloads through the gateway
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
         self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
         self._unfinished: set[int] = set()  # id(worker link): a call was shed or timed out
@@ -103,6 +105,13 @@ class CatchUp:
             self.dropped[name] = self.dropped.get(name, set()) | {w.name for w in workers}
         self.start(workers)
 
+    def forget_absent(self, known: set[str]) -> None:
+        """Drop the settings of the models no worker lists any more (unloaded on the
+        workers directly, gone from their repositories), unless a load through the
+        gateway will bring them back."""
+        for model in [m for m in self.settings if m not in known and m not in self.loads]:
+            del self.settings[model]
+
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS; a pod that returns comes as a new process):
         no region is waiting to be removed from it any more."""
@@ -121,10 +130,20 @@ class CatchUp:
         self.unloads[model] = body
         self.loads.pop(model, None)
         self.settings.pop(model, None)  # a model loaded again starts with the defaults
+        self._unloaded[model] = self._unloaded.get(model, 0) + 1
 
-    def set(self, model: str, method: str, body: bytes) -> None:
-        """``method`` (SetModelResidency or SetModelPolicy) was done on ``model``; a
-        policy keeps the fields an earlier request set and this one leaves unset."""
+    def unload_count(self, model: str) -> int:
+        """How many times ``model`` was unloaded through the gateway (read before a
+        setting's fan-out, given to :meth:`set` after it)."""
+        return self._unloaded.get(model, 0)
+
+    def set(self, model: str, method: str, body: bytes, unloads: int) -> None:
+        """``method`` (SetModelResidency or SetModelPolicy) was done on ``model``, which
+        had been unloaded ``unloads`` times when it was sent (unloaded since: it is
+        not kept). A policy keeps the fields an earlier request set and this one
+        leaves unset."""
+        if self.unload_count(model) != unloads:
+            return
         held = self.settings.setdefault(model, {})
         if method == "SetModelPolicy" and method in held:
             merged = control_pb.SetModelPolicyRequest.FromString(held[method])

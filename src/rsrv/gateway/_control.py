@@ -204,7 +204,7 @@ class GatewayControl:
         s.router.settings = fill
         s.router.policy = config.routing_policy
         s.router.work_basis = config.work_basis
-        s.holds.seconds = config.routing_fill_hold_seconds  # (runs held now keep theirs)
+        s.holds.configure(config.routing_fill_hold_seconds)
         s.config = config
         return warnings
 

@@ -110,6 +110,12 @@ class Discovery:
         self._round_done.set()
         self._round_done = trio.Event()
 
+    async def changes_seen(self) -> None:
+        """Wait until a round has shown the last change made through the gateway
+        (:meth:`changed`); at once when one has. Cancelling the caller cancels only
+        the wait."""
+        await self._round(self._change_round)
+
     async def refresh(self) -> None:
         """Wait for the round that shows the last change made through the gateway, when
         it has not completed yet (:meth:`changed`); else wake the discovery task for a
@@ -126,7 +132,11 @@ class Discovery:
             self._last_refresh = now
             target = self._started + 1
             self._wake.set()
-        while self.rounds < target:
+        await self._round(target)
+
+    async def _round(self, number: int) -> None:
+        """Wait until round ``number`` has completed."""
+        while self.rounds < number:
             await self._round_done.wait()
 
     def forget_worker(self, worker: str) -> None:

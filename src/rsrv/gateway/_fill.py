@@ -155,11 +155,13 @@ class _Run:
 @dataclass(frozen=True, slots=True)
 class RunPlace:
     """Where a request stands in its model's run (mode run): the run's ``number``, the
-    ``units`` the run holds with this request, and its ``quantum``."""
+    ``units`` the run holds with this request, its ``quantum``, and whether this
+    request ``opened`` it."""
 
     number: int
     units: int
     quantum: int
+    opened: bool
 
 
 class FillRouter:
@@ -250,7 +252,7 @@ class FillRouter:
         ticket = self.ledger.open(model, [chosen, *rest, *outside], units, charge)
         if len(members) > 1 and plan.mode is FillMode.RUN:
             run = self._runs[model]
-            ticket.run = RunPlace(run.number, run.units, q)
+            ticket.run = RunPlace(run.number, run.units, q, opened=run.units == units)
         return ticket
 
     def _choose(self, model: str, members: tuple[str, ...], plan: FillPlan, units: int) -> str:

@@ -213,6 +213,16 @@ class Fleet:
             worker.ready, worker.away = False, True
             self.rebuild_routes()
 
+    def known_models(self) -> set[str]:
+        """Every model some worker lists, in any state (its last index or control
+        status, ready or not: a worker restarting still counts)."""
+        known: set[str] = set()
+        for worker in self.workers:
+            known.update(row.name for row in worker.index)
+            if worker.control is not None:
+                known.update(m.name for m in worker.control.models)
+        return known
+
     def holders(self, model: str) -> list[WorkerLink]:
         """Ready workers that have ``model`` in any state (for control calls that act on a
         model that is loading or unavailable too, or on a meta's sub-model)."""

@@ -121,7 +121,9 @@ class Gateway:
         return self.scheduler.metrics()
 
     def _after_round(self) -> None:
-        self.services.catchup.start(self.fleet.returned())
+        catchup = self.services.catchup
+        catchup.forget_absent(self.fleet.known_models())
+        catchup.start(self.fleet.returned())
         outcome = self.scheduler.tick()
         if outcome is not None and outcome.compaction is not None and self._nursery:
             self._nursery.start_soon(self._compact, outcome.compaction.reload)

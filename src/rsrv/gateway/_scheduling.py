@@ -164,7 +164,7 @@ class Scheduling:
             place = ticket.run
             outstanding = self.ledger.model_outstanding(model)
             ticket.hold = self.holds.gate(
-                model, place.number, place.units, place.quantum, outstanding
+                model, place.number, place.units, place.quantum, outstanding, place.opened
             )
         return ticket
 
@@ -201,11 +201,7 @@ class Scheduling:
         state) for models no worker lists any more and with nothing in flight: model
         names come and go (explicit-mode loads), and a long-lived gateway must not keep
         every name it ever routed."""
-        known = set(self.fleet.routes)
-        for worker in self.fleet.workers:
-            known.update(row.name for row in worker.index)
-            if worker.control is not None:
-                known.update(m.name for m in worker.control.models)
+        known = set(self.fleet.routes) | self.fleet.known_models()
         for model in (set(self.ledger.arrivals()) | set(self.meta.models)) - known:
             if self.ledger.model_outstanding(model):
                 continue

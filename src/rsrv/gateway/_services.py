@@ -394,17 +394,20 @@ class GatewayServices:
             name, _ = peek_name(body)
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
+        discovery = self.forward.discovery
+        await discovery.changes_seen()  # a load a moment ago: where it is now
         holders = self.fleet.holders(name)
-        if not holders:  # (loaded a moment ago? the next round shows it)
-            await self.forward.discovery.refresh()
+        if not holders:
+            await discovery.refresh()
             holders = self.fleet.holders(name)
         if not holders:
             raise NotFound(f"model {name!r} is not on any ready worker")
+        unloads = self.catchup.unload_count(name)
         results = await self.forward.fan_out(
             call.path, body, call.metadata, call.deadline, workers=holders
         )
         if _any_ok(results):  # remembered for a holder that restarts, or failed it
-            self.catchup.set(name, call.path.rsplit("/", 1)[1], body)
+            self.catchup.set(name, call.path.rsplit("/", 1)[1], body, unloads)
             self.catchup.missed(results, among=holders)
         return _first_answer(results)
 

@@ -17,6 +17,7 @@ from support.echo import UNARY, echo_server
 from rsrv.client import (
     InferenceClient,
     InferenceServerError,
+    InferStream,
     RetryPolicy,
     create_shared_memory_region,
 )
@@ -116,3 +117,47 @@ def test_an_error_survives_pickling():
         "r1",
     )
     assert str(copy) == "NOT_FOUND: no model"
+
+
+class HeldCall:
+    """A stream call whose sends wait (flow control) until ``flowing``; answers are
+    put in with ``answer``."""
+
+    done, status, message, reached_server = False, None, "", True
+
+    def __init__(self):
+        self.flowing = trio.Event()
+        self.sent: list[str] = []
+        self._in, self._out = trio.open_memory_channel(10)
+
+    async def send(self, payload: bytes) -> None:
+        await self.flowing.wait()
+        self.sent.append(pb.ModelInferRequest.FromString(payload).id)
+
+    def answer(self, request_id: str) -> None:
+        response = pb.ModelInferResponse(id=request_id, model_name="m")
+        self._in.send_nowait(
+            pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+        )
+
+    def __aiter__(self):
+        return self._out.__aiter__()
+
+
+async def test_an_infer_cancelled_before_its_request_was_sent_drops_no_answer():
+    """Only an answer that may yet come is dropped: a request never sent (cancelled
+    while its send waited) has none, and a later request with its id gets its own."""
+    call = HeldCall()
+    stream = InferStream(call)
+    x = {"x": np.zeros((1,), np.float32)}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream._read)
+        with trio.move_on_after(0.1):
+            await stream.infer("m", x, request_id="job-1")
+        assert call.sent == [] and not stream._abandoned
+        call.flowing.set()
+        await stream.send("m", x, request_id="job-1")
+        call.answer("job-1")
+        with trio.fail_after(5):
+            assert (await stream.receive()).id == "job-1"
+        nursery.cancel_scope.cancel()

@@ -443,11 +443,11 @@ def test_a_worker_that_left_the_fleet_is_no_longer_waited_for():
 
 async def test_residency_and_policy_set_through_the_gateway_reach_a_restarted_worker():
     fake, catchup, worker = one_worker("a")
-    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_DEVICE))
-    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_SYSTEM))  # the last
-    catchup.set("a", "SetModelPolicy", policy("a", weight=4.0))
-    catchup.set("a", "SetModelPolicy", policy("a"))  # leaves the weight as it was
-    catchup.set("b", "SetModelResidency", residency("b", cpb.RESIDENCY_SYSTEM))  # not there
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_DEVICE), 0)
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_SYSTEM), 0)  # the last
+    catchup.set("a", "SetModelPolicy", policy("a", weight=4.0), 0)
+    catchup.set("a", "SetModelPolicy", policy("a"), 0)  # leaves the weight as it was
+    catchup.set("b", "SetModelResidency", residency("b", cpb.RESIDENCY_SYSTEM), 0)  # not there
     await catchup.replay([worker])  # a restarted (explicit) worker: "a" loaded, then set
     assert fake.changes() == [
         ("RepositoryModelLoad", "a", "w0"),
@@ -458,6 +458,17 @@ async def test_residency_and_policy_set_through_the_gateway_reach_a_restarted_wo
     assert process.residency == {"a": cpb.RESIDENCY_SYSTEM} and process.weight == {"a": 4.0}
     catchup.unloaded("a", unload("a"))  # unloaded: a later load starts with the defaults
     assert set(catchup.settings) == {"b"}
+    # A setting sent before that unload, answered after it: not kept.
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_SYSTEM), 0)
+    assert set(catchup.settings) == {"b"}
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_SYSTEM), 1)
+    assert set(catchup.settings) == {"a", "b"}
+    # No worker lists "b" (unloaded on the workers themselves): forgotten; "a" stays
+    # while a worker lists it, and "c" while a load through the gateway brings it back.
+    catchup.loaded("c", load("c"))
+    catchup.set("c", "SetModelPolicy", policy("c", weight=2.0), 0)
+    catchup.forget_absent({"a"})
+    assert set(catchup.settings) == {"a", "c"}
 
 
 async def test_a_holder_that_failed_a_setting_is_brought_in_line():

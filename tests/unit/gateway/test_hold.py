@@ -75,14 +75,25 @@ async def test_a_run_that_does_not_fill_goes_at_its_hold_time(autojump_clock):
     for ticket in held:
         await ticket.hold.wait()
     assert trio.current_time() == start + 0.01
-    # Late joiners of the same run go at once; the next run counts the timeout.
-    late = route(scheduling)
+    assert scheduling.holds.outcomes == {"full": 0, "timeout": 1, "replaced": 0}
+    late = route(scheduling)  # a late joiner of the same run goes at once
     assert late.hold is None
     for ticket in [*first, *held, late]:
         ticket.release()
-    assert scheduling.holds.outcomes["timeout"] == 0
     route(scheduling)  # nothing in flight: a new run, which retires the held one
-    assert scheduling.holds.outcomes["timeout"] == 1
+    assert scheduling.holds.outcomes == {"full": 0, "timeout": 1, "replaced": 0}
+
+
+async def test_a_run_opened_unheld_is_never_held(autojump_clock):
+    """Whether a run is held is decided when it opens: joiners that bring the model's
+    units in flight up to a quantum later do not wait (the run may have opened long
+    ago)."""
+    scheduling = packing(hold=0.01)
+    opener = route(scheduling)  # alone: not held
+    await trio.sleep(1)
+    joiners = [route(scheduling) for _ in range(7)]
+    assert opener.hold is None and all(t.hold is None for t in joiners)
+    assert scheduling.holds.held == 0
 
 
 async def test_a_lone_client_is_never_held(autojump_clock):
@@ -94,12 +105,18 @@ async def test_a_lone_client_is_never_held(autojump_clock):
     assert scheduling.holds.held == 0
 
 
-async def test_a_new_run_releases_the_one_before(autojump_clock):
+async def test_a_new_run_or_a_new_hold_time_releases_what_is_held(autojump_clock):
     holds = RunHolds(seconds=0.01)
-    gate = holds.gate("m", run=2, units=3, quantum=8, outstanding=11)
+    gate = holds.gate("m", run=2, units=1, quantum=8, outstanding=11, opened=True)
     assert gate is not None and not gate.opened
-    assert holds.gate("m", run=3, units=1, quantum=8, outstanding=12) is not None
+    assert holds.gate("m", run=2, units=2, quantum=8, outstanding=12, opened=False) is gate
+    assert holds.gate("m", run=3, units=1, quantum=8, outstanding=12, opened=True) is not None
     assert gate.opened and holds.outcomes["replaced"] == 1
-    holds.forget("m")  # the model left every worker
-    assert holds.outcomes["replaced"] == 2
-    assert RunHolds(seconds=0).gate("m", run=1, units=1, quantum=8, outstanding=99) is None
+    holds.configure(0.02)  # changed live: what is held goes now
+    assert holds.outcomes["replaced"] == 2 and holds.held == 3
+    late = holds.gate("m", run=4, units=1, quantum=8, outstanding=12, opened=True)
+    await trio.sleep(0.05)
+    holds.forget("m")  # the model left every worker, after the hold time: a timeout
+    assert late.opened and holds.outcomes == {"full": 0, "timeout": 1, "replaced": 2}
+    holds.configure(0)
+    assert holds.gate("m", run=5, units=1, quantum=8, outstanding=99, opened=True) is None
