@@ -84,6 +84,7 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self._resolved: dict[str, dict[str, tuple[str, int]]] = {}  # by endpoints_dns entry
         host, port = split_address(config.listen.grpc)
+        self.health = HealthService(lambda: self.ready, max_watches=config.grpc.max_connections)
         try:
             self.server = GrpcServer.configured(
                 guard(
@@ -92,7 +93,7 @@ class Gateway:
                         *self.control.methods(),
                         # grpc.health.v1: "ready" is gateway.ready (a ready worker, not
                         # stopping)
-                        *HealthService(lambda: self.ready).methods(),
+                        *self.health.methods(),
                     ],
                     self.admission,
                 ),
@@ -153,6 +154,7 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 self._nursery = self.services.catchup.nursery = nursery
                 await nursery.start(self.discovery.run)
+                await nursery.start(self.health.run)
                 self.port = await nursery.start(self.server.serve)
                 log.info(
                     "gateway listening on %s:%d%s, %d worker(s), scheduling %s",

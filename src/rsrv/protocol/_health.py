@@ -17,7 +17,10 @@ Guarantees:
 * ``Check`` never waits: it reads ``ready()`` once and answers.
 * ``Watch`` sends the current status at once, then every change, each within
   ``poll_seconds`` (0.25 s) of ``ready()`` changing, never the same status twice in a
-  row; it ends only when the client ends it or the server closes the connection.
+  row; it ends only when the client ends it or the server closes the connection. One
+  task (:meth:`HealthService.run`) polls ``ready()`` for every stream, which waits
+  without a timer of its own; at most ``max_watches`` streams are open at once (the
+  server's connection limit), more fail RESOURCE_EXHAUSTED.
 * Neither takes an in-flight slot nor is refused while the server drains:
   :func:`rsrv.protocol.guard` lets them through (``UNADMITTED``), so a probe is never shed
   at ``max_concurrent_requests`` and sees NOT_SERVING, not UNAVAILABLE, during a graceful
@@ -30,7 +33,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from rsrv.errors import NotFound
+from rsrv.errors import NotFound, ResourceExhausted
 from rsrv.protocol.generated.grpc.health.v1 import health_pb2 as pb
 from rsrv.protocol.generated.grpc.health.v1.health_grpc import HealthServicer
 from rsrv.transport import Method, methods_of
@@ -52,20 +55,46 @@ SERVICE_UNKNOWN = pb.HealthCheckResponse.SERVICE_UNKNOWN
 
 class HealthService(HealthServicer):
     """The health service of one server, over one question: ``ready()``, is it ready
-    now? (It is live as long as it answers.)"""
+    now? (It is live as long as it answers.) Watch streams follow changes while
+    :meth:`run` runs."""
 
-    def __init__(self, ready: Callable[[], bool], *, poll_seconds: float = 0.25):
+    def __init__(self, ready: Callable[[], bool], *, max_watches: int, poll_seconds: float = 0.25):
         self.ready = ready
+        self.max_watches = max_watches
         self.poll_seconds = poll_seconds
+        self.watches = 0  # Watch streams open now
+        self._polled: bool | None = None  # ready() at the last poll (None: not polled yet)
+        self._changes = 0  # changes the polls have seen
+        self._changed = trio.Event()  # set, and replaced, when a poll sees a change
+        self._polled_now = trio.Event()  # set, and replaced, at every poll
 
-    def status(self, service: str) -> int:
-        """The ServingStatus of ``service`` now: SERVICE_UNKNOWN for an unknown name."""
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Poll ``ready()`` every ``poll_seconds`` for every Watch stream at once: the
+        streams report what the polls see."""
+        self._polled = self.ready()
+        task_status.started()
+        while True:
+            await trio.sleep(self.poll_seconds)
+            ready = self.ready()
+            if ready != self._polled:
+                self._polled = ready
+                self._changes += 1
+                self._changed.set()
+                self._changed = trio.Event()
+            self._polled_now.set()
+            self._polled_now = trio.Event()
+
+    def status(self, service: str, ready: bool | None = None) -> int:
+        """The ServingStatus of ``service``, ready or not as ``ready`` says (None:
+        ``ready()`` now): SERVICE_UNKNOWN for an unknown name."""
         kind = HEALTH_SERVICES.get(service)
         if kind is None:
             return SERVICE_UNKNOWN
         if kind == "live":
             return SERVING
-        return SERVING if self.ready() else NOT_SERVING
+        if ready is None:
+            ready = self.ready()
+        return SERVING if ready else NOT_SERVING
 
     def methods(self) -> list[Method]:
         """Check and Watch, for the server's method table (pass them through ``guard``)."""
@@ -81,10 +110,27 @@ class HealthService(HealthServicer):
         return pb.HealthCheckResponse(status=status)
 
     async def Watch(self, message, request):
-        last = None
-        while True:
-            status = self.status(message.service)
-            if status != last:
-                last = status
-                yield pb.HealthCheckResponse(status=status)
-            await trio.sleep(self.poll_seconds)
+        if self.watches >= self.max_watches:
+            raise ResourceExhausted(
+                f"{self.watches} health Watch streams are open on this server, the most "
+                "it keeps; use Check, or close a Watch"
+            )
+        self.watches += 1
+        try:
+            service = message.service
+            seen = self._changes
+            last = self.status(service)  # the first answer: ready() now
+            yield pb.HealthCheckResponse(status=last)
+            while True:
+                if self._changes == seen:  # no change missed while it was sending
+                    # In step with the polls, until they see a change; ahead of them
+                    # (the first answer), until the next poll says what is current.
+                    ahead = self.status(service, self._polled) != last
+                    await (self._polled_now if ahead else self._changed).wait()
+                seen = self._changes
+                status = self.status(service, self._polled)
+                if status != last:
+                    last = status
+                    yield pb.HealthCheckResponse(status=status)
+        finally:
+            self.watches -= 1

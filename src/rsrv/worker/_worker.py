@@ -140,7 +140,10 @@ class Worker:
             for m in methods_of(service.service)
         ]
         # grpc.health.v1: ready while ServerReady is and the worker is not draining.
-        methods += HealthService(lambda: self.ready and not self.admission.closed).methods()
+        self.health = HealthService(
+            lambda: self.ready and not self.admission.closed, max_watches=ep.max_connections
+        )
+        methods += self.health.methods()
         try:
             self.server = GrpcServer.configured(
                 guard(methods, self.admission, self.restrictions),
@@ -225,8 +228,9 @@ class Worker:
         """Serve until cancelled. ``task_status.started(port)`` once every model at startup
         has been tried (ready or reported unavailable) and the gRPC port accepts calls.
 
-        Tasks: weight transfers, the dispatch loop, the gRPC server, and when configured
-        the admin HTTP server, the KServe V2 REST server and the repository watcher.
+        Tasks: weight transfers, the dispatch loop, the health poller, the gRPC server,
+        and when configured the admin HTTP server, the KServe V2 REST server and the
+        repository watcher.
         """
         from rsrv.worker._admin import serve_admin
         from rsrv.worker._rest import serve_rest
@@ -241,6 +245,7 @@ class Worker:
                 self._nursery = nursery
                 await nursery.start(self.weights.run)
                 await nursery.start(self.scheduler.run)
+                await nursery.start(self.health.run)
                 self.port = await nursery.start(server.serve)
                 log.info(
                     "gRPC listening on %s:%d%s",
