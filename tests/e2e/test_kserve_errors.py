@@ -641,3 +641,34 @@ def test_unsupported_compression_fails_only_that_call(worker):
     assert unsupported is not None and unsupported[0] == 12  # UNIMPLEMENTED
     assert "snappy" in unsupported[1]
     assert served is not None and served[0] == 0
+
+
+def test_a_compressed_request_is_inflated_off_the_event_loop(worker, monkeypatch):
+    """A small gzip body may inflate to hundreds of megabytes (0.4 s of zlib for
+    256 MiB): the worker inflates it in a worker thread, never on its event loop, where
+    it would hold every other call up."""
+    from rsrv.transport._messages import MessageReader
+
+    where: list[bool] = []
+    decompress = MessageReader._decompress
+
+    def recording(self, payload, room):
+        try:
+            trio.lowlevel.current_task()
+            where.append(True)  # on the event loop
+        except RuntimeError:
+            where.append(False)
+        return decompress(self, payload, room)
+
+    monkeypatch.setattr(MessageReader, "_decompress", recording)
+    path = "/inference.GRPCInferenceService/ServerLive"
+    body = pb.ServerLiveRequest().SerializeToString()
+    raw = RawH2(worker.port)
+    try:
+        call = raw.start(path, headers=[("grpc-encoding", "gzip")])
+        raw.send(call, message(gzip.compress(body), compressed=True), end=True)
+        status = raw.status(call, 20)
+    finally:
+        raw.close()
+    assert status is not None and status[0] == 0, status
+    assert where == [False]

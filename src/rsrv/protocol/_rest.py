@@ -98,6 +98,9 @@ class RestService:
         self.admission: Admission = self.backend.admission
         self.max_body_bytes = max_body_bytes
         self.receive_timeout = receive_timeout
+        # compressed bodies inflating at once, each in a worker thread (a small body may
+        # inflate to max_message_bytes: seconds of zlib that must not hold the loop)
+        self._inflating = trio.CapacityLimiter(2)
         self._restricted = {p: r for r in restrictions for p in r.protocols}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -181,7 +184,12 @@ class RestService:
                 "DEADLINE_EXCEEDED",
             )
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return _inflate(body, headers.get("content-encoding", ""), limit)
+        encoding = headers.get("content-encoding", "")
+        if encoding.strip().lower() in ("", "identity"):
+            return body
+        return await trio.to_thread.run_sync(
+            _inflate, body, encoding, limit, limiter=self._inflating
+        )
 
     async def _discard(self, receive) -> None:
         """Read and drop what the client keeps sending of a refused body (never held), so

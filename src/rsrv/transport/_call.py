@@ -12,7 +12,7 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport._frames import CANCEL, header_block
-from rsrv.transport._messages import MessageError, MessageReader, frame
+from rsrv.transport._messages import Compressed, MessageError, MessageReader, frame
 
 if TYPE_CHECKING:
     from rsrv.transport._connection import ServerConnection
@@ -180,6 +180,8 @@ class ServerCall:
             self.conn.acknowledge(self, self._deferred)
             self._deferred = 0
             self.conn.flush()
+        if isinstance(message, Compressed):  # (inflated off the event loop)
+            message = await self._reader.inflate(message, self.conn.server.inflating)
         if isinstance(message, MessageError):
             raise message
         return message

@@ -256,6 +256,7 @@ class ServerConnection(Http2Endpoint):
             encoding.decode("latin-1") if encoding else None,
             limits.max_message_bytes,
             self.budget,
+            inflate_later=True,
         )
         self.streams[sid] = call
         self._idle_since = None

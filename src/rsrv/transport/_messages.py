@@ -9,6 +9,12 @@ more than a bounded number of decompressed bytes.
 
 A message that cannot be delivered becomes a :class:`MessageError` in the reader's output
 in its place: only that call fails, the connection and its other calls carry on.
+
+A server's reader (``inflate_later``) leaves a compressed message :class:`Compressed`
+for its call to inflate when it takes it (:meth:`MessageReader.inflate`): in a worker
+thread, a few at a time per server, so that a small compressed body that inflates to
+hundreds of megabytes never holds the event loop (a client's one such call held every
+other call up for 0.4 s).
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ from __future__ import annotations
 import struct
 import zlib
 
+import trio
 from purerpc.grpclib.exceptions import RpcFailedError
 from purerpc.grpclib.status import Status, StatusCode
 
-__all__ = ["InflateBudget", "MessageError", "MessageReader", "frame"]
+__all__ = ["Compressed", "InflateBudget", "MessageError", "MessageReader", "frame"]
 
 _HEADER = struct.Struct(">?I")
 ACCEPTED_ENCODINGS = ("gzip", "deflate")
@@ -38,11 +45,21 @@ def frame(payload: bytes) -> bytes:
     return _HEADER.pack(False, len(payload)) + payload
 
 
+class Compressed:
+    """A compressed message, inflated when its call takes it."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+
 class InflateBudget:
     """Decompressed bytes that the messages of one connection may hold at once.
 
-    Charged when a compressed message is inflated, given back when the message is
-    consumed (:meth:`MessageReader.consumed`) or its call ends.
+    Charged when a compressed message is inflated: by a client's reader until the
+    message is consumed (:meth:`MessageReader.consumed`) or its call ends; by a
+    server's reader (``inflate_later``) while it inflates.
     """
 
     __slots__ = ("limit", "used")
@@ -73,6 +90,7 @@ class MessageReader:
         "_budget",
         "_setting",
         "_charged",
+        "_inflate_later",
         "inflated",
     )
 
@@ -82,6 +100,8 @@ class MessageReader:
         limit: int,
         budget: InflateBudget,
         setting: str = "endpoints.max_message_bytes",
+        *,
+        inflate_later: bool = False,
     ):
         self._buf = bytearray()
         self._length: int | None = None  # payload length of the message being read
@@ -95,13 +115,14 @@ class MessageReader:
         # id -> size of each inflated message not consumed yet (alive in the inbox, so
         # no other object has its id meanwhile)
         self._charged: dict[int, int] = {}
+        self._inflate_later = inflate_later
 
     @property
     def partial(self) -> bool:
         return bool(self._buf) or self._length is not None or self._skip > 0
 
-    def feed(self, data: bytes) -> list[bytes | MessageError]:
-        out: list[bytes | MessageError] = []
+    def feed(self, data: bytes) -> list[bytes | Compressed | MessageError]:
+        out: list[bytes | Compressed | MessageError] = []
         if self._skip:
             take = min(self._skip, len(data))
             self._skip -= take
@@ -139,12 +160,9 @@ class MessageReader:
             out.append(self._deliver(self._compressed, payload))
         return out
 
-    def _deliver(self, compressed: bool, payload: bytes) -> bytes | MessageError:
+    def _deliver(self, compressed: bool, payload: bytes) -> bytes | Compressed | MessageError:
         if not compressed:
             return payload
-        return self._inflate(payload)
-
-    def _inflate(self, payload: bytes) -> bytes | MessageError:
         encoding = self._encoding
         if encoding is None or encoding == "identity":
             return MessageError(
@@ -157,8 +175,34 @@ class MessageReader:
                 f"message compressed with {encoding!r}; rsrv accepts gzip and deflate "
                 "(or no compression)",
             )
+        if self._inflate_later:
+            return Compressed(payload)
         budget = self._budget
-        room = min(self._limit, budget.limit - budget.used)
+        out = self._decompress(payload, min(self._limit, budget.limit - budget.used))
+        if isinstance(out, bytes):
+            budget.used += len(out)
+            self.inflated += len(out)
+            self._charged[id(out)] = len(out)
+        return out
+
+    async def inflate(
+        self, message: Compressed, limiter: trio.CapacityLimiter
+    ) -> bytes | MessageError:
+        """``message`` inflated in a worker thread (one of ``limiter``'s), its room
+        held from the connection's inflate budget meanwhile (the bytes are the
+        caller's once it returns)."""
+        async with limiter:
+            budget = self._budget
+            room = max(0, min(self._limit, budget.limit - budget.used))
+            budget.used += room
+            try:
+                return await trio.to_thread.run_sync(self._decompress, message.payload, room)
+            finally:
+                budget.used -= room
+
+    def _decompress(self, payload: bytes, room: int) -> bytes | MessageError:
+        """``payload`` inflated, or why not (more than ``room`` bytes, malformed)."""
+        encoding = self._encoding
         inflater = zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib or gzip header
         try:
             out = inflater.decompress(payload, room + 1)
@@ -170,8 +214,8 @@ class MessageReader:
             if room < self._limit:
                 return MessageError(
                     StatusCode.RESOURCE_EXHAUSTED,
-                    f"decompressed messages not yet read by this connection's calls in flight "
-                    f"would exceed {budget.limit} bytes; send fewer compressed messages at once",
+                    f"decompressed messages of this connection's calls in flight would exceed "
+                    f"{self._budget.limit} bytes; send fewer compressed messages at once",
                 )
             return _too_large(f"more than {self._limit} (decompressed)", self._limit, self._setting)
         if not inflater.eof or inflater.unused_data:
@@ -180,9 +224,6 @@ class MessageReader:
                 f"cannot decompress the {encoding} message: it is cut short or has bytes "
                 "after its end",
             )
-        budget.used += len(out)
-        self.inflated += len(out)
-        self._charged[id(out)] = len(out)
         return out
 
     def consumed(self, message: bytes | MessageError) -> None:

@@ -30,6 +30,9 @@ from rsrv.transport._messages import MessageError
 
 log = logging.getLogger("rsrv.transport")
 
+#: Compressed request messages a server inflates at once (each in a worker thread).
+INFLATING_AT_ONCE = 2
+
 #: accept() failures that mean "out of descriptors or memory for now": wait, retry.
 _CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
@@ -138,6 +141,8 @@ class GrpcServer:
         self.tls = tls
         self.status_of = status_of
         self.trailers_of = trailers_of
+        # compressed requests inflating at once (each in a worker thread)
+        self.inflating = trio.CapacityLimiter(INFLATING_AT_ONCE)
         self.connections: set[ServerConnection] = set()
         self.refused_connections = 0
         self._listeners: list[trio.SocketListener] = []
