@@ -654,3 +654,38 @@ def test_unregistered_region_in_a_request(worker):
     assert answer.error == (
         "Unable to find shared memory region: 'nope' (input tensor 'INPUT0' for model 'simple')"
     )
+
+
+def test_connections_beyond_the_cap_are_closed_at_once(repo, cache_dir):
+    """Clients that open connections and never finish their headers hold at most
+    ``endpoints.max_connections`` of them (each held a descriptor, with no cap, until the
+    process had none left); one more is closed as soon as it is accepted, and a client
+    is served again once some are gone."""
+    config = with_http(worker_config(repo, cache_dir, ENDPOINTS_MAX_CONNECTIONS=3))
+    with running(config) as w:
+        stalled = []
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", w.http_port))
+            sock.sendall(b"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\n")
+            stalled.append(sock)
+        try:
+            with socket.create_connection(("127.0.0.1", w.http_port)) as extra:
+                extra.settimeout(10)
+                extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    answer = extra.recv(100)
+                except ConnectionResetError:  # (closed with the request unread)
+                    answer = b""
+                assert answer == b""  # closed unanswered
+        finally:
+            for sock in stalled:
+                sock.close()
+
+        def served() -> bool:
+            try:
+                reply = raw_exchange(w, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            except ConnectionResetError:  # (refused until the server has seen them go)
+                return False
+            return reply.startswith(b"HTTP/1.1 200 ")
+
+        wait_until(served, 10, "a connection served again")

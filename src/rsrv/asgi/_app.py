@@ -28,15 +28,43 @@ __all__ = [
 ]
 
 
+class _ConnectionCap:
+    """Connections one server holds at once (``limit``), and those it refused."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+
+
 class _ClosingTCPServer(TCPServer):
-    """hypercorn's connection (0.17), closed as soon as the client closes it.
+    """hypercorn's connection (0.17), closed as soon as the client closes it, and
+    refused (closed at once) beyond its server's connection cap.
 
     hypercorn's own holds the socket (CLOSE_WAIT, one descriptor) until its keep-alive
     timer ends when the client closes an idle HTTP/1.1 connection: the read loop meets
     the end of the stream, but the timer's task, still running in the connection's task
     group, keeps the group, and the close after it, waiting. Stopping the timer there
     lets the connection close once its requests are answered. (A hypercorn without
-    that timer, ``idle_task``, is left to itself.)"""
+    that timer, ``idle_task``, is left to itself.) hypercorn has no connection cap: a
+    client opening connections that never finish their headers would hold one
+    descriptor each until the process has none left."""
+
+    async def run(self) -> None:
+        cap: _ConnectionCap | None = getattr(self.config, "rsrv_connection_cap", None)
+        if cap is None:
+            await super().run()
+            return
+        if cap.open >= cap.limit:
+            cap.refused += 1
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.stream)
+            return
+        cap.open += 1
+        try:
+            await super().run()
+        finally:
+            cap.open -= 1
 
     async def _read_data(self) -> None:
         await super()._read_data()
@@ -143,6 +171,7 @@ async def serve_http(
     read_timeout: float | None = None,
     tls: tuple[str, str, str | None] | None = None,
     backlog: int | None = None,
+    max_connections: int = 64,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI app ``app`` (a :class:`PlainApp` or any other) on host:port until
@@ -152,8 +181,10 @@ async def serve_http(
     closed after it (hypercorn's default, 5 s, when None); ``read_timeout``: a read of
     the socket that takes longer closes the connection; ``tls``: (certificate chain,
     key, client CA or None) in PEM files, to serve HTTPS (with the CA: clients must
-    present a certificate it signed)."""
+    present a certificate it signed). At most ``max_connections`` connections are open
+    at once: one more is closed as soon as it is accepted."""
     config = Config()
+    config.rsrv_connection_cap = _ConnectionCap(max_connections)
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)

@@ -268,7 +268,9 @@ class EndpointsConfig(_Strict):
         float, Meta(ge=0), _doc("How long in-flight requests may finish after a stop signal.")
     ] = 30.0
     max_connections: Annotated[
-        int, Meta(ge=1), _doc("Open client connections; more are closed as they arrive.")
+        int,
+        Meta(ge=1),
+        _doc("Open client connections per port (gRPC, REST); more are closed as they arrive."),
     ] = 1000
     max_streams_per_connection: Annotated[
         int, Meta(ge=1), _doc("Calls open at once on one connection (HTTP/2 setting).")

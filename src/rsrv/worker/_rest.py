@@ -46,6 +46,7 @@ async def serve_rest(
                 # every read, also while a long inference runs, and drop its answer.
                 keep_alive_timeout=idle,
                 tls=tls,
+                max_connections=ep.max_connections,
                 task_status=task_status,
             )
         )
