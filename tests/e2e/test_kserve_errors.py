@@ -646,7 +646,8 @@ def test_unsupported_compression_fails_only_that_call(worker):
 def test_a_compressed_request_is_inflated_off_the_event_loop(worker, monkeypatch):
     """A small gzip body may inflate to hundreds of megabytes (0.4 s of zlib for
     256 MiB): the worker inflates it in a worker thread, never on its event loop, where
-    it would hold every other call up."""
+    it would hold every other call up; and many compressed calls on one connection at
+    once all go through."""
     from rsrv.transport._messages import MessageReader
 
     where: list[bool] = []
@@ -662,13 +663,14 @@ def test_a_compressed_request_is_inflated_off_the_event_loop(worker, monkeypatch
 
     monkeypatch.setattr(MessageReader, "_decompress", recording)
     path = "/inference.GRPCInferenceService/ServerLive"
-    body = pb.ServerLiveRequest().SerializeToString()
+    body = b"\x7a\xa0\x1f" + b"x" * 4000  # field 15, 4,000 bytes: unknown, ignored
     raw = RawH2(worker.port)
-    try:
-        call = raw.start(path, headers=[("grpc-encoding", "gzip")])
-        raw.send(call, message(gzip.compress(body), compressed=True), end=True)
-        status = raw.status(call, 20)
+    try:  # 20 calls on one connection at once, each inflating 4 KB
+        calls = [raw.start(path, headers=[("grpc-encoding", "gzip")]) for _ in range(20)]
+        for call in calls:
+            raw.send(call, message(gzip.compress(body), compressed=True), end=True)
+        statuses = [raw.status(call, 20) for call in calls]
     finally:
         raw.close()
-    assert status is not None and status[0] == 0, status
-    assert where == [False]
+    assert statuses == [(0, "")] * 20, statuses
+    assert where == [False] * 20

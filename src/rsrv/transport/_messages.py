@@ -12,9 +12,9 @@ in its place: only that call fails, the connection and its other calls carry on.
 
 A server's reader (``inflate_later``) leaves a compressed message :class:`Compressed`
 for its call to inflate when it takes it (:meth:`MessageReader.inflate`): in a worker
-thread, a few at a time per server, so that a small compressed body that inflates to
-hundreds of megabytes never holds the event loop (a client's one such call held every
-other call up for 0.4 s).
+thread, a few at a time per server (which bounds the memory they take), so that a small
+compressed body that inflates to hundreds of megabytes never holds the event loop (a
+client's one such call held every other call up for 0.4 s).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class Compressed:
 class InflateBudget:
     """Decompressed bytes that the messages of one connection may hold at once.
 
-    Charged when a compressed message is inflated: by a client's reader until the
-    message is consumed (:meth:`MessageReader.consumed`) or its call ends; by a
-    server's reader (``inflate_later``) while it inflates.
+    Charged when a client's reader inflates a compressed message, until the message is
+    consumed (:meth:`MessageReader.consumed`) or its call ends. (A server's reader,
+    ``inflate_later``, inflates a message only when its call takes it, a few at a time.)
     """
 
     __slots__ = ("limit", "used")
@@ -188,17 +188,12 @@ class MessageReader:
     async def inflate(
         self, message: Compressed, limiter: trio.CapacityLimiter
     ) -> bytes | MessageError:
-        """``message`` inflated in a worker thread (one of ``limiter``'s), its room
-        held from the connection's inflate budget meanwhile (the bytes are the
-        caller's once it returns)."""
-        async with limiter:
-            budget = self._budget
-            room = max(0, min(self._limit, budget.limit - budget.used))
-            budget.used += room
-            try:
-                return await trio.to_thread.run_sync(self._decompress, message.payload, room)
-            finally:
-                budget.used -= room
+        """``message`` inflated, up to the message limit, in a worker thread (one of
+        ``limiter``'s, which bounds the memory inflating takes); the bytes are the
+        caller's once it returns, so nothing is charged to the inflate budget."""
+        return await trio.to_thread.run_sync(
+            self._decompress, message.payload, self._limit, limiter=limiter
+        )
 
     def _decompress(self, payload: bytes, room: int) -> bytes | MessageError:
         """``payload`` inflated, or why not (more than ``room`` bytes, malformed)."""
