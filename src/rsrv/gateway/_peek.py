@@ -4,6 +4,12 @@ A ModelInfer body is forwarded as received: the gateway reads the model's name a
 version, the request id and, when it routes by work, the shape of one input, and never
 decodes or re-encodes the rest (tensor contents are skipped by length, not read).
 Field numbers are those of proto/inference/grpc_service.proto.
+
+The reading runs on the event loop, in Python, so it is bounded: a message with more
+than :data:`MAX_FIELDS` fields (a request has a few per input), or one input shape with
+more than :data:`MAX_DIMS` dimensions, is refused, as is field number 0 (protobuf's own
+parser refuses it too). Without the bound, 16 MiB of two-byte fields held the gateway's
+loop for 2.5 s.
 """
 
 from __future__ import annotations
@@ -18,6 +24,25 @@ class WireError(ValueError):
 
 
 _U64 = (1 << 64) - 1
+
+#: Fields read of one message (and of the inputs one shape lookup scans).
+MAX_FIELDS = 4096
+#: Dimensions read of one input's shape.
+MAX_DIMS = 64
+
+
+class _Budget:
+    """Fields a reading may still read."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_FIELDS
+
+    def take(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise WireError(f"more than {MAX_FIELDS} fields")
 
 
 def _varint(data: bytes, pos: int, end: int | None = None) -> tuple[int, int]:
@@ -36,7 +61,9 @@ def _varint(data: bytes, pos: int, end: int | None = None) -> tuple[int, int]:
         shift += 7
 
 
-def _value(data: bytes, pos: int, end: int, tag: int, depth: int = 0) -> tuple[object, int]:
+def _value(
+    data: bytes, pos: int, end: int, tag: int, budget: _Budget, depth: int = 0
+) -> tuple[object, int]:
     """The value of the field whose ``tag`` ends at ``pos``, and the position after it:
     an int (varint), (start, end) into ``data`` (length-delimited), or None (fixed
     width, or a group: deprecated, but a valid unknown field, skipped)."""
@@ -53,21 +80,26 @@ def _value(data: bytes, pos: int, end: int, tag: int, depth: int = 0) -> tuple[o
     if wire == 3 and depth < 100:  # (protobuf's own nesting limit)
         while pos < end:
             inner, pos = _varint(data, pos, end)
+            budget.take()
             if inner & 7 == 4:
                 if inner >> 3 != tag >> 3:
                     raise WireError("a group ends with another group's tag")
                 return None, pos
-            _, pos = _value(data, pos, end, inner, depth + 1)
+            _, pos = _value(data, pos, end, inner, budget, depth + 1)
         raise WireError("a group without its end")
     raise WireError(f"unexpected wire type {wire}")
 
 
-def _fields(data: bytes, start: int = 0, end: int | None = None):
-    """(field number, wire type, value) of each field (see :func:`_value`)."""
+def _fields(data: bytes, budget: _Budget, start: int = 0, end: int | None = None):
+    """(field number, wire type, value) of each field (see :func:`_value`), each taken
+    from ``budget``."""
     pos, end = start, len(data) if end is None else end
     while pos < end:
         tag, pos = _varint(data, pos, end)
-        value, pos = _value(data, pos, end, tag)
+        budget.take()
+        if tag >> 3 == 0:
+            raise WireError("field number 0")
+        value, pos = _value(data, pos, end, tag, budget)
         if pos > end:
             raise WireError("truncated field")
         yield tag >> 3, tag & 7, value
@@ -91,10 +123,12 @@ class InferHead:
     _inputs: tuple[tuple[int, int], ...]
 
     def input_shape(self, name: str) -> list[int] | None:
-        """The shape of input ``name`` as sent, or None if there is no such input."""
+        """The shape of input ``name`` as sent, or None if there is no such input.
+        Raises WireError (see the module docstring)."""
+        budget = _Budget()
         for start, end in self._inputs:
             found, shape = None, []
-            for number, wire, value in _fields(self._body, start, end):
+            for number, wire, value in _fields(self._body, budget, start, end):
                 if number == 1 and wire == 2:
                     found = _text(self._body, value)
                 elif number == 3 and wire == 2:  # packed int64
@@ -102,8 +136,12 @@ class InferHead:
                     while pos < stop:
                         dim, pos = _varint(self._body, pos, stop)
                         shape.append(dim - (1 << 64) if dim >= 1 << 63 else dim)
+                        if len(shape) > MAX_DIMS:
+                            raise WireError(f"a shape of more than {MAX_DIMS} dimensions")
                 elif number == 3 and wire == 0:  # unpacked
                     shape.append(value - (1 << 64) if value >= 1 << 63 else value)
+                    if len(shape) > MAX_DIMS:
+                        raise WireError(f"a shape of more than {MAX_DIMS} dimensions")
             if found == name:
                 return shape
         return None
@@ -113,7 +151,7 @@ def peek_infer(body: bytes) -> InferHead:
     """The head of a ModelInferRequest. Raises WireError when it does not parse."""
     model = version = request_id = ""
     inputs = []
-    for number, wire, value in _fields(body):
+    for number, wire, value in _fields(body, _Budget()):
         if wire != 2:
             continue
         if number == 1:
@@ -131,7 +169,7 @@ def peek_name(body: bytes) -> tuple[str, str]:
     """(name, version) of a request whose field 1 is the model's name and field 2 its
     version (ModelReady, ModelMetadata, ModelConfig, ModelStatistics, ...)."""
     name = version = ""
-    for number, wire, value in _fields(body):
+    for number, wire, value in _fields(body, _Budget()):
         if wire == 2 and number == 1:
             name = _text(body, value)
         elif wire == 2 and number == 2:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rsrv.gateway._peek import (
+    MAX_DIMS,
+    MAX_FIELDS,
     WireError,
     peek_infer,
     peek_name,
@@ -88,3 +90,41 @@ def test_stream_answers_are_what_protobuf_decodes():
     error = pb.ModelStreamInferResponse.FromString(stream_error("bad shape", "m", "7"))
     assert error.error_message == "bad shape"
     assert (error.infer_response.model_name, error.infer_response.id) == ("m", "7")
+
+
+def test_the_reading_is_bounded():
+    """The gateway reads a request on its event loop: 16 MiB of two-byte fields held it
+    2.5 s. More than MAX_FIELDS fields, field number 0, or a shape of more than MAX_DIMS
+    dimensions is malformed; a request with many inputs and parameters is not."""
+    inputs = [
+        pb.ModelInferRequest.InferInputTensor(name=f"in{i}", datatype="FP32", shape=[1, 4])
+        for i in range(500)
+    ]
+    parameters = {f"p{i}": pb.InferParameter(int64_param=i) for i in range(500)}
+    body = request(model_name="m", inputs=inputs, parameters=parameters)
+    head = peek_infer(body)
+    assert head.model == "m" and head.input_shape("in499") == [1, 4]
+    padding = b"\x78\x00" * (MAX_FIELDS + 1)  # field 15, varint 0: unknown, valid
+    with pytest.raises(WireError, match=f"more than {MAX_FIELDS} fields"):
+        peek_infer(request(model_name="m") + padding)
+    with pytest.raises(WireError, match=f"more than {MAX_FIELDS} fields"):
+        peek_name(padding)
+    with pytest.raises(WireError, match="field number 0"):
+        peek_infer(bytes(64 << 10))  # what a gzip bomb of zeros inflates to
+    deep = pb.ModelInferRequest.InferInputTensor(name="x", shape=[1] * (MAX_DIMS + 1))
+    with pytest.raises(WireError, match=f"more than {MAX_DIMS} dimensions"):
+        peek_infer(request(model_name="m", inputs=[deep])).input_shape("x")
+    with pytest.raises(WireError, match=f"more than {MAX_FIELDS} fields"):
+        crowded = pb.ModelInferRequest.InferInputTensor(name="y", shape=[1])
+        tail = crowded.SerializeToString() + b"\x78\x00" * MAX_FIELDS
+        body = request(model_name="m") + b"\x2a" + _varint_bytes(len(tail)) + tail
+        peek_infer(body).input_shape("x")
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
