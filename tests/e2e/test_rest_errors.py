@@ -656,36 +656,47 @@ def test_unregistered_region_in_a_request(worker):
     )
 
 
-def test_connections_beyond_the_cap_are_closed_at_once(repo, cache_dir):
+def test_a_connection_beyond_the_cap_closes_the_oldest_waiting_one(repo, cache_dir):
     """Clients that open connections and never finish their headers hold at most
     ``endpoints.max_connections`` of them (each held a descriptor, with no cap, until the
-    process had none left); one more is closed as soon as it is accepted, and a client
-    is served again once some are gone."""
+    process had none left). One more connection closes the oldest that waits for a
+    request, so stalled connections never lock a client out; when every connection is
+    answering a request, one more is refused."""
     config = with_http(worker_config(repo, cache_dir, ENDPOINTS_MAX_CONNECTIONS=3))
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
     with running(config) as w:
         stalled = []
         for _ in range(3):
-            sock = socket.create_connection(("127.0.0.1", w.http_port))
+            sock = socket.create_connection(("127.0.0.1", w.http_port), timeout=10)
             sock.sendall(b"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\n")
             stalled.append(sock)
         try:
-            with socket.create_connection(("127.0.0.1", w.http_port)) as extra:
-                extra.settimeout(10)
-                extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-                try:
-                    answer = extra.recv(100)
-                except ConnectionResetError:  # (closed with the request unread)
-                    answer = b""
-                assert answer == b""  # closed unanswered
+            assert raw_exchange(w, live).startswith(b"HTTP/1.1 200 ")  # served
+            assert received(stalled[0]) == b""  # the oldest, closed to make room
         finally:
             for sock in stalled:
                 sock.close()
-
-        def served() -> bool:
+        with held_device(w) as gate:  # three connections, each answering a request
+            busy = [in_background(w, "classifier", x_rows(1)) for _ in range(3)]
+            wait_until(lambda: w.admission.inflight == 3, 20, "three requests under way")
             try:
-                reply = raw_exchange(w, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-            except ConnectionResetError:  # (refused until the server has seen them go)
-                return False
-            return reply.startswith(b"HTTP/1.1 200 ")
+                assert received_after(w, live) == b""  # refused
+            finally:
+                gate.set()
+            for done in busy:
+                assert done.get(timeout=30).shape == (1, 10)
 
-        wait_until(served, 10, "a connection served again")
+
+def received(sock: socket.socket) -> bytes:
+    """What the server sends before it closes ``sock`` (b"" when it closes it at once,
+    or resets it with the request unread)."""
+    try:
+        return sock.recv(100)
+    except ConnectionResetError:
+        return b""
+
+
+def received_after(worker, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", worker.http_port), timeout=10) as sock:
+        sock.sendall(request)
+        return received(sock)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -29,11 +30,13 @@ __all__ = [
 
 
 class _ConnectionCap:
-    """Connections one server holds at once (``limit``), and those it refused."""
+    """Connections one server holds at once (``limit``), oldest first; how many it
+    closed to make room (``evicted``) and how many it refused."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.open = 0
+        self.open: dict[_ClosingTCPServer, None] = {}  # (insertion order: oldest first)
+        self.evicted = 0
         self.refused = 0
 
 
@@ -46,25 +49,43 @@ class _ClosingTCPServer(TCPServer):
     the end of the stream, but the timer's task, still running in the connection's task
     group, keeps the group, and the close after it, waiting. Stopping the timer there
     lets the connection close once its requests are answered. (A hypercorn without
-    that timer, ``idle_task``, is left to itself.) hypercorn has no connection cap: a
-    client opening connections that never finish their headers would hold one
-    descriptor each until the process has none left."""
+    that timer, ``idle_task``, is left to itself.)
+
+    hypercorn has no connection cap: a client opening connections that never finish
+    their headers would hold one descriptor each until the process has none left. Here
+    a server holds at most its cap; a connection beyond it closes the oldest one
+    waiting for a request (headers not complete, or idle between requests) to make
+    room, and is refused when every one is answering a request. (Refusing the newest
+    would let one client holding the cap with stalled connections lock out every
+    other, probes included.)"""
+
+    _rsrv_waiting = True  # no request under way (hypercorn's Updated(idle) events)
 
     async def run(self) -> None:
         cap: _ConnectionCap | None = getattr(self.config, "rsrv_connection_cap", None)
         if cap is None:
             await super().run()
             return
-        if cap.open >= cap.limit:
-            cap.refused += 1
-            with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(self.stream)
-            return
-        cap.open += 1
+        if len(cap.open) >= cap.limit:
+            oldest = next((c for c in cap.open if c._rsrv_waiting), None)
+            if oldest is None:
+                cap.refused += 1
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(self.stream)
+                return
+            cap.evicted += 1
+            del cap.open[oldest]  # (its own task closes it: its read fails)
+            await trio.aclose_forcefully(oldest.stream)
+        cap.open[self] = None
         try:
             await super().run()
         finally:
-            cap.open -= 1
+            cap.open.pop(self, None)
+
+    async def protocol_send(self, event) -> None:
+        if isinstance(event, Updated):
+            self._rsrv_waiting = event.idle
+        await super().protocol_send(event)
 
     async def _read_data(self) -> None:
         await super()._read_data()
@@ -73,8 +94,9 @@ class _ClosingTCPServer(TCPServer):
             await idle.stop()
 
 
-if hasattr(TCPServer, "_read_data"):
-    hypercorn.trio.run.TCPServer = _ClosingTCPServer  # what serve() starts per connection
+# What serve() starts per connection. (On a hypercorn whose connection has no
+# ``_read_data``, the override above is never called; the cap still applies.)
+hypercorn.trio.run.TCPServer = _ClosingTCPServer
 
 
 class Response(NamedTuple):
@@ -182,7 +204,8 @@ async def serve_http(
     the socket that takes longer closes the connection; ``tls``: (certificate chain,
     key, client CA or None) in PEM files, to serve HTTPS (with the CA: clients must
     present a certificate it signed). At most ``max_connections`` connections are open
-    at once: one more is closed as soon as it is accepted."""
+    at once: one more closes the oldest waiting for a request, or is refused when every
+    one is answering one."""
     config = Config()
     config.rsrv_connection_cap = _ConnectionCap(max_connections)
     config.bind = [f"{host}:{port}"]
