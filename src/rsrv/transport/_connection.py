@@ -128,6 +128,11 @@ class ServerConnection(Http2Endpoint):
                 call.release()
             await self._close_socket()
 
+    @property
+    def idle(self) -> bool:
+        """No call is open (none ever was, or the last one has ended)."""
+        return self._idle_since is not None
+
     def goaway(self) -> None:
         """Close the connection cleanly (server shutdown): GOAWAY, flushed, then close.
 

@@ -143,8 +143,9 @@ class GrpcServer:
         self.trailers_of = trailers_of
         # compressed requests inflating at once (each in a worker thread)
         self.inflating = trio.CapacityLimiter(INFLATING_AT_ONCE)
-        self.connections: set[ServerConnection] = set()
-        self.refused_connections = 0
+        # open connections, oldest first (a dict for its order)
+        self.connections: dict[ServerConnection, None] = {}
+        self.refused_connections = 0  # refused at the cap, or closed to make room
         self._listeners: list[trio.SocketListener] = []
 
     @classmethod
@@ -221,16 +222,26 @@ class GrpcServer:
             except trio.ClosedResourceError:
                 return
             if len(self.connections) >= self.limits.max_connections:
+                # Room for it: the oldest connection with no call open (one that never
+                # sent a request, or idle) goes; when every one has a call, it is refused.
+                # (Refusing the newest would let one client holding the cap with silent
+                # connections lock every other out.)
+                oldest = next((c for c in self.connections if c.idle), None)
                 self.refused_connections += 1
                 if self.refused_connections in (1, 10, 100) or self.refused_connections % 1000 == 0:
                     log.warning(
-                        "refused a connection: %d open, the limit "
-                        "(endpoints.max_connections); %d refused so far",
+                        "%s: %d open, the limit (endpoints.max_connections); %d so far",
+                        "closed the oldest idle connection"
+                        if oldest is not None
+                        else "refused a connection",
                         len(self.connections),
                         self.refused_connections,
                     )
-                await trio.aclose_forcefully(stream)
-                continue
+                if oldest is None:
+                    await trio.aclose_forcefully(stream)
+                    continue
+                del self.connections[oldest]
+                await trio.aclose_forcefully(oldest.stream)
             nursery.start_soon(self._serve_connection, stream)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
@@ -246,7 +257,7 @@ class GrpcServer:
                     log.debug("TLS handshake from %s timed out", peer)
                     return
             conn = ServerConnection(stream, self, peer)
-            self.connections.add(conn)
+            self.connections[conn] = None
             await conn.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as e:
             log.debug("connection from %s ended: %s", peer, e)
@@ -254,7 +265,7 @@ class GrpcServer:
             log.exception("connection from %s failed", peer)
         finally:
             if conn is not None:
-                self.connections.discard(conn)
+                self.connections.pop(conn, None)
             await trio.aclose_forcefully(stream)
 
     async def _run_call(self, call: ServerCall) -> None:

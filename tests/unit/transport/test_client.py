@@ -315,6 +315,39 @@ async def test_a_call_in_flight_when_the_channel_closes_says_the_client_closed_i
     assert results[0].message.startswith("the client closed the channel")
 
 
+async def test_a_connection_beyond_the_cap_closes_the_oldest_idle_one():
+    """Two silent connections (no preface, ever) hold a server's cap of two: a client
+    gets in all the same, closing the oldest; with every connection holding a call, a
+    new one is refused."""
+    async with echo_server(limits=TransportLimits(max_connections=2)) as echo:
+        silent = [await trio.open_tcp_stream("127.0.0.1", echo.port) for _ in range(2)]
+        await wait_for(lambda: len(echo.server.connections) == 2, "both accepted")
+        async with open_channel("127.0.0.1", echo.port) as channel:
+            assert (await channel.unary(UNARY, b"in")).response == b"in"
+            with trio.fail_after(10):  # closed to make room (after the server's SETTINGS)
+                while await silent[0].receive_some(65536):
+                    pass
+            held = []
+            async with trio.open_nursery() as nursery:
+
+                async def hold(ch) -> None:
+                    held.append(await ch.unary(HOLD, b""))
+
+                nursery.start_soon(hold, channel)
+                async with open_channel("127.0.0.1", echo.port) as second:
+                    nursery.start_soon(hold, second)  # (evicts the other silent one)
+                    await wait_for(lambda: echo.active == 2, "both calls held")
+                    async with open_channel("127.0.0.1", echo.port) as third:
+                        refused = await third.unary(UNARY, b"x")
+                    assert refused.status is StatusCode.UNAVAILABLE
+                    assert not refused.reached_server
+                    echo.release.set()
+                    await wait_for(lambda: len(held) == 2, "both held calls answered")
+            assert [r.response for r in held] == [b"held", b"held"]
+        for stream in silent:
+            await stream.aclose()
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     ca = trustme.CA()
