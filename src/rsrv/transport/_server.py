@@ -241,7 +241,7 @@ class GrpcServer:
                     await trio.aclose_forcefully(stream)
                     continue
                 del self.connections[oldest]
-                await trio.aclose_forcefully(oldest.stream)
+                oldest.goaway()  # (nothing was processed on it: a client may retry)
             nursery.start_soon(self._serve_connection, stream)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
