@@ -66,6 +66,7 @@ class _ClosingTCPServer(TCPServer):
         if cap is None:
             await super().run()
             return
+        oldest = None
         if len(cap.open) >= cap.limit:
             oldest = next((c for c in cap.open if c._rsrv_waiting), None)
             if oldest is None:
@@ -75,9 +76,10 @@ class _ClosingTCPServer(TCPServer):
                 return
             cap.evicted += 1
             del cap.open[oldest]  # (its own task closes it: its read fails)
-            await trio.aclose_forcefully(oldest.stream)
-        cap.open[self] = None
+        cap.open[self] = None  # (before any checkpoint: a burst sees it counted)
         try:
+            if oldest is not None:
+                await trio.aclose_forcefully(oldest.stream)
             await super().run()
         finally:
             cap.open.pop(self, None)

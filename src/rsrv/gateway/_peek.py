@@ -131,6 +131,8 @@ class InferHead:
             for number, wire, value in _fields(self._body, budget, start, end):
                 if number == 1 and wire == 2:
                     found = _text(self._body, value)
+                    if found != name:
+                        break  # (encoders write the name first: one field per other input)
                 elif number == 3 and wire == 2:  # packed int64
                     pos, stop = value
                     while pos < stop:

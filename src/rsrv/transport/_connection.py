@@ -203,7 +203,8 @@ class ServerConnection(Http2Endpoint):
             call._on_end()
             return
         self._last_stream = sid
-        if len(self.streams) >= self.max_streams:
+        if len(self.streams) >= self.max_streams or self._goaway_sent:
+            # (past the GOAWAY's last stream: never started, so the client may retry it)
             self._answer(F.rst_stream(sid, F.REFUSED_STREAM))
             return
         if isinstance(headers, F.HeaderListTooLarge):

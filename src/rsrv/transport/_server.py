@@ -146,6 +146,7 @@ class GrpcServer:
         # open connections, oldest first (a dict for its order)
         self.connections: dict[ServerConnection, None] = {}
         self.refused_connections = 0  # refused at the cap, or closed to make room
+        self._starting = 0  # accepted, not in ``connections`` yet (TLS handshake)
         self._listeners: list[trio.SocketListener] = []
 
     @classmethod
@@ -221,7 +222,7 @@ class GrpcServer:
                 continue
             except trio.ClosedResourceError:
                 return
-            if len(self.connections) >= self.limits.max_connections:
+            if len(self.connections) + self._starting >= self.limits.max_connections:
                 # Room for it: the oldest connection with no call open (one that never
                 # sent a request, or idle) goes; when every one has a call, it is refused.
                 # (Refusing the newest would let one client holding the cap with silent
@@ -242,12 +243,14 @@ class GrpcServer:
                     continue
                 del self.connections[oldest]
                 oldest.goaway()  # (nothing was processed on it: a client may retry)
+            self._starting += 1
             nursery.start_soon(self._serve_connection, stream)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         peer = _peer(stream)
         _keepalive(stream.socket)
         conn = None
+        starting = True
         try:
             if self.tls is not None:
                 stream = trio.SSLStream(stream, self.tls, server_side=True)
@@ -258,12 +261,16 @@ class GrpcServer:
                     return
             conn = ServerConnection(stream, self, peer)
             self.connections[conn] = None
+            self._starting -= 1
+            starting = False
             await conn.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as e:
             log.debug("connection from %s ended: %s", peer, e)
         except Exception:  # one connection's failure must never take the server down
             log.exception("connection from %s failed", peer)
         finally:
+            if starting:
+                self._starting -= 1
             if conn is not None:
                 self.connections.pop(conn, None)
             await trio.aclose_forcefully(stream)

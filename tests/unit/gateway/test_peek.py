@@ -95,15 +95,23 @@ def test_stream_answers_are_what_protobuf_decodes():
 def test_the_reading_is_bounded():
     """The gateway reads a request on its event loop: 16 MiB of two-byte fields held it
     2.5 s. More than MAX_FIELDS fields, field number 0, or a shape of more than MAX_DIMS
-    dimensions is malformed; a request with many inputs and parameters is not."""
+    dimensions is malformed; a request with many inputs (in shared memory: six fields
+    each) and parameters is not."""
+    shm = {  # (how tritonclient sends an input in shared memory: six fields)
+        "shared_memory_region": pb.InferParameter(string_param="r"),
+        "shared_memory_byte_size": pb.InferParameter(int64_param=16),
+        "shared_memory_offset": pb.InferParameter(int64_param=0),
+    }
     inputs = [
-        pb.ModelInferRequest.InferInputTensor(name=f"in{i}", datatype="FP32", shape=[1, 4])
-        for i in range(500)
+        pb.ModelInferRequest.InferInputTensor(
+            name=f"in{i}", datatype="FP32", shape=[1, 4], parameters=shm
+        )
+        for i in range(1000)
     ]
     parameters = {f"p{i}": pb.InferParameter(int64_param=i) for i in range(500)}
     body = request(model_name="m", inputs=inputs, parameters=parameters)
     head = peek_infer(body)
-    assert head.model == "m" and head.input_shape("in499") == [1, 4]
+    assert head.model == "m" and head.input_shape("in999") == [1, 4]
     padding = b"\x78\x00" * (MAX_FIELDS + 1)  # field 15, varint 0: unknown, valid
     with pytest.raises(WireError, match=f"more than {MAX_FIELDS} fields"):
         peek_infer(request(model_name="m") + padding)
@@ -118,7 +126,7 @@ def test_the_reading_is_bounded():
         crowded = pb.ModelInferRequest.InferInputTensor(name="y", shape=[1])
         tail = crowded.SerializeToString() + b"\x78\x00" * MAX_FIELDS
         body = request(model_name="m") + b"\x2a" + _varint_bytes(len(tail)) + tail
-        peek_infer(body).input_shape("x")
+        peek_infer(body).input_shape("y")  # (the input asked for is read whole)
 
 
 def _varint_bytes(n: int) -> bytes:

@@ -254,6 +254,18 @@ async def test_streams_beyond_the_limit_are_refused():
     assert len(client.calls) == 2
 
 
+async def test_a_stream_opened_after_goaway_is_refused_never_started():
+    """A request that crossed the server's GOAWAY on the wire (its id above the last
+    one announced) is refused, REFUSED_STREAM, so the client knows it may retry it; it
+    never becomes a call."""
+    client = Client()
+    client.start()
+    client.send(client.headers(1))
+    client.conn._send_goaway(F.NO_ERROR)  # (announces stream 1 as the last)
+    assert rst(client.send(client.headers(3)), 3) == F.REFUSED_STREAM
+    assert len(client.calls) == 1
+
+
 async def test_malformed_requests_end_their_stream_only():
     client = Client()
     client.start()
