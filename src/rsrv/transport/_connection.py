@@ -51,7 +51,7 @@ from rsrv.transport._endpoint import (
     MAX_HEADER_LIST,
     Http2Endpoint,
 )
-from rsrv.transport._messages import InflateBudget, MessageReader
+from rsrv.transport._messages import MessageReader
 
 if TYPE_CHECKING:
     from rsrv.transport._server import GrpcServer
@@ -85,7 +85,6 @@ class ServerConnection(Http2Endpoint):
         super().__init__(stream, 2 * limits.max_message_bytes)  # (the endpoint caps it)
         self.server = server
         self.peer = peer
-        self.budget = InflateBudget(limits.max_message_bytes)
         self.max_streams = limits.max_streams_per_connection
         self._preface = b""  # the client preface received so far (24 bytes in all)
         self._opened = trio.current_time()
@@ -261,8 +260,7 @@ class ServerConnection(Http2Endpoint):
         call._reader = MessageReader(
             encoding.decode("latin-1") if encoding else None,
             limits.max_message_bytes,
-            self.budget,
-            inflate_later=True,
+            None,  # (each call inflates its compressed messages itself)
         )
         self.streams[sid] = call
         self._idle_since = None

@@ -10,7 +10,7 @@ more than a bounded number of decompressed bytes.
 A message that cannot be delivered becomes a :class:`MessageError` in the reader's output
 in its place: only that call fails, the connection and its other calls carry on.
 
-A server's reader (``inflate_later``) leaves a compressed message :class:`Compressed`
+A server's reader (no budget) leaves a compressed message :class:`Compressed`
 for its call to inflate when it takes it (:meth:`MessageReader.inflate`): in a worker
 thread, a few at a time per server (which bounds the memory they take), so that a small
 compressed body that inflates to hundreds of megabytes never holds the event loop (a
@@ -58,8 +58,8 @@ class InflateBudget:
     """Decompressed bytes that the messages of one connection may hold at once.
 
     Charged when a client's reader inflates a compressed message, until the message is
-    consumed (:meth:`MessageReader.consumed`) or its call ends. (A server's reader,
-    ``inflate_later``, inflates a message only when its call takes it, a few at a time.)
+    consumed (:meth:`MessageReader.consumed`) or its call ends. (A server's reader has
+    none: it leaves a message to its call, which inflates it when it takes it.)
     """
 
     __slots__ = ("limit", "used")
@@ -90,7 +90,6 @@ class MessageReader:
         "_budget",
         "_setting",
         "_charged",
-        "_inflate_later",
         "inflated",
     )
 
@@ -98,10 +97,8 @@ class MessageReader:
         self,
         encoding: str | None,
         limit: int,
-        budget: InflateBudget,
+        budget: InflateBudget | None,
         setting: str = "endpoints.max_message_bytes",
-        *,
-        inflate_later: bool = False,
     ):
         self._buf = bytearray()
         self._length: int | None = None  # payload length of the message being read
@@ -115,7 +112,6 @@ class MessageReader:
         # id -> size of each inflated message not consumed yet (alive in the inbox, so
         # no other object has its id meanwhile)
         self._charged: dict[int, int] = {}
-        self._inflate_later = inflate_later
 
     @property
     def partial(self) -> bool:
@@ -175,9 +171,9 @@ class MessageReader:
                 f"message compressed with {encoding!r}; rsrv accepts gzip and deflate "
                 "(or no compression)",
             )
-        if self._inflate_later:
-            return Compressed(payload)
         budget = self._budget
+        if budget is None:  # (a server's: its call inflates it)
+            return Compressed(payload)
         out = self._decompress(payload, min(self._limit, budget.limit - budget.used))
         if isinstance(out, bytes):
             budget.used += len(out)
@@ -230,7 +226,8 @@ class MessageReader:
             self.inflated -= size
 
     def release(self) -> None:
-        self._budget.used -= self.inflated
+        if self.inflated:  # (only a client's reader charges a budget)
+            self._budget.used -= self.inflated
         self.inflated = 0
         self._charged.clear()
         self._buf = bytearray()
