@@ -30,14 +30,26 @@ __all__ = [
 
 
 class _ConnectionCap:
-    """Connections one server holds at once (``limit``), oldest first; how many it
-    closed to make room (``evicted``) and how many it refused."""
+    """Connections one server holds at once (``limit``), oldest first, and those it
+    closed at the cap (to make room, or refused), reported to ``log`` now and then."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, log: logging.Logger):
         self.limit = limit
         self.open: dict[_ClosingTCPServer, None] = {}  # (insertion order: oldest first)
-        self.evicted = 0
-        self.refused = 0
+        self.closed = 0
+        self._log = log
+
+    def at_cap(self, made_room: bool) -> None:
+        self.closed += 1
+        if self.closed in (1, 10, 100) or self.closed % 1000 == 0:
+            self._log.warning(
+                "%s: %d open, the limit; %d so far",
+                "closed the oldest connection waiting for a request"
+                if made_room
+                else "refused a connection",
+                len(self.open),
+                self.closed,
+            )
 
 
 class _ClosingTCPServer(TCPServer):
@@ -69,12 +81,11 @@ class _ClosingTCPServer(TCPServer):
         oldest = None
         if len(cap.open) >= cap.limit:
             oldest = next((c for c in cap.open if c._rsrv_waiting), None)
+            cap.at_cap(made_room=oldest is not None)
             if oldest is None:
-                cap.refused += 1
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(self.stream)
                 return
-            cap.evicted += 1
             del cap.open[oldest]  # (its own task closes it: its read fails)
         cap.open[self] = None  # (before any checkpoint: a burst sees it counted)
         try:
@@ -209,7 +220,7 @@ async def serve_http(
     at once: one more closes the oldest waiting for a request, or is refused when every
     one is answering one."""
     config = Config()
-    config.rsrv_connection_cap = _ConnectionCap(max_connections)
+    config.rsrv_connection_cap = _ConnectionCap(max_connections, logging.getLogger(logger))
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)
