@@ -74,10 +74,7 @@ class _ClosingTCPServer(TCPServer):
     _rsrv_waiting = True  # no request under way (hypercorn's Updated(idle) events)
 
     async def run(self) -> None:
-        cap: _ConnectionCap | None = getattr(self.config, "rsrv_connection_cap", None)
-        if cap is None:
-            await super().run()
-            return
+        cap: _ConnectionCap = self.config.rsrv_connection_cap  # (serve_http sets it)
         oldest = None
         if len(cap.open) >= cap.limit:
             oldest = next((c for c in cap.open if c._rsrv_waiting), None)

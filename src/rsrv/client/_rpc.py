@@ -42,7 +42,7 @@ class RetryPolicy:
 
     def backoff(self, attempt: int) -> float:
         try:
-            delay = min(self.initial_backoff * self.multiplier**attempt, self.max_backoff)
+            delay = self.initial_backoff * self.multiplier**attempt
         except OverflowError:  # (a policy retrying for ever reaches large attempts)
             delay = self.max_backoff
         return min(delay * random.uniform(0.8, 1.2), self.max_backoff)

@@ -75,6 +75,7 @@ class InferStream:
     async def infer(self, model: str, inputs, outputs=None, **kwargs) -> InferResult:
         """Send one request and wait for its answer (same arguments as :meth:`send`)."""
         request_id = kwargs.pop("request_id", "") or f"rsrv-{next(_ids)}"
+        self._abandoned.discard(request_id)  # (an id used again: its answer is this one's)
         if request_id in self._waiting:
             raise ValueError(
                 f"request id {request_id!r} is already waiting for its answer on this "
@@ -164,6 +165,7 @@ class InferStream:
                 else:
                     self._unclaimed_in.send_nowait(answer)
             self._ended = self._stream_error()
+            self._abandoned.clear()
             for slot in self._waiting.values():
                 slot[0].set()
 

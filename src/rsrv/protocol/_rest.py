@@ -49,6 +49,7 @@ from rsrv.protocol._rest_codec import (
 )
 from rsrv.protocol._rest_routes import Call, NoRoute, Reply, RestRoutes, json_reply, route
 from rsrv.protocol._status import http_status
+from rsrv.transport import INFLATING_AT_ONCE
 from rsrv.versions import parse_version
 
 __all__ = ["RestService"]
@@ -100,7 +101,7 @@ class RestService:
         self.receive_timeout = receive_timeout
         # compressed bodies inflating at once, each in a worker thread (a small body may
         # inflate to max_message_bytes: seconds of zlib that must not hold the loop)
-        self._inflating = trio.CapacityLimiter(2)
+        self._inflating = trio.CapacityLimiter(INFLATING_AT_ONCE)
         self._restricted = {p: r for r in restrictions for p in r.protocols}
 
     async def __call__(self, scope, receive, send) -> None:

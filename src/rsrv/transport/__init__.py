@@ -27,6 +27,7 @@ from rsrv.transport._channel import (
 from rsrv.transport._client_stream import CallEnded, MessageTooLarge
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
+    INFLATING_AT_ONCE,
     TLS_ERRORS,
     GrpcServer,
     ListenSettings,
@@ -42,6 +43,7 @@ from rsrv.transport._server import (
 )
 
 __all__ = [
+    "INFLATING_AT_ONCE",
     "TLS_ERRORS",
     "CallEnded",
     "Channel",

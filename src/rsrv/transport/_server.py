@@ -249,8 +249,7 @@ class GrpcServer:
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         peer = _peer(stream)
         _keepalive(stream.socket)
-        conn = None
-        starting = True
+        conn = None  # (None: not in ``connections`` yet, counted as starting)
         try:
             if self.tls is not None:
                 stream = trio.SSLStream(stream, self.tls, server_side=True)
@@ -262,16 +261,15 @@ class GrpcServer:
             conn = ServerConnection(stream, self, peer)
             self.connections[conn] = None
             self._starting -= 1
-            starting = False
             await conn.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as e:
             log.debug("connection from %s ended: %s", peer, e)
         except Exception:  # one connection's failure must never take the server down
             log.exception("connection from %s failed", peer)
         finally:
-            if starting:
+            if conn is None:
                 self._starting -= 1
-            if conn is not None:
+            else:
                 self.connections.pop(conn, None)
             await trio.aclose_forcefully(stream)
 
