@@ -186,6 +186,14 @@ class ServerCall:
             raise message
         return message
 
+    def check_single_message(self) -> None:
+        """Raise MessageError (INTERNAL, as gRPC's own servers answer it) if a request
+        message arrived after the one a unary method reads."""
+        if self._inbox:
+            raise MessageError(
+                StatusCode.INTERNAL, "more than one request message for a unary method"
+            )
+
     async def send(self, payload: bytes, *, flush: bool = True) -> None:
         """Send one response message (already serialized). ``flush`` False leaves it
         queued for the next flush (a unary call's answer leaves with its trailers)."""

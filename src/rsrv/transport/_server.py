@@ -311,6 +311,7 @@ class GrpcServer:
             raw = await call.receive()
             if raw is None:
                 raise MessageError(StatusCode.INTERNAL, "the request ended before its message")
+            call.check_single_message()
             request = method.decode(raw)
         limit = self.limits.max_message_bytes
         if method.server_streaming:
@@ -322,6 +323,7 @@ class GrpcServer:
                     await call.send(_encode(method, response, limit))
         else:
             response = await method.handler(request, call)
+            call.check_single_message()  # (one may have come while it ran)
             await call.send(_encode(method, response, limit), flush=False)  # with the trailers
 
 

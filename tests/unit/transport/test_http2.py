@@ -16,7 +16,9 @@ import time
 import hpack
 import pytest
 import trio
-from support.echo import echo_server
+from purerpc.grpclib.status import StatusCode
+from support.echo import HOLD, UNARY, echo_server, wait_for
+from support.rawh2 import RawH2, message
 
 from rsrv.transport import TransportLimits
 from rsrv.transport import _frames as F
@@ -433,3 +435,35 @@ async def test_a_client_that_sends_and_never_reads_holds_a_bounded_output():
     assert sent < 300 * 60  # held up
     # the limit, and the answers to one read (256 KiB: about 250 of these requests)
     assert max(unsent) < limit + 64 * 1024
+
+
+async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
+    """gRPC's servers answer INTERNAL to a unary call whose client sends two messages;
+    rsrv does too, without running the handler when both came before it would start,
+    and in place of the answer when the second came while it ran."""
+    async with echo_server() as echo:
+        raw = await trio.to_thread.run_sync(RawH2, echo.port)
+        try:
+            both = raw.start(UNARY)
+            await trio.to_thread.run_sync(
+                lambda: raw.send(both, message(b"a") + message(b"b"), end=True)
+            )
+            status = await trio.to_thread.run_sync(raw.status, both)
+            assert status is not None and status[0] == StatusCode.INTERNAL.value, status
+            assert "more than one request message" in status[1]
+            assert echo.started == 0
+
+            held = raw.start(HOLD)
+            await trio.to_thread.run_sync(raw.send, held, message(b"a"))
+            await wait_for(lambda: echo.active == 1)
+            await trio.to_thread.run_sync(lambda: raw.send(held, message(b"b"), end=True))
+            await trio.sleep(0.05)
+            echo.release.set()
+            status = await trio.to_thread.run_sync(raw.status, held)
+            assert status is not None and status[0] == StatusCode.INTERNAL.value, status
+
+            single = raw.call(b"x", UNARY)  # one message: answered as ever
+            status = await trio.to_thread.run_sync(raw.status, single)
+            assert status == (0, "")
+        finally:
+            raw.close()
