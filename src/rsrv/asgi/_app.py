@@ -17,6 +17,8 @@ from hypercorn.events import Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
+from rsrv.transport import ConnectionCap
+
 __all__ = [
     "NOT_FOUND",
     "PROMETHEUS",
@@ -27,29 +29,6 @@ __all__ = [
     "json_response",
     "serve_http",
 ]
-
-
-class _ConnectionCap:
-    """Connections one server holds at once (``limit``), oldest first, and those it
-    closed at the cap (to make room, or refused), reported to ``log`` now and then."""
-
-    def __init__(self, limit: int, log: logging.Logger):
-        self.limit = limit
-        self.open: dict[_ClosingTCPServer, None] = {}  # (insertion order: oldest first)
-        self.closed = 0
-        self._log = log
-
-    def at_cap(self, made_room: bool) -> None:
-        self.closed += 1
-        if self.closed in (1, 10, 100) or self.closed % 1000 == 0:
-            self._log.warning(
-                "%s: %d open, the limit; %d so far",
-                "closed the oldest connection waiting for a request"
-                if made_room
-                else "refused a connection",
-                len(self.open),
-                self.closed,
-            )
 
 
 class _ClosingTCPServer(TCPServer):
@@ -65,25 +44,19 @@ class _ClosingTCPServer(TCPServer):
 
     hypercorn has no connection cap: a client opening connections that never finish
     their headers would hold one descriptor each until the process has none left. Here
-    a server holds at most its cap; a connection beyond it closes the oldest one
-    waiting for a request (headers not complete, or idle between requests) to make
-    room, and is refused when every one is answering a request. (Refusing the newest
-    would let one client holding the cap with stalled connections lock out every
-    other, probes included.)"""
+    a server holds at most its :class:`~rsrv.transport.ConnectionCap`, a connection
+    waiting for a request being one whose headers are not complete, or idle between
+    requests."""
 
     _rsrv_waiting = True  # no request under way (hypercorn's Updated(idle) events)
 
     async def run(self) -> None:
-        cap: _ConnectionCap = self.config.rsrv_connection_cap  # (serve_http sets it)
-        oldest = None
-        if len(cap.open) >= cap.limit:
-            oldest = next((c for c in cap.open if c._rsrv_waiting), None)
-            cap.at_cap(made_room=oldest is not None)
-            if oldest is None:
-                with trio.CancelScope(shield=True):
-                    await trio.aclose_forcefully(self.stream)
-                return
-            del cap.open[oldest]  # (its own task closes it: its read fails)
+        cap: ConnectionCap = self.config.rsrv_connection_cap  # (serve_http sets it)
+        admitted, oldest = cap.make_room()
+        if not admitted:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.stream)
+            return
         cap.open[self] = None  # (before any checkpoint: a burst sees it counted)
         try:
             if oldest is not None:
@@ -102,6 +75,10 @@ class _ClosingTCPServer(TCPServer):
         idle = getattr(self, "idle_task", None)
         if idle is not None:
             await idle.stop()
+
+
+def _waiting(conn: _ClosingTCPServer) -> bool:
+    return conn._rsrv_waiting
 
 
 # What serve() starts per connection. (On a hypercorn whose connection has no
@@ -204,6 +181,7 @@ async def serve_http(
     tls: tuple[str, str, str | None] | None = None,
     backlog: int | None = None,
     max_connections: int = 64,
+    connections_setting: str = "64 per admin port",
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI app ``app`` (a :class:`PlainApp` or any other) on host:port until
@@ -217,7 +195,9 @@ async def serve_http(
     at once: one more closes the oldest waiting for a request, or is refused when every
     one is answering one."""
     config = Config()
-    config.rsrv_connection_cap = _ConnectionCap(max_connections, logging.getLogger(logger))
+    config.rsrv_connection_cap = ConnectionCap(
+        max_connections, _waiting, logging.getLogger(logger), connections_setting
+    )
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)

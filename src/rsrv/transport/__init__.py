@@ -16,6 +16,7 @@ message bytes (``open_channel``, ``UnaryResult``, ``StreamingCall``, ``ClientLim
 """
 
 from rsrv.transport._call import ServerCall
+from rsrv.transport._cap import ConnectionCap
 from rsrv.transport._channel import (
     Channel,
     ClientLimits,
@@ -48,6 +49,7 @@ __all__ = [
     "CallEnded",
     "Channel",
     "ClientLimits",
+    "ConnectionCap",
     "GrpcServer",
     "ListenSettings",
     "MessageError",

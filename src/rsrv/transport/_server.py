@@ -25,6 +25,7 @@ from purerpc.grpclib.status import StatusCode
 from purerpc.rpc import Cardinality
 
 from rsrv.transport._call import ServerCall
+from rsrv.transport._cap import ConnectionCap
 from rsrv.transport._connection import ServerConnection
 from rsrv.transport._messages import MessageError
 
@@ -143,10 +144,10 @@ class GrpcServer:
         self.trailers_of = trailers_of
         # compressed requests inflating at once (each in a worker thread)
         self.inflating = trio.CapacityLimiter(INFLATING_AT_ONCE)
-        # open connections, oldest first (a dict for its order)
-        self.connections: dict[ServerConnection, None] = {}
-        self.refused_connections = 0  # refused at the cap, or closed to make room
-        self._starting = 0  # accepted, not in ``connections`` yet (TLS handshake)
+        self.cap: ConnectionCap[ServerConnection] = ConnectionCap(
+            self.limits.max_connections, _no_call_open, log, "max_connections"
+        )
+        self.connections = self.cap.open  # open connections, oldest first
         self._listeners: list[trio.SocketListener] = []
 
     @classmethod
@@ -222,28 +223,13 @@ class GrpcServer:
                 continue
             except trio.ClosedResourceError:
                 return
-            if len(self.connections) + self._starting >= self.limits.max_connections:
-                # Room for it: the oldest connection with no call open (one that never
-                # sent a request, or idle) goes; when every one has a call, it is refused.
-                # (Refusing the newest would let one client holding the cap with silent
-                # connections lock every other out.)
-                oldest = next((c for c in self.connections if c.idle), None)
-                self.refused_connections += 1
-                if self.refused_connections in (1, 10, 100) or self.refused_connections % 1000 == 0:
-                    log.warning(
-                        "%s: %d open, the limit (endpoints.max_connections); %d so far",
-                        "closed the oldest idle connection"
-                        if oldest is not None
-                        else "refused a connection",
-                        len(self.connections),
-                        self.refused_connections,
-                    )
-                if oldest is None:
-                    await trio.aclose_forcefully(stream)
-                    continue
-                del self.connections[oldest]
+            admitted, oldest = self.cap.make_room()
+            if not admitted:
+                await trio.aclose_forcefully(stream)
+                continue
+            if oldest is not None:
                 oldest.goaway()  # (nothing was processed on it: a client may retry)
-            self._starting += 1
+            self.cap.starting += 1
             nursery.start_soon(self._serve_connection, stream)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
@@ -260,7 +246,7 @@ class GrpcServer:
                     return
             conn = ServerConnection(stream, self, peer)
             self.connections[conn] = None
-            self._starting -= 1
+            self.cap.starting -= 1
             await conn.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as e:
             log.debug("connection from %s ended: %s", peer, e)
@@ -268,7 +254,7 @@ class GrpcServer:
             log.exception("connection from %s failed", peer)
         finally:
             if conn is None:
-                self._starting -= 1
+                self.cap.starting -= 1
             else:
                 self.connections.pop(conn, None)
             await trio.aclose_forcefully(stream)
@@ -357,6 +343,10 @@ def _encode(method: Method, response: Any, limit: int) -> bytes:
             "(endpoints.max_message_bytes)",
         )
     return payload
+
+
+def _no_call_open(conn: ServerConnection) -> bool:
+    return conn.idle
 
 
 def _peer(stream: trio.SocketStream) -> str:

@@ -47,6 +47,7 @@ async def serve_rest(
                 keep_alive_timeout=idle,
                 tls=tls,
                 max_connections=ep.max_connections,
+                connections_setting="endpoints.max_connections",
                 task_status=task_status,
             )
         )

@@ -1,0 +1,57 @@
+"""How many connections one server holds at once, and which one gives way at the cap
+(the gRPC server's, ``_server``, and the HTTP ports', ``rsrv.asgi``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["ConnectionCap"]
+
+C = TypeVar("C")
+
+
+class ConnectionCap(Generic[C]):
+    """The connections a server holds (``open``, oldest first) and those accepted but
+    not yet among them (``starting``: a TLS handshake), at most ``limit`` in all.
+
+    At the cap, a connection just accepted takes the place of the oldest one
+    ``waiting`` says has no request under way (one that never sent a request, or idle);
+    when every one is answering a request, it is refused. Refusing the newest instead
+    would let one client holding the cap with silent connections lock every other
+    client out, probes included. Each connection closed or refused at the cap is
+    counted (``closed``) and logged now and then (the 1st, 10th, 100th, then every
+    1,000th) to ``log``, naming ``setting``.
+    """
+
+    def __init__(self, limit: int, waiting: Callable[[C], bool], log: logging.Logger, setting: str):
+        self.limit = limit
+        self.open: dict[C, None] = {}  # (insertion order: oldest first)
+        self.starting = 0
+        self.closed = 0
+        self._waiting = waiting
+        self._log = log
+        self._setting = setting
+
+    def make_room(self) -> tuple[bool, C | None]:
+        """For a connection just accepted, before it is counted: whether it may stay,
+        and the connection it replaces (no longer counted: the caller closes it)."""
+        if len(self.open) + self.starting < self.limit:
+            return True, None
+        oldest = next((c for c in self.open if self._waiting(c)), None)
+        self.closed += 1
+        if self.closed in (1, 10, 100) or self.closed % 1000 == 0:
+            self._log.warning(
+                "%s: %d open, the limit (%s); %d so far",
+                "closed the oldest connection waiting for a request"
+                if oldest is not None
+                else "refused a connection",
+                len(self.open) + self.starting,
+                self._setting,
+                self.closed,
+            )
+        if oldest is None:
+            return False, None
+        del self.open[oldest]
+        return True, oldest
