@@ -48,10 +48,13 @@ class _ClosingTCPServer(TCPServer):
     waiting for a request being one whose headers are not complete, or idle between
     requests."""
 
-    _rsrv_waiting = True  # no request under way (hypercorn's Updated(idle) events)
+    # Since when no request is under way (hypercorn's Updated(idle) events), None while
+    # one is: headers not complete, or idle between requests, count as waiting.
+    _rsrv_waiting_since: float | None = None
 
     async def run(self) -> None:
         cap: ConnectionCap = self.config.rsrv_connection_cap  # (serve_http sets it)
+        self._rsrv_waiting_since = trio.current_time()
         admitted, oldest = cap.make_room()
         if not admitted:
             with trio.CancelScope(shield=True):
@@ -67,7 +70,7 @@ class _ClosingTCPServer(TCPServer):
 
     async def protocol_send(self, event) -> None:
         if isinstance(event, Updated):
-            self._rsrv_waiting = event.idle
+            self._rsrv_waiting_since = trio.current_time() if event.idle else None
         await super().protocol_send(event)
 
     async def _read_data(self) -> None:
@@ -77,8 +80,8 @@ class _ClosingTCPServer(TCPServer):
             await idle.stop()
 
 
-def _waiting(conn: _ClosingTCPServer) -> bool:
-    return conn._rsrv_waiting
+def _waiting_since(conn: _ClosingTCPServer) -> float | None:
+    return conn._rsrv_waiting_since
 
 
 # What serve() starts per connection. (On a hypercorn whose connection has no
@@ -192,11 +195,11 @@ async def serve_http(
     the socket that takes longer closes the connection; ``tls``: (certificate chain,
     key, client CA or None) in PEM files, to serve HTTPS (with the CA: clients must
     present a certificate it signed). At most ``max_connections`` connections are open
-    at once: one more closes the oldest waiting for a request, or is refused when every
-    one is answering one."""
+    at once: one more closes the one waiting longest for a request, or is refused when
+    every one is answering one (``connections_setting`` names the limit in the log)."""
     config = Config()
     config.rsrv_connection_cap = ConnectionCap(
-        max_connections, _waiting, logging.getLogger(logger), connections_setting
+        max_connections, _waiting_since, logging.getLogger(logger), connections_setting
     )
     config.bind = [f"{host}:{port}"]
     config.accesslog = None

@@ -270,7 +270,10 @@ class EndpointsConfig(_Strict):
     max_connections: Annotated[
         int,
         Meta(ge=1),
-        _doc("Open client connections per port (gRPC, REST); one more closes the oldest idle one."),
+        _doc(
+            "Open client connections per port (gRPC, REST); one more closes the one"
+            " waiting longest on its client."
+        ),
     ] = 1000
     max_streams_per_connection: Annotated[
         int, Meta(ge=1), _doc("Calls open at once on one connection (HTTP/2 setting).")

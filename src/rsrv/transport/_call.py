@@ -80,6 +80,9 @@ class ServerCall:
         "_since",
         "_received",
         "_stalled",
+        "_active",
+        "_messages_in",
+        "_messages_out",
         "recv_window",
         "recv_unacked",
         "send_window",
@@ -105,6 +108,8 @@ class ServerCall:
         self._since = trio.current_time()  # headers, or the first byte of a partial message
         self._received = False
         self._stalled = False  # the request did not arrive in time
+        self._active = self._since  # the client's or our last message (or part of one)
+        self._messages_in = self._messages_out = 0
         self.recv_window = 0  # HTTP/2 flow control, kept by the connection
         self.recv_unacked = 0
         self.send_window = 0
@@ -115,14 +120,16 @@ class ServerCall:
         if self._closed:
             self.conn.acknowledge(None, flow)
             return
+        self._active = trio.current_time()
         reader = self._reader
         was_partial = reader.partial
         messages = reader.feed(data)
         if messages:
+            self._messages_in += len(messages)
             self._inbox.extend(messages)
             self._wake()
         if reader.partial and (messages or not was_partial):
-            self._since = trio.current_time()
+            self._since = self._active
         if len(self._inbox) <= INBOX_LIMIT:
             self.conn.acknowledge(self, flow)
         else:
@@ -214,8 +221,19 @@ class ServerCall:
                     return  # reset meanwhile
                 continue
             data = data[sent:]
+        self._messages_out += 1
+        self._active = trio.current_time()
         if flush:
             conn.flush()
+
+    @property
+    def quiet_since(self) -> float | None:
+        """When the call started waiting on its client (for its request, the rest of
+        one, or a stream's next message, once every message so far was answered), or
+        None while it owes the client an answer."""
+        if self._messages_in > self._messages_out and not self._closed:
+            return None
+        return self._active
 
     def finish(self, code: StatusCode, message: str = "", extra=()) -> None:
         """End the call with its status (trailers), and ``extra`` custom trailers (name,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -16,21 +17,29 @@ class ConnectionCap(Generic[C]):
     """The connections a server holds (``open``, oldest first) and those accepted but
     not yet among them (``starting``: a TLS handshake), at most ``limit`` in all.
 
-    At the cap, a connection just accepted takes the place of the oldest one
-    ``waiting`` says has no request under way (one that never sent a request, or idle);
-    when every one is answering a request, it is refused. Refusing the newest instead
-    would let one client holding the cap with silent connections lock every other
-    client out, probes included. Each connection closed or refused at the cap is
-    counted (``closed``) and logged now and then (the 1st, 10th, 100th, then every
-    1,000th) to ``log``, naming ``setting``.
+    At the cap, a connection just accepted takes the place of the one that has waited
+    longest on its client: ``quiet_since`` gives the moment a connection's client last
+    had something to send (a request, the rest of one, the next message of a stream)
+    and did not, or None while the server owes it an answer. When every connection is
+    owed one, the new connection is refused. Refusing the newest instead would let
+    one client holding the cap with silent connections (or calls that never send
+    their request) lock every other client out, probes included. Each connection
+    closed or refused at the cap is counted (``closed``) and logged now and then (the
+    1st, 10th, 100th, then every 1,000th) to ``log``, naming ``setting``.
     """
 
-    def __init__(self, limit: int, waiting: Callable[[C], bool], log: logging.Logger, setting: str):
+    def __init__(
+        self,
+        limit: int,
+        quiet_since: Callable[[C], float | None],
+        log: logging.Logger,
+        setting: str,
+    ):
         self.limit = limit
         self.open: dict[C, None] = {}  # (insertion order: oldest first)
         self.starting = 0
         self.closed = 0
-        self._waiting = waiting
+        self._quiet_since = quiet_since
         self._log = log
         self._setting = setting
 
@@ -39,12 +48,16 @@ class ConnectionCap(Generic[C]):
         and the connection it replaces (no longer counted: the caller closes it)."""
         if len(self.open) + self.starting < self.limit:
             return True, None
-        oldest = next((c for c in self.open if self._waiting(c)), None)
+        oldest, since = None, math.inf
+        for conn in self.open:
+            quiet = self._quiet_since(conn)
+            if quiet is not None and quiet < since:
+                oldest, since = conn, quiet
         self.closed += 1
         if self.closed in (1, 10, 100) or self.closed % 1000 == 0:
             self._log.warning(
                 "%s: %d open, the limit (%s); %d so far",
-                "closed the oldest connection waiting for a request"
+                "closed the connection waiting longest on its client"
                 if oldest is not None
                 else "refused a connection",
                 len(self.open) + self.starting,

@@ -127,10 +127,19 @@ class ServerConnection(Http2Endpoint):
                 call.release()
             await self._close_socket()
 
-    @property
-    def idle(self) -> bool:
-        """No call is open (none ever was, or the last one has ended)."""
-        return self._idle_since is not None
+    def quiet_since(self) -> float | None:
+        """When the client last had something to send and did not: when the connection
+        became idle, else the latest moment one of its calls started waiting on the
+        client; None while a call owes it an answer (see ``ConnectionCap``)."""
+        if self._idle_since is not None:
+            return self._idle_since
+        latest = -math.inf
+        for call in self.streams.values():
+            quiet = call.quiet_since
+            if quiet is None:
+                return None
+            latest = max(latest, quiet)
+        return latest
 
     def goaway(self) -> None:
         """Close the connection cleanly (server shutdown): GOAWAY, flushed, then close.

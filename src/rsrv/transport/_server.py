@@ -145,7 +145,7 @@ class GrpcServer:
         # compressed requests inflating at once (each in a worker thread)
         self.inflating = trio.CapacityLimiter(INFLATING_AT_ONCE)
         self.cap: ConnectionCap[ServerConnection] = ConnectionCap(
-            self.limits.max_connections, _no_call_open, log, "max_connections"
+            self.limits.max_connections, ServerConnection.quiet_since, log, "max_connections"
         )
         self.connections = self.cap.open  # open connections, oldest first
         self._listeners: list[trio.SocketListener] = []
@@ -343,10 +343,6 @@ def _encode(method: Method, response: Any, limit: int) -> bytes:
             "(endpoints.max_message_bytes)",
         )
     return payload
-
-
-def _no_call_open(conn: ServerConnection) -> bool:
-    return conn.idle
 
 
 def _peer(stream: trio.SocketStream) -> str:

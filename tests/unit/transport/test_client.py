@@ -27,6 +27,7 @@ from support.echo import (
     echo_server,
     wait_for,
 )
+from support.rawh2 import RawH2
 
 from rsrv.transport import (
     TLS_ERRORS,
@@ -346,6 +347,43 @@ async def test_a_connection_beyond_the_cap_closes_the_oldest_idle_one():
             assert [r.response for r in held] == [b"held", b"held"]
         for stream in silent:
             await stream.aclose()
+
+
+async def test_calls_that_never_send_their_request_do_not_hold_the_cap():
+    """A connection whose calls all wait on its client (a stream that sends nothing, a
+    unary call whose message never comes) gives way at the cap, the one waiting longest
+    first; one whose call is owed an answer does not."""
+
+    def open_calls() -> int:
+        return sum(len(c.streams) for c in echo.server.connections)
+
+    async with echo_server(limits=TransportLimits(max_connections=2)) as echo:
+        silent_stream = await trio.to_thread.run_sync(RawH2, echo.port)
+        silent_stream.start(STREAM)  # headers only, ever
+        await wait_for(lambda: open_calls() == 1, "the stream opened")
+        silent_unary = await trio.to_thread.run_sync(RawH2, echo.port)
+        silent_unary.start(UNARY)
+        await wait_for(lambda: open_calls() == 2, "the unary call opened")
+        try:
+            async with open_channel("127.0.0.1", echo.port) as channel:
+                assert (await channel.unary(UNARY, b"in")).response == b"in"
+                assert await trio.to_thread.run_sync(silent_stream.goaway, 5.0)
+                held = []
+                async with trio.open_nursery() as nursery:
+
+                    async def hold() -> None:
+                        held.append(await channel.unary(HOLD, b""))
+
+                    nursery.start_soon(hold)  # owed an answer from now on
+                    await wait_for(lambda: echo.active == 1, "the call held")
+                    async with open_channel("127.0.0.1", echo.port) as other:
+                        assert (await other.unary(UNARY, b"too")).response == b"too"
+                    assert await trio.to_thread.run_sync(silent_unary.goaway, 5.0)
+                    echo.release.set()
+                assert [r.response for r in held] == [b"held"]
+        finally:
+            silent_stream.close()
+            silent_unary.close()
 
 
 @pytest.fixture(scope="module")
