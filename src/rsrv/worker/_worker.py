@@ -11,12 +11,10 @@ import logging
 import uuid
 from pathlib import Path
 
-import msgspec
 import trio
 
-from rsrv.bundle import Bundle, discover, load_bundle, model_versions, version_policy_of
-from rsrv.config import ConfigError, ModelSchedConfig, WorkerConfig, unusable_tls
-from rsrv.errors import BundleError, FailedPrecondition, InvalidArgument, NotFound
+from rsrv.config import ConfigError, WorkerConfig, unusable_tls
+from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.protocol import (
     Admission,
     ControlService,
@@ -46,21 +44,17 @@ from rsrv.runtime import (
 from rsrv.runtime import device as default_device
 from rsrv.scheduler import Scheduler
 from rsrv.transport import TLS_ERRORS, GrpcServer, methods_of
-from rsrv.versions import DEFAULT_POLICY, VersionPolicy
 from rsrv.worker import _files as files_override
 from rsrv.worker import _reporting as reporting
 from rsrv.worker._executor import DeviceExecutor
+from rsrv.worker._loading import ModelLoader
 from rsrv.worker._models import (
     LoadState,
-    ModelEntry,
     ModelSet,
     ServedModel,
-    VersionEntry,
-    build_model,
 )
 from rsrv.worker._pipeline import Pipeline
 from rsrv.worker._restrictions import restrictions_of
-from rsrv.worker._watcher import fingerprint
 
 log = logging.getLogger(__name__)
 MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
@@ -127,9 +121,9 @@ class Worker:
         self.restrictions = restrictions_of(config.endpoints)
         self.port: int | None = None
         self.http_port: int | None = None  # the REST port bound, once serving
-        self.compiler: Compiler | None = None
-        self._loading: dict[str, trio.Lock] = {}
-        self._residency: dict[str, str] = {}  # floors set by SetModelResidency, by name
+        self.loader = ModelLoader(
+            config, self.models, self.weights, self.executor, self.scheduler, self.pipeline
+        )
         self.watcher = None  # the RepositoryWatcher, in dynamic mode
         self._nursery: trio.Nursery | None = None
         ep = config.endpoints
@@ -238,7 +232,7 @@ class Worker:
 
         cfg = self.config
         ep = cfg.endpoints
-        self.compiler = Compiler(Path(cfg.cache_dir))
+        self.loader.compiler = Compiler(Path(cfg.cache_dir))
         server = self.server
         try:
             async with trio.open_nursery() as nursery:
@@ -263,13 +257,16 @@ class Worker:
                     log.info("KServe V2 REST on %s:%d", ep.host, self.http_port)
                 if cfg.model_control_mode == "dynamic":
                     self.watcher = RepositoryWatcher(
-                        Path(cfg.model_repo), cfg.model_poll_seconds, self._load, self._unload
+                        Path(cfg.model_repo),
+                        cfg.model_poll_seconds,
+                        self.loader.load,
+                        self.loader.unload,
                     )
                     # Fingerprint before the startup load: a bundle that changes while
                     # it loads is reloaded by the watcher, not taken as applied.
                     await trio.to_thread.run_sync(self.watcher.seed)
                 if cfg.model_control_mode != "explicit":
-                    await self._load_startup_set()
+                    await self.loader.load_startup_set()
                 if self.watcher is not None:
                     await nursery.start(self.watcher.run)
                 task_status.started(self.port)
@@ -304,18 +301,6 @@ class Worker:
         if self._nursery is not None:  # (None: stopped before its tasks started)
             self._nursery.cancel_scope.cancel()
 
-    async def _load_startup_set(self) -> None:
-        try:
-            paths = discover(Path(self.config.model_repo))
-        except BundleError as e:
-            log.error("%s", e)
-            return
-        for path in paths:
-            self.models.entries[path.name] = ModelEntry(path.name, path)
-        async with trio.open_nursery() as nursery:
-            for path in paths:
-                nursery.start_soon(self._load, path)
-
     async def load_model(
         self,
         name: str,
@@ -340,7 +325,7 @@ class Worker:
             )
         path = Path(self.config.model_repo) / name
         if files:
-            allowed = self._policy(name).allow_file_overrides
+            allowed = self.loader.policy_of(name).allow_file_overrides
             await trio.to_thread.run_sync(
                 files_override.write, Path(self.config.model_repo), name, files, allowed
             )
@@ -353,7 +338,7 @@ class Worker:
                 f"failed to load {name!r}, failed to poll from model repository: no such "
                 "model in the repository"
             )
-        await self._load(path, force=True, override=override)
+        await self.loader.load(path, force=True, override=override)
         entry = self.models.entries.get(name)
         if entry is None:  # unloaded meanwhile
             return
@@ -372,19 +357,7 @@ class Worker:
         self._require_explicit("RepositoryModelUnload")
         if name not in self.models.entries:
             raise NotFound(f"Request for unknown model: '{name}' is not found (not loaded)")
-        await self._unload(name)
-
-    async def _unload(self, name: str) -> None:
-        # Under the model's load lock: a load in progress finishes first, so it cannot
-        # register its version with the scheduler after the name is gone.
-        async with self._loading.setdefault(name, trio.Lock()):
-            entry = self.models.entries.pop(name, None)
-            self._residency.pop(name, None)
-            # Counters start again at the next load, like the scheduler's (and Triton's).
-            self.pipeline.forget(name)
-            self.scheduler.remove_model(name)  # the executor retires its weights once drained
-        if entry is not None:
-            log.info("model %s unloaded (versions %s)", name, _numbers(entry.versions) or "none")
+        await self.loader.unload(name)
 
     async def set_residency(self, name: str, residency: str) -> str:
         """SetModelResidency (explicit mode): change the floor of every served version of
@@ -397,7 +370,7 @@ class Worker:
         for target in self._weight_owners(served):
             await self.weights.set_residency(target.key, residency)
             target.residency = residency
-            self._residency[target.name] = residency  # kept across reloads until unload
+            self.loader.residency[target.name] = residency  # kept across reloads until unload
         for version in self._served(name):  # a meta reports the floor it set on its models
             version.residency = residency
         return residency
@@ -437,245 +410,3 @@ class Worker:
                 f"{rpc} is only effective when model_control_mode is "
                 f"'explicit'; this worker runs in '{mode}' mode{hint}"
             )
-
-    async def _load(
-        self, path: Path, *, force: bool = False, override: LoadOverride | None = None
-    ) -> None:
-        """(Re)load the model directory ``path``: every version its policy selects.
-
-        A version is built beside the load it replaces and switched to only on success;
-        it is rebuilt when new, when its files changed since the serving load read them,
-        or with ``force``. Versions that leave the selection retire once the selected
-        ones have been tried (requests queued for them finish first), unless none of
-        those is ready: then they keep serving. ``override`` (a RepositoryModelLoad
-        config) is checked against every selected version before anything changes:
-        InvalidArgument, and nothing happened.
-        """
-        name = path.name
-        async with self._loading.setdefault(name, trio.Lock()):
-            created = name not in self.models.entries
-            entry = self.models.entries.setdefault(name, ModelEntry(name, path))
-            entry.path = path
-            try:
-                await self._sync(entry, force, override)
-            except InvalidArgument:
-                if created:
-                    self.models.entries.pop(name, None)
-                raise
-            finally:
-                entry.loading = False
-
-    async def _sync(self, entry: ModelEntry, force: bool, override: LoadOverride | None) -> None:
-        name = entry.name
-        try:
-            found = await trio.to_thread.run_sync(model_versions, entry.path)
-            if not found:
-                raise BundleError(
-                    f"{entry.path}: no manifest, and no version directory holding one"
-                )
-        except BundleError as e:
-            self._model_failed(entry, str(e))
-            return
-        sched = self._policy(name)
-        policy = (
-            (override.version_policy if override else None)
-            or sched.version_policy
-            or await trio.to_thread.run_sync(version_policy_of, found)
-            or DEFAULT_POLICY
-        )
-        selected = policy.select(found)
-        if not selected:  # Triton's words first
-            self._model_failed(
-                entry,
-                f"at least one version must be available under the version policy of model "
-                f"'{name}' ({policy.describe()}; versions in the repository: "
-                f"{_numbers(found)})",
-            )
-            return
-        if override is not None and override.max_batch_size is not None:
-            sched = msgspec.structs.replace(sched, max_batch_size=override.max_batch_size or None)
-        if override is not None and override.max_queue_delay is not None:
-            sched = msgspec.structs.replace(sched, max_queue_delay_seconds=override.max_queue_delay)
-        prints = {n: await trio.to_thread.run_sync(fingerprint, found[n]) for n in selected}
-        bundles: dict[int, Bundle] = {}
-        if override is not None:  # checked before anything changes
-            for n in selected:
-                try:
-                    bundle = await trio.to_thread.run_sync(load_bundle, found[n], name)
-                except BundleError:
-                    continue  # the build below reports it
-                self._check_override(bundle, override, sched, policy)
-                bundles[n] = bundle
-        entry.problem, entry.policy, entry.selected = "", policy, tuple(selected)
-        for n in selected:
-            version = entry.versions.get(n)
-            if version is None:
-                version = entry.versions[n] = VersionEntry(n, found[n])
-            version.path = found[n]
-            if force or version.model is None or version.fingerprint != prints[n]:
-                await self._build(entry, version, prints[n], sched, bundles.get(n))
-        chosen = any(entry.versions[n].model is not None for n in selected)
-        for n in sorted(set(entry.versions) - set(selected)):
-            version = entry.versions[n]
-            if version.model is not None and not chosen:
-                version.reason = (
-                    f"kept serving: none of the versions {policy.describe()} selects "
-                    f"({_numbers(selected)}) is ready"
-                )
-                continue
-            gone = "its directory is gone" if n not in found else "left the version policy"
-            self._retire(entry, n, gone)
-        for version in entry.ready():
-            version.model.version_policy = policy
-
-    def _check_override(
-        self,
-        bundle: Bundle,
-        override: LoadOverride,
-        sched: ModelSchedConfig,
-        policy: VersionPolicy,
-    ) -> None:
-        """A RepositoryModelLoad config against one version about to load."""
-        sizes = bundle.batch_sizes
-        if override.max_batch_size is not None:
-            cap = override.max_batch_size
-            if sizes and not 1 <= cap <= sizes[-1]:
-                raise InvalidArgument(
-                    f"config override for {bundle.name!r}: max_batch_size {cap} is not "
-                    f"between 1 and the largest compiled batch size {sizes[-1]} of "
-                    f"{bundle.path} (compiled sizes: {list(sizes)})"
-                )
-            if not sizes and cap != 0:
-                raise InvalidArgument(
-                    f"config override for {bundle.name!r}: max_batch_size must be 0: "
-                    f"{bundle.path} has no compiled batch sizes (it runs one request at a time)"
-                )
-        if override.check is not None:
-            rows = 0
-            if sizes:
-                rows = min(sched.max_batch_size or sizes[-1], sizes[-1])
-            override.check(bundle, rows, policy)
-
-    async def _build(
-        self,
-        entry: ModelEntry,
-        version: VersionEntry,
-        prints,
-        sched: ModelSchedConfig,
-        bundle: Bundle | None,
-    ) -> None:
-        """Build one version beside the load it replaces; switch only on success."""
-        name, number = entry.name, version.number
-        served = None
-        try:
-            served = await build_model(
-                version.path,
-                self.compiler,
-                self.models.next_generation(),
-                number,
-                name,
-                bundle,
-            )
-            self._check_calls(served)
-            costs = {}
-            if served.compiled:
-                served.residency = self.weights.residency_for(
-                    self._residency.get(name, sched.residency)
-                )
-                self.executor.versions[served.key] = served
-                await self.weights.add(served.key, served.bundle.weights, served.residency)
-                costs = await self.executor.warm_up(served)
-        except Exception as e:  # a bad bundle must never take the worker down
-            if served is not None:
-                self.executor.retire(served.key)
-            version.reason = str(e)
-            if version.model is None:
-                version.state = LoadState.UNAVAILABLE
-                log.error("model %s version %d unavailable: %s", name, number, e)
-            else:
-                log.error(
-                    "reload of model %s version %d failed; its load %d keeps serving: %s",
-                    name,
-                    number,
-                    version.model.generation,
-                    e,
-                )
-            return
-        previous = version.model
-        spec = served.spec().with_policy(sched) if served.compiled else None
-        served.max_batch_size = spec.max_rows if spec else 0
-        served.version_policy = entry.policy
-        version.model, version.state, version.reason = served, LoadState.READY, ""
-        version.fingerprint = prints
-        log.info(
-            "model %s version %d ready (load %d%s): %d weight bytes, residency %s",
-            name,
-            number,
-            served.generation,
-            f", replacing load {previous.generation}" if previous else "",
-            served.bundle.weight_bytes,
-            served.residency if served.compiled else "none (meta)",
-        )
-        if spec is not None:
-            self.scheduler.add_model(spec)
-            self.scheduler.warm_costs(name, costs, served.version)
-            served.max_queue_delay = self.scheduler.queue_delay(name, served.version)
-
-    def _retire(self, entry: ModelEntry, number: int, why: str) -> None:
-        """Stop serving version ``number``; requests queued for it finish first."""
-        version = entry.versions.pop(number)
-        self.pipeline.drop(entry.name, str(number))
-        served = version.model
-        if served is not None and served.compiled:
-            self.scheduler.remove_version(entry.name, served.version)
-        if served is not None:
-            log.info(
-                "model %s version %d retired (%s); requests queued for it finish first",
-                entry.name,
-                number,
-                why,
-            )
-
-    def _model_failed(self, entry: ModelEntry, reason: str) -> None:
-        """A failure of the model as a whole: its ready versions keep serving."""
-        entry.problem, entry.selected = reason, ()
-        if entry.model is None:
-            log.error("model %s unavailable: %s", entry.name, reason)
-        else:
-            log.error("model %s: %s; its ready versions keep serving", entry.name, reason)
-
-    def _check_calls(self, served) -> None:
-        """A meta may not call a meta, and no meta may come to call the one loading."""
-        name = served.name
-        for callee in served.bundle.signature.calls:
-            entry = self.models.entries.get(callee)
-            if entry is not None and entry.model is not None and entry.model.bundle.kind == "meta":
-                raise BundleError(
-                    f"{served.bundle.manifest_path}: meta.calls: {callee!r} is a "
-                    "meta model; meta models may not call other meta models"
-                )
-        if served.bundle.kind == "meta":
-            callers = [
-                e.name
-                for e in self.models.entries.values()
-                if e.model and e.name != name and name in e.model.bundle.signature.calls
-            ]
-            if callers:
-                raise BundleError(
-                    f"{served.bundle.manifest_path}: kind: meta model {name!r} is "
-                    f"called by meta model(s) {', '.join(callers)}"
-                )
-        if not self.models.entries.get(name) or not self.models.entries[name].model:
-            missing = [c for c in served.bundle.signature.calls if c not in self.models.entries]
-            if missing:
-                log.warning(
-                    "meta model %s calls %s, not (yet) in the repository", name, ", ".join(missing)
-                )
-
-    def _policy(self, name: str) -> ModelSchedConfig:
-        return self.config.scheduler.models.get(name) or ModelSchedConfig()
-
-
-def _numbers(versions) -> str:
-    """``1, 2, 3``: version numbers for a message."""
-    return ", ".join(str(n) for n in sorted(versions))
