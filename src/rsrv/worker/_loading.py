@@ -304,11 +304,15 @@ class ModelLoader:
                 )
 
     def policy_of(self, name: str) -> ModelSchedConfig:
+        """``scheduler.models.<name>`` of the worker's file, or the defaults."""
         return self.config.scheduler.models.get(name) or ModelSchedConfig()
 
     async def unload(self, name: str) -> None:
-        # Under the model's load lock: a load in progress finishes first, so it cannot
-        # register its version with the scheduler after the name is gone.
+        """Stop serving every version of ``name`` (queued requests fail with NOT_FOUND)
+        and forget its residency floor and counters; nothing if it is not known.
+
+        Under the model's load lock: a load in progress finishes first, so it cannot
+        register its version with the scheduler after the name is gone."""
         async with self._loading.setdefault(name, trio.Lock()):
             entry = self.models.entries.pop(name, None)
             self.residency.pop(name, None)
