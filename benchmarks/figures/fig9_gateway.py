@@ -18,11 +18,14 @@ dispatches, summed over both workers, read when each window opens and closes).
 
 (c) The same hop with a C load generator: h2load (benchmarks/h2load.py; c connections,
 one stream each, the same ModelInfer body) straight to the worker, through the gateway,
-and through nghttpx (nghttp2's C HTTP/2 reverse proxy, one worker thread in one process,
+through a trio byte relay (benchmarks/trio_relay.py: one connection upstream per client
+connection, bytes passed through unparsed: with one client, the least any proxy
+written on trio does), and
+through nghttpx (nghttp2's C HTTP/2 reverse proxy, one worker thread in one process,
 one HTTP/2 connection to the worker) when it is installed: what any proxy in that place
 costs on this machine. Interleaved rounds whose order rotates; per round and path a
 warm-up run, then about ``h2_seconds`` of requests. Every request h2load counts is
-checked against the worker's ModelStatistics (all three paths end at the same worker).
+checked against the worker's ModelStatistics (every path ends at the same worker).
 CPU per request of the worker and the proxy over the warm-ups and runs. Skipped, saying
 how to install h2load, when it is not on PATH.
 """
@@ -33,6 +36,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import h2load
 import numpy as np
@@ -119,6 +123,14 @@ def start_nghttpx(exe: str, worker: ServerProcess) -> ServerProcess:
     return ServerProcess("gw_nghttpx", argv, port)
 
 
+def start_trio_relay(worker: ServerProcess) -> ServerProcess:
+    """benchmarks/trio_relay.py in front of ``worker``: bytes relayed, nothing parsed."""
+    port = free_port()
+    relay = str(Path(__file__).resolve().parent.parent / "trio_relay.py")
+    argv = [sys.executable, relay, str(port), str(worker.port)]
+    return ServerProcess("gw_trio_relay", argv, port)
+
+
 def overhead(p: Params, notes: list[str]) -> tuple[list[dict], dict | None]:
     """Parts (a) and (c), on one worker and one gateway."""
     servers: dict[str, ServerProcess] = {}
@@ -190,17 +202,18 @@ def h2load_overhead(p: Params, servers: dict[str, ServerProcess], x, notes) -> d
         log(notes[-1])
         return None
     worker = servers["direct"]
-    paths = dict(servers)
+    proxies = {"trio relay": start_trio_relay(worker)}
     proxy = shutil.which("nghttpx")
     if proxy is None:
         notes.append(f"c: nghttpx is not installed (install it with {NGHTTPX_INSTALL})")
-        return _h2load_paths(p, paths, x, notes, exe)
-    paths["nghttpx"] = start_nghttpx(proxy, worker)
+    else:
+        proxies["nghttpx"] = start_nghttpx(proxy, worker)
     try:
-        wait_ready(paths["nghttpx"], START_TIMEOUT, ["classifier"])
-        return _h2load_paths(p, paths, x, notes, exe)
+        for server in proxies.values():
+            wait_ready(server, START_TIMEOUT, ["classifier"])
+        return _h2load_paths(p, {**servers, **proxies}, x, notes, exe)
     finally:
-        paths["nghttpx"].stop()
+        stop_all(proxies.values())
 
 
 def _h2load_paths(p: Params, paths: dict[str, ServerProcess], x, notes, exe: str) -> dict:
@@ -248,9 +261,10 @@ def _h2load_paths(p: Params, paths: dict[str, ServerProcess], x, notes, exe: str
         counts.close()
     return {
         "load": f"h2load ({exe}): -c C -m 1 -t 1, one length-prefixed ModelInferRequest body",
-        "proxy": "nghttpx (nghttp2), one process, HTTP/2 to the worker"
-        if "nghttpx" in paths
-        else None,
+        "proxies": {
+            "trio relay": "benchmarks/trio_relay.py: bytes relayed on trio, nothing parsed",
+            "nghttpx": "nghttpx (nghttp2), one process, HTTP/2 to the worker",
+        },
         "rounds": p.h2_rounds,
         "seconds_per_run": p.h2_seconds,
         "checked": runs.checked("the worker's ModelStatistics delta == h2load's count"),
@@ -330,9 +344,10 @@ def run(quick: bool) -> dict:
         f"front of the same two fifo workers (queue delay {QUEUE_DELAY * 1e3:g} ms), "
         f"{p.fill_clients} closed-loop clients, "
         "interleaved rounds; rows per execution from the workers' ModelControlStatus; "
-        f"(c) h2load straight to the worker, through the gateway and through nghttpx (a C "
-        f"HTTP/2 proxy), interleaved rounds ({rounds(p.h2_rounds)} of about {p.h2_seconds} s "
-        "per path and concurrency), each request checked against the worker's statistics",
+        "(c) h2load straight to the worker, through the gateway, through a trio byte relay "
+        "and through nghttpx (a C HTTP/2 proxy), interleaved rounds "
+        f"({rounds(p.h2_rounds)} of about {p.h2_seconds} s per path and concurrency), "
+        "each request checked against the worker's statistics",
         "overhead": closed,
         "h2load": h2,
         "coalescing": coalescing(p),

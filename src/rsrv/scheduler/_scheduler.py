@@ -22,13 +22,12 @@ from rsrv.config import SchedulerConfig
 from rsrv.errors import (
     DeadlineExceeded,
     Internal,
-    InvalidArgument,
     NotFound,
     ResourceExhausted,
     RsrvError,
     Unavailable,
 )
-from rsrv.scheduler._batching import assemble, rows_of, signature, split
+from rsrv.scheduler._batching import assemble, split
 from rsrv.scheduler._costs import CostTable, DecayedSum
 from rsrv.scheduler._executor import Executor, Result
 from rsrv.scheduler._model import ScheduledModel, VersionCounters
@@ -185,84 +184,40 @@ class Scheduler:
         """Seed a current version's per-size cost estimates (e.g. from warm-up runs):
         label ``version``'s, or the default's."""
         m = self._model(name)
-        self._version(m, version).costs.seed(costs)
+        m.version_of(version).costs.seed(costs)
         self._policy.update(m, self._clock())
 
     def spec(self, name: str, version: str | None = None) -> ModelSpec:
         """The current spec of ``name`` (of its label ``version``, or the default's);
         NotFound if unknown."""
-        return self._version(self._model(name), version).spec
+        return self._model(name).version_of(version).spec
 
     def queue_delay(self, name: str, version: str | None = None) -> float:
         """Seconds a batch of the current version of label ``version`` (None: the
         default's) may wait for more requests: its spec's ``max_queue_delay``, else the
         config's ``max_queue_delay_seconds``; NotFound if unknown."""
-        return self._version(self._model(name), version).delay
+        return self._model(name).version_of(version).delay
 
     def version_stats(self, name: str, version: str) -> VersionStats:
         """Executions of label ``version`` of ``name`` since it was added (a
         replacement of the label keeps counting); NotFound if unknown."""
-        m = self._model(name)
-        current = self._version(m, version)
-        counters = m.counters[version]
-        return VersionStats(
-            version=version,
-            dispatches=counters.dispatches,
-            batch_sizes=dict(sorted(counters.batch_sizes.items())),
-            costs=current.costs.snapshot(),
-            max_batch_size=current.spec.max_rows,
-        )
+        return self._model(name).version_stats(version)
 
     def stats(self, name: str) -> SchedulingStats:
         """:meth:`counters`, with the batch sizes, failures, queue waits, usage and
         costs; NotFound if unknown."""
-        counters = self.counters(name)
-        m = self._models[name]
-        s = m.stats
-        return SchedulingStats(
-            **{f: getattr(counters, f) for f in SchedulingCounters.__slots__},
-            name=name,
-            queued_rows=m.queue.rows,
-            batch_sizes=dict(sorted(s.batch_sizes.items())),
-            failures=dict(s.failures),
-            wait_samples=tuple(s.waits),
-            wait_percentiles=s.percentiles(),
-            usage_ema=m.usage.at(self._clock()),
-            costs=m.version.costs.snapshot(),
-        )
+        return self._model(name).stats_at(self._clock())
 
     def counters(self, name: str) -> SchedulingCounters:
         """The counters of :meth:`stats` alone (no percentiles, no copies); NotFound if
         unknown."""
-        m = self._model(name)
-        s = m.stats
-        return SchedulingCounters(
-            weight=m.weight,
-            requests=s.requests,
-            rows=s.rows,
-            dispatches=s.dispatches,
-            compute_seconds=s.compute_seconds,
-            queue_depth=m.queue.live,
-            max_batch_size=m.version.spec.max_rows,
-        )
+        return self._model(name).counters_now()
 
     def _model(self, name: str) -> ScheduledModel:
         m = self._models.get(name)
         if m is None:
             raise NotFound(f"unknown model {name!r}")
         return m
-
-    @staticmethod
-    def _version(m: ScheduledModel, label: str | None) -> Version:
-        if label is None:
-            return m.version
-        version = m.versions.get(label)
-        if version is None:
-            raise NotFound(
-                f"Request for unknown model: '{m.name}' version {label} is not found "
-                f"(served versions: {', '.join(m.versions) or 'none'})"
-            )
-        return version
 
     # -- admission ------------------------------------------------------------------
 
@@ -340,30 +295,11 @@ class Scheduler:
     ) -> Request:
         """Validate one request against ``m``'s current version of ``label``; not yet
         queued."""
-        version = self._version(m, label)
+        version = m.version_of(label)
         spec = version.spec
         name = m.name
         arrays = [np.asarray(x) for x in inputs]
-        if len(arrays) != len(spec.input_axes):
-            raise InvalidArgument(
-                f"model {name!r} takes {len(spec.input_axes)} executable inputs, got {len(arrays)}"
-            )
-        sig = signature(arrays, spec.input_axes, name)
-        n = 0
-        if spec.batched:
-            n = rows_of(arrays, spec.input_axes, name)
-            if rows is not None and rows != n:
-                raise InvalidArgument(f"model {name!r}: rows={rows} but the inputs have {n} rows")
-            largest = spec.batch_sizes[-1]
-            if n > largest:
-                raise InvalidArgument(
-                    f"model {name!r}: a request of {n} rows exceeds the largest compiled "
-                    f"batch size {largest} (compiled sizes: {list(spec.batch_sizes)})"
-                )
-            if n > spec.max_rows:
-                raise InvalidArgument(
-                    f"model {name!r}: a request of {n} rows exceeds max_batch_size {spec.max_rows}"
-                )
+        sig, n = spec.check_inputs(arrays, rows, name)
         depth = self._config.max_queue_depth
         if m.queue.live >= depth:
             raise ResourceExhausted(
@@ -420,16 +356,17 @@ class Scheduler:
         shed on the way are answered; no device work happens here.
 
         When some model has a queue delay (and the scheduler is not hurrying), a
-        selected model that waits for more requests (:meth:`_held_until`) is withheld
-        from the policy for the rest of this decision and the next one is selected; if
-        none is ready, ``_due`` is the earliest moment a withheld model is due."""
+        selected model that waits for more requests (``ScheduledModel.held_until``) is
+        withheld from the policy for the rest of this decision and the next one is
+        selected; if none is ready, ``_due`` is the earliest moment a withheld model is
+        due."""
         now = self._clock()
         holding = self._delayed and not self._hurry
         held: list[tuple[ScheduledModel, object]] = []
         due = None
         try:
             while (m := self._policy.select(now)) is not None:
-                until = self._held_until(m, now) if holding else None
+                until = m.held_until(now) if holding else None
                 if until is not None:
                     held.append((m, self._policy.withhold(m)))
                     due = until if due is None else min(due, until)
@@ -446,37 +383,6 @@ class Scheduler:
         finally:
             for m, token in held:
                 self._policy.restore(m, token)
-
-    def _held_until(self, m: ScheduledModel, now: float) -> float | None:
-        """When ``m``'s batch is due, if it should wait for more requests now; None:
-        dispatch it now. It waits while its head request's version has a queue delay
-        ``D``, the queued rows are fewer than that version's ``max_rows``, and ``now``
-        is before ``until = oldest arrival + D``, unless waiting until then would let a
-        queued request expire (``until >= expiry``) or finish after its deadline or
-        latency budget (``until + ĉ > deadline``, ``until + ĉ > enqueued + budget``,
-        ``ĉ`` the learned cost of the batch it would run now)."""
-        queue = m.queue
-        head = queue.peek()
-        if head is None:
-            return None
-        version = head.version
-        delay = version.delay
-        spec = version.spec
-        if delay <= 0 or not spec.batched or queue.rows >= spec.max_rows:
-            return None
-        oldest = queue.oldest()
-        assert oldest is not None
-        until = oldest.enqueued + delay
-        if now >= until:
-            return None
-        end = until + version.costs.estimate(spec.size_for(queue.rows))
-        for r in queue.queued():  # fewer than max_rows requests, unless some have 0 rows
-            if until >= r.expiry or (r.deadline is not None and end > r.deadline):
-                return None
-            budget = r.version.spec.latency_budget
-            if budget is not None and end > r.enqueued + budget:
-                return None
-        return until
 
     def _plan(self, m: ScheduledModel, now: float) -> Batch | None:
         """Take the longest prefix of ``m``'s queue that one batch can hold: same

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from rsrv.config import MAX_WEIGHT, MIN_WEIGHT
 from rsrv.errors import InvalidArgument
+from rsrv.scheduler._batching import rows_of, signature
 
 if TYPE_CHECKING:
     from rsrv.config import ModelSchedConfig
@@ -121,6 +122,32 @@ class ModelSpec:
             return 0
         i = bisect_left(self.batch_sizes, rows)
         return self.batch_sizes[min(i, len(self.batch_sizes) - 1)]
+
+    def check_inputs(self, arrays: list, rows: int | None, name: str) -> tuple[tuple, int]:
+        """The input signature and rows (0 when unbatched) of one request's executable
+        inputs; InvalidArgument when they do not fit this version (their count, a
+        disagreement on rows, ``rows`` if given, more rows than a batch holds)."""
+        if len(arrays) != len(self.input_axes):
+            raise InvalidArgument(
+                f"model {name!r} takes {len(self.input_axes)} executable inputs, got {len(arrays)}"
+            )
+        sig = signature(arrays, self.input_axes, name)
+        if not self.batched:
+            return sig, 0
+        n = rows_of(arrays, self.input_axes, name)
+        if rows is not None and rows != n:
+            raise InvalidArgument(f"model {name!r}: rows={rows} but the inputs have {n} rows")
+        largest = self.batch_sizes[-1]
+        if n > largest:
+            raise InvalidArgument(
+                f"model {name!r}: a request of {n} rows exceeds the largest compiled "
+                f"batch size {largest} (compiled sizes: {list(self.batch_sizes)})"
+            )
+        if n > self.max_rows:
+            raise InvalidArgument(
+                f"model {name!r}: a request of {n} rows exceeds max_batch_size {self.max_rows}"
+            )
+        return sig, n
 
     def with_policy(self, policy: ModelSchedConfig | None) -> ModelSpec:
         """This spec with the configured weight, max_batch_size, latency budget and
