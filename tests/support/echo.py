@@ -24,6 +24,7 @@ HOLD = SERVICE + "Hold"  # waits until EchoServer.release is set, answers b"held
 FAIL = SERVICE + "Fail"  # request b"CODE:message": fails with that status (e.g. b"5:gone")
 SIZED = SERVICE + "Sized"  # answers int(request) bytes
 STREAM = SERVICE + "Stream"  # bidirectional: answers every message as it comes
+STREAM_SIZED = SERVICE + "StreamSized"  # bidirectional: answers int(message) bytes to each
 HEADERS = SERVICE + "Headers"  # answers the call's metadata and deadline (see _headers)
 
 
@@ -54,6 +55,14 @@ class EchoServer:
             Method(
                 STREAM,
                 self._stream,
+                _same,
+                _same,
+                client_streaming=True,
+                server_streaming=True,
+            ),
+            Method(
+                STREAM_SIZED,
+                self._stream_sized,
                 _same,
                 _same,
                 client_streaming=True,
@@ -100,6 +109,10 @@ class EchoServer:
         lines = sorted(f"{k}={v}" for k, v in call.metadata.items())
         lines.append(f"deadline={'yes' if call.deadline != math.inf else 'no'}")
         return "\n".join(lines).encode()
+
+    async def _stream_sized(self, requests, call):
+        async for request in requests:
+            yield bytes(int(request))
 
     async def _stream(self, requests, call):
         """Answers come from a task of their own, through a ``trio.as_safe_channel``

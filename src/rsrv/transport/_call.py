@@ -203,7 +203,9 @@ class ServerCall:
 
     async def send(self, payload: bytes, *, flush: bool = True) -> None:
         """Send one response message (already serialized). ``flush`` False leaves it
-        queued for the next flush (a unary call's answer leaves with its trailers)."""
+        queued for the next flush (a unary call's answer leaves with its trailers).
+        Waits for the client's flow-control window, and, flushing, while more than
+        ``max_unsent_bytes`` wait unsent on the connection (until half is left)."""
         if self._closed:
             return
         conn = self.conn
@@ -225,6 +227,10 @@ class ServerCall:
         self._active = trio.current_time()
         if flush:
             conn.flush()
+            if conn._pending is not None or conn._writing:  # the socket is full
+                # A client that sends and does not read: its stream's answers wait here
+                # (and its handler with them), not in the connection's output.
+                await conn._unsent_below(conn.max_unsent)
 
     @property
     def quiet_since(self) -> float | None:

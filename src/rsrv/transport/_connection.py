@@ -29,8 +29,8 @@ Lifetime guarantees:
 * A stream's complete, unconsumed messages are not acknowledged beyond a few (flow
   control pushes back on a client that sends faster than its handler reads).
 * While more than ``max_unsent_bytes`` waits unsent to the client, the connection reads
-  nothing more (until half is left): a client that sends and does not read makes its
-  own sends wait, not the server's output grow.
+  nothing more and a streaming call's next answer waits (until half is left): a client
+  that sends and does not read makes its own sends wait, not the server's output grow.
 """
 
 from __future__ import annotations

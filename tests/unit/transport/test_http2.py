@@ -17,7 +17,7 @@ import hpack
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.echo import HOLD, UNARY, echo_server, wait_for
+from support.echo import HOLD, STREAM_SIZED, UNARY, echo_server, wait_for
 from support.rawh2 import RawH2, message
 
 from rsrv.transport import TransportLimits
@@ -435,6 +435,54 @@ async def test_a_client_that_sends_and_never_reads_holds_a_bounded_output():
     assert sent < 300 * 60  # held up
     # the limit, and the answers to one read (256 KiB: about 250 of these requests)
     assert max(unsent) < limit + 64 * 1024
+
+
+async def test_a_stream_whose_client_does_not_read_waits_to_send():
+    """Small requests asking for large answers on one stream, from a client that opens
+    every flow-control window and reads nothing: past ``max_unsent_bytes`` the stream's
+    handler waits in its send, so the answers queued stay near the limit instead of
+    growing with every request (400 of 64 KiB here)."""
+    limit = 256 * 1024
+    unsent: list[int] = []
+    done = threading.Event()
+
+    def client(port: int) -> None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            block = hpack.Encoder().encode(
+                [
+                    (b":method", b"POST"),
+                    (b":scheme", b"http"),
+                    (b":path", STREAM_SIZED.encode()),
+                    (b":authority", b"x"),
+                    (b"content-type", b"application/grpc"),
+                ]
+            )
+            requests = b"".join(message(b"65536") for _ in range(400))
+            s.sendall(
+                F.PREFACE
+                + F.settings({F.INITIAL_WINDOW_SIZE: F.MAX_WINDOW})
+                + F.window_update(0, F.MAX_WINDOW - F.DEFAULT_WINDOW)
+                + F.frame(F.HEADERS, F.END_HEADERS, 1, block)
+                + F.frame(F.DATA, 0, 1, requests)
+            )
+            done.wait(10)
+
+    async with echo_server(limits=TransportLimits(max_unsent_bytes=limit)) as echo:
+        thread = threading.Thread(target=client, args=(echo.port,), daemon=True)
+        thread.start()
+        try:
+            with trio.move_on_after(1.5):
+                while True:
+                    for conn in echo.server.connections:
+                        conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                        unsent.append(conn._unsent())
+                    await trio.sleep(0.005)
+        finally:
+            done.set()
+    assert max(unsent) > limit  # the client held the answers up
+    assert max(unsent) < limit + 4 * 65536  # and the handler waited
 
 
 async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
