@@ -42,7 +42,12 @@ async def pump(source: int, sink: int) -> None:
 
 
 async def relay(client: trio.SocketStream, upstream_port: int) -> None:
-    async with client, await trio.open_tcp_stream(HOST, upstream_port) as upstream:
+    try:
+        upstream = await trio.open_tcp_stream(HOST, upstream_port)
+    except OSError:  # the server is not there (yet): this client only is dropped
+        await client.aclose()
+        return
+    async with client, upstream:
         a, b = client.socket.fileno(), upstream.socket.fileno()
         async with trio.open_nursery() as nursery:
             for source, sink in ((a, b), (b, a)):

@@ -90,6 +90,10 @@ class Params:
 
 FULL = Params((1, 8, 32), 2.5, 3, 0.75, 16, 2.0, 3)
 QUICK = Params((1, 8, 32), 1.5, 1, 0.5, 16, 1.0, 1)
+PROXIES = {  # (c): what each path other than the gateway goes through
+    "trio relay": "benchmarks/trio_relay.py: bytes relayed on trio, nothing parsed",
+    "nghttpx": "nghttpx (nghttp2), one process, HTTP/2 to the worker",
+}
 NGHTTPX_INSTALL = "apt-get install nghttp2-proxy (Debian/Ubuntu; the nghttp2 package elsewhere)"
 
 
@@ -203,12 +207,12 @@ def h2load_overhead(p: Params, servers: dict[str, ServerProcess], x, notes) -> d
         return None
     worker = servers["direct"]
     proxies = {"trio relay": start_trio_relay(worker)}
-    proxy = shutil.which("nghttpx")
-    if proxy is None:
-        notes.append(f"c: nghttpx is not installed (install it with {NGHTTPX_INSTALL})")
-    else:
-        proxies["nghttpx"] = start_nghttpx(proxy, worker)
     try:
+        proxy = shutil.which("nghttpx")
+        if proxy is None:
+            notes.append(f"c: nghttpx is not installed (install it with {NGHTTPX_INSTALL})")
+        else:
+            proxies["nghttpx"] = start_nghttpx(proxy, worker)
         for server in proxies.values():
             wait_ready(server, START_TIMEOUT, ["classifier"])
         return _h2load_paths(p, {**servers, **proxies}, x, notes, exe)
@@ -261,10 +265,7 @@ def _h2load_paths(p: Params, paths: dict[str, ServerProcess], x, notes, exe: str
         counts.close()
     return {
         "load": f"h2load ({exe}): -c C -m 1 -t 1, one length-prefixed ModelInferRequest body",
-        "proxies": {
-            "trio relay": "benchmarks/trio_relay.py: bytes relayed on trio, nothing parsed",
-            "nghttpx": "nghttpx (nghttp2), one process, HTTP/2 to the worker",
-        },
+        "proxies": {n: PROXIES[n] for n in paths if n in PROXIES},
         "rounds": p.h2_rounds,
         "seconds_per_run": p.h2_seconds,
         "checked": runs.checked("the worker's ModelStatistics delta == h2load's count"),

@@ -80,9 +80,10 @@ class ServerCall:
         "_since",
         "_received",
         "_stalled",
-        "_active",
         "_messages_in",
         "_messages_out",
+        "_blocked",
+        "_owes",
         "recv_window",
         "recv_unacked",
         "send_window",
@@ -108,8 +109,10 @@ class ServerCall:
         self._since = trio.current_time()  # headers, or the first byte of a partial message
         self._received = False
         self._stalled = False  # the request did not arrive in time
-        self._active = self._since  # the client's or our last message (or part of one)
+        conn.last_active = self._since
         self._messages_in = self._messages_out = 0
+        self._blocked = False  # waiting on the client: for window, or for it to read
+        self._owes = False  # counted in the connection's ``owed`` (see _reowe)
         self.recv_window = 0  # HTTP/2 flow control, kept by the connection
         self.recv_unacked = 0
         self.send_window = 0
@@ -120,16 +123,17 @@ class ServerCall:
         if self._closed:
             self.conn.acknowledge(None, flow)
             return
-        self._active = trio.current_time()
+        now = self.conn.last_active = trio.current_time()
         reader = self._reader
         was_partial = reader.partial
         messages = reader.feed(data)
         if messages:
             self._messages_in += len(messages)
+            self._reowe()
             self._inbox.extend(messages)
             self._wake()
         if reader.partial and (messages or not was_partial):
-            self._since = self._active
+            self._since = now
         if len(self._inbox) <= INBOX_LIMIT:
             self.conn.acknowledge(self, flow)
         else:
@@ -137,13 +141,33 @@ class ServerCall:
 
     def _on_end(self) -> None:
         self._ended = True
+        self._reowe()
         self._wake()
 
     def _on_reset(self, code: int = CANCEL) -> None:
         self._closed = True
+        self._reowe()
         self.scope.cancel()
         self._wake()
         self._window_opened()
+
+    def _reowe(self) -> None:
+        """Keep the connection's count of calls that owe their client an answer (what
+        makes it busy, never closed to make room at the connection cap): those not
+        closed whose client sent more messages than they answered, or half-closed
+        (a Health Watch, a unary call), unless they wait on the client itself."""
+        owes = not (self._closed or self._blocked) and (
+            self._ended or self._messages_in > self._messages_out
+        )
+        if owes != self._owes:
+            self._owes = owes
+            self.conn.owed += 1 if owes else -1
+
+    def _waiting_on_client(self, waiting: bool) -> None:
+        self._blocked = waiting
+        if waiting:
+            self.conn.last_active = trio.current_time()
+        self._reowe()
 
     def _wake(self) -> None:
         if self._waiter is not None:
@@ -218,28 +242,28 @@ class ServerCall:
             if not sent:  # out of window: wait for the peer's WINDOW_UPDATE
                 conn.flush()
                 waiter = self._window = trio.Event()
-                await waiter.wait()
+                self._waiting_on_client(True)
+                try:
+                    await waiter.wait()
+                finally:
+                    self._waiting_on_client(False)
                 if self._closed:
                     return  # reset meanwhile
                 continue
             data = data[sent:]
         self._messages_out += 1
-        self._active = trio.current_time()
+        conn.last_active = trio.current_time()
+        self._reowe()
         if flush:
             conn.flush()
             if conn._pending is not None or conn._writing:  # the socket is full
                 # A client that sends and does not read: its stream's answers wait here
                 # (and its handler with them), not in the connection's output.
-                await conn._unsent_below(conn.max_unsent)
-
-    @property
-    def quiet_since(self) -> float | None:
-        """When the call started waiting on its client (for its request, the rest of
-        one, or a stream's next message, once every message so far was answered), or
-        None while it owes the client an answer."""
-        if self._messages_in > self._messages_out and not self._closed:
-            return None
-        return self._active
+                self._waiting_on_client(True)
+                try:
+                    await conn._unsent_below(conn.max_unsent)
+                finally:
+                    self._waiting_on_client(False)
 
     def finish(self, code: StatusCode, message: str = "", extra=()) -> None:
         """End the call with its status (trailers), and ``extra`` custom trailers (name,
@@ -247,6 +271,7 @@ class ServerCall:
         if self._closed:
             return
         self._closed = True
+        self._reowe()
         if code is StatusCode.OK and not message and self._started and not extra:
             block = _OK_BLOCK
         else:
@@ -263,6 +288,7 @@ class ServerCall:
     def release(self) -> None:
         """Forget the call (its task ended): free its buffers and inflate budget."""
         self._closed = True
+        self._reowe()
         self._inbox.clear()
         if self._deferred:
             self.conn.acknowledge(None, self._deferred)

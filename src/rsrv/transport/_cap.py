@@ -36,7 +36,7 @@ class ConnectionCap(Generic[C]):
         setting: str,
     ):
         self.limit = limit
-        self.open: dict[C, None] = {}  # (insertion order: oldest first)
+        self.open: dict[C, None] = {}  # (oldest first: ties go to the oldest)
         self.starting = 0
         self.closed = 0
         self._quiet_since = quiet_since

@@ -91,6 +91,8 @@ class ServerConnection(Http2Endpoint):
         self._read_scope = trio.CancelScope()  # the reader's; its deadline: see _reader
         self.max_unsent = limits.max_unsent_bytes
         self._idle_since: float | None = self._opened  # None while a call is open
+        self.owed = 0  # calls that owe the client an answer (ServerCall._reowe)
+        self.last_active = self._opened  # the calls' last activity (see quiet_since)
 
     @property
     def calls(self) -> dict[int, ServerCall]:
@@ -128,24 +130,19 @@ class ServerConnection(Http2Endpoint):
             await self._close_socket()
 
     def quiet_since(self) -> float | None:
-        """When the client last had something to send and did not: when the connection
-        became idle, else the latest moment one of its calls started waiting on the
-        client; None while a call owes it an answer (see ``ConnectionCap``)."""
+        """Since when the connection has been waiting on its client (see
+        ``ConnectionCap``): idle (no call open) since ``_idle_since``; else, when no
+        call owes the client an answer, since the last message or part of one either
+        way, or the last call that began waiting on the client; None while one owes."""
         if self._idle_since is not None:
             return self._idle_since
-        latest = -math.inf
-        for call in self.streams.values():
-            quiet = call.quiet_since
-            if quiet is None:
-                return None
-            latest = max(latest, quiet)
-        return latest
+        return None if self.owed else self.last_active
 
     def goaway(self) -> None:
-        """Close the connection cleanly (server shutdown): GOAWAY, flushed, then close.
-
-        Call it once the calls on it have been answered: calls still running are
-        cancelled when the connection closes.
+        """Close the connection cleanly: GOAWAY, flushed, then close. At shutdown it
+        is called once the calls on it have been answered; to make room at the
+        connection cap, on one whose calls all wait on their client. Calls still
+        running are cancelled when the connection closes.
         """
         self._send_goaway(F.NO_ERROR)
         self._read_scope.cancel()

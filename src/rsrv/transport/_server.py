@@ -228,7 +228,9 @@ class GrpcServer:
                 await trio.aclose_forcefully(stream)
                 continue
             if oldest is not None:
-                oldest.goaway()  # (nothing was processed on it: a client may retry)
+                # (its calls, if any, wait on their client: they are cancelled; a
+                # request that crosses the GOAWAY is refused, so it may be sent again)
+                oldest.goaway()
             self.cap.starting += 1
             nursery.start_soon(self._serve_connection, stream)
 

@@ -314,6 +314,36 @@ async def test_response_respects_the_peer_window_and_frame_size():
     assert [len(p) for k, _, _, p in frames if k == F.DATA] == [16_384, 16_384, 16_384, 848]
 
 
+async def test_what_makes_a_connection_busy_at_the_cap():
+    """A connection is quiet (it may be closed to make room at the connection cap)
+    while none of its calls owes the client an answer: a call whose message has not
+    come, or whose messages were all answered, waits on its client; a half-closed one
+    (a Health Watch, a unary call) is owed its answers; one parked on the client's
+    flow-control window waits on the client again."""
+    client = Client()
+    client.start({F.INITIAL_WINDOW_SIZE: 0})
+    conn = client.conn
+    assert conn.quiet_since() is not None  # no call at all
+    client.send(client.headers(1))  # a stream that sends nothing
+    (stream,) = client.calls
+    assert conn.quiet_since() is not None and conn.owed == 0
+    client.send(F.frame(F.DATA, 0, 1, struct.pack(">?I", False, 1) + b"x"))
+    assert conn.quiet_since() is None  # owed the answer to its message
+    client.send(client.headers(3, flags=F.END_HEADERS | F.END_STREAM))  # half-closed
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send, b"answer")  # parked: the client's window is 0
+        await trio.sleep(0.01)
+        assert conn.owed == 1  # the half-closed call alone
+        client.send(F.rst_stream(3, F.CANCEL))
+        assert conn.quiet_since() is not None  # parked on the client, the other gone
+        client.send(F.window_update(1, 100))
+    assert conn.quiet_since() is not None and conn.owed == 0  # answered: waits again
+    client.send(F.frame(F.DATA, F.END_STREAM, 1, b""))
+    assert conn.quiet_since() is None  # half-closed: owed its last answers
+    stream.finish(StatusCode.OK)
+    assert conn.owed == 0
+
+
 async def test_window_settings_change_open_streams():
     client = Client()
     client.start({F.INITIAL_WINDOW_SIZE: 100})
