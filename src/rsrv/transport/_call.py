@@ -164,6 +164,8 @@ class ServerCall:
             self.conn.owed += 1 if owes else -1
 
     def _waiting_on_client(self, waiting: bool) -> None:
+        """The call's send starts (True) or stops waiting on its client: for its
+        flow-control window, or for it to read what is queued."""
         self._blocked = waiting
         if waiting:
             self.conn.last_active = trio.current_time()
