@@ -78,7 +78,6 @@ class ServerCall:
         "_waiter",
         "_window",
         "_since",
-        "_received",
         "_stalled",
         "_messages_in",
         "_messages_out",
@@ -107,7 +106,6 @@ class ServerCall:
         self._waiter: trio.Event | None = None
         self._window: trio.Event | None = None
         self._since = trio.current_time()  # headers, or the first byte of a partial message
-        self._received = False
         self._stalled = False  # the request did not arrive in time
         conn.last_active = self._since
         self._messages_in = self._messages_out = 0
@@ -193,7 +191,7 @@ class ServerCall:
             if self._ended or self._closed:
                 return None
             deadline = math.inf
-            if self._reader.partial or (self.unary_request and not self._received):
+            if self._reader.partial or self.unary_request:
                 deadline = self._since + self.conn.server.limits.receive_timeout
             waiter = self._waiter = trio.Event()
             with trio.move_on_at(deadline) as timer:
@@ -208,7 +206,6 @@ class ServerCall:
                 )
         message = self._inbox.popleft()
         self._reader.consumed(message)
-        self._received = True
         if self._deferred and len(self._inbox) < INBOX_LIMIT:
             self.conn.acknowledge(self, self._deferred)
             self._deferred = 0
@@ -219,13 +216,22 @@ class ServerCall:
             raise message
         return message
 
-    def check_single_message(self) -> None:
-        """Raise MessageError (INTERNAL, as gRPC's own servers answer it) if a request
-        message arrived after the one a unary method reads."""
-        if self._inbox:
+    async def receive_single(self) -> bytes:
+        """The request message of a unary method, once the client has half-closed
+        (clients send the end with the message; this waits only for those that do
+        not, within ``receive_timeout`` like the message itself).
+
+        Raises MessageError: INTERNAL when the request ends without a message, or when
+        a second one comes (as gRPC's own servers answer it); as :meth:`receive` does.
+        """
+        message = await self.receive()
+        if message is None:
+            raise MessageError(StatusCode.INTERNAL, "the request ended before its message")
+        if (self._inbox or not self._ended) and await self.receive() is not None:
             raise MessageError(
                 StatusCode.INTERNAL, "more than one request message for a unary method"
             )
+        return message
 
     async def send(self, payload: bytes, *, flush: bool = True) -> None:
         """Send one response message (already serialized). ``flush`` False leaves it

@@ -22,8 +22,9 @@ Lifetime guarantees:
 * RST_STREAM from the peer cancels that call at once (its scheduler slot, its in-flight
   slot, its buffers).
 * A request message must arrive whole within ``receive_timeout`` of its first byte, and
-  the message of a unary-request call within ``receive_timeout`` of its headers; a call
-  that misses this fails with DEADLINE_EXCEEDED and is reset.
+  the message of a unary-request call, and its end (the handler runs once the client
+  half-closed), within ``receive_timeout`` of its headers; a call that misses this fails
+  with DEADLINE_EXCEEDED and is reset.
 * A connection must complete the HTTP/2 preface within ``handshake_timeout``; one with
   no call open for ``idle_timeout`` is closed with GOAWAY.
 * A stream's complete, unconsumed messages are not acknowledged beyond a few (flow

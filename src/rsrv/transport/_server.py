@@ -296,11 +296,7 @@ class GrpcServer:
         if method.client_streaming:
             request = _requests(method, call)
         else:
-            raw = await call.receive()
-            if raw is None:
-                raise MessageError(StatusCode.INTERNAL, "the request ended before its message")
-            call.check_single_message()
-            request = method.decode(raw)
+            request = method.decode(await call.receive_single())
         limit = self.limits.max_message_bytes
         if method.server_streaming:
             # The handler's generator runs in a task of its own: it may hold a nursery
@@ -311,7 +307,6 @@ class GrpcServer:
                     await call.send(_encode(method, response, limit))
         else:
             response = await method.handler(request, call)
-            call.check_single_message()  # (one may have come while it ran)
             await call.send(_encode(method, response, limit), flush=False)  # with the trailers
 
 

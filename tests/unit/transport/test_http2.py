@@ -17,7 +17,7 @@ import hpack
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.echo import HOLD, STREAM_SIZED, UNARY, echo_server, wait_for
+from support.echo import HOLD, STREAM_SIZED, UNARY, echo_server
 from support.rawh2 import RawH2, message
 
 from rsrv.transport import TransportLimits
@@ -517,8 +517,8 @@ async def test_a_stream_whose_client_does_not_read_waits_to_send():
 
 async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
     """gRPC's servers answer INTERNAL to a unary call whose client sends two messages;
-    rsrv does too, without running the handler when both came before it would start,
-    and in place of the answer when the second came while it ran."""
+    rsrv does too, and never runs the handler: it starts once the client half-closes
+    (with the message, as clients send it, or later)."""
     async with echo_server() as echo:
         raw = await trio.to_thread.run_sync(RawH2, echo.port)
         try:
@@ -529,19 +529,21 @@ async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
             status = await trio.to_thread.run_sync(raw.status, both)
             assert status is not None and status[0] == StatusCode.INTERNAL.value, status
             assert "more than one request message" in status[1]
+
+            late = raw.start(HOLD)
+            await trio.to_thread.run_sync(raw.send, late, message(b"a"))
+            await trio.sleep(0.05)
+            assert echo.started == 0  # not before the end
+            await trio.to_thread.run_sync(lambda: raw.send(late, message(b"b"), end=True))
+            status = await trio.to_thread.run_sync(raw.status, late)
+            assert status is not None and status[0] == StatusCode.INTERNAL.value, status
             assert echo.started == 0
 
-            held = raw.start(HOLD)
-            await trio.to_thread.run_sync(raw.send, held, message(b"a"))
-            await wait_for(lambda: echo.active == 1)
-            await trio.to_thread.run_sync(lambda: raw.send(held, message(b"b"), end=True))
+            ended_later = raw.start(UNARY)
+            await trio.to_thread.run_sync(raw.send, ended_later, message(b"x"))
             await trio.sleep(0.05)
-            echo.release.set()
-            status = await trio.to_thread.run_sync(raw.status, held)
-            assert status is not None and status[0] == StatusCode.INTERNAL.value, status
-
-            single = raw.call(b"x", UNARY)  # one message: answered as ever
-            status = await trio.to_thread.run_sync(raw.status, single)
-            assert status == (0, "")
+            await trio.to_thread.run_sync(lambda: raw.send(ended_later, b"", end=True))
+            status = await trio.to_thread.run_sync(raw.status, ended_later)
+            assert status == (0, "")  # one message, its end apart: answered as ever
         finally:
             raw.close()
