@@ -58,6 +58,8 @@ class ModelLoader:
         self._loading: dict[str, trio.Lock] = {}
 
     async def load_startup_set(self) -> None:
+        """Load every model of the repository at once (dynamic and static modes); a
+        repository that cannot be read is logged, and nothing loads."""
         try:
             paths = discover(Path(self.config.model_repo))
         except BundleError as e:
