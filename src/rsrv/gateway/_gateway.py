@@ -84,7 +84,7 @@ class Gateway:
         self._nursery: trio.Nursery | None = None
         self._resolved: dict[str, dict[str, tuple[str, int]]] = {}  # by endpoints_dns entry
         host, port = split_address(config.listen.grpc)
-        self.health = HealthService(lambda: self.ready, max_watches=config.grpc.max_connections)
+        self.health = HealthService.beside(lambda: self.ready, config.grpc.max_connections)
         try:
             self.server = GrpcServer.configured(
                 guard(

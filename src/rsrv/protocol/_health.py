@@ -19,8 +19,9 @@ Guarantees:
   ``poll_seconds`` (0.25 s) of ``ready()`` changing, never the same status twice in a
   row; it ends only when the client ends it or the server closes the connection. One
   task (:meth:`HealthService.run`) polls ``ready()`` for every stream, which waits
-  without a timer of its own; at most ``max_watches`` streams are open at once (the
-  server's connection limit), more fail RESOURCE_EXHAUSTED.
+  without a timer of its own; at most ``max_watches`` streams are open at once (half
+  the server's connection limit: :meth:`HealthService.beside`), more fail
+  RESOURCE_EXHAUSTED.
 * Neither takes an in-flight slot nor is refused while the server drains:
   :func:`rsrv.protocol.guard` lets them through (``UNADMITTED``), so a probe is never shed
   at ``max_concurrent_requests`` and sees NOT_SERVING, not UNAVAILABLE, during a graceful
@@ -57,6 +58,14 @@ class HealthService(HealthServicer):
     """The health service of one server, over one question: ``ready()``, is it ready
     now? (It is live as long as it answers.) Watch streams follow changes while
     :meth:`run` runs."""
+
+    @classmethod
+    def beside(cls, ready: Callable[[], bool], max_connections: int) -> HealthService:
+        """For a server holding at most ``max_connections`` connections: at most half
+        of them with a Watch. A Watch is owed answers for as long as it lasts, so its
+        connection is never closed to make room at the connection cap; Watches alone
+        never fill the cap."""
+        return cls(ready, max_watches=max(1, max_connections // 2))
 
     def __init__(self, ready: Callable[[], bool], *, max_watches: int, poll_seconds: float = 0.25):
         self.ready = ready

@@ -96,7 +96,7 @@ class ServerCall:
         self.deadline: float = deadline
         self.peer: str = conn.peer
         self.scope = trio.CancelScope()  # cancelled by RST_STREAM
-        self.unary_request = True  # set by the server from the method
+        self.unary_request = True  # set by the server (streams_requests)
         self._reader: MessageReader | None = None
         self._inbox: collections.deque = collections.deque()
         self._ended = False  # the client half-closed the stream
@@ -152,14 +152,22 @@ class ServerCall:
     def _reowe(self) -> None:
         """Keep the connection's count of calls that owe their client an answer (what
         makes it busy, never closed to make room at the connection cap): those not
-        closed whose client sent more messages than they answered, or half-closed
-        (a Health Watch, a unary call), unless they wait on the client itself."""
+        closed that the client half-closed (a unary call once its request is whole, a
+        Health Watch), or whose client sent more messages than they answered (a
+        stream), unless they wait on the client itself."""
         owes = not (self._closed or self._blocked) and (
-            self._ended or self._messages_in > self._messages_out
+            self._ended or (not self.unary_request and self._messages_in > self._messages_out)
         )
         if owes != self._owes:
             self._owes = owes
             self.conn.owed += 1 if owes else -1
+
+    def streams_requests(self, streaming: bool) -> None:
+        """Set by the server from the method: whether the client streams its requests
+        (the call then owes an answer to each message), or sends one (``unary_request``:
+        the call owes its answer once the client half-closed)."""
+        self.unary_request = not streaming
+        self._reowe()
 
     def _waiting_on_client(self, waiting: bool) -> None:
         """The call's send starts (True) or stops waiting on its client: for its
@@ -187,23 +195,9 @@ class ServerCall:
         Raises MessageError for a message that cannot be delivered, or when the message
         does not arrive in time (see the module docstring).
         """
-        while not self._inbox:
-            if self._ended or self._closed:
-                return None
-            deadline = math.inf
-            if self._reader.partial or self.unary_request:
-                deadline = self._since + self.conn.server.limits.receive_timeout
-            waiter = self._waiter = trio.Event()
-            with trio.move_on_at(deadline) as timer:
-                await waiter.wait()
-            if timer.cancelled_caught and not self._inbox:
-                self._stalled = True
-                raise MessageError(
-                    StatusCode.DEADLINE_EXCEEDED,
-                    f"the request message did not arrive in full within "
-                    f"{self.conn.server.limits.receive_timeout:g} s "
-                    "(endpoints.receive_timeout_seconds)",
-                )
+        await self._wait_for_input()
+        if not self._inbox:
+            return None
         message = self._inbox.popleft()
         self._reader.consumed(message)
         if self._deferred and len(self._inbox) < INBOX_LIMIT:
@@ -218,20 +212,46 @@ class ServerCall:
 
     async def receive_single(self) -> bytes:
         """The request message of a unary method, once the client has half-closed
-        (clients send the end with the message; this waits only for those that do
+        (most clients send the end with the message; this waits for those that do
         not, within ``receive_timeout`` like the message itself).
 
-        Raises MessageError: INTERNAL when the request ends without a message, or when
-        a second one comes (as gRPC's own servers answer it); as :meth:`receive` does.
+        Raises MessageError: INTERNAL when the request ends without a message, or
+        holds more than one (a second one, whole or cut short, is neither read nor
+        inflated: as gRPC's own servers answer it); as :meth:`receive` does.
         """
         message = await self.receive()
         if message is None:
             raise MessageError(StatusCode.INTERNAL, "the request ended before its message")
-        if (self._inbox or not self._ended) and await self.receive() is not None:
+        await self._wait_for_input()  # the end, or more
+        if self._inbox or self._reader.partial:
             raise MessageError(
                 StatusCode.INTERNAL, "more than one request message for a unary method"
             )
         return message
+
+    async def _wait_for_input(self) -> None:
+        """Until a message waits in the inbox or the client has finished sending; a
+        message under way, and a unary call's message and end, within
+        ``receive_timeout`` of ``_since`` (else DEADLINE_EXCEEDED)."""
+        while not self._inbox and not (self._ended or self._closed):
+            deadline = math.inf
+            if self._reader.partial or self.unary_request:
+                deadline = self._since + self.conn.server.limits.receive_timeout
+            waiter = self._waiter = trio.Event()
+            with trio.move_on_at(deadline) as timer:
+                await waiter.wait()
+            if timer.cancelled_caught and not self._inbox:
+                self._stalled = True
+                timeout = self.conn.server.limits.receive_timeout
+                what = (
+                    "the request message did not arrive in full"
+                    if self._reader.partial or not self._messages_in
+                    else "the request did not end (no half-close after its message)"
+                )
+                raise MessageError(
+                    StatusCode.DEADLINE_EXCEEDED,
+                    f"{what} within {timeout:g} s (endpoints.receive_timeout_seconds)",
+                )
 
     async def send(self, payload: bytes, *, flush: bool = True) -> None:
         """Send one response message (already serialized). ``flush`` False leaves it

@@ -18,10 +18,12 @@ class ConnectionCap(Generic[C]):
     not yet among them (``starting``: a TLS handshake), at most ``limit`` in all.
 
     At the cap, a connection just accepted takes the place of the one that has waited
-    longest on its client: ``quiet_since`` gives the moment a connection's client last
-    had something to send (a request, the rest of one, the next message of a stream)
-    and did not, or None while the server owes it an answer. When every connection is
-    owed one, the new connection is refused. Refusing the newest instead would let
+    longest on its client: ``quiet_since`` gives the moment a connection started
+    waiting on its client (idle; or every call waiting for its request, the rest of
+    one, its end, a stream's next message, or the client's reading or flow-control
+    window), or None while the server owes it an answer (see the gRPC server's
+    ``ServerCall._reowe``). When every connection is owed one, the new connection is
+    refused. Refusing the newest instead would let
     one client holding the cap with silent connections (or calls that never send
     their request) lock every other client out, probes included. Each connection
     closed or refused at the cap is counted (``closed``) and logged now and then (the

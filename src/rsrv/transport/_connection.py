@@ -23,8 +23,9 @@ Lifetime guarantees:
   slot, its buffers).
 * A request message must arrive whole within ``receive_timeout`` of its first byte, and
   the message of a unary-request call, and its end (the handler runs once the client
-  half-closed), within ``receive_timeout`` of its headers; a call that misses this fails
-  with DEADLINE_EXCEEDED and is reset.
+  half-closed), within ``receive_timeout`` of its headers (or of the message's first
+  byte, once that has come); a call that misses this fails with DEADLINE_EXCEEDED and
+  is reset.
 * A connection must complete the HTTP/2 preface within ``handshake_timeout``; one with
   no call open for ``idle_timeout`` is closed with GOAWAY.
 * A stream's complete, unconsumed messages are not acknowledged beyond a few (flow

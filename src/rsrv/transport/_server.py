@@ -276,7 +276,7 @@ class GrpcServer:
                             StatusCode.UNIMPLEMENTED,
                             f"Method {name} is not implemented in service {service}",
                         )
-                    call.unary_request = not method.client_streaming
+                    call.streams_requests(method.client_streaming)
                     await self._invoke(method, call)
                 except Exception as e:
                     code, message = self.status_of(e)

@@ -134,8 +134,8 @@ class Worker:
             for m in methods_of(service.service)
         ]
         # grpc.health.v1: ready while ServerReady is and the worker is not draining.
-        self.health = HealthService(
-            lambda: self.ready and not self.admission.closed, max_watches=ep.max_connections
+        self.health = HealthService.beside(
+            lambda: self.ready and not self.admission.closed, ep.max_connections
         )
         methods += self.health.methods()
         try:

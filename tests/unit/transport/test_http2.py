@@ -8,6 +8,7 @@ these tests cover what polite clients never send.
 
 from __future__ import annotations
 
+import gzip
 import socket
 import struct
 import threading
@@ -316,25 +317,29 @@ async def test_response_respects_the_peer_window_and_frame_size():
 
 async def test_what_makes_a_connection_busy_at_the_cap():
     """A connection is quiet (it may be closed to make room at the connection cap)
-    while none of its calls owes the client an answer: a call whose message has not
-    come, or whose messages were all answered, waits on its client; a half-closed one
-    (a Health Watch, a unary call) is owed its answers; one parked on the client's
+    while none of its calls owes the client an answer: a call whose message or end has
+    not come, or whose messages were all answered, waits on its client; a half-closed
+    one (a Health Watch, a unary call) is owed its answers; one parked on the client's
     flow-control window waits on the client again."""
     client = Client()
     client.start({F.INITIAL_WINDOW_SIZE: 0})
     conn = client.conn
+    one = struct.pack(">?I", False, 1) + b"x"
     assert conn.quiet_since() is not None  # no call at all
     client.send(client.headers(1))  # a stream that sends nothing
     (stream,) = client.calls
+    stream.streams_requests(True)  # (what the server does from the method)
     assert conn.quiet_since() is not None and conn.owed == 0
-    client.send(F.frame(F.DATA, 0, 1, struct.pack(">?I", False, 1) + b"x"))
+    client.send(F.frame(F.DATA, 0, 1, one))
     assert conn.quiet_since() is None  # owed the answer to its message
-    client.send(client.headers(3, flags=F.END_HEADERS | F.END_STREAM))  # half-closed
+    client.send(client.headers(3) + F.frame(F.DATA, 0, 3, one))  # unary: no end yet
+    assert conn.owed == 1  # (waits for the end: on its client)
+    client.send(client.headers(5, flags=F.END_HEADERS | F.END_STREAM))  # half-closed
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream.send, b"answer")  # parked: the client's window is 0
         await trio.sleep(0.01)
         assert conn.owed == 1  # the half-closed call alone
-        client.send(F.rst_stream(3, F.CANCEL))
+        client.send(F.rst_stream(5, F.CANCEL))
         assert conn.quiet_since() is not None  # parked on the client, the other gone
         client.send(F.window_update(1, 100))
     assert conn.quiet_since() is not None and conn.owed == 0  # answered: waits again
@@ -342,6 +347,8 @@ async def test_what_makes_a_connection_busy_at_the_cap():
     assert conn.quiet_since() is None  # half-closed: owed its last answers
     stream.finish(StatusCode.OK)
     assert conn.owed == 0
+    client.send(F.frame(F.DATA, F.END_STREAM, 3, b""))
+    assert conn.owed == 1  # the unary call, now whole
 
 
 async def test_window_settings_change_open_streams():
@@ -519,7 +526,7 @@ async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
     """gRPC's servers answer INTERNAL to a unary call whose client sends two messages;
     rsrv does too, and never runs the handler: it starts once the client half-closes
     (with the message, as clients send it, or later)."""
-    async with echo_server() as echo:
+    async with echo_server(limits=TransportLimits(max_message_bytes=64 * 1024)) as echo:
         raw = await trio.to_thread.run_sync(RawH2, echo.port)
         try:
             both = raw.start(UNARY)
@@ -545,5 +552,28 @@ async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
             await trio.to_thread.run_sync(lambda: raw.send(ended_later, b"", end=True))
             status = await trio.to_thread.run_sync(raw.status, ended_later)
             assert status == (0, "")  # one message, its end apart: answered as ever
+
+            limits = echo.server.limits
+            big = raw.start(UNARY)  # a second message over the limit, or compressed,
+            zipped = raw.start(UNARY, headers=[("grpc-encoding", "gzip")])
+            cut = raw.start(UNARY)  # or cut short by the end: never read, never inflated
+            await trio.to_thread.run_sync(
+                lambda: (
+                    raw.send(
+                        big, message(b"a") + message(bytes(limits.max_message_bytes + 1)), end=True
+                    ),
+                    raw.send(
+                        zipped,
+                        message(b"a") + message(gzip.compress(b"b"), compressed=True),
+                        end=True,
+                    ),
+                    raw.send(cut, message(b"a") + message(b"bc")[:-1], end=True),
+                )
+            )
+            for sid in (big, zipped, cut):
+                status = await trio.to_thread.run_sync(raw.status, sid)
+                assert status is not None and status[0] == StatusCode.INTERNAL.value, status
+                assert "more than one request message" in status[1]
+            assert echo.started == 1  # the call with one message, alone
         finally:
             raw.close()
