@@ -67,7 +67,11 @@ async def test_a_first_answer_ahead_of_the_polls_is_corrected_by_the_next(autoju
 
 
 async def test_watch_streams_are_capped():
-    health = HealthService(Readiness(), max_watches=2)
+    """At most half a server's connection cap: each Watch keeps its connection busy
+    for its life, so Watches alone never fill the cap."""
+    assert HealthService.beside(Readiness(), 1000).max_watches == 500
+    assert HealthService.beside(Readiness(), 1).max_watches == 1
+    health = HealthService.beside(Readiness(), 4)
     request = pb.HealthCheckRequest(service="")
     first, second = health.Watch(request, None), health.Watch(request, None)
     assert (await anext(first)).status == SERVING and (await anext(second)).status == SERVING
