@@ -17,7 +17,6 @@ from rsrv.transport._messages import Compressed, MessageError, MessageReader, fr
 if TYPE_CHECKING:
     from rsrv.transport._connection import ServerConnection
 
-INBOX_LIMIT = 4  # complete messages a stream may hold unread before flow control stops
 _RESPONSE = [
     (b":status", b"200"),
     (b"content-type", b"application/grpc"),
@@ -132,10 +131,7 @@ class ServerCall:
             self._wake()
         if reader.partial and (messages or not was_partial):
             self._since = now
-        if len(self._inbox) <= INBOX_LIMIT:
-            self.conn.acknowledge(self, flow)
-        else:
-            self._deferred += flow
+        self.conn.received(self, flow)
 
     def _on_end(self) -> None:
         self._ended = True
@@ -169,13 +165,17 @@ class ServerCall:
         self.unary_request = not streaming
         self._reowe()
 
-    def _waiting_on_client(self, waiting: bool) -> None:
-        """The call's send starts (True) or stops waiting on its client: for its
-        flow-control window, or for it to read what is queued."""
-        self._blocked = waiting
-        if waiting:
-            self.conn.last_active = trio.current_time()
+    async def _on_client(self, wait) -> None:
+        """Await ``wait``, a wait of the call's send on its client (for its flow-control
+        window, or for it to read what is queued): meanwhile the call owes nothing."""
+        self._blocked = True
+        self.conn.last_active = trio.current_time()
         self._reowe()
+        try:
+            await wait
+        finally:
+            self._blocked = False
+            self._reowe()
 
     def _wake(self) -> None:
         if self._waiter is not None:
@@ -198,12 +198,7 @@ class ServerCall:
         await self._wait_for_input()
         if not self._inbox:
             return None
-        message = self._inbox.popleft()
-        self._reader.consumed(message)
-        if self._deferred and len(self._inbox) < INBOX_LIMIT:
-            self.conn.acknowledge(self, self._deferred)
-            self._deferred = 0
-            self.conn.flush()
+        message = self.conn.take_message(self)
         if isinstance(message, Compressed):  # (inflated off the event loop)
             message = await self._reader.inflate(message, self.conn.server.inflating)
         if isinstance(message, MessageError):
@@ -270,11 +265,7 @@ class ServerCall:
             if not sent:  # out of window: wait for the peer's WINDOW_UPDATE
                 conn.flush()
                 waiter = self._window = trio.Event()
-                self._waiting_on_client(True)
-                try:
-                    await waiter.wait()
-                finally:
-                    self._waiting_on_client(False)
+                await self._on_client(waiter.wait())
                 if self._closed:
                     return  # reset meanwhile
                 continue
@@ -287,11 +278,7 @@ class ServerCall:
             if conn._pending is not None or conn._writing:  # the socket is full
                 # A client that sends and does not read: its stream's answers wait here
                 # (and its handler with them), not in the connection's output.
-                self._waiting_on_client(True)
-                try:
-                    await conn._unsent_below(conn.max_unsent)
-                finally:
-                    self._waiting_on_client(False)
+                await self._on_client(conn._unsent_below(conn.max_unsent))
 
     def finish(self, code: StatusCode, message: str = "", extra=()) -> None:
         """End the call with its status (trailers), and ``extra`` custom trailers (name,

@@ -17,7 +17,6 @@ from rsrv.transport._messages import MessageError, MessageReader, frame
 if TYPE_CHECKING:
     from rsrv.transport._client import ClientConnection
 
-INBOX_LIMIT = 4  # complete messages a stream may hold unread before flow control stops
 #: RST_STREAM error codes as gRPC statuses (gRPC's HTTP/2 mapping).
 _RESET_STATUS = {
     F.REFUSED_STREAM: StatusCode.UNAVAILABLE,
@@ -148,10 +147,7 @@ class ClientStream:
                 self._abort(status.status_code, status.status_message)
                 return
             self._inbox.append(message)
-        if len(self._inbox) <= INBOX_LIMIT:
-            self.conn.acknowledge(self, flow)
-        else:
-            self._deferred += flow
+        self.conn.received(self, flow)
         self._wake()
 
     def _on_end(self) -> None:
@@ -256,12 +252,7 @@ class ClientStream:
             if self.done:
                 return None
             await self._wait()
-        message = self._inbox.popleft()
-        self._reader.consumed(message)
-        if self._deferred and len(self._inbox) < INBOX_LIMIT:
-            self.conn.acknowledge(self, self._deferred)
-            self._deferred = 0
-            self.conn.flush()
+        message = self.conn.take_message(self)
         return message
 
     async def wait_done(self) -> None:

@@ -8,8 +8,9 @@ and the client's :class:`~._client.ClientConnection`; each adds what its side al
 does (the server: requests, the client preface, idleness; the client: opening streams,
 GOAWAY, the pool's bookkeeping). A stream object (``ServerCall``, ``ClientStream``)
 has ``id``, ``send_window``, ``recv_window``, ``recv_unacked`` and ``_closed``, and
-takes ``_on_data(data, flow)``, ``_on_end()``, ``_on_reset(code)`` and
-``_window_opened()`` from the reader.
+its received messages (``_inbox``, ``_reader``, ``_deferred``: see :meth:`received` and
+:meth:`take_message`), and takes ``_on_data(data, flow)``, ``_on_end()``,
+``_on_reset(code)`` and ``_window_opened()`` from the reader.
 
 Every limit here is enforced on what the peer sends: frame size (``FrameReader``),
 header block size, flow-control windows (an overrun: FLOW_CONTROL_ERROR). A protocol
@@ -41,6 +42,7 @@ MAX_CONTINUATIONS = 64  # frames of one header block, HEADERS included (empty on
 #: unsent at once: a peer that sends PINGs and reads nothing must not grow the queue.
 MAX_UNSENT_ANSWERS = 1000
 RECEIVE_SIZE = 256 * 1024
+INBOX_LIMIT = 4  # complete messages a stream may hold unread before flow control stops
 
 
 class Http2Endpoint:
@@ -150,23 +152,19 @@ class Http2Endpoint:
         only before anything is read."""
         fd = self._fd
         await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            data = os.read(fd, size)
-        except BlockingIOError:
-            pass
-        except OSError as e:  # reset by the peer
-            raise trio.BrokenResourceError(str(e)) from e
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return data
+        waited = False
         while True:
-            await trio.lowlevel.wait_readable(fd)
             try:
-                return os.read(fd, size)
+                data = os.read(fd, size)
             except BlockingIOError:
-                continue  # (woken, then emptied: wait again)
-            except OSError as e:
+                await trio.lowlevel.wait_readable(fd)  # (the checkpoint: nothing read yet)
+                waited = True
+                continue
+            except OSError as e:  # reset by the peer
                 raise trio.BrokenResourceError(str(e)) from e
+            if not waited:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
 
     def _receive(self, data: bytes) -> None:
         self._dispatch(self._frames.feed(data))
@@ -379,6 +377,26 @@ class Http2Endpoint:
         self._goaway_sent = True
         self._out.append(F.goaway(self._last_stream, code, why.encode()[:256]))
         self.flush()
+
+    def received(self, stream, flow: int) -> None:
+        """``flow`` bytes reached ``stream``: given back to the peer now, or held back
+        while its inbox holds more than INBOX_LIMIT unread messages (see
+        :meth:`take_message`)."""
+        if len(stream._inbox) <= INBOX_LIMIT:
+            self.acknowledge(stream, flow)
+        else:
+            stream._deferred += flow
+
+    def take_message(self, stream):
+        """The first message of ``stream``'s inbox (there is one), consumed: the flow
+        control held back while its inbox was full is given back once it has room."""
+        message = stream._inbox.popleft()
+        stream._reader.consumed(message)
+        if stream._deferred and len(stream._inbox) < INBOX_LIMIT:
+            self.acknowledge(stream, stream._deferred)
+            stream._deferred = 0
+            self.flush()
+        return message
 
     def acknowledge(self, stream, flow: int) -> None:
         """``flow`` received bytes were consumed: give them back to the peer (a
