@@ -30,7 +30,7 @@ from support import ROOT
 from support.bundles import X, export_linear, matches, x_input
 from support.health import check
 from support.metrics import Scrape
-from support.serving import free_port
+from support.serving import free_ports
 from support.waiting import wait_until
 
 from rsrv.config import load_node, plan_node
@@ -162,13 +162,12 @@ def test_the_compose_file_runs_the_image_on_every_gpu():
 def local_node_file(workdir: Path, repo: Path, cache: Path) -> tuple[Path, dict[str, int]]:
     """The image's node file with its paths pointing here and free ports for its own."""
     text = (DOCKER / "node.toml").read_text()
-    ports = {}
-    for key in ("port", "metrics_port", "metrics_base_port"):
-        ports[key] = free_port()
+    keys = ("port", "metrics_port", "metrics_base_port")
+    ports = dict(zip((*keys, "gateway_metrics"), free_ports(4), strict=True))
+    for key in keys:
         # the first one: the top-level key ([gateway] has a metrics_port of its own)
         text, n = re.subn(rf"(?m)^{key} = \d+", f"{key} = {ports[key]}", text, count=1)
         assert n == 1, key
-    ports["gateway_metrics"] = free_port()
     text = re.sub(
         r"(?m)^(\[gateway\]\nmetrics_port) = \d+", rf"\1 = {ports['gateway_metrics']}", text
     )

@@ -23,7 +23,7 @@ import pytest
 import tritonclient.grpc as tc
 from support.bundles import X, export_linear, infer_y, matches, x_input
 from support.metrics import Scrape, get
-from support.serving import ServerProcess, free_port, rsrv_command
+from support.serving import ServerProcess, free_port, free_ports, rsrv_command
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /proc")
@@ -335,11 +335,12 @@ gpu = 1
 def test_a_cuda_node_without_gpus_fails_clearly(tmp_path, cache_dir):
     """gpus = 2 with backend cuda on a machine without GPUs: a worker says in one line
     what to do and exits 2; the node does not restart it and exits non-zero."""
+    port, metrics_port = free_ports(2)
     text = f"""
 model_repo = "repo"
 gpus = 2
-base_port = {free_port()}
-metrics_port = {free_port()}
+base_port = {port}
+metrics_port = {metrics_port}
 [global]
 cache_dir = "{cache_dir}"
 [global.runtime]

@@ -155,10 +155,18 @@ def rsrv_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports: each is held until all are picked, so the
+    kernel cannot hand out one port twice (picked one at a time, two can be the same)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class ServerProcess:
@@ -182,7 +190,7 @@ class ServerProcess:
         file_name: str = "node.toml",
     ):
         names = dict.fromkeys(["port", "metrics_port", *re.findall(r"\{(\w*port\w*)\}", node)])
-        self.ports = {name: free_port() for name in names}
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.port, self.metrics_port = self.ports["port"], self.ports["metrics_port"]
         for name, port in self.ports.items():
             node = node.replace("{" + name + "}", str(port))
