@@ -1,5 +1,6 @@
 """Fake worker links for the gateway's unit tests: a fleet of workers whose channels
-answer from this process, a client call's envelope, and discovery's few settings."""
+answer from this process, what a worker reports serving, a client call's envelope, and
+discovery's few settings."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from types import SimpleNamespace
 
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.gateway._fleet import Fleet, WorkerLink
+from rsrv.gateway._fleet import Fleet, IndexRow, WorkerLink
 from rsrv.gateway._forward import INFERENCE
+from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
 from rsrv.transport import UnaryResult
 
 
@@ -39,6 +41,22 @@ def fleet_of(*names: str, channels=None, ready: bool = False) -> Fleet:
     """Workers ``names`` on ports 0, 1, ..., each with ``channels[name]`` (None: none)."""
     channels = channels or {}
     return Fleet([worker_link(n, i, channels.get(n), ready=ready) for i, n in enumerate(names)])
+
+
+def serve_models(worker: WorkerLink, models: list[str], discipline: str = "fifo") -> None:
+    """``worker`` is ready, serving ``models`` (batch input "x" on axis 0)."""
+    worker.ready = True
+    worker.index = tuple(IndexRow(m, "1", "READY", "") for m in models)
+    worker.control = cpb.ModelControlStatusResponse(
+        discipline=discipline,
+        instance=worker.name,
+        models=[
+            cpb.ModelStatus(
+                name=m, state="READY", max_batch_size=8, batch_input_name="x", batch_axis=0
+            )
+            for m in models
+        ],
+    )
 
 
 def client_call(method: str, service: str = INFERENCE) -> SimpleNamespace:

@@ -21,6 +21,7 @@ from ._env import (
 from ._errors import ConfigError, unusable_tls
 from ._gateway import (
     GATEWAY_ENV_PREFIX,
+    MAX_FILL_FACTOR,
     GatewayConfig,
     ModelPlacementConfig,
     SchedulingConfig,
@@ -55,6 +56,7 @@ __all__ = [
     "ENV_PREFIX",
     "GATEWAY_ENV_PREFIX",
     "GPUS_VARIABLE",
+    "MAX_FILL_FACTOR",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
     "ConfigError",

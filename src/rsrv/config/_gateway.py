@@ -25,6 +25,8 @@ from ._errors import ConfigError, convert
 from ._load import read_document
 from ._schema import LoggingConfig, _doc, _Strict
 
+MAX_FILL_FACTOR = 1000.0  # a run of 1,000 batches: far past any use, and Q stays an int
+
 __all__ = [
     "GATEWAY_ENV_PREFIX",
     "GatewayConfig",
@@ -160,7 +162,8 @@ class ModelPlacementConfig(_Strict):
         Literal["run", "spread", "inflight"] | None, _doc("null: routing_fill_mode.")
     ] = None
     fill_factor: Annotated[
-        Annotated[float, msgspec.Meta(gt=0)] | None, _doc("null: routing_fill_factor.")
+        Annotated[float, msgspec.Meta(gt=0, le=MAX_FILL_FACTOR)] | None,
+        _doc("null: routing_fill_factor."),
     ] = None
 
 
@@ -209,7 +212,9 @@ class SchedulingConfig(_Strict):
         Literal["run", "spread", "inflight"], _doc("How requests fill a replica's batches.")
     ] = "run"
     routing_fill_factor: Annotated[
-        float, msgspec.Meta(gt=0), _doc("Rows per run: this times the largest compiled batch.")
+        float,
+        msgspec.Meta(gt=0, le=MAX_FILL_FACTOR),
+        _doc("Rows per run: this times the largest compiled batch."),
     ] = 1.0
     routing_fill_hold_seconds: Annotated[
         float,

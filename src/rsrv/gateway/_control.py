@@ -14,7 +14,7 @@ import time
 import msgspec
 import trio
 
-from rsrv.config import ConfigError, ModelPlacementConfig, SchedulingConfig
+from rsrv.config import MAX_FILL_FACTOR, ConfigError, ModelPlacementConfig, SchedulingConfig
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rsrv.gateway._fill import INFLIGHT_WARNING, FillRouter, fill_quantum
 from rsrv.gateway._scheduling import Scheduling, fill_settings, packing_settings
@@ -262,8 +262,10 @@ class GatewayControl:
                 )
             mode = request.fill_mode
         if request.HasField("fill_factor"):
-            if not (math.isfinite(request.fill_factor) and request.fill_factor >= 0):
-                raise InvalidArgument("fill_factor must be > 0, or 0 for the default")
+            if not 0 <= request.fill_factor <= MAX_FILL_FACTOR:
+                raise InvalidArgument(
+                    f"fill_factor must be > 0 and <= {MAX_FILL_FACTOR:g}, or 0 for the default"
+                )
             factor = request.fill_factor or None
         models = dict(s.config.models)
         models[name] = ModelPlacementConfig(replicas=replicas, fill_mode=mode, fill_factor=factor)

@@ -37,6 +37,9 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(command: str, args: list[str], options: argparse.Namespace):
+    if command in ("status", "repack") and args:
+        wait = " (the time to wait is --wait S)" if command == "repack" else ""
+        raise ValueError(f"{command} takes no arguments, not {' '.join(args)!r}{wait}")
     if command == "status":
         return "GetSchedulingStatus", pb.GetSchedulingStatusRequest(), pb.SchedulingStatus
     if command == "repack":

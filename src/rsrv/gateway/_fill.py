@@ -21,13 +21,13 @@ full), by which ``_hold`` holds the run until it is full. Pure: no clock, no I/O
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
+from rsrv.config import MAX_FILL_FACTOR
 from rsrv.gateway._costs import RoutingMeta
 from rsrv.gateway._routing import (
     InflightLedger,
@@ -64,8 +64,8 @@ def fill_mode_warning(mode: FillMode | str) -> str | None:
 
 
 def _check_factor(factor: float) -> float:
-    if not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"fill_factor must be > 0, not {factor}")
+    if not 0 < factor <= MAX_FILL_FACTOR:
+        raise ValueError(f"fill_factor must be > 0 and <= {MAX_FILL_FACTOR:g}, not {factor}")
     return float(factor)
 
 

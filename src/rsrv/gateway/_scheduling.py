@@ -100,8 +100,8 @@ class Scheduling:
         self.fleet = fleet
         self.ledger = InflightLedger()
         self.meta = RoutingMeta()
-        # worker -> the warning about its discipline ("" when fine), once it has reported
-        self._disciplines: dict[str, str] = {}
+        # worker -> (the discipline it last reported, the warning about it: "" when fine)
+        self._disciplines: dict[str, tuple[str, str]] = {}
         self.planner: RepackPlanner | None = None
         self.holds: RunHolds | None = None  # lpt_packing: fill runs held until full
         self.repacks = 0
@@ -133,7 +133,7 @@ class Scheduling:
     def warnings(self) -> list[str]:
         """What GetSchedulingStatus reports: the fill settings in force now, and each
         worker found on a discipline that breaks lpt_packing's batches."""
-        return [*self._fill_warnings(), *filter(None, self._disciplines.values())]
+        return [*self._fill_warnings(), *(w for _, w in self._disciplines.values() if w)]
 
     def _fill_warnings(self) -> list[str]:
         if not isinstance(self.router, FillRouter):
@@ -243,10 +243,12 @@ class Scheduling:
         )
 
     def _check_disciplines(self, reports: list[WorkerReport]) -> None:
-        """The first time each worker reports: say loudly if it runs a discipline that
-        breaks the batches lpt_packing builds."""
+        """When a worker first reports, and whenever its discipline changes (it was
+        restarted with another): say loudly if it runs one that breaks the batches
+        lpt_packing builds; the warning lasts as long as the discipline."""
         for report in reports:
-            if report.worker in self._disciplines:
+            known = self._disciplines.get(report.worker)
+            if known is not None and known[0] == report.discipline:
                 continue
             warning = ""
             if report.discipline and report.discipline not in PACKING_DISCIPLINES:
@@ -256,7 +258,7 @@ class Scheduling:
                     "and breaks the batches the gateway fills"
                 )
                 log.error("%s", warning)
-            self._disciplines[report.worker] = warning
+            self._disciplines[report.worker] = (report.discipline, warning)
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS): drop what is kept of it."""

@@ -1,6 +1,7 @@
 """``rsrv gateway`` arguments: a set-policy boolean is one of the spelled-out forms, and
 anything else is refused (exit 2) rather than read as false; a number that is not one is
-refused naming its key; set-replicas takes N (1 or more), all or default."""
+refused naming its key; set-replicas takes N (1 or more), all or default; status and
+repack take no arguments."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def test_anything_else_is_refused(word):
         ("set-replicas", ["m", "abc"], "'abc': expected N"),
         ("set-replicas", ["m", "0"], "'0': expected N"),
         ("set-replicas", ["m", "-1"], "'-1': expected N"),
+        ("repack", ["10"], "repack takes no arguments, not '10' \\(the time to wait is --wait"),
+        ("status", ["10.0.0.5:8001"], "status takes no arguments"),
     ],
 )
-def test_a_malformed_number_is_refused_naming_it(command, args, message):
+def test_a_malformed_command_line_is_refused_saying_why(command, args, message):
     options = argparse.Namespace(fill_mode="", allow_unknown=False, fill_factor=None)
     with pytest.raises(ValueError, match=message):
         _request(command, args, options)

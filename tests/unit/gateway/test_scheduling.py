@@ -7,30 +7,13 @@ model is dropped once the model has left every worker."""
 from __future__ import annotations
 
 import pytest
-from support.gateway import fleet_of
+from support.gateway import fleet_of, serve_models
 
 from rsrv.config import SchedulingConfig
 from rsrv.errors import InvalidArgument
-from rsrv.gateway._fleet import Fleet, IndexRow, WorkerLink
+from rsrv.gateway._fleet import Fleet
 from rsrv.gateway._peek import peek_infer
 from rsrv.gateway._scheduling import Scheduling
-from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
-
-
-def serve(worker: WorkerLink, models: list[str], discipline: str = "fifo") -> None:
-    """``worker`` is ready, serving ``models`` (batch input "x" on axis 0)."""
-    worker.ready = True
-    worker.index = tuple(IndexRow(m, "1", "READY", "") for m in models)
-    worker.control = cpb.ModelControlStatusResponse(
-        discipline=discipline,
-        instance=worker.name,
-        models=[
-            cpb.ModelStatus(
-                name=m, state="READY", max_batch_size=8, batch_input_name="x", batch_axis=0
-            )
-            for m in models
-        ],
-    )
 
 
 def lpt(fleet: Fleet, **settings) -> Scheduling:
@@ -49,12 +32,12 @@ def firsts(scheduling: Scheduling, fleet: Fleet, model: str, n: int = 20) -> set
 
 def test_a_placement_made_while_a_worker_came_up_is_redone_once_it_is_up():
     fleet = fleet_of("w0", "w1")
-    serve(fleet.workers[0], ["m"])
+    serve_models(fleet.workers[0], ["m"])
     fleet.rebuild_routes()
     scheduling = lpt(fleet, default_replicas="all")
     assert scheduling.tick().window.trigger == "startup"
     assert firsts(scheduling, fleet, "m") == {"w0"}
-    serve(fleet.workers[1], ["m"])  # w1 finished starting
+    serve_models(fleet.workers[1], ["m"])  # w1 finished starting
     fleet.rebuild_routes()
     assert scheduling.tick() is None  # a round to settle
     assert scheduling.tick().window.trigger == "fleet"
@@ -64,7 +47,7 @@ def test_a_placement_made_while_a_worker_came_up_is_redone_once_it_is_up():
 def test_a_malformed_batch_input_is_invalid_argument():
     fleet = fleet_of("w0", "w1")
     for w in fleet.workers:
-        serve(w, ["m"])
+        serve_models(w, ["m"])
     fleet.rebuild_routes()
     scheduling = lpt(fleet)
     scheduling.tick()
@@ -76,13 +59,13 @@ def test_a_malformed_batch_input_is_invalid_argument():
 
 def test_each_workers_discipline_is_checked_when_it_first_reports():
     fleet = fleet_of("w0", "w1", "w2")
-    serve(fleet.workers[0], ["m"], discipline="fair")  # w1 and w2 are not up (yet)
+    serve_models(fleet.workers[0], ["m"], discipline="fair")  # w1 and w2 are not up (yet)
     fleet.rebuild_routes()
     scheduling = lpt(fleet)
     scheduling.tick()
     assert len(scheduling.warnings) == 1 and "worker w0 runs 'fair'" in scheduling.warnings[0]
-    serve(fleet.workers[1], ["m"])
-    serve(fleet.workers[2], ["m"], discipline="fair")
+    serve_models(fleet.workers[1], ["m"])
+    serve_models(fleet.workers[2], ["m"], discipline="fair")
     fleet.rebuild_routes()
     scheduling.tick()
     scheduling.tick()  # each worker once
@@ -91,13 +74,29 @@ def test_each_workers_discipline_is_checked_when_it_first_reports():
     assert len(scheduling.warnings) == 1 and "worker w2" in scheduling.warnings[0]
 
 
+def test_a_worker_restarted_with_another_discipline_is_checked_again():
+    fleet = fleet_of("w0", "w1")
+    for w in fleet.workers:
+        serve_models(w, ["m"])
+    fleet.rebuild_routes()
+    scheduling = lpt(fleet)
+    scheduling.tick()
+    assert scheduling.warnings == []
+    serve_models(fleet.workers[1], ["m"], discipline="fair")  # restarted as fair
+    scheduling.tick()
+    assert len(scheduling.warnings) == 1 and "worker w1 runs 'fair'" in scheduling.warnings[0]
+    serve_models(fleet.workers[1], ["m"], discipline="edf")  # and fixed
+    scheduling.tick()
+    assert scheduling.warnings == []
+
+
 def test_the_first_placement_waits_for_every_configured_worker_when_asked():
     fleet = fleet_of("w0", "w1")
-    serve(fleet.workers[0], ["m"])
+    serve_models(fleet.workers[0], ["m"])
     fleet.rebuild_routes()
     scheduling = Scheduling(SchedulingConfig(mode="lpt_packing"), fleet, startup_wait=60.0)
     assert scheduling.tick() is None  # w1 has not reported yet
-    serve(fleet.workers[1], ["m"])
+    serve_models(fleet.workers[1], ["m"])
     fleet.rebuild_routes()
     assert scheduling.tick().window.trigger == "startup"
 
@@ -105,13 +104,13 @@ def test_the_first_placement_waits_for_every_configured_worker_when_asked():
 @pytest.mark.parametrize("mode", ["round_robin", "least_outstanding", "lpt_packing"])
 def test_a_model_gone_from_every_worker_is_forgotten_once_nothing_is_in_flight(mode):
     fleet = fleet_of("w0")
-    serve(fleet.workers[0], ["m", "gone"])
+    serve_models(fleet.workers[0], ["m", "gone"])
     fleet.rebuild_routes()
     scheduling = Scheduling(SchedulingConfig(mode=mode), fleet)
     scheduling.tick()
     scheduling.route("m", None, ("w0",)).release()
     held = scheduling.route("gone", None, ("w0",))
-    serve(fleet.workers[0], ["m"])  # "gone" was unloaded
+    serve_models(fleet.workers[0], ["m"])  # "gone" was unloaded
     fleet.rebuild_routes()
     scheduling.tick()
     assert set(scheduling.ledger.arrivals()) == {"m", "gone"}  # one still in flight

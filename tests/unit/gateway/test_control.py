@@ -1,0 +1,61 @@
+"""The gateway's control service in process: a fill factor past its bound is refused
+whole (nothing applied), by SetSchedulingPolicy and SetModelPlacement alike, and the
+largest one allowed still routes."""
+
+from __future__ import annotations
+
+import pytest
+from support.gateway import fleet_of, serve_models
+
+from rsrv.config import MAX_FILL_FACTOR, SchedulingConfig
+from rsrv.errors import InvalidArgument
+from rsrv.gateway._control import GatewayControl
+from rsrv.gateway._scheduling import Scheduling
+from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
+
+
+@pytest.fixture
+def control() -> GatewayControl:
+    fleet = fleet_of("w0", "w1")
+    for worker in fleet.workers:
+        serve_models(worker, ["m"])  # max batch 8
+    fleet.rebuild_routes()
+    scheduling = Scheduling(SchedulingConfig(mode="lpt_packing"), fleet)
+    scheduling.tick()
+    return GatewayControl(scheduling, lambda: None)
+
+
+def routes(control: GatewayControl) -> None:
+    s = control.scheduling
+    s.route("m", None, s.fleet.routes["m"]).release()
+
+
+def policy_factor(factor: float) -> pb.SetSchedulingPolicyRequest:
+    return pb.SetSchedulingPolicyRequest(
+        update_mask=["routing_fill_factor", "hysteresis"],
+        policy=pb.SchedulingPolicy(routing_fill_factor=factor, hysteresis=0.5),
+    )
+
+
+@pytest.mark.parametrize("factor", [1e308, MAX_FILL_FACTOR * 1.01, float("inf")])
+async def test_a_fill_factor_past_the_bound_is_refused_whole(control, factor):
+    before = control.scheduling.config
+    with pytest.raises(InvalidArgument, match="1000"):
+        await control.set_policy(policy_factor(factor), None)
+    with pytest.raises(InvalidArgument, match="fill_factor must be > 0 and <= 1000"):
+        await control.set_placement(pb.SetModelPlacementRequest(name="m", fill_factor=factor), None)
+    assert control.scheduling.config is before and control.generation == 0
+    routes(control)
+    status = await control.status(pb.GetSchedulingStatusRequest(), None)
+    assert [m.fill_quantum for m in status.models] == [8]
+
+
+async def test_the_largest_fill_factor_routes(control):
+    await control.set_policy(policy_factor(MAX_FILL_FACTOR), None)
+    answer = await control.set_placement(
+        pb.SetModelPlacementRequest(name="m", fill_factor=MAX_FILL_FACTOR), None
+    )
+    assert answer.fill_quantum == 8000
+    routes(control)
+    status = await control.status(pb.GetSchedulingStatusRequest(), None)
+    assert [m.fill_quantum for m in status.models] == [8000]
