@@ -211,18 +211,18 @@ class Channel:
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         call = StreamingCall(deadline)
         acquired = False
-        try:
-            with trio.move_on_at(deadline):
-                await self._slots.acquire()
-                acquired = True
-                conn = await self._connection()
-                call._stream = conn.open_stream(self._block(path, metadata, deadline))
-                conn.flush()
-            if call._stream is None:
-                call._failed(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
-        except _Unreachable as e:
-            call._failed(StatusCode.UNAVAILABLE, str(e), reached_server=False)
-        try:
+        try:  # (the slot is given back whatever ends the call: a cancel while connecting)
+            try:
+                with trio.move_on_at(deadline):
+                    await self._slots.acquire()
+                    acquired = True
+                    conn = await self._connection()
+                    call._stream = conn.open_stream(self._block(path, metadata, deadline))
+                    conn.flush()
+                if call._stream is None:
+                    call._failed(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+            except _Unreachable as e:
+                call._failed(StatusCode.UNAVAILABLE, str(e), reached_server=False)
             yield call
         finally:
             if call._stream is not None:

@@ -10,6 +10,7 @@ import os
 import socket
 import ssl
 import struct
+from functools import partial
 
 import hpack
 import pytest
@@ -283,6 +284,30 @@ async def test_stream_deadline_and_leaving_early():
             assert await call.__anext__() == b"y"  # the handler waits for more
         assert call.status is StatusCode.CANCELLED  # left before the end: reset
         await wait_for(lambda: echo.cancelled == 2, "both streams cancelled on the server")
+
+
+async def test_a_stream_cancelled_while_connecting_gives_its_call_slot_back():
+    """A server that accepts connections and never answers: a stream open cancelled
+    while its connection is being made leaves its slot, so the next call connects too
+    (a slot kept would, after max_concurrent_streams such cancels, block every call)."""
+    accepted = []
+
+    async def silent(stream):
+        accepted.append(stream)
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        serve = partial(trio.serve_tcp, host="127.0.0.1")
+        [listener] = await nursery.start(serve, silent, 0)
+        port = listener.socket.getsockname()[1]
+        limits = ClientLimits(max_concurrent_streams=1)
+        async with open_channel("127.0.0.1", port, limits=limits) as channel:
+            for opens in (1, 2):
+                with trio.move_on_after(0.05):
+                    async with channel.stream(STREAM):
+                        raise AssertionError("the server never sends its settings")
+                await wait_for(lambda n=opens: len(accepted) == n, f"connection {opens}")
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_stream_reset_while_its_answer_is_being_sent_ends_only_that_call():
