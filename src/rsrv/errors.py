@@ -7,6 +7,14 @@ Every layer raises these; the protocol layer maps ``code`` to a gRPC status once
 from __future__ import annotations
 
 
+def alone(exc: BaseException) -> BaseException:
+    """``exc`` out of the exception groups of one that wrap it (a trio nursery wraps
+    what its one failing task raises); a group of several stays a group."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class RsrvError(Exception):
     """Base error. ``code`` names the gRPC status the client receives."""
 

@@ -242,6 +242,8 @@ async def test_set_model_residency_in_explicit_mode(repo, cache_dir):
             assert matches(infer_y(client, "b", X), 1, X)  # read from the weights file
 
             assert await control.set_residency("b", "system") == "system"
+            with pytest.raises(ValueError, match="'pinned': expected one of unpinned"):
+                await control.set_residency("b", "pinned")
             b = (await statuses(control))["b"]
             assert b.residency == pb.RESIDENCY_SYSTEM and b.host_resident
 

@@ -36,7 +36,11 @@ class ControlClient(ChannelClient):
     async def set_residency(
         self, name: str, residency: str, *, timeout: float | None = None
     ) -> str:
-        """Set ``name``'s residency floor (explicit mode); returns the floor now in force."""
+        """Set ``name``'s residency floor (explicit mode); returns the floor now in force.
+        Raises ValueError, sending nothing, for a residency that is none of
+        :data:`rsrv.protocol.RESIDENCY`'s names."""
+        if residency not in RESIDENCY:
+            raise ValueError(f"residency {residency!r}: expected one of {', '.join(RESIDENCY)}")
         request = pb.SetModelResidencyRequest(name=name, residency=RESIDENCY[residency])
         response = await self._call(
             "SetModelResidency", request, pb.SetModelResidencyResponse, timeout

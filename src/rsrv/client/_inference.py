@@ -26,6 +26,7 @@ from rsrv.client._errors import InferenceServerError
 from rsrv.client._rpc import ChannelClient
 from rsrv.client._streaming import InferStream
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
+from rsrv.errors import alone
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2
 
@@ -169,9 +170,8 @@ class InferenceClient(ChannelClient):
                         raise
                     await call.end()
         except BaseExceptionGroup as group:  # the block's own exception, not a group
-            while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-                group = group.exceptions[0]
-            raise group from group.__cause__  # (keeps the exception's own cause)
+            exc = alone(group)
+            raise exc from exc.__cause__  # (keeps the exception's own cause)
         if call.status is not StatusCode.OK:
             raise InferenceServerError(
                 call.status, call.message, reached_server=call.reached_server

@@ -34,7 +34,10 @@ class InferStream:
     only the server's text; ``request_id`` says which); one larger than
     ``max_send_message_bytes`` fails RESOURCE_EXHAUSTED without being sent, and the
     stream goes on. The answer of an :meth:`infer` that was cancelled (its timeout,
-    say) is dropped when it comes, never returned by :meth:`receive`. :meth:`end`
+    say) is dropped when it comes, never returned by :meth:`receive`; one cancelled
+    while its request was still going out (a large request waiting on flow control)
+    ends the stream, CANCELLED, since the rest of a message cut there cannot follow
+    (a request that had not started going out is simply not sent). :meth:`end`
     half-closes: answers keep coming, and ``async for`` ends once the server has ended
     the stream. Once the stream has ended, waiting calls raise InferenceServerError
     with its status (UNAVAILABLE when it ended OK before their answers). Several tasks

@@ -3,8 +3,10 @@
 It owns exactly one thread: a daemon thread running a trio loop that holds the client's
 channel. Each method hands its call to that loop and blocks until it returns;
 :meth:`SyncInferenceClient.close` (or leaving ``with``) closes the channel and joins
-the thread, and a client dropped unclosed has its loop stopped when it is collected. No
-other thread is started, here or in the transport.
+the thread, and a client dropped unclosed has its loop stopped when it is collected.
+No other thread is started for an address given as an IP address; a host name is
+looked up in one of trio's worker threads, which trio keeps idle for a few seconds
+after the lookup and then ends.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import trio
 from purerpc.grpclib import exceptions as _exc
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.errors import RsrvError, Unavailable
+from rsrv.errors import RsrvError, Unavailable, alone
 
 __all__ = [
     "HTTP_STATUS",
@@ -62,7 +62,7 @@ def _type_message(exc: BaseException) -> str:
 
 def grpc_trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
     """The custom trailers a client receives with ``exc``'s status."""
-    exc = _single(exc)
+    exc = alone(exc)
     if isinstance(exc, Unavailable) and exc.retry_after is not None:
         return ((PUSHBACK, str(max(0, round(exc.retry_after * 1000)))),)
     return ()
@@ -81,15 +81,9 @@ def pushback_of(trailers) -> float | None:
     return None
 
 
-def _single(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def grpc_status(exc: BaseException) -> tuple[StatusCode, str]:
     """The purerpc status code and message a client receives for ``exc``."""
-    exc = _single(exc)
+    exc = alone(exc)
     if isinstance(exc, RsrvError):
         try:
             code = StatusCode[exc.code]
@@ -138,8 +132,7 @@ def http_status(exc: BaseException) -> tuple[int, str]:
     :func:`grpc_status`'s; the status is the exception's own ``http_status`` attribute
     when it has one (a wire-level case such as 413 for a body above the limit), else
     :data:`HTTP_STATUS` of its gRPC status (500 for any other)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
+    exc = alone(exc)
     code, message = grpc_status(exc)
     explicit = getattr(exc, "http_status", None)
     return explicit or HTTP_STATUS.get(code.name, 500), message

@@ -192,11 +192,14 @@ class ServerCall:
     async def receive(self) -> bytes | None:
         """The next request message, or None once the client has finished sending.
 
-        Raises MessageError for a message that cannot be delivered, or when the message
-        does not arrive in time (see the module docstring).
+        Raises MessageError for a message that cannot be delivered, that does not arrive
+        in time (see the module docstring), or that the client's end cut short
+        (INTERNAL).
         """
         await self._wait_for_input()
         if not self._inbox:
+            if self._ended and self._reader.partial:
+                raise MessageError(StatusCode.INTERNAL, "the request ended mid-message")
             return None
         message = self.conn.take_message(self)
         if isinstance(message, Compressed):  # (inflated off the event loop)

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import trio
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.errors import alone
 from rsrv.transport import _frames as F
 from rsrv.transport._client import ClientConnection, connect
 from rsrv.transport._client_calls import StreamingCall, UnaryResult, unary_result
-from rsrv.transport._client_stream import CallEnded, ClientStream
+from rsrv.transport._client_stream import DEADLINE_MESSAGE, CallEnded, ClientStream
 
 __all__ = ["Channel", "ClientLimits", "StreamingCall", "UnaryResult", "open_channel"]
 
@@ -159,7 +160,7 @@ class Channel:
             return await self._unary(path, request, metadata, deadline, opened)
         return UnaryResult(
             StatusCode.DEADLINE_EXCEEDED,
-            "deadline exceeded (client timeout)",
+            DEADLINE_MESSAGE,
             reached_server=bool(opened),
         )
 
@@ -182,7 +183,8 @@ class Channel:
                 conn = await self._connection()
             except _Unreachable as e:
                 return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
-            stream = conn.open_stream(self._block(path, metadata, deadline))
+            block = self._block(path, metadata, deadline)
+            stream = conn.open_stream(block, deadline=deadline)
             if opened is not None:
                 opened.append(stream)
             try:
@@ -217,10 +219,11 @@ class Channel:
                     await self._slots.acquire()
                     acquired = True
                     conn = await self._connection()
-                    call._stream = conn.open_stream(self._block(path, metadata, deadline))
+                    block = self._block(path, metadata, deadline)
+                    call._stream = conn.open_stream(block, deadline=deadline)
                     conn.flush()
                 if call._stream is None:
-                    call._failed(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+                    call._failed(StatusCode.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
             except _Unreachable as e:
                 call._failed(StatusCode.UNAVAILABLE, str(e), reached_server=False)
             yield call
@@ -340,9 +343,8 @@ async def open_channel(
             finally:
                 await channel.aclose()
     except BaseExceptionGroup as group:
-        while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-            group = group.exceptions[0]
-        raise group from group.__cause__  # (keeps the exception's own cause)
+        exc = alone(group)
+        raise exc from exc.__cause__  # (keeps the exception's own cause)
 
 
 def grpc_timeout(seconds: float) -> bytes:

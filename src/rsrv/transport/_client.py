@@ -24,6 +24,7 @@ Lifetime guarantees:
 
 from __future__ import annotations
 
+import math
 import ssl
 import urllib.parse
 from collections.abc import Callable
@@ -159,13 +160,16 @@ class ClientConnection(Http2Endpoint):
         self._out.append(F.goaway(0, code, why.encode()[:256]))  # the server opens none
         self.flush()
 
-    def open_stream(self, block: bytes, *, end_stream: bool = False) -> ClientStream:
-        """Open a stream whose request headers are ``block`` (queued, not flushed)."""
+    def open_stream(
+        self, block: bytes, *, end_stream: bool = False, deadline: float = math.inf
+    ) -> ClientStream:
+        """Open a stream whose request headers are ``block`` (queued, not flushed);
+        ``deadline`` (trio time) is the call's, for the status of a send it cuts short."""
         sid = self._last_stream + 2 if self._last_stream else 1
         self._last_stream = sid
         if sid >= LAST_STREAM_ID - 2:
             self.draining = True  # stream ids run out: the pool opens another connection
-        stream = ClientStream(self, sid)
+        stream = ClientStream(self, sid, deadline)
         self.streams[sid] = stream
         self.write_headers(sid, block, end_stream=end_stream)
         return stream

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.transport._client_stream import CallEnded, ClientStream
+from rsrv.transport._client_stream import DEADLINE_MESSAGE, CallEnded, ClientStream
 
 __all__ = ["StreamingCall", "UnaryResult", "unary_result"]
 
@@ -60,7 +60,7 @@ class StreamingCall:
         with trio.move_on_at(self._deadline) as timer:
             await stream.send(message)
         if timer.cancelled_caught:
-            stream.cancel(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+            stream.cancel(StatusCode.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
             raise CallEnded(self.message)
 
     async def end(self) -> None:
@@ -79,7 +79,7 @@ class StreamingCall:
             message = await stream.receive()
         if message is None:
             if not stream.done:  # the deadline
-                stream.cancel(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+                stream.cancel(StatusCode.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
             raise StopAsyncIteration
         return message
 

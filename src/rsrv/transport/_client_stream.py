@@ -6,6 +6,7 @@ are in ``_client``'s docstring."""
 from __future__ import annotations
 
 import collections
+import math
 from typing import TYPE_CHECKING
 
 import trio
@@ -13,6 +14,8 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import _frames as F
 from rsrv.transport._messages import MessageError, MessageReader, frame
+
+DEADLINE_MESSAGE = "deadline exceeded (client timeout)"  # a call's own deadline passed
 
 if TYPE_CHECKING:
     from rsrv.transport._client import ClientConnection
@@ -63,6 +66,7 @@ class ClientStream:
     __slots__ = (
         "conn",
         "id",
+        "deadline",
         "send_window",
         "recv_window",
         "recv_unacked",
@@ -81,9 +85,10 @@ class ClientStream:
         "_window",
     )
 
-    def __init__(self, conn: ClientConnection, sid: int):
+    def __init__(self, conn: ClientConnection, sid: int, deadline: float = math.inf):
         self.conn = conn
         self.id = sid
+        self.deadline = deadline  # the call's (trio time)
         self.send_window = conn.peer_initial_window
         self.recv_window = conn.stream_window
         self.recv_unacked = 0
@@ -126,7 +131,10 @@ class ClientStream:
         else:
             self.trailers = metadata
         if grpc is not None:
-            self._finish(_status_of(grpc), message)
+            code = _status_of(grpc)
+            if code == StatusCode.OK and self._reader.partial:
+                code, message = StatusCode.INTERNAL, "the server ended the call mid-message"
+            self._finish(code, message)
         elif http not in (None, b"200"):
             self._finish(*_http_status(http))
         else:
@@ -212,7 +220,10 @@ class ClientStream:
         """Send one message (``end``: and half-close). Raises :class:`CallEnded` once
         the call has ended or was half-closed, :class:`MessageTooLarge` (nothing sent,
         the call goes on) for a message above the channel's limit; waits for flow
-        control."""
+        control. Cancelled while waiting, it ends the call (RST_STREAM; CANCELLED, or
+        DEADLINE_EXCEEDED past the call's deadline) if part of the message has gone
+        out, since the rest can never follow; if none has, the call goes on as if this
+        send had not been made."""
         if self.done or self.half_closed:
             raise CallEnded(f"the call has ended ({self.status})" if self.done else "half-closed")
         if len(payload) > self.conn.max_send:
@@ -221,7 +232,7 @@ class ClientStream:
                 f"{self.conn.max_send} (ClientLimits.max_send_message_bytes)"
             )
         conn = self.conn
-        data = memoryview(frame(payload))
+        data = whole = memoryview(frame(payload))
         self.half_closed = end
         while True:
             data = data[conn.write_data(self, data, end) :]
@@ -229,7 +240,16 @@ class ClientStream:
                 break
             conn.flush()
             waiter = self._window = trio.Event()
-            await waiter.wait()
+            try:
+                await waiter.wait()
+            except BaseException:
+                if len(data) == len(whole):
+                    self.half_closed = False  # nothing went out: as if never sent
+                elif trio.current_time() >= self.deadline:
+                    self.cancel(StatusCode.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
+                else:
+                    self.cancel(message="the call was cancelled in the middle of a message")
+                raise
             if self.done:
                 raise CallEnded(f"the call has ended ({self.status})")
         if len(conn.streams) > 1:

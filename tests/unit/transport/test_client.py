@@ -508,6 +508,51 @@ async def test_compressed_responses_are_inflated():
     assert stream.trailers == (("x-cost", "3"),)
 
 
+async def test_a_send_cancelled_mid_message_resets_its_stream():
+    """The window closes in the middle of a message and the sender is cancelled: the rest
+    of it can never follow, so the call ends (RST_STREAM CANCEL) instead of carrying
+    half a message on (DEADLINE_EXCEEDED when the call's deadline cut it); a send
+    cancelled before any of it went out leaves its call as it was."""
+    server = Server()
+    cut, untouched = server.open(), server.open()
+    with trio.move_on_after(0.05):
+        await cut.send(bytes(100_000), end=True)  # 65,535 bytes of window: part goes out
+    assert (cut.status, cut.message) == (
+        StatusCode.CANCELLED,
+        "the call was cancelled in the middle of a message",
+    )
+    sent = server.send(b"")
+    assert sum(len(f[3]) for f in sent if f[0] == F.DATA) == 65_535
+    assert (F.RST_STREAM, 0, cut.id, struct.pack(">I", F.CANCEL)) in sent
+    with trio.move_on_after(0.05):
+        await untouched.send(b"x")  # the connection's window is spent: nothing goes out
+    assert not untouched.done and not untouched.half_closed
+    assert [f for f in server.send(b"") if f[2] == untouched.id] == []
+
+    server = Server()  # cut by the call's own deadline: that is its status
+    late = server.conn.open_stream(b"", deadline=trio.current_time() + 0.05)
+    with trio.move_on_at(late.deadline):
+        await late.send(bytes(100_000))
+    assert (late.status, late.message) == (
+        StatusCode.DEADLINE_EXCEEDED,
+        "deadline exceeded (client timeout)",
+    )
+
+
+async def test_trailers_that_end_a_response_mid_message_fail_it():
+    server = Server()
+    stream = server.open()
+    server.send(
+        server.headers(stream.id, [(":status", "200")])
+        + F.frame(F.DATA, 0, stream.id, struct.pack(">?I", False, 10) + b"abc")
+        + server.headers(stream.id, [("grpc-status", "0")], end=True)
+    )
+    assert (stream.status, stream.message) == (
+        StatusCode.INTERNAL,
+        "the server ended the call mid-message",
+    )
+
+
 async def test_trailers_only_http_errors_and_missing_trailers():
     server = Server()
     a, b, c = server.open(), server.open(), server.open()

@@ -18,7 +18,7 @@ import hpack
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.echo import HOLD, STREAM_SIZED, UNARY, echo_server
+from support.echo import HOLD, STREAM, STREAM_SIZED, UNARY, echo_server
 from support.rawh2 import RawH2, message
 
 from rsrv.transport import TransportLimits
@@ -520,6 +520,26 @@ async def test_a_stream_whose_client_does_not_read_waits_to_send():
             done.set()
     assert max(unsent) > limit  # the client held the answers up
     assert max(unsent) < limit + 4 * 65536  # and the handler waited
+
+
+async def test_a_request_cut_short_by_its_end_fails_internal():
+    """A client that half-closes in the middle of a message (as gRPC's servers answer
+    it): INTERNAL, for a stream and a unary call alike, never a clean end."""
+    async with echo_server() as echo:
+        raw = await trio.to_thread.run_sync(RawH2, echo.port)
+        try:
+            stream, unary = raw.start(STREAM), raw.start(UNARY)
+            await trio.to_thread.run_sync(
+                lambda: (
+                    raw.send(stream, message(b"a") + message(b"bc")[:-1], end=True),
+                    raw.send(unary, message(b"bc")[:-1], end=True),
+                )
+            )
+            for sid in (stream, unary):
+                status = await trio.to_thread.run_sync(raw.status, sid)
+                assert status == (StatusCode.INTERNAL.value, "the request ended mid-message")
+        finally:
+            raw.close()
 
 
 async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
