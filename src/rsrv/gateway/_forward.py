@@ -24,6 +24,7 @@ from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._peek import InferHead
 from rsrv.protocol import pushback_of
+from rsrv.transport import UnaryResult
 
 __all__ = [
     "CONTROL",
@@ -282,7 +283,11 @@ class Forwarder:
         results: dict[str, CallResult] = {}
 
         async def one(worker: WorkerLink) -> None:
-            results[worker.name] = await self.call(worker, path, body, headers, deadline)
+            try:
+                result = await self.call(worker, path, body, headers, deadline)
+            except DeadlineExceeded as e:  # (a result, as for any worker's failure)
+                result = UnaryResult(StatusCode.DEADLINE_EXCEEDED, str(e), reached_server=False)
+            results[worker.name] = result
 
         async with trio.open_nursery() as nursery:
             for worker in targets:

@@ -311,7 +311,7 @@ class GatewayServices:
         targets = list(self.fleet.ready)
         try:
             results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        except trio.Cancelled:
+        except* trio.Cancelled:  # (in a group: fan_out's nursery)
             # The client went away mid-way: where it took effect is unknown. Catch-up
             # brings every target in line (a region the gateway holds stays, another
             # one of this name goes).
@@ -367,7 +367,7 @@ class GatewayServices:
         targets = list(self.fleet.ready)
         try:
             results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
-        except trio.Cancelled:
+        except* trio.Cancelled:  # (in a group: fan_out's nursery)
             # The client went away mid-way: some workers may have dropped the region.
             # It is dropped: catch-up removes it wherever it is left.
             self.catchup.unregistered(request.name, {})

@@ -109,3 +109,14 @@ async def test_a_call_gets_the_clients_deadline_up_to_the_request_timeout(autoju
     for deadline in (trio.current_time() + 30, trio.current_time() + 300, math.inf):
         await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"])
     assert timeouts == [30, 60, 60]  # a worker that hangs holds a call 60 s at most
+
+
+async def test_a_fan_out_past_its_deadline_answers_each_worker_deadline_exceeded():
+    """Not an exception group of every worker's DeadlineExceeded (which a client would
+    read as INTERNAL): one result per worker, as for any failure there."""
+    f = forwarder(UnaryResult(StatusCode.OK), UnaryResult(StatusCode.OK))
+    results = await f.fan_out(INFERENCE + "ServerReady", b"", deadline=trio.current_time())
+    assert {n: (r.status, r.reached_server) for n, r in results.items()} == {
+        "w0": (StatusCode.DEADLINE_EXCEEDED, False),
+        "w1": (StatusCode.DEADLINE_EXCEEDED, False),
+    }

@@ -174,3 +174,34 @@ async def test_shared_memory_status_is_what_every_worker_holds_alike():
     answers["w1"] = UnaryResult(StatusCode.NOT_FOUND, "Unable to find 'w0 only'")
     with pytest.raises(Relayed, match="worker w1: Unable to find"):
         await regions("w0 only")
+
+
+class Hanging:
+    """A worker channel that never answers (a stopped process)."""
+
+    opened = 1
+
+    async def unary(self, path, body, *, metadata=(), timeout=None):
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("method", ["SystemSharedMemoryRegister", "SystemSharedMemoryUnregister"])
+async def test_a_shared_memory_call_the_client_leaves_is_put_right_by_catch_up(method):
+    """The client's deadline cuts the fan-out off while one worker hangs (the other has
+    answered): where the call took effect is unknown, so catch-up is told to bring both
+    in line (a register undone, an unregister finished), not left as it was."""
+    done = ok(b"")
+    channels = {"w0": Answering(done), "w1": Hanging()}
+    fleet = fleet_of("w0", "w1", channels=channels, ready=True)
+    forward = Forwarder(fleet, FakeDiscovery(), router=None, request_timeout=60.0)
+    services = GatewayServices(fleet, forward, Admission(0), 4)
+    register = method.endswith("Register")
+    if not register:
+        services.catchup.regions["r"] = b"registered through the gateway before"
+    request = getattr(pb, method + "Request")(name="r").SerializeToString()
+    handler = services.shm_register if register else services.shm_unregister
+    with trio.move_on_after(0.05) as cut:
+        await handler(request, client_call(method))
+    assert cut.cancelled_caught
+    assert services.catchup.regions == {}
+    assert services.catchup.dropped == {"r": {"w0", "w1"}}  # removed wherever it is
