@@ -397,6 +397,27 @@ def test_loads_made_through_the_gateway_reach_a_worker_that_was_away(
         assert matches(client.infer("lin", [x_input(X)]).as_numpy("y"), 11, X)
 
 
+def test_a_worker_busy_with_all_the_gateway_sends_it_stays_ready(tmp_path, cache_dir, processes):
+    """Discovery's probes do not queue behind the clients' calls: with every one of the
+    worker client's 2 call slots held by requests a preprocess hook keeps 1 s each, for
+    3 s and more (longer than a probe may wait, 2 s), the worker stays ready and
+    answers them all (a probe waiting for a slot took it out of the routes)."""
+    export_linear(tmp_path / "repo" / "slow", seed=3, hook_seconds=1.0)
+    workers = start_workers(tmp_path, cache_dir, 1)
+    processes.extend(workers)
+    gateway = start_gateway(tmp_path, workers, "[worker_client]\nmax_concurrent_streams = 2")
+    processes.append(gateway)
+    answers = []
+    with connect(gateway) as client:
+        for _ in range(6):
+            client.async_infer(
+                "slow", [x_input(X)], lambda result, error: answers.append(error or result)
+            )
+        wait_until(lambda: len(answers) == 6, 60, "every answer")
+    assert all(matches(a.as_numpy("y"), 3, X) for a in answers), answers
+    assert not [line for line in gateway.stderr if "is not ready" in line]
+
+
 def test_a_worker_killed_under_load_loses_no_request(tmp_path, cache_dir, processes):
     """Requests held 50 ms in a preprocess hook, 30 at a time, through the gateway; one
     worker is killed with SIGKILL while it holds some: every request is answered

@@ -22,7 +22,7 @@ class Answering:
     def __init__(self, result: UnaryResult):
         self.result = result
 
-    async def unary(self, path, body, *, metadata=(), timeout=None):
+    async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
         return self.result
 
 

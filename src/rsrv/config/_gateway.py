@@ -109,7 +109,9 @@ class WorkerClientConfig(_Strict):
         ),
     ] = 60.0
     max_concurrent_streams: Annotated[
-        int, msgspec.Meta(ge=1), _doc("Calls in flight to one worker at once; more wait.")
+        int,
+        msgspec.Meta(ge=1),
+        _doc("Calls in flight to one worker at once; more wait (probes apart)."),
     ] = 64
     tls_ca_file: Annotated[
         str | None, _doc("PEM CA: connect to workers over TLS, verifying them with it.")

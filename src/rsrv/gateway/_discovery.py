@@ -150,7 +150,11 @@ class Discovery:
         level until that call succeeds again (a failure that repeats every round is
         reported once)."""
         timeout = self.settings.probe_timeout_seconds
-        result = await worker.channel.unary(path, _EMPTY, metadata=self.headers, timeout=timeout)
+        # (not behind the clients' calls: a worker busy with as many as the gateway
+        # sends it at once is answering, and must not look wedged)
+        result = await worker.channel.unary(
+            path, _EMPTY, metadata=self.headers, timeout=timeout, capped=False
+        )
         key = (worker.name, path)
         if result.status == StatusCode.OK and result.response is not None:
             self._failing.discard(key)

@@ -46,6 +46,7 @@ class WorkerChannel(Protocol):
         *,
         metadata: Iterable[tuple[str, str]] = (),
         timeout: float | None = None,
+        capped: bool = True,
     ) -> CallResult: ...
 
     def stream(

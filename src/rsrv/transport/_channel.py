@@ -147,24 +147,28 @@ class Channel:
         *,
         metadata: Metadata = (),
         timeout: float | None = None,
+        capped: bool = True,
     ) -> UnaryResult:
         """Call ``path`` ("/package.Service/Method") with one request message; never
         raises for a status. ``timeout`` (seconds) is sent as grpc-timeout and enforced
         here too: past it the stream is reset (RST_STREAM CANCEL) and the result is
-        DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well."""
+        DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well.
+        ``capped=False``: the call does not take one of the ``max_concurrent_streams``
+        slots (nor wait for one), for the few calls that must not queue behind the
+        others, such as a health probe of a server busy with them."""
         if timeout is None:
-            return await self._unary(path, request, metadata, math.inf, None)
+            return await self._unary(path, request, metadata, math.inf, None, capped)
         deadline = trio.current_time() + timeout
         opened: list[ClientStream] = []
         with trio.move_on_at(deadline):
-            return await self._unary(path, request, metadata, deadline, opened)
+            return await self._unary(path, request, metadata, deadline, opened, capped)
         return UnaryResult(
             StatusCode.DEADLINE_EXCEEDED,
             DEADLINE_MESSAGE,
             reached_server=bool(opened),
         )
 
-    async def _unary(self, path, request, metadata, deadline, opened) -> UnaryResult:
+    async def _unary(self, path, request, metadata, deadline, opened, capped) -> UnaryResult:
         if len(request) > self.limits.max_send_message_bytes:
             return UnaryResult(
                 StatusCode.RESOURCE_EXHAUSTED,
@@ -173,11 +177,12 @@ class Channel:
                 reached_server=False,
             )
         stream = None
-        slots = self._slots
-        try:
-            slots.acquire_nowait()  # no checkpoint here: the call waits for its answer below
-        except trio.WouldBlock:
-            await slots.acquire()
+        slots = self._slots if capped else None
+        if slots is not None:
+            try:
+                slots.acquire_nowait()  # no checkpoint here: the call waits for its answer
+            except trio.WouldBlock:
+                await slots.acquire()
         try:
             try:
                 conn = await self._connection()
@@ -195,7 +200,8 @@ class Channel:
         finally:
             if stream is not None and not stream.done:
                 stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel
-            slots.release()
+            if slots is not None:
+                slots.release()
         return unary_result(stream)
 
     @asynccontextmanager

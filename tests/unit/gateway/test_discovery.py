@@ -27,7 +27,7 @@ class ScriptedChannel:
         self.calls: list[str] = []
         self.opened = 1  # connections opened so far
 
-    async def unary(self, path, body, *, metadata=(), timeout=None):
+    async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
         self.calls.append(path.rsplit("/", 1)[1])
         answer = self.answers[path]
         if isinstance(answer, StatusCode):
@@ -151,7 +151,7 @@ class HangingChannel:
 
     opened = 1
 
-    async def unary(self, path, body, *, metadata=(), timeout=None):
+    async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
         await trio.sleep(timeout)
         return UnaryResult(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
 

@@ -81,7 +81,7 @@ async def test_a_call_that_ends_after_its_worker_left_the_fleet_leaves_no_series
     and the call, finishing later, does not bring them back."""
 
     class Slow(Answering):
-        async def unary(self, path, body, *, metadata=(), timeout=None):
+        async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
             await trio.sleep(1)
             return self.result
 
@@ -100,7 +100,7 @@ async def test_a_call_gets_the_clients_deadline_up_to_the_request_timeout(autoju
     timeouts: list[float] = []
 
     class Recording(Answering):
-        async def unary(self, path, body, *, metadata=(), timeout=None):
+        async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
             timeouts.append(timeout)
             return self.result
 

@@ -181,7 +181,7 @@ class Hanging:
 
     opened = 1
 
-    async def unary(self, path, body, *, metadata=(), timeout=None):
+    async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
         await trio.sleep_forever()
 
 

@@ -151,6 +151,19 @@ async def test_concurrency_cap_queues_callers():
         assert echo.max_active == 3
 
 
+async def test_an_uncapped_call_does_not_queue_behind_the_capped_ones():
+    limits = ClientLimits(max_concurrent_streams=1)
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ch.unary, HOLD, b"")
+            await wait_for(lambda: echo.active == 1, "the call holding the one slot")
+            queued = await ch.unary(UNARY, b"capped", timeout=0.1)
+            assert (queued.status, queued.reached_server) == (StatusCode.DEADLINE_EXCEEDED, False)
+            probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
+            assert probe.response == b"probe"
+            echo.release.set()
+
+
 async def test_pool_spreads_streams_over_a_few_connections():
     limits = ClientLimits(max_connections=2, streams_per_connection=2)
     async with echo_server() as echo, open_channel("127.0.0.1", echo.port, limits=limits) as ch:
