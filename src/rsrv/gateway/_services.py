@@ -34,7 +34,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
 from rsrv.gateway._catchup import CatchUp
-from rsrv.gateway._fleet import CallResult, Fleet
+from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed, first_failure, merge_each
 from rsrv.gateway._merge import (
     common_regions,
@@ -136,14 +136,21 @@ class GatewayServices:
 
     async def trace_setting(self, body: bytes, call: ServerCall) -> bytes:
         """A read is one worker's answer; an update (settings given) is made on every
-        ready worker, as LogSettings, so that reads agree whichever worker answers."""
+        ready worker, as LogSettings, so that reads agree whichever worker answers. A
+        worker keeps one set for itself, whatever model an update names: the name is
+        checked against the fleet (NOT_FOUND when no ready worker serves it), then the
+        update goes to every worker without it (one without the model refuses it)."""
         try:
-            update = bool(pb.TraceSettingRequest.FromString(body).settings)
+            request = pb.TraceSettingRequest.FromString(body)
         except DecodeError as e:
             raise InvalidArgument(f"cannot parse the request as TraceSettingRequest: {e}") from None
-        if update:
-            return await self.every_worker(body, call)
-        return await self.any_worker(body, call)
+        if not request.settings:
+            return await self.any_worker(body, call)
+        if request.model_name:
+            await self._holders(request.model_name)
+            request.model_name = ""
+            body = request.SerializeToString()
+        return await self.every_worker(body, call)
 
     async def every_worker(self, body: bytes, call: ServerCall) -> bytes:
         """Done on every ready worker; the first failure is the answer, else the first
@@ -394,14 +401,7 @@ class GatewayServices:
             name, _ = peek_name(body)
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
-        discovery = self.forward.discovery
-        await discovery.changes_seen()  # a load a moment ago: where it is now
-        holders = self.fleet.holders(name)
-        if not holders:
-            await discovery.refresh()
-            holders = self.fleet.holders(name)
-        if not holders:
-            raise NotFound(f"model {name!r} is not on any ready worker")
+        holders = await self._holders(name)
         unloads = self.catchup.unload_count(name)
         results = await self.forward.fan_out(
             call.path, body, call.metadata, call.deadline, workers=holders
@@ -410,6 +410,19 @@ class GatewayServices:
             self.catchup.set(name, call.path.rsplit("/", 1)[1], body, unloads)
             self.catchup.missed(results, among=holders)
         return _first_answer(results)
+
+    async def _holders(self, name: str) -> list[WorkerLink]:
+        """The ready workers holding model ``name`` as of the last change made through
+        the gateway (after one refresh when none is known); NotFound when none."""
+        discovery = self.forward.discovery
+        await discovery.changes_seen()  # a load a moment ago: where it is now
+        holders = self.fleet.holders(name)
+        if not holders:
+            await discovery.refresh()
+            holders = self.fleet.holders(name)
+        if not holders:
+            raise NotFound(f"model {name!r} is not on any ready worker")
+        return holders
 
     async def compact_memory(self, body: bytes, call: ServerCall) -> bytes:
         results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)

@@ -205,3 +205,34 @@ async def test_a_shared_memory_call_the_client_leaves_is_put_right_by_catch_up(m
     assert cut.cancelled_caught
     assert services.catchup.regions == {}
     assert services.catchup.dropped == {"r": {"w0", "w1"}}  # removed wherever it is
+
+
+class Recording(Answering):
+    """Answering, keeping the bodies it was sent."""
+
+    def __init__(self, result: UnaryResult):
+        super().__init__(result)
+        self.bodies: list[bytes] = []
+
+    async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
+        self.bodies.append(body)
+        return self.result
+
+
+async def test_a_trace_setting_update_naming_a_model_is_made_on_every_worker_alike():
+    """A worker keeps one set of trace settings, whatever model an update names: naming
+    a model only one worker has, the update reaches both without the name (with it, the
+    other refused it and kept its old settings, and reads then disagreed)."""
+    channels = {n: Recording(ok(pb.TraceSettingResponse())) for n in ("w0", "w1")}
+    fleet = fleet_of("w0", "w1", channels=channels, ready=True)
+    fleet.workers[0].index = (IndexRow("only0", "1", "READY", ""),)
+    forward = Forwarder(fleet, FakeDiscovery(), router=None, request_timeout=60.0)
+    services = GatewayServices(fleet, forward, Admission(0), 4)
+    update = pb.TraceSettingRequest(model_name="only0")
+    update.settings["trace_rate"].value.append("7")
+    await services.trace_setting(update.SerializeToString(), client_call("TraceSetting"))
+    update.model_name = ""
+    assert [c.bodies for c in channels.values()] == [[update.SerializeToString()]] * 2
+    update.model_name = "nope"
+    with pytest.raises(NotFound, match="'nope' is not on any ready worker"):
+        await services.trace_setting(update.SerializeToString(), client_call("TraceSetting"))
