@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import trio
+from google.protobuf.message import DecodeError
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
@@ -145,6 +146,8 @@ class InferStream:
 
     def _stream_error(self) -> InferenceServerError:
         call = self._call
+        if self._ended is not None:
+            return self._ended
         if call.done:
             if call.status is StatusCode.OK:  # ended cleanly, yet something waits on it
                 code, message = StatusCode.UNAVAILABLE, "the stream has ended (OK)"
@@ -157,7 +160,14 @@ class InferStream:
         """Deliver every answer to its waiter, or to the unclaimed queue."""
         async with self._unclaimed_in:
             async for message in self._call:
-                answer = pb.ModelStreamInferResponse.FromString(message)
+                try:
+                    answer = pb.ModelStreamInferResponse.FromString(message)
+                except DecodeError as e:  # the stream ends, saying why
+                    self._call.cancel()
+                    self._ended = InferenceServerError(
+                        StatusCode.INTERNAL, f"cannot parse an answer of the stream: {e}"
+                    )
+                    break
                 request_id = answer.infer_response.id
                 slot = self._waiting.get(request_id)
                 if request_id in self._abandoned and slot is None:

@@ -1,6 +1,6 @@
 """rsrv.client parts without a worker: retry backoff, entering a client twice (or again
 after a failed open), shared-memory bounds, BYTES inputs given as lists, outputs that do
-not fill their shape, and errors that cross processes."""
+not fill their shape, errors that cross processes, and a stream's answers."""
 
 from __future__ import annotations
 
@@ -143,6 +143,10 @@ class HeldCall:
     def __aiter__(self):
         return self._out.__aiter__()
 
+    def cancel(self) -> None:
+        self.done, self.status = True, StatusCode.CANCELLED
+        self._in.close()
+
 
 async def test_an_infer_cancelled_before_its_request_was_sent_drops_no_answer():
     """Only an answer that may yet come is dropped: a request never sent (cancelled
@@ -160,4 +164,19 @@ async def test_an_infer_cancelled_before_its_request_was_sent_drops_no_answer():
         call.answer("job-1")
         with trio.fail_after(5):
             assert (await stream.receive()).id == "job-1"
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_answer_that_cannot_be_parsed_ends_the_stream_saying_so():
+    call = HeldCall()
+    stream = InferStream(call)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream._read)
+        call._in.send_nowait(b"\xff\xff")
+        for _ in range(2):  # and again: the stream stays ended, saying why
+            with pytest.raises(InferenceServerError, match="cannot parse an answer") as info:
+                with trio.fail_after(5):
+                    await stream.receive()
+            assert info.value.code == StatusCode.INTERNAL
+        assert call.done
         nursery.cancel_scope.cancel()
