@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.config import SchedulingConfig
 from rsrv.gateway._fleet import Fleet, IndexRow, WorkerLink
 from rsrv.gateway._forward import INFERENCE
+from rsrv.gateway._scheduling import Scheduling
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
 from rsrv.transport import UnaryResult
 
@@ -57,6 +59,19 @@ def serve_models(worker: WorkerLink, models: list[str], discipline: str = "fifo"
             for m in models
         ],
     )
+
+
+def packed(*names: str, **settings) -> tuple[Fleet, Scheduling]:
+    """Workers ``names``, each serving model "m" (:func:`serve_models`), under an
+    lpt_packing :class:`Scheduling` (``settings``: more of its config) that has placed
+    them (one tick)."""
+    fleet = fleet_of(*names)
+    for worker in fleet.workers:
+        serve_models(worker, ["m"])
+    fleet.rebuild_routes()
+    scheduling = Scheduling(SchedulingConfig(mode="lpt_packing", **settings), fleet)
+    scheduling.tick()
+    return fleet, scheduling
 
 
 def client_call(method: str, service: str = INFERENCE) -> SimpleNamespace:

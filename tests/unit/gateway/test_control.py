@@ -5,23 +5,17 @@ largest one allowed still routes."""
 from __future__ import annotations
 
 import pytest
-from support.gateway import fleet_of, serve_models
+from support.gateway import packed
 
-from rsrv.config import MAX_FILL_FACTOR, SchedulingConfig
+from rsrv.config import MAX_FILL_FACTOR
 from rsrv.errors import InvalidArgument
 from rsrv.gateway._control import GatewayControl
-from rsrv.gateway._scheduling import Scheduling
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
 
 
 @pytest.fixture
 def control() -> GatewayControl:
-    fleet = fleet_of("w0", "w1")
-    for worker in fleet.workers:
-        serve_models(worker, ["m"])  # max batch 8
-    fleet.rebuild_routes()
-    scheduling = Scheduling(SchedulingConfig(mode="lpt_packing"), fleet)
-    scheduling.tick()
+    _, scheduling = packed("w0", "w1")  # "m", max batch 8
     return GatewayControl(scheduling, lambda: None)
 
 

@@ -7,7 +7,7 @@ model is dropped once the model has left every worker."""
 from __future__ import annotations
 
 import pytest
-from support.gateway import fleet_of, serve_models
+from support.gateway import fleet_of, packed, serve_models
 
 from rsrv.config import SchedulingConfig
 from rsrv.errors import InvalidArgument
@@ -45,12 +45,7 @@ def test_a_placement_made_while_a_worker_came_up_is_redone_once_it_is_up():
 
 
 def test_a_malformed_batch_input_is_invalid_argument():
-    fleet = fleet_of("w0", "w1")
-    for w in fleet.workers:
-        serve_models(w, ["m"])
-    fleet.rebuild_routes()
-    scheduling = lpt(fleet)
-    scheduling.tick()
+    _, scheduling = packed("w0", "w1")
     head = peek_infer(b"\x0a\x01m" + b"\x2a\x01\x80")  # input 1: a truncated varint
     with pytest.raises(InvalidArgument, match="malformed ModelInferRequest"):
         scheduling.route("m", head, ("w0", "w1"))
@@ -75,12 +70,7 @@ def test_each_workers_discipline_is_checked_when_it_first_reports():
 
 
 def test_a_worker_restarted_with_another_discipline_is_checked_again():
-    fleet = fleet_of("w0", "w1")
-    for w in fleet.workers:
-        serve_models(w, ["m"])
-    fleet.rebuild_routes()
-    scheduling = lpt(fleet)
-    scheduling.tick()
+    fleet, scheduling = packed("w0", "w1")
     assert scheduling.warnings == []
     serve_models(fleet.workers[1], ["m"], discipline="fair")  # restarted as fair
     scheduling.tick()
