@@ -146,8 +146,6 @@ class InferStream:
 
     def _stream_error(self) -> InferenceServerError:
         call = self._call
-        if self._ended is not None:
-            return self._ended
         if call.done:
             if call.status is StatusCode.OK:  # ended cleanly, yet something waits on it
                 code, message = StatusCode.UNAVAILABLE, "the stream has ended (OK)"
@@ -163,8 +161,7 @@ class InferStream:
                 try:
                     answer = pb.ModelStreamInferResponse.FromString(message)
                 except DecodeError as e:  # the stream ends, saying why
-                    self._call.cancel()
-                    self._ended = InferenceServerError(
+                    self._call.cancel(
                         StatusCode.INTERNAL, f"cannot parse an answer of the stream: {e}"
                     )
                     break

@@ -32,7 +32,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
+from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rsrv.gateway._catchup import CatchUp
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed, first_failure, merge_each
@@ -138,16 +138,19 @@ class GatewayServices:
         """A read is one worker's answer; an update (settings given) is made on every
         ready worker, as LogSettings, so that reads agree whichever worker answers. A
         worker keeps one set for itself, whatever model an update names: the name is
-        checked against the fleet (NOT_FOUND when no ready worker serves it), then the
-        update goes to every worker without it (one without the model refuses it)."""
+        checked against the fleet (NOT_FOUND when no ready worker has the model,
+        UNAVAILABLE when none has it ready, as a worker answers), then the update goes
+        to every worker without it (one without the model would refuse it)."""
         try:
             request = pb.TraceSettingRequest.FromString(body)
         except DecodeError as e:
             raise InvalidArgument(f"cannot parse the request as TraceSettingRequest: {e}") from None
         if not request.settings:
             return await self.any_worker(body, call)
-        if request.model_name:
-            await self._holders(request.model_name)
+        if name := request.model_name:
+            await self._holders(name)
+            if not self.fleet.routes.get(name):
+                raise Unavailable(f"model {name!r} is not ready on any worker")
             request.model_name = ""
             body = request.SerializeToString()
         return await self.every_worker(body, call)

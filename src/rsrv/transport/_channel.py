@@ -49,10 +49,12 @@ class ClientLimits:
     """What a :class:`Channel` may hold and how it spreads its calls.
 
     ``max_concurrent_streams``: calls in flight on the channel at once; further calls
-    wait, first come first served (their deadline runs while they wait).
+    wait, first come first served (their deadline runs while they wait); an uncapped
+    call (``Channel.unary(capped=False)``) is not counted.
     ``max_connections``: HTTP/2 connections to the endpoint, opened lazily; a new one
     is opened when every open one carries ``streams_per_connection`` calls, or the
-    server's SETTINGS_MAX_CONCURRENT_STREAMS, or is closing. Messages above
+    server's SETTINGS_MAX_CONCURRENT_STREAMS, or is closing (beyond this number only
+    for an uncapped call that finds every one full). Messages above
     ``max_send_message_bytes`` fail without being sent (a unary call RESOURCE_EXHAUSTED,
     a stream's message :class:`MessageTooLarge`, the stream going on), received
     ones above ``max_receive_message_bytes`` (decompressed) RESOURCE_EXHAUSTED.
@@ -154,8 +156,10 @@ class Channel:
         here too: past it the stream is reset (RST_STREAM CANCEL) and the result is
         DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well.
         ``capped=False``: the call does not take one of the ``max_concurrent_streams``
-        slots (nor wait for one), for the few calls that must not queue behind the
-        others, such as a health probe of a server busy with them."""
+        slots (nor wait for one), nor wait for a connection with room (it opens one
+        beyond ``max_connections`` when every one is full): for the few calls that must
+        not queue behind the others, such as a health probe of a server busy with
+        them."""
         if timeout is None:
             return await self._unary(path, request, metadata, math.inf, None, capped)
         deadline = trio.current_time() + timeout
@@ -185,7 +189,7 @@ class Channel:
                 await slots.acquire()
         try:
             try:
-                conn = await self._connection()
+                conn = await self._connection(capped)
             except _Unreachable as e:
                 return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
             block = self._block(path, metadata, deadline)
@@ -241,9 +245,11 @@ class Channel:
 
     # -- the pool -------------------------------------------------------------------------
 
-    async def _connection(self) -> ClientConnection:
+    async def _connection(self, capped: bool = True) -> ClientConnection:
         """A connection with room for one more stream: the least loaded, or a new one
-        (see ClientLimits); waits while every connection is full. Raises _Unreachable."""
+        (see ClientLimits); waits while every connection is full, unless not ``capped``
+        (then any with room, or one opened beyond ``max_connections``). Raises
+        _Unreachable."""
         limits = self.limits
         while True:
             if self._closed or self._nursery is None:
@@ -254,9 +260,9 @@ class Channel:
             for conn in self.connections:
                 if conn.available and (best is None or conn.load < best.load):
                     best = conn
-            if best is not None and best.load < limits.streams_per_connection:
+            if best is not None and (best.load < limits.streams_per_connection or not capped):
                 return best
-            if len(self.connections) + self._opening < limits.max_connections:
+            if len(self.connections) + self._opening < limits.max_connections or not capped:
                 return await self._open()
             if best is not None and not self._opening:
                 return best  # every connection is busy and no more may be opened

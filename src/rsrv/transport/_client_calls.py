@@ -83,10 +83,10 @@ class StreamingCall:
             raise StopAsyncIteration
         return message
 
-    def cancel(self) -> None:
-        """End the call now (RST_STREAM CANCEL, status CANCELLED) unless it has ended."""
+    def cancel(self, code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:
+        """End the call now (RST_STREAM CANCEL, status ``code``) unless it has ended."""
         if self._stream is not None:
-            self._stream.cancel()
+            self._stream.cancel(code, message)
 
     @property
     def done(self) -> bool:

@@ -77,6 +77,8 @@ class ClientStream:
         "trailers",
         "reached_server",
         "half_closed",
+        "_sending",
+        "_end_asked",
         "_closed",
         "_reader",
         "_inbox",
@@ -98,7 +100,9 @@ class ClientStream:
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.trailers: tuple[tuple[str, str], ...] = ()
         self.reached_server = True
-        self.half_closed = False  # we sent END_STREAM
+        self.half_closed = False  # we sent END_STREAM (or will, after the send under way)
+        self._sending = False  # a send is under way
+        self._end_asked = False  # end() was called during it
         self._closed = False  # no more acknowledgements owed (ended)
         self._reader: MessageReader | None = None
         self._inbox: collections.deque = collections.deque()
@@ -223,7 +227,7 @@ class ClientStream:
         control. Cancelled while waiting, it ends the call (RST_STREAM; CANCELLED, or
         DEADLINE_EXCEEDED past the call's deadline) if part of the message has gone
         out, since the rest can never follow; if none has, the call goes on as if this
-        send had not been made."""
+        send had not been made. One task sends at a time."""
         if self.done or self.half_closed:
             raise CallEnded(f"the call has ended ({self.status})" if self.done else "half-closed")
         if len(payload) > self.conn.max_send:
@@ -234,24 +238,33 @@ class ClientStream:
         conn = self.conn
         data = whole = memoryview(frame(payload))
         self.half_closed = end
-        while True:
-            data = data[conn.write_data(self, data, end) :]
-            if not data:
-                break
-            conn.flush()
-            waiter = self._window = trio.Event()
-            try:
-                await waiter.wait()
-            except BaseException:
-                if len(data) == len(whole):
-                    self.half_closed = False  # nothing went out: as if never sent
-                elif trio.current_time() >= self.deadline:
-                    self.cancel(StatusCode.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
-                else:
-                    self.cancel(message="the call was cancelled in the middle of a message")
-                raise
-            if self.done:
-                raise CallEnded(f"the call has ended ({self.status})")
+        self._sending, ended = True, False
+        try:
+            while True:
+                data = data[conn.write_data(self, data, end) :]
+                if not data:
+                    break
+                conn.flush()
+                waiter = self._window = trio.Event()
+                try:
+                    await waiter.wait()
+                except BaseException:
+                    if len(data) == len(whole):
+                        self.half_closed = self._end_asked  # nothing went out
+                    elif trio.current_time() >= self.deadline:
+                        self.cancel(StatusCode.DEADLINE_EXCEEDED, DEADLINE_MESSAGE)
+                    else:
+                        self.cancel(message="the call was cancelled in the middle of a message")
+                    raise
+                if self.done:
+                    raise CallEnded(f"the call has ended ({self.status})")
+            ended = end
+        finally:
+            self._sending = False
+            if self._end_asked:  # by end() meanwhile
+                self._end_asked = False
+                if not ended:
+                    self._write_end()  # (a no-op once the call has ended)
         if len(conn.streams) > 1:
             # Other calls are in flight on this connection: what they send in this pass
             # of the event loop goes out with this in one write, by the writer task.
@@ -260,9 +273,19 @@ class ClientStream:
             conn.flush()
 
     def end(self) -> None:
-        """Half-close: tell the server no more messages follow (idempotent)."""
-        if not self.half_closed and not self.done:
+        """Half-close: tell the server no more messages follow (idempotent). During
+        another task's :meth:`send`, the end follows that message (or goes at once if
+        that send is cancelled before any of it went out)."""
+        if self.done:
+            return
+        if self._sending:
+            self._end_asked = self.half_closed = True
+        elif not self.half_closed:
             self.half_closed = True
+            self._write_end()
+
+    def _write_end(self) -> None:
+        if not self.done:
             self.conn._out.append(F.frame(F.DATA, F.END_STREAM, self.id))
             self.conn.flush()
 

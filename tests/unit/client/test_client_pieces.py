@@ -23,6 +23,7 @@ from rsrv.client import (
 )
 from rsrv.client._tensors import InferResult, build_request, deserialize_bytes
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
+from rsrv.transport import GrpcServer, Method
 
 
 def test_backoff_is_capped_for_any_attempt():
@@ -143,10 +144,6 @@ class HeldCall:
     def __aiter__(self):
         return self._out.__aiter__()
 
-    def cancel(self) -> None:
-        self.done, self.status = True, StatusCode.CANCELLED
-        self._in.close()
-
 
 async def test_an_infer_cancelled_before_its_request_was_sent_drops_no_answer():
     """Only an answer that may yet come is dropped: a request never sent (cancelled
@@ -168,15 +165,22 @@ async def test_an_infer_cancelled_before_its_request_was_sent_drops_no_answer():
 
 
 async def test_an_answer_that_cannot_be_parsed_ends_the_stream_saying_so():
-    call = HeldCall()
-    stream = InferStream(call)
+    """A server whose stream answers are not ModelStreamInferResponse: iteration ends,
+    and leaving the block raises INTERNAL naming the parse error (the call is reset)."""
+
+    async def garbage(requests, call):
+        async for _ in requests:
+            yield b"\xff\xff"
+
+    path = "/inference.GRPCInferenceService/ModelStreamInfer"
+    server = GrpcServer([Method(path, garbage, bytes, bytes, True, True)], "127.0.0.1", 0)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stream._read)
-        call._in.send_nowait(b"\xff\xff")
-        for _ in range(2):  # and again: the stream stays ended, saying why
+        port = await nursery.start(server.serve)
+        async with InferenceClient("127.0.0.1", port) as client:
             with pytest.raises(InferenceServerError, match="cannot parse an answer") as info:
-                with trio.fail_after(5):
-                    await stream.receive()
+                async with client.stream() as stream:
+                    await stream.send("m", {"x": np.zeros((1, 3), np.float32)})
+                    assert [answer async for answer in stream] == []
             assert info.value.code == StatusCode.INTERNAL
-        assert call.done
+        await server.close(timeout=1)
         nursery.cancel_scope.cancel()

@@ -11,7 +11,7 @@ import trio
 from purerpc.grpclib.status import StatusCode
 from support.gateway import Answering, FakeDiscovery, client_call, fleet_of, ok
 
-from rsrv.errors import NotFound
+from rsrv.errors import NotFound, Unavailable
 from rsrv.gateway._fleet import Fleet, IndexRow
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed
 from rsrv.gateway._services import GatewayServices
@@ -226,6 +226,7 @@ async def test_a_trace_setting_update_naming_a_model_is_made_on_every_worker_ali
     channels = {n: Recording(ok(pb.TraceSettingResponse())) for n in ("w0", "w1")}
     fleet = fleet_of("w0", "w1", channels=channels, ready=True)
     fleet.workers[0].index = (IndexRow("only0", "1", "READY", ""),)
+    fleet.rebuild_routes()
     forward = Forwarder(fleet, FakeDiscovery(), router=None, request_timeout=60.0)
     services = GatewayServices(fleet, forward, Admission(0), 4)
     update = pb.TraceSettingRequest(model_name="only0")
@@ -236,3 +237,9 @@ async def test_a_trace_setting_update_naming_a_model_is_made_on_every_worker_ali
     update.model_name = "nope"
     with pytest.raises(NotFound, match="'nope' is not on any ready worker"):
         await services.trace_setting(update.SerializeToString(), client_call("TraceSetting"))
+    fleet.workers[1].index = (IndexRow("failed", "1", "UNAVAILABLE", "load failed"),)
+    fleet.rebuild_routes()
+    update.model_name = "failed"  # (a worker answers UNAVAILABLE too)
+    with pytest.raises(Unavailable, match="'failed' is not ready on any worker"):
+        await services.trace_setting(update.SerializeToString(), client_call("TraceSetting"))
+    assert [len(c.bodies) for c in channels.values()] == [1, 1]

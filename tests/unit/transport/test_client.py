@@ -162,6 +162,19 @@ async def test_an_uncapped_call_does_not_queue_behind_the_capped_ones():
             probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
             assert probe.response == b"probe"
             echo.release.set()
+    # Every connection full at the server's stream limit: one more is opened for it.
+    limits = ClientLimits(max_concurrent_streams=4, max_connections=2)
+    async with (
+        echo_server(limits=TransportLimits(max_streams_per_connection=2)) as echo,
+        open_channel("127.0.0.1", echo.port, limits=limits) as ch,
+    ):
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(ch.unary, HOLD, b"")
+            await wait_for(lambda: echo.active == 4, "four calls on two full connections")
+            probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
+            assert probe.response == b"probe" and len(ch.connections) == 3
+            echo.release.set()
 
 
 async def test_pool_spreads_streams_over_a_few_connections():
@@ -550,6 +563,45 @@ async def test_a_send_cancelled_mid_message_resets_its_stream():
         StatusCode.DEADLINE_EXCEEDED,
         "deadline exceeded (client timeout)",
     )
+
+
+async def test_an_end_during_a_send_follows_its_message():
+    """Another task half-closes while a send waits for the window: END_STREAM goes out
+    after that message, or at once if the send is cancelled before any of it went out;
+    the call stays half-closed either way (no DATA may follow END_STREAM)."""
+    server = Server()
+    spender, stream = server.open(), server.open()
+    spender.send_window = 65_535  # (it takes the connection's whole window)
+    with trio.move_on_after(0.01):
+        await spender.send(bytes(100_000))
+
+    def frames() -> list[tuple[int, int]]:
+        return [(kind, flags) for kind, flags, sid, _ in server.send(b"") if sid == stream.id]
+
+    async with trio.open_nursery() as nursery:
+        cancelled = trio.CancelScope()
+
+        async def send(scope: trio.CancelScope, payload: bytes) -> None:
+            with scope:
+                await stream.send(payload)
+
+        nursery.start_soon(send, cancelled, b"first")
+        await wait_for(lambda: stream._sending, "the send to wait for the window")
+        stream.end()
+        assert stream.half_closed and frames() == []  # not before the message
+        cancelled.cancel()  # none of it went out: the end goes at once
+    assert stream.half_closed and frames() == [(F.DATA, F.END_STREAM)]
+
+    server = Server()
+    stream = server.open()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send, trio.CancelScope(), bytes(70_000))
+        await wait_for(lambda: stream._sending, "the send to wait for the window")
+        stream.end()
+        server.send(F.window_update(0, 10_000) + F.window_update(stream.id, 10_000))
+    sent = frames()
+    assert sent[-1] == (F.DATA, F.END_STREAM) and all(k == F.DATA for k, _ in sent)
+    assert sum(1 for _, flags in sent if flags & F.END_STREAM) == 1
 
 
 async def test_trailers_that_end_a_response_mid_message_fail_it():
