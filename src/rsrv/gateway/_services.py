@@ -439,16 +439,21 @@ class GatewayServices:
         return merged.SerializeToString()
 
 
-#: Outcomes after which a call may have taken effect on the worker.
+#: Outcomes after which a call that reached the worker may have taken effect there
+#: (UNAVAILABLE: it may have been processed before the connection ended).
 _UNSURE = frozenset(
-    {StatusCode.OK, StatusCode.DEADLINE_EXCEEDED, StatusCode.CANCELLED, StatusCode.UNKNOWN}
+    {
+        StatusCode.OK,
+        StatusCode.DEADLINE_EXCEEDED,
+        StatusCode.CANCELLED,
+        StatusCode.UNKNOWN,
+        StatusCode.UNAVAILABLE,
+    }
 )
 
 
 def _maybe_done(result: CallResult) -> bool:
-    if result.status == StatusCode.UNAVAILABLE:
-        return result.reached_server  # (it may have been processed before the end)
-    return result.status in _UNSURE
+    return result.reached_server and result.status in _UNSURE
 
 
 def _first_answer(results: Mapping[str, CallResult]) -> bytes:

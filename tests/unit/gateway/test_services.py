@@ -243,3 +243,32 @@ async def test_a_trace_setting_update_naming_a_model_is_made_on_every_worker_ali
     with pytest.raises(Unavailable, match="'failed' is not ready on any worker"):
         await services.trace_setting(update.SerializeToString(), client_call("TraceSetting"))
     assert [len(c.bodies) for c in channels.values()] == [1, 1]
+
+
+async def test_a_failed_register_is_undone_only_where_it_may_have_taken_effect():
+    """OK, or an outcome that does not say (a deadline on a call the worker received):
+    undone there; refused (ALREADY_EXISTS: that registration is another's) or never
+    sent (a deadline that passed before the call left): left alone."""
+    fleet = fleet_of("ok", "exists", "late", "unsent", ready=True)
+    answers = {
+        "ok": ok(b""),
+        "exists": UnaryResult(StatusCode.ALREADY_EXISTS, "already registered"),
+        "late": UnaryResult(StatusCode.DEADLINE_EXCEEDED, "deadline"),
+        "unsent": UnaryResult(StatusCode.DEADLINE_EXCEEDED, "deadline", reached_server=False),
+    }
+    undone = []
+
+    class Recorded(Fixed):
+        async def fan_out(self, path, body, metadata=None, deadline=None, workers=None):
+            if workers is not None:
+                undone.append(sorted(w.name for w in workers))
+                return {w.name: ok(b"") for w in workers}
+            return await super().fan_out(path, body, metadata, deadline, workers)
+
+    services = GatewayServices(fleet, Recorded(fleet, answers), Admission(0), 4)
+    request = pb.SystemSharedMemoryRegisterRequest(name="r", key="/k", byte_size=64)
+    with pytest.raises(Relayed):
+        await services.shm_register(
+            request.SerializeToString(), client_call("SystemSharedMemoryRegister")
+        )
+    assert undone == [["late", "ok"]]
