@@ -16,12 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
-from support.bundles import X, export_linear, infer_y, matches, x_input
+from support.bundles import SLOW_HOOK_PY, X, export_linear, infer_y, matches, x_input
 from support.metrics import Scrape, get
 from support.serving import ServerProcess, free_port, free_ports, rsrv_command
 from support.waiting import wait_until
@@ -246,6 +247,39 @@ def test_children_stop_when_the_supervisor_is_killed(tmp_path, node):
     n.process.kill()
     n.process.wait()
     wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the workers to exit")
+
+
+def test_children_whose_stop_hangs_end_within_their_grace_when_the_supervisor_dies(tmp_path, node):
+    """A model whose import hangs holds each worker's start-up (and so its graceful
+    stop) for 10 minutes; SIGKILL of the supervisor still ends both within the grace it
+    would have given them (1 s to drain + 1 s), not when the import returns."""
+    bundle = export_linear(tmp_path / "repo" / "lin", seed=5, import_seconds=0.01)
+    hang = SLOW_HOOK_PY.format(seconds=0, import_seconds=600)  # (exported, it would run)
+    (bundle / "model.py").write_text(hang)
+    n = node(
+        TWO_WORKERS.replace("shutdown_grace_seconds = 20", "shutdown_grace_seconds = 1"),
+        supervisor="kill_after_seconds = 1",
+    )
+
+    def starting() -> list[int]:
+        try:
+            children = n.children()
+        except OSError:  # (its admin endpoint is not up yet)
+            return []
+        pids = [c["pid"] for name, c in children.items() if name != "gateway" and c["pid"]]
+        return pids if len(pids) == 2 else []
+
+    pids = wait_until(starting, 60, "both workers to start", interval=0.1)
+
+    def loading() -> bool:  # (they listen, then load their models: the import hangs)
+        lines = [x for x in n.stderr if "gRPC listening" in x]
+        return all(any(f"[{w}]" in x for x in lines) for w in ("worker0", "worker1"))
+
+    wait_until(loading, 60, "both workers to listen")
+    time.sleep(0.5)  # (into the import)
+    n.process.kill()
+    n.process.wait()
+    wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the workers to end")
 
 
 def test_json_logs_stay_json_with_the_child_named(tmp_path, node):

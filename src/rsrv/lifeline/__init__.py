@@ -4,6 +4,7 @@ when the supervisor dies (``_lifeline``)."""
 
 from rsrv.lifeline._lifeline import (
     LINK_FD_VARIABLE,
+    LINK_GRACE_VARIABLE,
     ChildStatus,
     SupervisorLink,
     read_status,
@@ -13,6 +14,7 @@ from rsrv.lifeline._process import Server, first_error, serve_process
 
 __all__ = [
     "LINK_FD_VARIABLE",
+    "LINK_GRACE_VARIABLE",
     "ChildStatus",
     "Server",
     "SupervisorLink",

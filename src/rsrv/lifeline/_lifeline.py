@@ -4,14 +4,18 @@ The child writes its status on it as JSON lines (``{"ready": true, "port": 8101}
 one whenever the state changes, so the supervisor knows a child serves without speaking
 its protocol (TLS, restricted protocols and all). The supervisor never writes: the
 child reads end-of-file when the supervisor is gone, however it died (SIGKILL
-included), and stops gracefully as if it had received SIGTERM. (Linux's parent-death
-signal cannot do this: it fires when the *thread* that started the child exits, and
-trio starts processes from worker threads that come and go.)
+included), and stops gracefully as if it had received SIGTERM, within the grace the
+supervisor would have given it (``RSRV_SUPERVISOR_GRACE`` seconds): past that the
+kernel ends it (SIGALRM, whose default action needs nothing of the process, so a stop
+stuck in a model's import or a compile ends too). (Linux's parent-death signal cannot
+do this: it fires when the *thread* that started the child exits, and trio starts
+processes from worker threads that come and go.)
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -21,9 +25,18 @@ from contextlib import suppress
 import msgspec
 import trio
 
-__all__ = ["LINK_FD_VARIABLE", "ChildStatus", "SupervisorLink", "read_status", "supervised"]
+__all__ = [
+    "LINK_FD_VARIABLE",
+    "LINK_GRACE_VARIABLE",
+    "ChildStatus",
+    "SupervisorLink",
+    "read_status",
+    "supervised",
+]
 
 LINK_FD_VARIABLE = "RSRV_SUPERVISOR_FD"
+LINK_GRACE_VARIABLE = "RSRV_SUPERVISOR_GRACE"  # seconds from SIGTERM to SIGKILL
+DEFAULT_GRACE = 60.0  # (a supervisor that did not say)
 
 log = logging.getLogger("rsrv.lifeline")
 
@@ -43,7 +56,8 @@ class ChildStatus(msgspec.Struct, frozen=True):
 
 class SupervisorLink:
     """The child's end: reports ``current()`` (polled every ``interval`` seconds)
-    whenever it changes, and sends this process SIGTERM when the supervisor goes.
+    whenever it changes, and when the supervisor goes sends this process SIGTERM and
+    arms an alarm that ends it once its grace has passed.
 
     Outside a supervisor (no ``RSRV_SUPERVISOR_FD``) :meth:`run` returns at once.
     """
@@ -53,6 +67,10 @@ class SupervisorLink:
         self.interval = interval
         text = os.environ.get(LINK_FD_VARIABLE)
         self.fd = int(text) if text is not None and text.isdigit() else None
+        try:
+            self.grace = float(os.environ.get(LINK_GRACE_VARIABLE, DEFAULT_GRACE))
+        except ValueError:
+            self.grace = DEFAULT_GRACE
 
     async def run(self) -> None:
         if self.fd is None:
@@ -63,7 +81,9 @@ class SupervisorLink:
             with suppress(trio.BrokenResourceError, OSError):
                 while await stream.receive_some():
                     pass  # the supervisor writes nothing; end of file means it is gone
-            log.warning("the supervisor is gone: stopping")
+            seconds = max(1, math.ceil(self.grace))
+            log.warning("the supervisor is gone: stopping (ended in %d s at the latest)", seconds)
+            signal.alarm(seconds)  # (SIGALRM's default action: the kernel ends us)
             os.kill(os.getpid(), signal.SIGTERM)
             nursery.cancel_scope.cancel()
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import trio
 
 from rsrv.config import SupervisorConfig
-from rsrv.lifeline import LINK_FD_VARIABLE, read_status
+from rsrv.lifeline import LINK_FD_VARIABLE, LINK_GRACE_VARIABLE, read_status
 from rsrv.node._output import OutputSink, forward_lines
 
 __all__ = ["FATAL_EXIT", "Child", "ChildSpec", "ChildState", "restart_delay"]
@@ -179,7 +179,11 @@ class Child:
 
     async def _start_and_wait(self) -> int:
         link, child_end = socket.socketpair()
-        env = {**self.spec.env, LINK_FD_VARIABLE: str(child_end.fileno())}
+        env = {
+            **self.spec.env,
+            LINK_FD_VARIABLE: str(child_end.fileno()),
+            LINK_GRACE_VARIABLE: str(self.spec.grace),
+        }
         try:
             process = await trio.lowlevel.open_process(
                 self.spec.argv,

@@ -319,7 +319,8 @@ def node_main(node_file: str | None) -> int:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
     output = standard_output()
-    logging_config = node.global_.logging
+    # (as resolved, environment included, as the gateway's: the first worker's)
+    logging_config = plan.workers[0].logging if plan.workers else node.global_.logging
     configure_logging(
         "node", logging_config.level, logging_config.format, stream=SinkStream(output[1])
     )
