@@ -282,9 +282,14 @@ def test_children_whose_stop_hangs_end_within_their_grace_when_the_supervisor_di
     wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the workers to end")
 
 
-def test_json_logs_stay_json_with_the_child_named(tmp_path, node):
+@pytest.mark.parametrize("where", ["file", "environment"])
+def test_json_logs_stay_json_with_the_child_named(tmp_path, node, where):
+    """Every line, the node's own included, whether the file or the environment asks."""
     export_linear(tmp_path / "repo" / "lin", seed=6)
-    n = node(TWO_WORKERS + '\n[global.logging]\nformat = "json"\n')
+    if where == "file":
+        n = node(TWO_WORKERS + '\n[global.logging]\nformat = "json"\n')
+    else:
+        n = node(env={"INFERENCE_SERVER_LOGGING_FORMAT": "json"})
     n.wait_serving()
     n.process.send_signal(signal.SIGTERM)
     assert n.wait_exit(60) == 0
