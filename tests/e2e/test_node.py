@@ -240,6 +240,21 @@ def test_sigterm_under_load_answers_every_accepted_request(tmp_path, node):
     assert "node stopped: every child drained and exited" in log
 
 
+def test_a_child_killed_from_elsewhere_while_the_node_stops_fails_the_stop(tmp_path, node):
+    """Its drain was cut short (what it held is lost): exit 1 naming it, not 0."""
+    export_linear(tmp_path / "repo" / "lin", seed=5)
+    n = node()
+    worker0 = n.wait_serving()["worker0"]["pid"]
+    os.kill(worker0, signal.SIGSTOP)  # (it cannot drain on its own before the kill)
+    n.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: n.children()["worker0"]["state"] == "stopping", 30, "the stop")
+    os.kill(worker0, signal.SIGKILL)  # the OOM killer, say
+    assert n.wait_exit(60) == 1
+    assert n.stderr[-1].endswith(
+        "node stopped; did not drain and exit by itself: worker0 (signal SIGKILL)"
+    )
+
+
 def test_children_stop_when_the_supervisor_is_killed(tmp_path, node):
     export_linear(tmp_path / "repo" / "lin", seed=5)
     n = node()

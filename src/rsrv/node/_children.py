@@ -91,6 +91,9 @@ class Child:
     restarts_total: int = 0
     last_exit: str | None = None
     killed: bool = False  # SIGKILLed: it outlived its grace period, or a second signal
+    # how it ended while the node stopped it, when not by itself (exit 0) nor by the
+    # node's SIGKILL: a signal from elsewhere (the OOM killer), a failed drain
+    broke_off: str | None = None
     timed_out: bool = False  # its last start did not serve within startup_timeout_seconds
     served: bool = False  # its last start reported ready at some point
     started_at: float = 0.0
@@ -232,7 +235,10 @@ class Child:
             self._process, self._halt, self.ready = None, None, False
         uptime = trio.current_time() - self.started_at
         self.last_exit = describe_exit(process.returncode)
-        log_exit = log.info if self._stop.is_set() and not self.killed else log.warning
+        stopping = self._stop.is_set() and not self.killed
+        if stopping and process.returncode != 0:
+            self.broke_off = self.last_exit
+        log_exit = log.info if stopping and not self.broke_off else log.warning
         log_exit("%s exited (%s) after %.1f s", self.name, self.last_exit, uptime)
         return process.returncode
 

@@ -254,6 +254,10 @@ class Supervisor:
                 ", ".join(killed),
             )
             return 1
+        broke_off = [f"{c.name} ({c.broke_off})" for c in self.children if c.broke_off]
+        if broke_off:
+            log.error("node stopped; did not drain and exit by itself: %s", ", ".join(broke_off))
+            return 1
         log.info("node stopped: every child drained and exited")
         return 0
 
