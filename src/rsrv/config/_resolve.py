@@ -90,16 +90,22 @@ def _backend(node: NodeConfig, env: Mapping[str, str]) -> str:
 def _entries(
     node: NodeConfig, backend: str, devices: list[str] | None, env: Mapping[str, str]
 ) -> list[WorkerEntry]:
-    """The file's workers, else worker0..N-1: one per device, or ``cpu_workers``."""
+    """The file's workers, else worker0..N-1: one per device, or ``cpu_workers``.
+    Raises ConfigError for an ``INFERENCE_SERVER_CPU_WORKERS`` that does not parse, or
+    that cannot apply (the file lists its workers; a cuda node has one per device)."""
+    text = env.get(CPU_WORKERS_VARIABLE)
+    if text is not None:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ConfigError(f"{CPU_WORKERS_VARIABLE}={text!r}: expected an integer >= 1")
+        why = "the node file lists its workers" if node.workers else ""
+        if not why and backend != "cpu":
+            why = f"a {backend} node runs one worker per device"
+        if why:
+            raise ConfigError(f"{CPU_WORKERS_VARIABLE}={text!r} cannot apply: {why}")
     if node.workers:
         return list(node.workers)
     if backend == "cpu":
-        count = node.cpu_workers
-        text = env.get(CPU_WORKERS_VARIABLE)
-        if text is not None:
-            if not text.strip().isdigit() or int(text) < 1:
-                raise ConfigError(f"{CPU_WORKERS_VARIABLE}={text!r}: expected an integer >= 1")
-            count = int(text)
+        count = node.cpu_workers if text is None else int(text)
     else:
         count = max(1, len(devices or ()))
     return [WorkerEntry(name=f"worker{i}") for i in range(count)]

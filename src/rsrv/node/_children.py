@@ -247,8 +247,7 @@ class Child:
         SIGTERM): SIGTERM, its graceful stop, then SIGKILL once ``spec.grace`` has
         passed (``killed`` when the node's stop had to)."""
         await halt.wait()
-        if self._stop.is_set():
-            self.state = ChildState.STOPPING
+        self.state = ChildState.STOPPING
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.spec.grace):
             await process.wait()

@@ -154,6 +154,12 @@ def test_cpu_workers_from_the_file_and_the_environment(tmp_path):
     assert len(got.workers) == 3
     with pytest.raises(ConfigError, match="INFERENCE_SERVER_CPU_WORKERS='0': expected"):
         plan(tmp_path, "", {"INFERENCE_SERVER_CPU_WORKERS": "0"})
+    # Where it cannot apply it is an error, not ignored (malformed or not).
+    for value in ("4", "abc"):
+        with pytest.raises(ConfigError, match=f"CPU_WORKERS='{value}'"):
+            plan(tmp_path, "workers: [{name: a}]\n", {"INFERENCE_SERVER_CPU_WORKERS": value})
+    with pytest.raises(ConfigError, match="cannot apply: a cuda node runs one worker per"):
+        plan(tmp_path, CUDA, {"INFERENCE_SERVER_CPU_WORKERS": "2"})
     # The backend override decides between cpu_workers and one per device.
     cuda = plan(tmp_path, "cpu_workers: 4\n", {"INFERENCE_SERVER_RUNTIME_BACKEND": "cuda"})
     assert [w.gpu for w in cuda.workers] == [None]

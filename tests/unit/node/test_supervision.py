@@ -186,6 +186,23 @@ async def test_a_child_that_never_serves_is_stopped_and_restarted_until_the_limi
     assert "the last one not serving 0.5 s after starting" in failures[0]
 
 
+async def test_a_child_stopped_for_its_start_up_timeout_is_stopping_meanwhile():
+    """Between its SIGTERM and its end (here: SIGKILL, as it ignores SIGTERM) it is
+    ``stopping``, not ``starting``, for whoever watches /healthz."""
+    policy = SupervisorConfig(max_restarts=0, startup_timeout_seconds=0.2)
+    script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    c = child(script, policy, [], grace=1.0)
+    states = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        with trio.fail_after(30):
+            while c.state is not ChildState.FAILED:
+                states.append(c.state)
+                await trio.sleep(0.02)
+    assert ChildState.STOPPING in states and states.index(ChildState.STOPPING) > 0
+    assert set(states[states.index(ChildState.STOPPING) :]) == {ChildState.STOPPING}
+
+
 async def test_a_fatal_exit_is_not_restarted(tmp_path):
     failures: list[str] = []
     c = child("raise SystemExit(2)", SupervisorConfig(backoff_seconds=0.01), failures)
