@@ -37,6 +37,7 @@ __all__ = [
 LINK_FD_VARIABLE = "RSRV_SUPERVISOR_FD"
 LINK_GRACE_VARIABLE = "RSRV_SUPERVISOR_GRACE"  # seconds from SIGTERM to SIGKILL
 DEFAULT_GRACE = 60.0  # (a supervisor that did not say)
+MAX_ALARM = 2**31 - 1  # seconds signal.alarm takes
 
 log = logging.getLogger("rsrv.lifeline")
 
@@ -81,9 +82,12 @@ class SupervisorLink:
             with suppress(trio.BrokenResourceError, OSError):
                 while await stream.receive_some():
                     pass  # the supervisor writes nothing; end of file means it is gone
-            seconds = max(1, math.ceil(self.grace))
-            log.warning("the supervisor is gone: stopping (ended in %d s at the latest)", seconds)
-            signal.alarm(seconds)  # (SIGALRM's default action: the kernel ends us)
+            if math.isfinite(self.grace) and self.grace < MAX_ALARM:
+                seconds = max(1, math.ceil(self.grace))
+                log.warning("the supervisor is gone: stopping (ended in %d s at most)", seconds)
+                signal.alarm(seconds)  # (SIGALRM's default action: the kernel ends us)
+            else:  # a grace without end
+                log.warning("the supervisor is gone: stopping")
             os.kill(os.getpid(), signal.SIGTERM)
             nursery.cancel_scope.cancel()
 

@@ -236,7 +236,8 @@ class Child:
         uptime = trio.current_time() - self.started_at
         self.last_exit = describe_exit(process.returncode)
         stopping = self._stop.is_set() and not self.killed
-        if stopping and process.returncode != 0:
+        # (ended by the node's SIGTERM itself: a child still starting, before its handler)
+        if stopping and process.returncode not in (0, -signal.SIGTERM):
             self.broke_off = self.last_exit
         log_exit = log.info if stopping and not self.broke_off else log.warning
         log_exit("%s exited (%s) after %.1f s", self.name, self.last_exit, uptime)

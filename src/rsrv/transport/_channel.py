@@ -54,7 +54,7 @@ class ClientLimits:
     ``max_connections``: HTTP/2 connections to the endpoint, opened lazily; a new one
     is opened when every open one carries ``streams_per_connection`` calls, or the
     server's SETTINGS_MAX_CONCURRENT_STREAMS, or is closing (beyond this number only
-    for an uncapped call that finds every one full). Messages above
+    for an uncapped call that finds every one full: one spare connection, apart). Messages above
     ``max_send_message_bytes`` fail without being sent (a unary call RESOURCE_EXHAUSTED,
     a stream's message :class:`MessageTooLarge`, the stream going on), received
     ones above ``max_receive_message_bytes`` (decompressed) RESOURCE_EXHAUSTED.
@@ -100,6 +100,7 @@ class Channel:
         self.limits = limits
         self.connections: list[ClientConnection] = []
         self.opened = 0  # connections opened so far (a server restart makes a new one)
+        self._spare: ClientConnection | None = None  # uncapped calls' when the pool is full
         self._slots = trio.Semaphore(limits.max_concurrent_streams)
         self._opening = 0
         self._changed = trio.lowlevel.ParkingLot()
@@ -130,7 +131,7 @@ class Channel:
         end UNAVAILABLE ("the client closed the channel ..."), later calls fail
         UNAVAILABLE (never sent)."""
         self._closed = True
-        for conn in list(self.connections):
+        for conn in [*self.connections, *filter(None, [self._spare])]:
             conn.closed_here = True
             conn.close()
         with trio.move_on_after(1):  # idle ones send GOAWAY and close
@@ -247,9 +248,10 @@ class Channel:
 
     async def _connection(self, capped: bool = True) -> ClientConnection:
         """A connection with room for one more stream: the least loaded, or a new one
-        (see ClientLimits); waits while every connection is full, unless not ``capped``
-        (then any with room, or one opened beyond ``max_connections``). Raises
-        _Unreachable."""
+        (see ClientLimits); waits while every connection is full, unless not ``capped``:
+        then any with room, or else a spare connection beyond ``max_connections``, kept
+        apart from the pool (capped calls never use it; not counted in ``opened``).
+        Raises _Unreachable."""
         limits = self.limits
         while True:
             if self._closed or self._nursery is None:
@@ -262,18 +264,26 @@ class Channel:
                     best = conn
             if best is not None and (best.load < limits.streams_per_connection or not capped):
                 return best
-            if len(self.connections) + self._opening < limits.max_connections or not capped:
+            if len(self.connections) + self._opening < limits.max_connections:
                 return await self._open()
+            if not capped:
+                spare = self._spare
+                if spare is None or not spare.available:
+                    if spare is not None:
+                        spare.close()  # (GOAWAY: what it carries finishes)
+                    spare = self._spare = await self._open(pooled=False)
+                return spare
             if best is not None and not self._opening:
                 return best  # every connection is busy and no more may be opened
             await self._changed.park()  # for the connection being opened, or a free stream
 
-    async def _open(self) -> ClientConnection:
+    async def _open(self, pooled: bool = True) -> ClientConnection:
         """A new connection, once the server's SETTINGS arrived (so its stream limit
-        and windows are known before streams are opened on it)."""
+        and windows are known before streams are opened on it); in the pool unless
+        not ``pooled``."""
         limits = self.limits
         where = f"{self.host}:{self.port}"
-        self._opening += 1
+        self._opening += pooled
         conn = None
         try:
             with trio.move_on_after(limits.connect_timeout) as timer:
@@ -302,15 +312,19 @@ class Channel:
                 conn.close()  # it never served: GOAWAY, closed
             raise
         finally:
-            self._opening -= 1
+            self._opening -= pooled
             self._changed.unpark_all()
-        self.connections.append(conn)
-        self.opened += 1
+        if pooled:
+            self.connections.append(conn)
+            self.opened += 1
         return conn
 
     def _on_change(self, conn: ClientConnection) -> None:
-        if conn.closed and conn in self.connections:
-            self.connections.remove(conn)
+        if conn.closed:
+            if conn in self.connections:
+                self.connections.remove(conn)
+            elif conn is self._spare:
+                self._spare = None
         self._changed.unpark_all()
 
     def _block(self, path: str, metadata: Metadata, deadline: float) -> bytes:

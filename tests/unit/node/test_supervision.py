@@ -16,7 +16,13 @@ import pytest
 import trio
 
 from rsrv.config import ConfigError, SupervisorConfig, load_gateway, load_node, plan_node
-from rsrv.lifeline import LINK_FD_VARIABLE, ChildStatus, SupervisorLink, read_status
+from rsrv.lifeline import (
+    LINK_FD_VARIABLE,
+    LINK_GRACE_VARIABLE,
+    ChildStatus,
+    SupervisorLink,
+    read_status,
+)
 from rsrv.lifeline._process import _serve_until_signal
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
@@ -316,7 +322,8 @@ async def test_stop_escalates_to_sigkill_after_the_grace_period():
 
 async def test_stop_during_a_start_waits_for_that_process():
     """stop() called while the process is being started (Popen runs in a thread) stops
-    that process too, and returns only once it is gone."""
+    that process too, and returns only once it is gone; ended by the node's SIGTERM (it
+    had no handler yet), it stopped as asked (not broken off)."""
     c = child("import time; time.sleep(60)", SupervisorConfig(), [])
     async with trio.open_nursery() as nursery:
         nursery.start_soon(c.run)
@@ -325,7 +332,7 @@ async def test_stop_during_a_start_waits_for_that_process():
         with trio.fail_after(30):
             await c.stop()
         assert c.pid is not None and not c.alive and c.last_exit == "signal SIGTERM"
-    assert c.state is ChildState.STOPPED and not c.killed
+    assert c.state is ChildState.STOPPED and not c.killed and c.broke_off is None
 
 
 BLINKING_CHILD = """
@@ -367,9 +374,21 @@ async def test_the_state_follows_readiness():
     assert c.state is ChildState.STOPPED
 
 
-async def test_the_link_reports_status_and_notices_the_supervisor_go(monkeypatch):
+@pytest.mark.parametrize(
+    ("grace", "alarm"), [("2.5", [3]), (None, [60]), ("inf", []), ("nan", []), ("3e9", [])]
+)
+async def test_the_link_reports_status_and_notices_the_supervisor_go(monkeypatch, grace, alarm):
+    """Gone, the supervisor leaves the child SIGTERM and an alarm for the grace it
+    would have given it (whole seconds, rounded up; 60 s when it did not say; none for
+    a grace without end)."""
     supervisor_end, child_end = socket.socketpair()
     monkeypatch.setenv(LINK_FD_VARIABLE, str(child_end.fileno()))
+    if grace is None:
+        monkeypatch.delenv(LINK_GRACE_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(LINK_GRACE_VARIABLE, grace)
+    alarms: list[int] = []
+    monkeypatch.setattr(signal, "alarm", alarms.append)  # (not this test process's)
     ready = False
     link = SupervisorLink(lambda: ChildStatus(ready=ready, port=8101), interval=0.01)
     terminated = trio.Event()
@@ -391,6 +410,7 @@ async def test_the_link_reports_status_and_notices_the_supervisor_go(monkeypatch
             await stream.aclose()  # the supervisor is gone
             with trio.fail_after(10):
                 await terminated.wait()
+    assert alarms == alarm
 
 
 def test_outside_a_supervisor_the_link_does_nothing(monkeypatch):

@@ -162,18 +162,23 @@ async def test_an_uncapped_call_does_not_queue_behind_the_capped_ones():
             probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
             assert probe.response == b"probe"
             echo.release.set()
-    # Every connection full at the server's stream limit: one more is opened for it.
-    limits = ClientLimits(max_concurrent_streams=4, max_connections=2)
+    # Every connection full at the server's stream limit: a spare one is opened for it,
+    # which capped calls never use (max_connections holds for them) and which does not
+    # count as a connection opened to the server (a restart, to the gateway).
+    limits = ClientLimits(max_concurrent_streams=6, max_connections=2)
     async with (
         echo_server(limits=TransportLimits(max_streams_per_connection=2)) as echo,
         open_channel("127.0.0.1", echo.port, limits=limits) as ch,
     ):
         async with trio.open_nursery() as nursery:
-            for _ in range(4):
+            for _ in range(6):  # two of them wait for room
                 nursery.start_soon(ch.unary, HOLD, b"")
             await wait_for(lambda: echo.active == 4, "four calls on two full connections")
-            probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
-            assert probe.response == b"probe" and len(ch.connections) == 3
+            for _ in range(3):  # one spare connection, apart from the pool, for them all
+                probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
+                assert probe.response == b"probe"
+            assert (len(ch.connections), ch.opened, len(echo.server.connections)) == (2, 2, 3)
+            assert echo.active == 4  # the waiting calls did not take the spare
             echo.release.set()
 
 
