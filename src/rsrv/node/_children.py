@@ -92,7 +92,7 @@ class Child:
     last_exit: str | None = None
     killed: bool = False  # SIGKILLed: it outlived its grace period, or a second signal
     # how it ended while the node stopped it, when not by itself (exit 0) nor by the
-    # node's SIGKILL: a signal from elsewhere (the OOM killer), a failed drain
+    # node's own signals: a signal from elsewhere (the OOM killer), a failed drain
     broke_off: str | None = None
     timed_out: bool = False  # its last start did not serve within startup_timeout_seconds
     served: bool = False  # its last start reported ready at some point
