@@ -9,8 +9,10 @@ tritonclient's ``ssl=True`` options and a CA made for the test (trustme).
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -224,6 +226,36 @@ def test_tls(pki, tls_config):
             with raises_status("UNAVAILABLE"):
                 plain.is_server_live(client_timeout=5)
         assert w.server.connections is not None
+
+
+def test_a_rest_connection_closed_at_the_cap_in_its_handshake_leaves_the_server_up(
+    tmp_path, pki, node
+):
+    """Three TCP connections that never start their TLS handshake fill the REST port's
+    cap; a fourth closes the oldest (from its own task: closed from the new one's, the
+    handshake's error took the worker down) and is served over TLS, and so is gRPC."""
+    endpoints = (
+        f'tls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\n'
+        f"http_port = {free_port()}\nmax_connections = 3\n"
+    )
+    repo = make_repo(tmp_path / "repo", "classifier")
+    context = ssl.create_default_context(cafile=str(pki["ca"]))
+    with running(node_config(tmp_path, node(repo, endpoints=endpoints))) as w:
+        silent = [socket.create_connection(("127.0.0.1", w.http_port)) for _ in range(3)]
+        try:
+            time.sleep(0.3)  # (each in its handshake)
+            with (
+                socket.create_connection(("127.0.0.1", w.http_port), timeout=10) as raw,
+                context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+            ):
+                tls.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert tls.recv(100).startswith(b"HTTP/1.1 200 ")
+            assert silent[0].recv(100) == b""  # the oldest, closed to make room
+        finally:
+            for sock in silent:
+                sock.close()
+        with _client(w, pki) as triton:
+            assert triton.is_server_live()
 
 
 def test_mutual_tls(pki, tls_config):

@@ -51,6 +51,10 @@ class _ClosingTCPServer(TCPServer):
     # Since when no request is under way (hypercorn's Updated(idle) events), None while
     # one is: headers not complete, or idle between requests, count as waiting.
     _rsrv_waiting_since: float | None = None
+    # Cancelled to close the connection at the cap: its own task then closes its stream
+    # (closed from another task, a TLS handshake under way raised past hypercorn, which
+    # catches only BrokenResourceError there, and took the whole server down).
+    _rsrv_scope: trio.CancelScope | None = None
 
     async def run(self) -> None:
         cap: ConnectionCap = self.config.rsrv_connection_cap  # (serve_http sets it)
@@ -61,12 +65,17 @@ class _ClosingTCPServer(TCPServer):
                 await trio.aclose_forcefully(self.stream)
             return
         cap.open[self] = None  # (before any checkpoint: a burst sees it counted)
+        scope = self._rsrv_scope = trio.CancelScope()
         try:
             if oldest is not None:
-                await trio.aclose_forcefully(oldest.stream)
-            await super().run()
+                oldest._rsrv_scope.cancel()
+            with scope:
+                await super().run()
         finally:
             cap.open.pop(self, None)
+            if scope.cancelled_caught:  # (hypercorn's own close was cancelled too)
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(self.stream)
 
     async def protocol_send(self, event) -> None:
         if isinstance(event, Updated):
