@@ -233,10 +233,11 @@ def test_a_rest_connection_closed_at_the_cap_in_its_handshake_leaves_the_server_
 ):
     """Three TCP connections that never start their TLS handshake fill the REST port's
     cap; a fourth closes the oldest (from its own task: closed from the new one's, the
-    handshake's error took the worker down) and is served over TLS, and so is gRPC."""
+    handshake's error took the worker down) and is served over TLS, and so is gRPC. A
+    handshake that does not finish within receive_timeout_seconds is closed."""
     endpoints = (
         f'tls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\n'
-        f"http_port = {free_port()}\nmax_connections = 3\n"
+        f"http_port = {free_port()}\nmax_connections = 3\nreceive_timeout_seconds = 1\n"
     )
     repo = make_repo(tmp_path / "repo", "classifier")
     context = ssl.create_default_context(cafile=str(pki["ca"]))
@@ -251,6 +252,8 @@ def test_a_rest_connection_closed_at_the_cap_in_its_handshake_leaves_the_server_
                 tls.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert tls.recv(100).startswith(b"HTTP/1.1 200 ")
             assert silent[0].recv(100) == b""  # the oldest, closed to make room
+            silent[1].settimeout(10)  # (the handshake's limit: receive_timeout_seconds)
+            assert silent[1].recv(100) == b""
         finally:
             for sock in silent:
                 sock.close()

@@ -190,6 +190,7 @@ async def serve_http(
     *,
     keep_alive_timeout: float | None = None,
     read_timeout: float | None = None,
+    handshake_timeout: float | None = None,
     tls: tuple[str, str, str | None] | None = None,
     backlog: int | None = None,
     max_connections: int = 64,
@@ -203,7 +204,8 @@ async def serve_http(
     closed after it (hypercorn's default, 5 s, when None); ``read_timeout``: a read of
     the socket that takes longer closes the connection; ``tls``: (certificate chain,
     key, client CA or None) in PEM files, to serve HTTPS (with the CA: clients must
-    present a certificate it signed). At most ``max_connections`` connections are open
+    present a certificate it signed), each TLS handshake within ``handshake_timeout``
+    (hypercorn's default, 60 s, when None). At most ``max_connections`` connections are open
     at once: one more closes the one waiting longest for a request, or is refused when
     every one is answering one (``connections_setting`` names the limit in the log)."""
     config = Config()
@@ -220,6 +222,8 @@ async def serve_http(
         config.read_timeout = read_timeout
     if backlog is not None:
         config.backlog = backlog
+    if handshake_timeout is not None:
+        config.ssl_handshake_timeout = handshake_timeout
     if tls is not None:
         config.certfile, config.keyfile, config.ca_certs = tls
         if tls[2] is not None:

@@ -45,6 +45,7 @@ async def serve_rest(
                 # again after each answer. Its read_timeout is not used: it would apply to
                 # every read, also while a long inference runs, and drop its answer.
                 keep_alive_timeout=idle,
+                handshake_timeout=ep.receive_timeout_seconds,  # (as the gRPC port's)
                 tls=tls,
                 max_connections=ep.max_connections,
                 connections_setting="endpoints.max_connections",
