@@ -487,13 +487,15 @@ def test_timeout_parameter_expires_a_queued_request(worker, client):
 
 def test_a_client_that_disconnects_withdraws_its_queued_request(worker, client):
     """The twin of a gRPC call whose deadline or reset cancels it: the request leaves the
-    scheduler's queue and never runs."""
+    scheduler's queue and never runs, and is counted as a failure (CANCELLED)."""
     body = json.dumps({"inputs": [tensor(**X, binary=1024)]}).encode()
     head = (
         f"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\n"
         f"Inference-Header-Content-Length: {len(body)}\r\n"
         f"Content-Length: {len(body) + 1024}\r\n\r\n"
     ).encode()
+    failed = client.get_inference_statistics("classifier")["model_stats"][0]
+    failed = failed["inference_stats"]["fail"]["count"]
     with held_device(worker):
         before = sched_stats(worker, "classifier").dispatches
         first = in_background(worker, "classifier", x_rows(1))
@@ -504,6 +506,8 @@ def test_a_client_that_disconnects_withdraws_its_queued_request(worker, client):
         wait_until(lambda: sched_stats(worker, "classifier").queue_depth == 0)
     assert first.get(timeout=60).shape == (1, 10)
     assert sched_stats(worker, "classifier").dispatches == before + 1  # withdrawn: never ran
+    stats = client.get_inference_statistics("classifier")["model_stats"][0]
+    assert stats["inference_stats"]["fail"]["count"] == failed + 1
 
 
 # -- limits ------------------------------------------------------------------------------------
