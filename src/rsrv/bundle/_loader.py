@@ -181,8 +181,8 @@ def _check_module(
         )
     if size == UNBATCHED and sig.batched:
         # A single model.mlir of a batched model: its batch size is the compiled extent.
-        first = inputs[0]
-        size = msig.inputs[0].shape[first.batch_axis] if msig.inputs[0].shape else -1
+        first, shape = inputs[0], msig.inputs[0].shape
+        size = shape[first.batch_axis] if len(shape) > first.batch_axis else -1
         if size < 1:
             raise BundleError(f"{file}: argument 0 ({first.name!r}) has no static batch extent")
     for i, (arg, t) in enumerate(zip(msig.inputs, inputs, strict=False)):

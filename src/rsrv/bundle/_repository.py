@@ -92,3 +92,5 @@ def _try_load(path: Path) -> Bundle | BundleError:
         return load_bundle(versions[max(versions)], path.name)
     except BundleError as e:
         return e
+    except Exception as e:  # a check the loader lacks: still this bundle's failure only
+        return BundleError(f"{path}: cannot be loaded: {type(e).__name__}: {e}")

@@ -44,6 +44,11 @@ class WeightsFile:
         object.__setattr__(self, "nbytes", sum(w.end - w.start for w in self.weights))
 
 
+def _ints(value) -> bool:
+    """A JSON list of integers (not booleans)."""
+    return isinstance(value, list) and all(type(x) is int for x in value)
+
+
 def read_weights_header(path: Path) -> WeightsFile:
     """Read and check the header; raise ``ValueError`` naming what is wrong."""
     with open(path, "rb") as f:
@@ -58,7 +63,11 @@ def read_weights_header(path: Path) -> WeightsFile:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"not a safetensors file (header is not JSON: {e})") from None
     size = path.stat().st_size - 8 - n
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors file (its header is not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("__metadata__ must be a JSON object of strings")
     if ORDER_KEY not in metadata:
         if header:
             raise ValueError(
@@ -69,7 +78,7 @@ def read_weights_header(path: Path) -> WeightsFile:
     else:
         try:
             order = json.loads(metadata[ORDER_KEY])
-        except json.JSONDecodeError:
+        except (TypeError, json.JSONDecodeError):  # (TypeError: not a string)
             order = None
         if not isinstance(order, list) or not all(isinstance(x, str) for x in order):
             raise ValueError(f"metadata {ORDER_KEY!r} must be a JSON list of tensor names")
@@ -78,11 +87,17 @@ def read_weights_header(path: Path) -> WeightsFile:
         if name not in header:
             raise ValueError(f"{ORDER_KEY} names tensor {name!r}, which the file does not contain")
         entry = header[name]
+        if not isinstance(entry, dict):
+            raise ValueError(f"tensor {name!r}: its entry is not a JSON object")
         dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
         if dtype is None:
             raise ValueError(f"tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-        shape = tuple(int(d) for d in entry["shape"])
-        start, end = (int(x) for x in entry["data_offsets"])
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not _ints(shape) or min(shape, default=0) < 0:
+            raise ValueError(f"tensor {name!r}: shape must be a list of sizes >= 0, not {shape!r}")
+        if not _ints(offsets) or len(offsets) != 2:
+            raise ValueError(f"tensor {name!r}: data_offsets must be [start, end], not {offsets!r}")
+        shape, (start, end) = tuple(shape), offsets
         if not 0 <= start <= end <= size or end - start != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name!r} has inconsistent data_offsets {[start, end]}")
         infos.append(WeightInfo(name, dtype, shape, start, end))

@@ -7,8 +7,10 @@ x f32[n,3] -> y f32[n,2], batch sizes 1 and 2, weights b and w) with one thing b
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -454,6 +456,47 @@ def test_weights_not_safetensors(tiny_bundle):
         f"{tiny_bundle}/weights.safetensors: not a safetensors file (shorter than its 8-byte "
         "header length)"
     )
+
+
+def raw_safetensors(path: Path, header) -> None:
+    """A weights file whose JSON header is ``header`` as given (a valid file or not)."""
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(64))
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ([1, 2], "not a safetensors file (its header is not a JSON object)"),
+        ({"__metadata__": ["w"]}, "__metadata__ must be a JSON object of strings"),
+        (
+            {"__metadata__": {"argument_order": ["w"]}, "w": {}},
+            "metadata 'argument_order' must be a JSON list of tensor names",
+        ),
+        (
+            {"__metadata__": {"argument_order": '["w"]'}, "w": {"dtype": "F32"}},
+            "tensor 'w': shape must be a list of sizes >= 0, not None",
+        ),
+        (
+            {
+                "__metadata__": {"argument_order": '["w"]'},
+                "w": {"dtype": "F32", "shape": [-1, -1], "data_offsets": [0, 4]},
+            },
+            "tensor 'w': shape must be a list of sizes >= 0, not [-1, -1]",
+        ),
+        (
+            {
+                "__metadata__": {"argument_order": '["w"]'},
+                "w": {"dtype": "F32", "shape": [1], "data_offsets": [0]},
+            },
+            "tensor 'w': data_offsets must be [start, end], not [0]",
+        ),
+    ],
+)
+def test_a_malformed_weights_header_is_a_bundle_error_naming_it(tiny_bundle, header, message):
+    """Not a TypeError or KeyError out of the loader (which stopped a repository scan)."""
+    raw_safetensors(tiny_bundle / "weights.safetensors", header)
+    assert error(tiny_bundle) == f"{tiny_bundle}/weights.safetensors: {message}"
 
 
 # -- model.py --------------------------------------------------------------------------------
