@@ -332,7 +332,10 @@ class WeightManager:
             if not self.cache.pin(key) and key not in self.cache.pinned:
                 await self._ensure(key)
         elif previous == "device" and self.cache.enabled:
-            self.cache.unpin(key)
+            self.cache.unpin(key)  # now under the budget: idle models give it room
+            evicted = self.cache.trim(frozenset(self._waiting))
+            if evicted:
+                log.info("%s unpinned: evicted %d model(s) to fit it", key, len(evicted))
 
     def host_resident(self, key: str) -> bool:
         placement = self.placements.get(key)

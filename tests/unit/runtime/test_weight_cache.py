@@ -631,6 +631,22 @@ async def test_device_residency_is_placed_at_add_and_outside_the_budget(files, r
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("residency", ["system", "unpinned"])
+async def test_a_model_unpinned_into_a_full_cache_stays_within_the_budget(files, route, residency):
+    """From device to an evictable floor, with the LRU already full: the idle model used
+    longest ago gives way at once, not at the next admission."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, {"a": files["a"], "b": files["b"]}, route=route)
+        await m.add("c", files["c"], "device")
+        for name in "ab":
+            async with m.lease(name):
+                pass
+        assert m.cache.resident_bytes == 2 * W
+        await m.set_residency("c", residency)
+        assert m.cache.resident_bytes == 2 * W and set(m.cache.lru) == {"b", "c"}
+        nursery.cancel_scope.cancel()
+
+
 async def test_cache_off_places_every_model_at_add(files):
     async with trio.open_nursery() as nursery:
         m = WeightManager(None, CPU)
