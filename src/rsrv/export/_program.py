@@ -41,8 +41,10 @@ from rsrv.bundle import (
     Manifest,
     TensorSpec,
     read_signature,
+    resolve_manifest,
 )
 from rsrv.dtypes import DType
+from rsrv.errors import BundleError
 from rsrv.export._errors import ExportError
 from rsrv.export._parity import Parity
 from rsrv.export._parity import check as parity_check
@@ -186,6 +188,10 @@ def export_program(
         batching=Batching(compiled_batch_sizes=sizes if batched else []),
         provenance=record,
     )
+    try:  # (what the loader will refuse, refused before anything is written)
+        resolve_manifest(manifest, out_dir / "manifest.yaml", out_dir.name)
+    except BundleError as e:
+        raise ExportError(f"the bundle's manifest would not load: {e}") from None
 
     verify = None
     if parity:
@@ -341,6 +347,13 @@ def _letters(given: str | None, rank: int, batch_axis: int | None) -> str:
     if given is not None:
         if len(given) != rank:
             raise ExportError(f"letters {given!r} name {len(given)} axes, the tensor has {rank}")
+        batch = [i for i, ch in enumerate(given) if ch == BATCH_LETTER]
+        if batch != ([] if batch_axis is None else [batch_axis]):
+            where = "nowhere" if batch_axis is None else f"at axis {batch_axis} only"
+            raise ExportError(
+                f"letters {given!r}: the batch letter {BATCH_LETTER!r} belongs {where} "
+                "(the tensor's batch axis)"
+            )
         return given
     auto = iter(_AUTO_LETTERS)
     return "".join(BATCH_LETTER if i == batch_axis else next(auto) for i in range(rank))

@@ -286,3 +286,32 @@ def test_letters_of_wrong_length(tmp_path):
         export(tmp_path / "m", outputs=[Output("y", letters="nkz"), "s"])
     assert str(info.value) == "letters 'nkz' name 3 axes, the tensor has 2"
     _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "message"),
+    [
+        (
+            [Input("x", np.float32, ("n", 4), letters="fn"), Input("ids", np.int32, ("n",))],
+            [Output("y"), Output("s")],
+            "letters 'fn': the batch letter 'n' belongs at axis 0 only (the tensor's batch axis)",
+        ),
+        (
+            [Input("x", np.float32, ("n", 4)), Input("ids", np.int32, ("n",))],
+            [Output("y", letters="kn"), Output("s")],
+            "letters 'kn': the batch letter 'n' belongs at axis 0 only",
+        ),
+    ],
+)
+def test_the_batch_letter_must_be_on_the_batch_axis(tmp_path, inputs, outputs, message):
+    with pytest.raises(ExportError) as info:
+        export(tmp_path / "m", inputs=inputs, outputs=outputs, parity=False)
+    assert str(info.value).startswith(message)
+    _assert_nothing_written(tmp_path)
+
+
+def test_a_bundle_the_loader_would_refuse_is_refused_before_writing(tmp_path):
+    """Without the parity gate too (which only loaded the bundle it had written)."""
+    with pytest.raises(ExportError, match="would not load: .*every output needs the batch"):
+        export(tmp_path / "m", outputs=[Output("y"), Output("s", batch_axis=None)], parity=False)
+    _assert_nothing_written(tmp_path)
