@@ -644,3 +644,39 @@ def test_second_worker_on_the_same_port_fails_to_bind(tmp_path, cache_dir):
         assert any(isinstance(e, OSError) and e.errno == errno.EADDRINUSE for e in errors), errors
         with connect(first) as triton:  # the first one is unaffected
             assert triton.is_server_live()
+
+
+NUMPY_TEXT_MODEL_PY = """
+import numpy as np
+
+import rsrv
+
+
+@rsrv.preprocess(inputs=["INPUT0", "INPUT1"], outputs=["a", "b"])
+def parse(input0, input1):
+    def ints(t):
+        return np.array([int(v) for v in t.reshape(-1)], np.int32).reshape(t.shape)
+    return ints(input0), ints(input1)
+
+
+@rsrv.postprocess(inputs=["sum", "diff"], outputs=["OUTPUT0", "OUTPUT1"])
+def format_results(total, diff):
+    as_bytes = np.array([str(int(v)).encode() for v in total.reshape(-1)])  # dtype S
+    as_str = np.array([str(int(v)) for v in diff.reshape(-1)])  # dtype U
+    return as_bytes.reshape(total.shape), as_str.reshape(diff.shape)
+"""
+
+
+def test_a_bytes_output_may_come_from_a_hook_as_numpy_bytes_or_str(tmp_path, cache_dir):
+    """What np.asarray makes of a list of bytes or of str (dtype S, U), not only object
+    arrays, is a BYTES output."""
+    repo = make_repo(tmp_path / "repo", "simple_string")
+    (repo / "simple_string" / "model.py").write_text(NUMPY_TEXT_MODEL_PY)
+    with running(worker_config(repo, cache_dir)) as w, connect(w) as triton:
+        numbers = np.array([[str(i).encode() for i in range(16)]], dtype=object)
+        result = triton.infer(
+            "simple_string",
+            [infer_input("INPUT0", numbers, "BYTES"), infer_input("INPUT1", numbers, "BYTES")],
+        )
+        assert result.as_numpy("OUTPUT0").tolist() == [[str(2 * i).encode() for i in range(16)]]
+        assert result.as_numpy("OUTPUT1").tolist() == [[b"0"] * 16]

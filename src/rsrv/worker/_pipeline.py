@@ -12,6 +12,7 @@ import numpy as np
 import trio
 
 from rsrv.bundle import Tensor
+from rsrv.dtypes import DType
 from rsrv.errors import (
     FailedPrecondition,
     Internal,
@@ -184,13 +185,17 @@ def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], w
 
 
 def _check_made(
-    served: ServedModel, specs: tuple[Tensor, ...], made: Mapping[str, np.ndarray], hook: str
+    served: ServedModel, specs: tuple[Tensor, ...], made: dict[str, np.ndarray], hook: str
 ) -> None:
-    """A hook's outputs must match the manifest exactly (dtype, rank, fixed extents)."""
+    """A hook's outputs must match the manifest exactly (dtype, rank, fixed extents); a
+    BYTES one may come as numpy bytes or str (``S``, ``U``: what ``np.asarray`` makes
+    of a list of them), and is made an object array here."""
     for spec in specs:
         array = made.get(spec.name)
         if array is None:
             continue
+        if spec.dtype is DType.BYTES and array.dtype.kind in "SU":
+            array = made[spec.name] = array.astype(object)
         where = f"model {served.name!r}: {hook} produced {spec.name!r}"
         if array.dtype != spec.dtype.numpy:
             raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
