@@ -164,8 +164,8 @@ def resolve_manifest(manifest: Manifest, path: Path, name: str | None = None) ->
             )
         if not client_in or not client_out:
             raise fail("kind", "a meta bundle must declare client_inputs and client_outputs")
-        if manifest.meta is None:
-            raise fail("meta", "a meta bundle must declare meta.calls")
+        if manifest.meta is None or not manifest.meta.calls:
+            raise fail("meta", "a meta bundle must declare meta.calls (the models it calls)")
         calls = manifest.meta.calls
         dupes = sorted({c for c in calls if calls.count(c) > 1})
         if dupes:

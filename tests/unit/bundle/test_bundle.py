@@ -608,10 +608,15 @@ def test_meta_duplicate_calls(tmp_path):
     assert error(bundle) == f"{bundle}/manifest.yaml: meta.calls: duplicate model(s) tiny"
 
 
-def test_meta_without_calls(tmp_path):
+@pytest.mark.parametrize("meta", [None, {}, {"calls": []}])
+def test_meta_without_calls(tmp_path, meta):
     manifest = {k: v for k, v in META_MANIFEST.items() if k != "meta"}
+    if meta is not None:
+        manifest["meta"] = meta
     bundle = write_meta(tmp_path, manifest)
-    assert error(bundle) == f"{bundle}/manifest.yaml: meta: a meta bundle must declare meta.calls"
+    assert error(bundle) == (
+        f"{bundle}/manifest.yaml: meta: a meta bundle must declare meta.calls (the models it calls)"
+    )
 
 
 def test_meta_with_executable_tensors(tmp_path):
