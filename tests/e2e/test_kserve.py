@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from support.bundles import UNBATCHED_W, make_repo
+from support.bundles import SIMPLE_STRING_MODEL_PY, UNBATCHED_W, make_repo
 from support.clients import connect, infer_input, raises_status, stats_of
 from support.references import (
     classifier_inputs,
@@ -646,25 +646,17 @@ def test_second_worker_on_the_same_port_fails_to_bind(tmp_path, cache_dir):
             assert triton.is_server_live()
 
 
-NUMPY_TEXT_MODEL_PY = """
-import numpy as np
-
-import rsrv
-
-
-@rsrv.preprocess(inputs=["INPUT0", "INPUT1"], outputs=["a", "b"])
-def parse(input0, input1):
-    def ints(t):
-        return np.array([int(v) for v in t.reshape(-1)], np.int32).reshape(t.shape)
-    return ints(input0), ints(input1)
-
-
+# simple_string's model.py, its postprocess returning numpy bytes and str arrays
+NUMPY_TEXT_MODEL_PY = (
+    SIMPLE_STRING_MODEL_PY.split("@rsrv.postprocess")[0]
+    + """
 @rsrv.postprocess(inputs=["sum", "diff"], outputs=["OUTPUT0", "OUTPUT1"])
 def format_results(total, diff):
     as_bytes = np.array([str(int(v)).encode() for v in total.reshape(-1)])  # dtype S
     as_str = np.array([str(int(v)) for v in diff.reshape(-1)])  # dtype U
     return as_bytes.reshape(total.shape), as_str.reshape(diff.shape)
 """
+)
 
 
 def test_a_bytes_output_may_come_from_a_hook_as_numpy_bytes_or_str(tmp_path, cache_dir):
