@@ -226,6 +226,8 @@ class CatchUp:
                 await self._call(worker, INFERENCE + "SystemSharedMemoryUnregister", undo)
                 is not None
             )
+            if name in self.regions and want is None:  # registered meanwhile: look again
+                self.start([worker])
         for name in wanted:
             body = self.regions.get(name)  # (unregistered meanwhile: nothing to do)
             if body is not None:
@@ -278,9 +280,13 @@ class CatchUp:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
                 if await self._call(worker, INFERENCE + "RepositoryModelUnload", body) is not None:
                     present.discard(model)
+                if self.unloads.get(model) is not body:  # loaded meanwhile: look again
+                    self.start([worker])
         for model, held in list(self.settings.items()):
             if model in present:
                 for method, body in list(held.items()):
+                    if self.settings.get(model) is not held or held.get(method) is not body:
+                        continue  # unloaded (or set again) meanwhile
                     await self._call(worker, CONTROL + method, body)
 
     async def _call(self, worker: WorkerLink, path: str, body: bytes) -> bytes | None:

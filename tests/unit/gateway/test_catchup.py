@@ -548,3 +548,58 @@ async def test_a_model_unloaded_while_a_replay_loads_it_is_unloaded_there():
     fake.during[("RepositoryModelLoad", "a")] = lambda: catchup.unloaded("a", unload("a"))
     await catchup.replay([worker])
     assert fake.processes["w0"].models == set()
+
+
+# -- a change through the gateway while a replay on the same worker is under way ----------
+
+
+async def replay(catchup: CatchUp, worker) -> None:
+    async with trio.open_nursery() as nursery:
+        catchup.nursery = nursery
+        await catchup.replay([worker])
+
+
+async def test_a_load_that_lands_before_the_replayed_unload_is_loaded_again():
+    """The replay read the model present and unloads it (an unload through the gateway
+    it missed); a client's load reaches the worker first: the next pass loads it."""
+    fake, catchup, worker = one_worker()
+    catchup.unloaded("a", unload("a"))
+    fake.processes["w0"].models.add("a")  # (its own start-up load)
+    fake.during[("RepositoryModelUnload", "a")] = lambda: catchup.loaded("a", load("a"))
+    await replay(catchup, worker)
+    assert fake.processes["w0"].models == {"a"}, fake.changes()
+
+
+async def test_a_register_that_lands_before_the_replayed_unregister_is_registered_again():
+    fake, catchup, worker = one_worker()
+    fake.processes["w0"].regions["r"] = "/k"
+    catchup.registered("r", region("r"))
+    catchup.unregistered("r", {})  # w0 missed it
+    fake.during[("SystemSharedMemoryUnregister", "r")] = lambda: catchup.registered(
+        "r", region("r")
+    )
+    await replay(catchup, worker)
+    assert fake.processes["w0"].regions == {"r": "/k"}, fake.changes()
+
+
+async def test_settings_forgotten_by_an_unload_meanwhile_are_not_replayed():
+    """Unloaded and loaded again through the gateway while the replay sends a model's
+    settings: the new instance starts with the defaults (the rest are not sent)."""
+    fake, catchup, worker = one_worker()
+    fake.processes["w0"].models.add("a")
+    catchup.loaded("a", load("a"))
+    catchup.set("a", "SetModelResidency", residency("a", cpb.RESIDENCY_SYSTEM), 0)
+    catchup.set("a", "SetModelPolicy", policy("a", weight=4.0), 0)
+
+    def client_unloads_then_loads():
+        worker0 = fake.processes["w0"]
+        worker0.models.discard("a")
+        worker0.residency.clear()
+        worker0.weight.clear()
+        catchup.unloaded("a", unload("a"))
+        worker0.models.add("a")
+        catchup.loaded("a", load("a"))
+
+    fake.during[("SetModelResidency", "a")] = client_unloads_then_loads
+    await replay(catchup, worker)
+    assert catchup.settings == {} and fake.processes["w0"].weight == {}, fake.changes()
