@@ -157,9 +157,9 @@ class Channel:
         here too: past it the stream is reset (RST_STREAM CANCEL) and the result is
         DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well.
         ``capped=False``: the call does not take one of the ``max_concurrent_streams``
-        slots (nor wait for one), nor wait for a connection with room (it opens one
-        beyond ``max_connections`` when every one is full): for the few calls that must
-        not queue behind the others, such as a health probe of a server busy with
+        slots (nor wait for one), nor wait for a connection with room (every one full,
+        it takes the channel's spare one: see ``_connection``): for the few calls that
+        must not queue behind the others, such as a health probe of a server busy with
         them."""
         if timeout is None:
             return await self._unary(path, request, metadata, math.inf, None, capped)
