@@ -270,10 +270,11 @@ class GatewayControl:
         models = dict(s.config.models)
         models[name] = ModelPlacementConfig(replicas=replicas, fill_mode=mode, fill_factor=factor)
         warnings = self._apply(msgspec.structs.replace(s.config, models=models))
+        self.generation += 1
         ready = len(s.fleet.ready)
-        configured = -1 if replicas == "all" else (replicas or 0)
-        wanted = ready if replicas == "all" else (replicas or _default(s.config, ready))
-        effective = max(1, min(wanted, ready)) if ready else 0
+        placement = s.planner.settings.placement
+        configured = placement.configured(name)
+        effective = placement.effective(name, ready)
         if replicas not in (None, "all") and replicas > ready:
             warnings.append(f"{replicas} replicas but {ready} ready worker(s): clamped to {ready}")
         assert isinstance(s.router, FillRouter)
@@ -315,7 +316,3 @@ class GatewayControl:
             waited_seconds=trio.current_time() - start,
             repack=self._repack_status(),
         )
-
-
-def _default(config: SchedulingConfig, ready: int) -> int:
-    return ready if config.default_replicas == "all" else int(config.default_replicas)

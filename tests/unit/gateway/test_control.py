@@ -1,6 +1,7 @@
 """The gateway's control service in process: a fill factor past its bound is refused
 whole (nothing applied), by SetSchedulingPolicy and SetModelPlacement alike, and the
-largest one allowed still routes."""
+largest one allowed still routes; SetModelPlacement answers the replica counts the
+status shows and counts as a change of the policy."""
 
 from __future__ import annotations
 
@@ -53,3 +54,20 @@ async def test_the_largest_fill_factor_routes(control):
     routes(control)
     status = await control.status(pb.GetSchedulingStatusRequest(), None)
     assert [m.fill_quantum for m in status.models] == [8000]
+
+
+@pytest.mark.parametrize(
+    ("replicas", "configured", "effective"), [(None, 1, 1), (0, 1, 1), (-1, -1, 2), (5, 5, 2)]
+)
+async def test_set_placement_answers_the_counts_the_status_shows(
+    control, replicas, configured, effective
+):
+    request = pb.SetModelPlacementRequest(name="m", fill_mode="spread")
+    if replicas is not None:
+        request.replicas = replicas
+    answer = await control.set_placement(request, None)
+    assert (answer.configured_replicas, answer.effective_replicas) == (configured, effective)
+    status = await control.status(pb.GetSchedulingStatusRequest(), None)
+    (model,) = status.models
+    assert model.configured_replicas == configured
+    assert status.policy.generation == control.generation == 1
