@@ -144,11 +144,13 @@ async def client_loop(
     n_rows: int = 1,
     think: float = 0.0,
     waits: list[float] | None = None,
+    version: str | None = None,
 ) -> None:
-    """A closed-loop client: submit, wait for the answer, think, repeat."""
+    """A closed-loop client: submit (to ``version``, or the default), wait for the
+    answer, think, repeat."""
     x = rows(1, n_rows)
     while True:
-        result = await sched.submit(model, [x])
+        result = await sched.submit(model, [x], version=version)
         if waits is not None:
             waits.append(result.queue_seconds)
         if think:

@@ -112,9 +112,10 @@ class Fair(Policy):
     S = V + max(0, S - V) * 2^(-idle / halflife): it banks no credit for idle time,
     and a lead it had (service beyond its share) fades with the usage half-life.
 
-    Escalation: among backlogged models with a latency budget B, the one with the
-    earliest latest-start E = oldest enqueue + B - c is served first when running
-    the fair choice j first would start it too late: ``now + c_j >= E``.
+    Escalation: among backlogged models whose oldest request has a latency budget B (its
+    version's), the one with the earliest latest-start E = oldest enqueue + B - c is
+    served first when running the fair choice j first would start it too late:
+    ``now + c_j >= E``.
     """
 
     def __init__(self, halflife: float) -> None:
@@ -134,9 +135,10 @@ class Fair(Policy):
             m.tag = self.vtime + lead
         cost = m.next_cost()
         self._ready.set(m, (m.tag + cost / m.weight, m.index))
-        budget = m.version.spec.latency_budget
-        oldest = None if budget is None else m.queue.oldest()
-        if oldest is None:
+        # (the oldest request's own version: versions side by side may differ in budget)
+        oldest = m.queue.oldest()
+        budget = None if oldest is None else oldest.version.spec.latency_budget
+        if budget is None:
             self._urgent.discard(m)
         else:
             self._urgent.set(m, (oldest.enqueued + budget - cost, m.index))

@@ -147,6 +147,28 @@ async def test_latency_budget_escalates_under_fair(autojump_clock, budget):
         assert latency <= budget + 1e-9
 
 
+async def test_latency_budget_escalates_for_a_version_other_than_the_default(autojump_clock):
+    """Versions side by side: requests for version 1 carry its budget, though version 2
+    (added last, the default) has none."""
+    ex, sched = scheduler_of(
+        spec("big", weight=20.0), spec("small", version="1", latency_budget=0.05), cost=0.01
+    )
+    sched.add_model(spec("small", version="2", executable="small@2"))
+    for name, version in (("big", None), ("small", "1"), ("small", "2")):
+        sched.warm_costs(name, {s: 0.01 for s in (1, 4, 8)}, version)
+    waits: dict[str, list[float]] = {}
+
+    async def small_v1(sched):
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(
+                    client_loop, sched, "small", 1, 0.0, waits.setdefault("1", []), "1"
+                )
+
+    await saturate(sched, ex, {"big": 16}, seconds=5.0, during=small_v1)
+    assert max(waits["1"][10:]) + 0.01 <= 0.05 + 1e-9
+
+
 @pytest.mark.parametrize("bad", [float("inf"), 5e-324, 0.0, -1.0, float("nan"), 1e-4, 1e4])
 async def test_weights_outside_the_range_are_refused(autojump_clock, bad):
     """inf would starve every other model; a subnormal one would push virtual time to
