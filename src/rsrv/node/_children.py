@@ -136,7 +136,8 @@ class Child:
                     "(supervisor.startup_timeout_seconds)"
                     if self.timed_out
                     else f"exited {self.restarts} time(s) in a row, each within "
-                    f"{self.policy.stable_seconds:g} s of starting or before serving"
+                    f"{self.policy.stable_seconds:g} s of starting or before serving; "
+                    f"last: {self.last_exit}"
                 )
                 self._give_up(
                     f"{self.name} {how} (limit supervisor.max_restarts = "
@@ -170,9 +171,10 @@ class Child:
         self.state = ChildState.FAILED
         self.on_give_up(reason)
 
-    async def _run_once(self) -> int:
+    async def _run_once(self) -> int | None:
         """One incarnation: start, forward output and status, wait for the exit; stop it
-        (SIGTERM, then SIGKILL after the grace period) once :meth:`stop` is called."""
+        (SIGTERM, then SIGKILL after the grace period) once :meth:`stop` is called.
+        Returns the exit status, or None when no process could be started."""
         self._incarnation = exited = trio.Event()
         try:
             return await self._start_and_wait()
@@ -180,8 +182,13 @@ class Child:
             self._incarnation = None
             exited.set()
 
-    async def _start_and_wait(self) -> int:
-        link, child_end = socket.socketpair()
+    async def _start_and_wait(self) -> int | None:
+        """One process's life: its exit status, or None when it could not be started
+        (no descriptors or memory left, say): a failed start, restarted like a crash."""
+        try:
+            link, child_end = socket.socketpair()
+        except OSError as e:
+            return self._not_started(e)
         env = {
             **self.spec.env,
             LINK_FD_VARIABLE: str(child_end.fileno()),
@@ -197,6 +204,9 @@ class Child:
                 pass_fds=(child_end.fileno(),),
                 start_new_session=True,
             )
+        except OSError as e:
+            link.close()
+            return self._not_started(e)
         except BaseException:
             link.close()
             raise
@@ -242,6 +252,11 @@ class Child:
         log_exit = log.info if stopping and not self.broke_off else log.warning
         log_exit("%s exited (%s) after %.1f s", self.name, self.last_exit, uptime)
         return process.returncode
+
+    def _not_started(self, error: OSError) -> None:
+        self.started_at = trio.current_time()
+        self.last_exit = f"not started: {error}"
+        log.warning("%s could not be started: %s", self.name, error)
 
     async def _terminate_when_told(self, process: trio.Process, halt: trio.Event) -> None:
         """Once ``halt`` is set (the node's stop, or the start-up timeout: one path, one

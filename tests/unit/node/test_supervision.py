@@ -209,6 +209,20 @@ async def test_a_child_stopped_for_its_start_up_timeout_is_stopping_meanwhile():
     assert set(states[states.index(ChildState.STOPPING) :]) == {ChildState.STOPPING}
 
 
+async def test_a_child_that_cannot_be_started_is_retried_like_a_crash():
+    """A failed start (here: no such executable; EMFILE alike) is not the supervisor's
+    end: it is counted and retried with backoff, then given up on, naming the error."""
+    policy = SupervisorConfig(max_restarts=1, backoff_seconds=0.01)
+    failures: list[str] = []
+    c = child("", policy, failures)
+    c.spec = dataclasses.replace(c.spec, argv=["/nonexistent/python"])
+    with trio.fail_after(30):
+        await c.run()
+    assert c.state is ChildState.FAILED and c.restarts_total == 1
+    assert c.last_exit.startswith("not started: [Errno 2] No such file or directory")
+    assert "exited 2 time(s) in a row" in failures[0] and "last: not started" in failures[0]
+
+
 async def test_a_fatal_exit_is_not_restarted(tmp_path):
     failures: list[str] = []
     c = child("raise SystemExit(2)", SupervisorConfig(backoff_seconds=0.01), failures)
