@@ -1,8 +1,8 @@
 """Model versions and Triton's model configuration, through tritonclient against a real
 worker: versions served side by side and addressed by version, version strings with
 Triton's messages, version policies (node file and manifest), dynamic mode adding and
-retiring versions, explicit mode's index, RepositoryModelLoad's config override and
-file overrides.
+retiring versions, a request in its preprocess hook across a reload, explicit mode's
+index, RepositoryModelLoad's config override and file overrides.
 """
 
 from __future__ import annotations
@@ -47,6 +47,31 @@ def versions(client, name: str) -> list[tuple[str, str, str]]:
 
 def infer_v(client, name: str, version: str, x: np.ndarray):
     return client.infer(name, [x_input(x)], model_version=version)
+
+
+#: A preprocess hook that notes each request's arrival in ``started`` and holds it until
+#: the file ``go`` exists.
+GATED_HOOK_PY = """
+import os
+import time
+
+import rsrv
+
+
+@rsrv.preprocess(inputs=["x"], outputs=["x"])
+def gate(x):
+    open({started!r}, "a").write("x")
+    while not os.path.exists({go!r}):
+        time.sleep(0.01)
+    return x
+"""
+
+
+def export_gated(path, seed: int, gate) -> None:
+    """The linear bundle of ``seed`` with the gated hook, its files in directory ``gate``."""
+    export_linear(path, seed, hook_seconds=0.001)
+    hook = GATED_HOOK_PY.format(started=str(gate / "started"), go=str(gate / "go"))
+    (path / "model.py").write_text(hook)
 
 
 # -- two versions side by side -----------------------------------------------------------------
@@ -248,6 +273,51 @@ def test_dynamic_mode_adds_a_version_beside_and_retires_a_removed_one(tmp_path, 
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("model m version 3 ready (load ") for m in messages)
     assert any(m.startswith("model m version 2 retired (its directory is gone)") for m in messages)
+
+
+def test_a_request_in_its_preprocess_runs_on_the_load_it_was_accepted_for(tmp_path, cache_dir):
+    """Explicit mode. A request naming no version is held in version 1's preprocess hook
+    while a load retires version 1 for version 2; another is held in version 2's while
+    version 2 is reloaded from another bundle. Each is answered by the load it was
+    accepted for (they used to fail NOT_FOUND, or run on the new load's executable)."""
+    repo, gate = tmp_path / "repo", tmp_path / "gate"
+    gate.mkdir()
+    export_gated(repo / "m" / "1", 1, gate)
+    with (
+        running(node_config(tmp_path, node(repo, cache_dir, mode="explicit"))) as worker,
+        connect(worker) as client,
+    ):
+        client.load_model("m")
+        answers: queue.Queue = queue.Queue()
+
+        def held(n: int) -> None:
+            """Send a request and wait until it is the n-th in a hook."""
+            (gate / "go").unlink(missing_ok=True)
+            client.async_infer(
+                "m", [x_input(X)], lambda result, error: answers.put(error or result)
+            )
+            started = gate / "started"
+            wait_until(lambda: started.exists() and len(started.read_text()) == n, what="in hook")
+
+        try:
+            held(1)
+            export_gated(repo / "m" / "2", 2, gate)
+            client.load_model("m")  # latest 1: version 2 loads, version 1 retires
+            assert versions(client, "m") == [("2", "READY", "")]
+            (gate / "go").touch()
+            first = answers.get(timeout=30)
+            held(2)
+            export_gated(repo / "m" / "2", 3, gate)
+            client.load_model("m")  # version 2 reloaded, from the bundle of seed 3
+            (gate / "go").touch()
+            second = answers.get(timeout=30)
+        finally:
+            (gate / "go").touch()
+        for result, version, seed in ((first, "1", 1), (second, "2", 2)):
+            assert not isinstance(result, Exception), result
+            assert result.get_response().model_version == version
+            assert matches(result.as_numpy("y"), seed, X)
+        assert matches(infer_y(client, "m", X), 3, X)
 
 
 # -- explicit mode: the index, config overrides, file overrides -----------------------------------

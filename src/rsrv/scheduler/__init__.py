@@ -5,13 +5,14 @@ Formulas and rules: specs/scheduler.md.
 """
 
 from rsrv.scheduler._executor import Executor, Result
-from rsrv.scheduler._scheduler import Scheduler
+from rsrv.scheduler._scheduler import PinnedVersion, Scheduler
 from rsrv.scheduler._spec import ModelSpec, check_weight
 from rsrv.scheduler._stats import SchedulingCounters, SchedulingStats, VersionStats
 
 __all__ = [
     "Executor",
     "ModelSpec",
+    "PinnedVersion",
     "Result",
     "Scheduler",
     "SchedulingCounters",

@@ -8,11 +8,12 @@ batch at a time. See specs/scheduler.md for the formulas.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,23 @@ class Batch:
     rows: int  # real rows; size - rows are padding
     size: int  # compiled batch size (0: unbatched)
     estimate: float  # learned cost of `size` when planned
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedVersion:
+    """A version of a model held by :meth:`Scheduler.pinned` for requests to come."""
+
+    model: ScheduledModel
+    version: Version
+
+    @property
+    def label(self) -> str:
+        return self.version.spec.version
+
+    @property
+    def key(self) -> object:
+        """Its executor key (``ModelSpec.key``)."""
+        return self.version.spec.key
 
 
 class Scheduler:
@@ -221,6 +239,23 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def pinned(self, name: str, version: str | None = None) -> Iterator[PinnedVersion]:
+        """The current version of label ``version`` of ``name`` (None: the default's),
+        held while the block runs, for the work between choosing a version and queueing
+        on it (a preprocess hook): a request submitted with it runs on that version
+        even if the label was replaced or removed meanwhile, as if it had been queued
+        already, and the version's executor key is retired only once the block has
+        exited and its requests are answered. Such a request fails NotFound if the
+        model was unloaded meanwhile. Raises NotFound (unknown model or label)."""
+        m = self._model(name)
+        held = m.version_of(version)
+        held.outstanding += 1
+        try:
+            yield PinnedVersion(m, held)
+        finally:
+            self._done_with(held)
+
     async def submit(
         self,
         model: str,
@@ -229,14 +264,15 @@ class Scheduler:
         deadline: float | None = None,
         rows: int | None = None,
         front: bool = False,
-        version: str | None = None,
+        version: str | PinnedVersion | None = None,
     ) -> Result:
         """Queue one request and wait for its answer.
 
         ``inputs`` are the executable inputs in order; ``rows`` their extent along
         the batch axis (computed when None; all inputs must agree). ``deadline`` is
         absolute in the scheduler clock. ``front`` orders the request ahead of fresh
-        work (meta sub-calls). ``version`` is the label to run on (None: the default).
+        work (meta sub-calls). ``version`` is the label to run on (None: the default),
+        or a version :meth:`pinned` holds.
         Raises NotFound (unknown model or label), InvalidArgument (bad inputs, too many
         rows), ResourceExhausted (queue full), DeadlineExceeded (deadline or dispatch
         timeout passed while queued, or shed under edf), Unavailable (draining), or
@@ -265,11 +301,13 @@ class Scheduler:
         deadline: float | None,
         rows: int | None,
         front: bool,
-        label: str | None = None,
+        label: str | PinnedVersion | None = None,
     ) -> Request:
         now = self._clock()
         if self._draining or self._closed:
             raise Unavailable("server is shutting down")
+        if isinstance(label, PinnedVersion) and self._models.get(model) is not label.model:
+            raise NotFound(f"model {model!r} was unloaded")
         m = self._model(model)
         try:
             req = self._request(m, inputs, deadline, rows, front, now, label)
@@ -291,11 +329,11 @@ class Scheduler:
         rows: int | None,
         front: bool,
         now: float,
-        label: str | None = None,
+        label: str | PinnedVersion | None = None,
     ) -> Request:
-        """Validate one request against ``m``'s current version of ``label``; not yet
-        queued."""
-        version = m.version_of(label)
+        """Validate one request against ``m``'s current version of ``label`` (or the
+        pinned version); not yet queued."""
+        version = label.version if isinstance(label, PinnedVersion) else m.version_of(label)
         spec = version.spec
         name = m.name
         arrays = [np.asarray(x) for x in inputs]
@@ -569,7 +607,11 @@ class Scheduler:
             stats.rows += req.rows or 1
         else:
             stats.failed(code or (error.code if error else "UNKNOWN"))
-        version = req.version
+        self._done_with(req.version)
+
+    def _done_with(self, version: Version) -> None:
+        """One request (or pin) of ``version`` less; a retired version's key is released
+        after the last."""
         version.outstanding -= 1
         if version.retired and version.outstanding == 0:
             self._release(version)

@@ -125,21 +125,25 @@ class Pipeline:
         hooks = served.bundle.hooks
         start = trio.current_time()
         exec_inputs = dict(inputs)
-        if hooks.preprocess:
-            made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
-            exec_inputs.update(made)
-            _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
-        for stats in both:
-            stats.compute_input.add(trio.current_time() - start)
+        # The version chosen for the request (no checkpoint since) is held while its
+        # preprocess runs: a reload or retirement meanwhile leaves it to run there.
+        with self.scheduler.pinned(name, served.version) as version:
+            assert version.key == served.key
+            if hooks.preprocess:
+                made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
+                exec_inputs.update(made)
+                _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
+            for stats in both:
+                stats.compute_input.add(trio.current_time() - start)
 
-        order = served.bundle.signature.executable_inputs
-        result = await self.scheduler.submit(
-            name,
-            [exec_inputs[t.name] for t in order],
-            deadline=deadline,
-            front=front,
-            version=served.version,
-        )
+            order = served.bundle.signature.executable_inputs
+            result = await self.scheduler.submit(
+                name,
+                [exec_inputs[t.name] for t in order],
+                deadline=deadline,
+                front=front,
+                version=version,
+            )
         outputs = {
             t.name: a
             for t, a in zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)

@@ -411,6 +411,44 @@ async def test_removed_version_finishes_its_queued_requests(autojump_clock):
         sched.version_stats("m", "2")
 
 
+async def test_a_pinned_version_runs_requests_after_it_is_replaced_or_removed(autojump_clock):
+    """pinned: requests submitted with a version held before its label was replaced
+    (m@1) or removed (m@2) still run on it, and each key is retired only once the pin
+    is gone and its requests answered; after remove_model the pin admits nothing."""
+    ex = FakeExecutor(cost=1.0)
+    retired = []
+    ex.retire = retired.append
+    sched = Scheduler(config(), ex)
+    sched.add_model(spec("m", (1,), executable="m@1", version="1"))
+    sched.add_model(spec("m", (1,), executable="m@2", version="2"))
+    async with trio.open_nursery() as nursery:
+        with sched.pinned("m", "1") as one, sched.pinned("m") as two:
+            assert (one.label, one.key, two.label, two.key) == ("1", "m@1", "2", "m@2")
+            sched.add_model(spec("m", (1,), executable="m@3", version="1"))
+            sched.remove_version("m", "2")
+            assert retired == []  # held
+            outs = [
+                await queued(nursery, sched, "m", [rows(i, 1)], version=v)
+                for i, v in enumerate([one, two, "1"])
+            ]
+            await nursery.start(sched.run)
+            while not all(o.done for o in outs):
+                await trio.sleep(0.5)
+            assert retired == []  # answered, still pinned
+        assert sorted(retired) == ["m@1", "m@2"]
+        with sched.pinned("m") as three:
+            sched.remove_model("m")
+            with pytest.raises(NotFound, match="'m' was unloaded"):
+                await sched.submit("m", [rows(1, 1)], version=three)
+            sched.add_model(spec("m", (1,), executable="m@4"))
+            with pytest.raises(NotFound, match="'m' was unloaded"):
+                await sched.submit("m", [rows(1, 1)], version=three)
+        await sched.drain()
+    assert ex.order() == ["m@1", "m@2", "m@3"]
+    assert all(o.result is not None for o in outs)
+    assert sorted(retired) == ["m@1", "m@2", "m@3"]
+
+
 async def test_drain_answers_everything_then_refuses_new_work(autojump_clock):
     ex = FakeExecutor(cost=1.0)
     sched = Scheduler(config(), ex)
