@@ -55,9 +55,10 @@ class Relayed(RsrvError):
 
 
 class Hold(Protocol):
-    """What a routed request waits at before it is sent (``_hold.RunGate``)."""
+    """What a routed request waits at before it is sent (``_hold.RunGate``), at most
+    until ``until`` (trio time)."""
 
-    async def wait(self) -> None: ...
+    async def wait(self, until: float = math.inf) -> None: ...
 
 
 class RouteTicket(Protocol):
@@ -66,6 +67,9 @@ class RouteTicket(Protocol):
 
     order: list[str]
     hold: Hold | None
+
+    def redirect(self, worker: str) -> None:
+        """The request failed over: its work in flight is now on ``worker``."""
 
     def release(self) -> None: ...
 
@@ -190,8 +194,8 @@ class Forwarder:
         if replicas:
             ticket = self.router.route(head.model, head, replicas)
             try:
-                if ticket.hold is not None:
-                    await ticket.hold.wait()
+                if ticket.hold is not None:  # (at most half the time it has left)
+                    await ticket.hold.wait((trio.current_time() + deadline) / 2)
                 return await self.try_in_order(
                     path, body, metadata, deadline, ticket.order, on_failover=ticket.redirect
                 )
@@ -246,7 +250,16 @@ class Forwarder:
                 _count(last_worker.failovers, last.status)
                 if on_failover is not None:
                     on_failover(name)  # the work in flight is now on this worker
-            result = await self.call(worker, path, body, headers, deadline)
+            try:
+                result = await self.call(worker, path, body, headers, deadline)
+            except DeadlineExceeded:
+                raise  # (not sent: no time was left)
+            except BaseException:  # cut off by the client: counted as the client sees it
+                expired = trio.current_time() >= deadline
+                _count(
+                    worker.routed, StatusCode.DEADLINE_EXCEEDED if expired else StatusCode.CANCELLED
+                )
+                raise
             _count(worker.routed, result.status)
             if result.status == StatusCode.OK and result.response is not None:
                 return result.response

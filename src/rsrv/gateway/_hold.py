@@ -12,11 +12,13 @@ within a fraction of a millisecond of each other.
 Whether a run is held is decided when it opens: only when it can be expected to fill,
 the model having at least a quantum of units in flight (its own included), as
 closed-loop clients whose answers are coming back do. A lone client is never held. A new
-run releases the one before it.
+run releases the one before it. A request with a deadline waits at most half the time it
+has left, however long the hold.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import trio
@@ -44,11 +46,13 @@ class RunGate:
     def open(self) -> None:
         self._opened.set()
 
-    async def wait(self) -> None:
-        """Until the run is full or replaced, or its deadline; at once after either."""
-        with trio.move_on_at(self.deadline) as timer:
+    async def wait(self, until: float = math.inf) -> None:
+        """Until the run is full or replaced, or its deadline; at once after either.
+        A request leaves at ``until`` (trio time) if that comes first (its own limit),
+        the hold going on for the others."""
+        with trio.move_on_at(min(self.deadline, until)):
             await self._opened.wait()
-        if timer.cancelled_caught:
+        if not self.opened and trio.current_time() >= self.deadline:
             self._holds.ended(self, "timeout")
 
 

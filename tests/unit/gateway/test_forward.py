@@ -6,6 +6,7 @@ carries one."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -94,6 +95,52 @@ async def test_a_call_that_ends_after_its_worker_left_the_fleet_leaves_no_series
         await trio.sleep(0.1)
         f.fleet.remove("w0")  # as Gateway._resolve_dns does
     assert f.counters.routed == {} and f.counters.failovers == {}
+
+
+async def test_a_call_the_client_cuts_off_is_counted_as_the_client_sees_it(autojump_clock):
+    """A call its client's deadline or cancel ends while the worker holds it (a worker
+    that hangs) is counted among the calls routed to that worker."""
+
+    class Hanging(Answering):
+        async def unary(self, path, body, *, metadata=(), timeout=None, capped=True):
+            await trio.sleep_forever()
+
+    f = forwarder(ok(b"ok"))
+    worker = f.fleet.workers[0]
+    worker.channel = Hanging(worker.channel.result)
+    deadline = trio.current_time() + 1
+    with trio.move_on_at(deadline):  # the client's deadline, as the server enforces it
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"])
+    with trio.move_on_after(0.5):  # the client went away first
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline + 10, ["w0"])
+    assert f.counters.routed == {("w0", "DEADLINE_EXCEEDED"): 1, ("w0", "CANCELLED"): 1}
+    assert worker.inflight == 0
+
+
+async def test_a_held_request_waits_at_most_half_its_time_left(autojump_clock):
+    waited: list[float] = []
+
+    class Hold:
+        async def wait(self, until=math.inf):
+            waited.append(until)
+
+    class Ticket:
+        order, hold = ["w0"], Hold()
+
+        def redirect(self, worker):
+            pass
+
+        def release(self):
+            pass
+
+    f = forwarder(ok(b"ok"))
+    f.fleet.routes = {"m": ("w0",)}
+    f.router = SimpleNamespace(route=lambda model, head, replicas: Ticket())
+    head = SimpleNamespace(model="m")
+    now = trio.current_time()
+    for deadline in (now + 0.3, math.inf):
+        assert await f.infer(INFERENCE + "ModelInfer", head, b"", {}, deadline) == b"ok"
+    assert waited == [now + 0.15, math.inf]
 
 
 async def test_a_call_gets_the_clients_deadline_up_to_the_request_timeout(autojump_clock):

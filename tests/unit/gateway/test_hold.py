@@ -84,6 +84,23 @@ async def test_a_run_that_does_not_fill_goes_at_its_hold_time(autojump_clock):
     assert scheduling.holds.outcomes == {"full": 0, "timeout": 1, "replaced": 0}
 
 
+async def test_a_request_waits_at_most_until_its_own_limit(autojump_clock):
+    """A held request whose deadline leaves it less than the hold goes at the limit it is
+    given (the forwarder gives half its time left); the others stay held, and the hold
+    ends at its hold time."""
+    scheduling = packing(hold=1.0)
+    for _ in range(8):
+        route(scheduling)
+    start = trio.current_time()
+    hurried, patient = route(scheduling), route(scheduling)
+    await hurried.hold.wait(start + 0.15)
+    assert trio.current_time() == start + 0.15 and not hurried.hold.opened
+    assert scheduling.holds.outcomes == {"full": 0, "timeout": 0, "replaced": 0}
+    await patient.hold.wait()
+    assert trio.current_time() == start + 1.0
+    assert scheduling.holds.outcomes == {"full": 0, "timeout": 1, "replaced": 0}
+
+
 async def test_a_run_opened_unheld_is_never_held(autojump_clock):
     """Whether a run is held is decided when it opens: joiners that bring the model's
     units in flight up to a quantum later do not wait (the run may have opened long
