@@ -7,6 +7,7 @@ Every check goes through tritonclient over real gRPC, as a client would see it.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -172,6 +173,64 @@ async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):
     await watcher.poll()
     await watcher.poll()
     assert calls[-1] == ("unload", "m") and len(calls) == 3
+
+
+async def test_watcher_leaves_what_it_cannot_read_as_it_is(tmp_path, monkeypatch, caplog):
+    """A version directory that is a symbolic link loop, a model directory that cannot be
+    listed and a repository that cannot be listed change nothing (they used to end the
+    worker); each is logged once, and its return once."""
+    from rsrv.bundle import discover
+    from rsrv.errors import BundleError
+    from rsrv.worker import _watcher
+
+    caplog.set_level(logging.INFO, logger="rsrv")
+    repo = tmp_path / "repo"
+    export_linear(repo / "m" / "1", seed=0)
+    export_linear(repo / "n" / "1", seed=1)
+    calls = []
+
+    async def load(path):
+        calls.append(("load", path.name))
+
+    async def unload(name):
+        calls.append(("unload", name))
+
+    watcher = _watcher.RepositoryWatcher(repo, 1.0, load, unload)
+    watcher.seed()
+    (repo / "m" / "7").symlink_to("7")
+    for _ in range(3):
+        await watcher.poll()
+    assert calls == [] and [p.name for p in discover(repo)] == ["m", "n"]
+
+    listed = _watcher.model_fingerprint
+
+    def unlistable(model):
+        if model.name == "n":
+            raise PermissionError(13, "Permission denied")
+        return listed(model)
+
+    monkeypatch.setattr(_watcher, "model_fingerprint", unlistable)
+    for _ in range(3):
+        await watcher.poll()
+    monkeypatch.undo()
+
+    moved = tmp_path / "away"
+    repo.rename(moved)
+    repo.symlink_to(repo.name)  # a loop: listing it fails ELOOP
+    for _ in range(3):
+        await watcher.poll()
+    with pytest.raises(BundleError, match="repo: model repository is not a directory"):
+        discover(repo)
+    repo.unlink()
+    moved.rename(repo)
+    for _ in range(3):
+        await watcher.poll()
+    assert calls == []
+    warnings = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"model directory {repo / 'n'} cannot be read ([Errno 13]")
+    assert warnings[1].startswith(f"model repository {repo} cannot be read ([Errno 40]")
+    assert sum("no longer unreadable" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_a_broken_update_keeps_the_old_version_answering(repo, cache_dir):

@@ -12,8 +12,13 @@ from rsrv.versions import VersionPolicy, version_dir_number
 
 
 def has_manifest(path: Path) -> bool:
-    """``path`` holds a manifest file (one or more: load_bundle reports two)."""
-    return any((path / name).is_file() for name in MANIFEST_NAMES)
+    """``path`` holds a manifest file (one or more: load_bundle reports two); False
+    when it cannot be read (a version directory without permission, a symbolic link
+    loop)."""
+    try:
+        return any((path / name).is_file() for name in MANIFEST_NAMES)
+    except OSError:
+        return False
 
 
 def model_versions(model_dir: Path) -> dict[int, Path]:
@@ -62,18 +67,26 @@ def version_policy_of(versions: dict[int, Path]) -> VersionPolicy | None:
 
 def discover(repo: Path) -> list[Path]:
     """Model directories in ``repo`` (holding a manifest, or version directories that
-    hold one), sorted by name."""
+    hold one, or that cannot be read), sorted by name. BundleError when ``repo`` is not
+    a directory that can be listed."""
     repo = Path(repo)
-    if not repo.is_dir():
-        raise BundleError(f"{repo}: model repository is not a directory")
+    try:
+        if not repo.is_dir():
+            raise BundleError(f"{repo}: model repository is not a directory")
+        children = sorted(repo.iterdir())
+    except OSError as e:
+        raise BundleError(f"{repo}: cannot list the model repository: {e.strerror}") from None
     out = []
-    for child in sorted(repo.iterdir()):
-        if not child.is_dir() or child.name.startswith("."):
-            continue
-        if has_manifest(child) or any(
-            version_dir_number(v.name) is not None and v.is_dir() and has_manifest(v)
-            for v in child.iterdir()
-        ):
+    for child in children:
+        try:
+            if not child.is_dir() or child.name.startswith("."):
+                continue
+            if has_manifest(child) or any(
+                version_dir_number(v.name) is not None and v.is_dir() and has_manifest(v)
+                for v in child.iterdir()
+            ):
+                out.append(child)
+        except OSError:  # unreadable: loading it says why
             out.append(child)
     return out
 

@@ -28,7 +28,8 @@ Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def fingerprint(bundle: Path) -> Fingerprint | None:
-    """The defining files of a bundle with their sizes and mtimes; None if it is gone."""
+    """The defining files of a bundle with their sizes and mtimes; None if it is gone
+    or cannot be read (as loading it finds)."""
     try:
         files = sorted(
             p for p in bundle.iterdir() if p.name in MANIFEST_NAMES or _DEFINING.match(p.name)
@@ -36,7 +37,7 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
         return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return None
 
 
@@ -45,7 +46,8 @@ ModelFingerprint = tuple[tuple[str, Fingerprint], ...]
 
 def model_fingerprint(model: Path) -> ModelFingerprint | None:
     """The fingerprints of a model directory's bundles: ("", ...) for a bundle directly
-    in it, (version, ...) for each version directory; None if it holds none."""
+    in it, (version, ...) for each version directory; None if it holds none. Raises
+    OSError when the directory exists but cannot be listed."""
     out = []
     own = fingerprint(model)
     if own is not None:
@@ -62,17 +64,27 @@ def model_fingerprint(model: Path) -> ModelFingerprint | None:
     return tuple(out) or None
 
 
-def scan(repo: Path) -> dict[str, ModelFingerprint]:
-    out = {}
+class Unreadable(str):
+    """What :func:`scan` gives a model whose directory cannot be read now: why."""
+
+
+def scan(repo: Path) -> dict[str, ModelFingerprint | Unreadable]:
+    """The fingerprint of each model in ``repo``, or :class:`Unreadable` for one whose
+    directory cannot be read now. Raises OSError when ``repo`` exists but cannot be
+    listed."""
+    out: dict[str, ModelFingerprint | Unreadable] = {}
     try:
         children = list(repo.iterdir())
     except FileNotFoundError:
         return out
     for child in children:
-        if child.is_dir() and not child.name.startswith("."):
-            fp = model_fingerprint(child)
-            if fp is not None:
-                out[child.name] = fp
+        try:
+            if child.is_dir() and not child.name.startswith("."):
+                fp = model_fingerprint(child)
+                if fp is not None:
+                    out[child.name] = fp
+        except OSError as e:
+            out[child.name] = Unreadable(e)
     return out
 
 
@@ -90,11 +102,17 @@ class RepositoryWatcher:
         self._load, self._unload = load, unload
         self.seen: dict[str, ModelFingerprint] = {}
         self.pending: dict[str, ModelFingerprint | None] = {}
+        self.unreadable: dict[str, str] = {}  # model (or "" for the repository) -> why
 
     def seed(self) -> None:
         """Take the current repository as applied. Call it before the startup load, so
         that a bundle changing while it loads is seen as changed on the next polls."""
-        self.seen = scan(self.repo)
+        try:
+            self.seen = {
+                n: fp for n, fp in scan(self.repo).items() if not isinstance(fp, Unreadable)
+            }
+        except OSError:
+            self.seen = {}  # (the startup load says why)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -103,9 +121,18 @@ class RepositoryWatcher:
             await self.poll()
 
     async def poll(self) -> None:
-        current = await trio.to_thread.run_sync(scan, self.repo)
+        """One look at the repository; one that cannot be read changes nothing."""
+        try:
+            current = await trio.to_thread.run_sync(scan, self.repo)
+        except OSError as e:
+            self._unreadable("", f"model repository {self.repo}", e)
+            return
+        self._unreadable("", "", None)
         for name in sorted(set(current) | set(self.seen) | set(self.pending)):
             new, old = current.get(name), self.seen.get(name)
+            self._unreadable(name, f"model directory {self.repo / name}", new)
+            if isinstance(new, Unreadable):
+                continue  # left as it was, pending or not
             if new == old:
                 self.pending.pop(name, None)
                 continue
@@ -121,3 +148,13 @@ class RepositoryWatcher:
                 self.seen[name] = new
                 log.info("model %s %s: loading", name, "changed" if old else "added")
                 await self._load(self.repo / name)
+
+    def _unreadable(self, key: str, what: str, error: object) -> None:
+        """Log once when ``key`` becomes unreadable (``error`` an OSError or
+        :class:`Unreadable`), and once when it is readable again."""
+        unreadable = isinstance(error, (OSError, Unreadable))
+        if unreadable and key not in self.unreadable:
+            self.unreadable[key] = what
+            log.warning("%s cannot be read (%s): left as it is until it can", what, error)
+        elif not unreadable and key in self.unreadable:
+            log.info("%s is no longer unreadable", self.unreadable.pop(key))
