@@ -275,6 +275,43 @@ def test_dynamic_mode_adds_a_version_beside_and_retires_a_removed_one(tmp_path, 
     assert any(m.startswith("model m version 2 retired (its directory is gone)") for m in messages)
 
 
+def test_a_gone_version_retires_and_a_kept_one_loses_its_reason(tmp_path, cache_dir):
+    """Dynamic mode. Under `specific [2]`, version 2's directory goes: it retires though
+    the policy now selects nothing (it used to keep serving). Under latest 1, a broken
+    version 2 leaves version 1 "kept serving"; once version 2 is gone, version 1 is
+    selected again and its reason is cleared."""
+    repo = tmp_path / "repo"
+    export_linear(repo / "s" / "1", seed=1)
+    export_linear(repo / "s" / "2", seed=2)
+    export_linear(repo / "m" / "1", seed=1)
+    policy = "[global.scheduler.models.s]\nversion_policy = { specific = [2] }"
+    with (
+        running(node_config(tmp_path, node(repo, cache_dir, models=policy))) as worker,
+        connect(worker) as client,
+    ):
+        assert versions(client, "s") == [("2", "READY", "")]
+        shutil.rmtree(repo / "s" / "2")
+        (entry,) = wait_until(lambda: (found := versions(client, "s"))[0][1] != "READY" and found)
+        assert entry[:2] == ("", "UNAVAILABLE") and entry[2].startswith(
+            "at least one version must be available under the version policy of model 's'"
+        )
+        with raises_status("UNAVAILABLE"):
+            infer_y(client, "s", X)
+
+        staged = export_linear(tmp_path / "staging" / "2", seed=2)
+        (staged / "model.b1.mlir").write_text("not StableHLO")
+        staged.rename(repo / "m" / "2")
+        one, _ = wait_until(lambda: (found := versions(client, "m"))[0][2] and found)
+        assert one == (
+            "1",
+            "READY",
+            "kept serving: none of the versions latest 1 selects (2) is ready",
+        )
+        shutil.rmtree(repo / "m" / "2")
+        wait_until(lambda: versions(client, "m") == [("1", "READY", "")])
+        assert matches(infer_y(client, "m", X), 1, X)
+
+
 def test_a_request_in_its_preprocess_runs_on_the_load_it_was_accepted_for(tmp_path, cache_dir):
     """Explicit mode. A request naming no version is held in version 1's preprocess hook
     while a load retires version 1 for version 2; another is held in version 2's while

@@ -124,6 +124,8 @@ class ModelLoader:
                 f"'{name}' ({policy.describe()}; versions in the repository: "
                 f"{_numbers(found)})",
             )
+            for n in sorted(set(entry.versions) - set(found)):
+                self._retire(entry, n, "its directory is gone")
             return
         if override is not None and override.max_batch_size is not None:
             sched = msgspec.structs.replace(sched, max_batch_size=override.max_batch_size or None)
@@ -147,6 +149,8 @@ class ModelLoader:
             version.path = found[n]
             if force or version.model is None or version.fingerprint != prints[n]:
                 await self._build(entry, version, prints[n], sched, bundles.get(n))
+            else:  # serving its files as they are: nothing to report (a "kept serving")
+                version.reason = ""
         chosen = any(entry.versions[n].model is not None for n in selected)
         for n in sorted(set(entry.versions) - set(selected)):
             version = entry.versions[n]
