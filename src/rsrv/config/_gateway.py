@@ -331,6 +331,19 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         target[path[-1]] = value
 
 
+def gateway_file_sets(path: str | os.PathLike[str] | None, key: str) -> bool:
+    """Whether the gateway file at ``path`` (None: none) sets the dotted ``key``
+    (``"grpc.max_message_bytes"``). Raises ConfigError when it cannot be read."""
+    if path is None:
+        return False
+    value: Any = read_document(Path(path))
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
 def load_gateway(
     path: str | os.PathLike[str] | None = None, env: Mapping[str, str] = os.environ
 ) -> GatewayConfig:

@@ -33,6 +33,7 @@ from rsrv.config import (
     GatewayConfig,
     NodePlan,
     WorkerConfig,
+    gateway_file_sets,
     join_address,
     load_gateway,
     load_node,
@@ -111,14 +112,17 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         f"{GATEWAY_ENV_PREFIX}ENDPOINTS_DNS": "",  # the node's workers, and only they
         f"{GATEWAY_ENV_PREFIX}WORKER_NAMES": ",".join(w.name for w in plan.workers),
     }
-    # The gateway accepts what its workers accept, and logs as they do, unless told
-    # otherwise.
-    env.setdefault(
-        f"{GATEWAY_ENV_PREFIX}GRPC_MAX_MESSAGE_BYTES",
-        str(max(w.endpoints.max_message_bytes for w in plan.workers)),
-    )
-    env.setdefault(f"{GATEWAY_ENV_PREFIX}LOGGING_FORMAT", plan.workers[0].logging.format)
-    env.setdefault(f"{GATEWAY_ENV_PREFIX}LOGGING_LEVEL", plan.workers[0].logging.level)
+    # The gateway accepts what its workers accept, and logs as they do, unless its file
+    # or the environment says otherwise.
+    inherited = {
+        "grpc.max_message_bytes": max(w.endpoints.max_message_bytes for w in plan.workers),
+        "logging.format": plan.workers[0].logging.format,
+        "logging.level": plan.workers[0].logging.level,
+    }
+    for key, value in inherited.items():
+        if not gateway_file_sets(plan.gateway_file, key):
+            variable = GATEWAY_ENV_PREFIX + key.replace(".", "_").upper()
+            env.setdefault(variable, str(value))
     # It drains at least as long as its workers may (its own longer grace stands; so
     # does one set in the environment), and is given that long before SIGKILL.
     drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"

@@ -528,6 +528,36 @@ def test_the_gateway_drains_as_long_as_its_workers_and_is_given_that_long(
     assert spec.grace == drain + node_plan.supervisor.kill_after_seconds
 
 
+@pytest.mark.parametrize(
+    ("gateway_file", "env", "expected"),
+    [
+        ("", {}, (2**30, "debug", "json")),  # as its workers
+        (
+            '[grpc]\nmax_message_bytes = 2097152\n[logging]\nlevel = "info"\nformat = "text"\n',
+            {},
+            (2097152, "info", "text"),  # its file says otherwise
+        ),
+        ("", {"INFERENCE_GATEWAY_LOGGING_LEVEL": "warning"}, (2**30, "warning", "json")),
+    ],
+)
+def test_the_gateway_inherits_its_workers_limits_and_logging_unless_told_otherwise(
+    tmp_path, gateway_file, env, expected
+):
+    gateway = tmp_path / "gateway.toml"
+    gateway.write_text(gateway_file)
+    path = tmp_path / "node.yaml"
+    path.write_text(
+        f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n"
+        "global: {endpoints: {max_message_bytes: 1073741824}, "
+        "logging: {level: debug, format: json}}\n"
+    )
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    spec, config = gateway_spec(node_plan, env)
+    assert load_gateway(node_plan.gateway_file, spec.env) == config  # what the child reads
+    got = (config.grpc.max_message_bytes, config.logging.level, config.logging.format)
+    assert got == expected
+
+
 def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path):
     """The gateway routes to a worker that is still loading its models (it serves what
     it has), so the gateway's readiness alone does not make the node ready."""
