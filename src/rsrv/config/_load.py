@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 import msgspec.toml
-import msgspec.yaml
+import yaml
 
 from ._errors import ConfigError, convert
 from ._resolve import plan_node, resolve_worker
@@ -26,7 +26,38 @@ __all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker", "read_document"]
 DEFAULT_NODE_NAME = "<embedded default.toml>"
 
 _FORMATS = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
-_DECODERS = {"YAML": msgspec.yaml.decode, "TOML": msgspec.toml.decode}
+
+
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """PyYAML's safe loader, refusing a key given twice in one mapping (which it would
+    let the last win silently, where TOML refuses it)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # (<<: keys merged in may be overridden)
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: the base class says so
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(data: bytes) -> Any:
+    try:
+        return yaml.load(data, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise msgspec.DecodeError(str(exc)) from None
+
+
+_DECODERS = {"YAML": _load_yaml, "TOML": msgspec.toml.decode}
 
 
 def _decode(data: bytes, fmt: str, where: str) -> Any:
@@ -36,6 +67,11 @@ def _decode(data: bytes, fmt: str, where: str) -> Any:
         # PyYAML names the input "<byte string>"; the prefix names it better.
         detail = str(exc).replace('in "<byte string>", ', "")
         raise ConfigError(f"{where}: invalid {fmt}: {detail}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{where}: invalid {fmt}: not UTF-8 (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start})"
+        ) from None
     # An empty YAML file is a node with every default.
     return {} if raw is None else raw
 

@@ -172,13 +172,23 @@ def test_missing_file(tmp_path):
         ("bad.yaml", "global:\n  runtime: [1,\n  x: 2\n"),
         ("bad.toml", "[global\nmodel_repo = 1\n"),
         ("dup.toml", "base_port = 1\nbase_port = 2\n"),
+        ("dup.yaml", "base_port: 1\nbase_port: 2\n"),  # (as TOML: not the last one silently)
+        ("dup2.yaml", "global:\n  port: 1\nglobal:\n  model_repo: x\n"),
+        ("latin1.toml", "# caf\xe9\nport = 1\n"),
+        ("latin1.yaml", "# caf\xe9\nport: 1\n"),
     ],
 )
 def test_syntax_errors_name_the_file(tmp_path, name, text):
-    path = write(tmp_path, name, text)
+    path = tmp_path / name
+    path.write_bytes(text.encode("latin-1"))
     kind = "YAML" if name.endswith(".yaml") else "TOML"
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: invalid {kind}"):
         load_node(path)
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    path = write(tmp_path, "merge.yaml", "workers:\n  - &w {name: a}\n  - {<<: *w, name: b}\n")
+    assert [w.name for w in load_node(path).workers] == ["a", "b"]
 
 
 # --- schema validation ---
