@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
-from ._errors import ConfigError
+from ._errors import ConfigError, reword
 from ._schema import SECTIONS, GlobalConfig, NodeConfig
 
 __all__ = [
@@ -177,7 +177,7 @@ def apply_env(settings: dict[str, Any], env: Mapping[str, str]) -> tuple[str, ..
             # Checks the Meta constraints (ranges) of the field.
             value = msgspec.convert(value, type=tp, strict=True)
         except msgspec.ValidationError as exc:
-            message = str(exc).removesuffix(" - at `$`")
+            message = reword(str(exc).removesuffix(" - at `$`"))
             raise ConfigError(f"{var}={text!r}: {message}") from None
         target = settings
         for key in path[:-1]:

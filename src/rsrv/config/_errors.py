@@ -10,7 +10,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-__all__ = ["ConfigError", "convert", "key_segment", "unusable_tls"]
+from ._schema import HOST_PATTERN
+
+__all__ = ["ConfigError", "convert", "key_segment", "reword", "unusable_tls"]
 
 _T = TypeVar("_T")
 
@@ -39,6 +41,19 @@ def key_segment(key: str) -> str:
 
 
 _SEGMENT = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]|\[(\.\.\.)\]")
+
+
+#: msgspec's words for a constraint, and ours.
+_REWORDED = {
+    f"Expected `str` matching regex {HOST_PATTERN!r}": (
+        "expected a host name or address, without white space"
+    ),
+}
+
+
+def reword(problem: str) -> str:
+    """msgspec's problem, in the operator's words where it would be cryptic."""
+    return _REWORDED.get(problem, problem)
 
 
 def _split(message: str) -> tuple[str, str]:
@@ -106,7 +121,7 @@ def _describe(exc: msgspec.ValidationError, raw: Any, type_: type) -> str:
     unknown = re.fullmatch(r"Object contains unknown field `(.*)`", problem)
     if unknown:
         return f"{path}{key_segment(unknown.group(1))}: unknown field"
-    return f"{path}: {problem}"
+    return f"{path}: {reword(problem)}"
 
 
 def convert(raw: Any, type_: type[_T], where: str) -> _T:

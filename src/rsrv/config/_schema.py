@@ -34,6 +34,11 @@ def _doc(text: str) -> Meta:
 
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
+#: A host name or address: not empty, no white space.
+HOST_PATTERN = r"^\S+$"
+Host = Annotated[str, Meta(min_length=1, pattern=HOST_PATTERN)]
+#: A path: not empty (an empty one would silently mean the working directory).
+PathText = Annotated[str, Meta(min_length=1)]
 
 #: Fair-share weights a model may have. Bounded so that a model's virtual time stays
 #: finite and comparable: a weight of inf would starve every other model, and a
@@ -235,7 +240,7 @@ class RestrictedConfig(_Strict):
 class EndpointsConfig(_Strict):
     """Where and how the worker listens."""
 
-    host: Annotated[str, _doc("Address the gRPC, REST and admin HTTP servers bind.")] = "127.0.0.1"
+    host: Annotated[Host, _doc("Address the gRPC, REST and admin HTTP servers bind.")] = "127.0.0.1"
     port: Annotated[Port | None, _doc("gRPC port; null means base_port + worker index.")] = None
     metrics_port: Annotated[
         Port | None,
@@ -328,7 +333,7 @@ class GlobalConfig(_Strict):
     """Settings shared by every worker on the node (the `global` key)."""
 
     cache_dir: Annotated[
-        str, _doc("Compilation cache directory; `~` expanded, relative to the node file.")
+        PathText, _doc("Compilation cache directory; `~` expanded, relative to the node file.")
     ] = "~/.cache/rsrv"
     model_control_mode: Annotated[
         ControlMode,
@@ -442,7 +447,7 @@ class WorkerEntry(_Strict):
     """One worker process on the node (an item of `workers`)."""
 
     name: Annotated[str, Meta(min_length=1), _doc("Unique worker name.")]
-    host: Annotated[str | None, _doc("Shorthand for endpoints.host.")] = None
+    host: Annotated[Host | None, _doc("Shorthand for endpoints.host.")] = None
     port: Annotated[Port | None, _doc("Shorthand for endpoints.port.")] = None
     gpu: Annotated[
         Annotated[int, Meta(ge=0)] | None,
@@ -483,9 +488,9 @@ class NodeGatewayConfig(_Strict):
 class NodeConfig(_Strict):
     """A node file: every worker process of one machine."""
 
-    model_repo: Annotated[str, _doc("Model repository directory; relative to the node file.")] = (
-        "bundles"
-    )
+    model_repo: Annotated[
+        PathText, _doc("Model repository directory; relative to the node file.")
+    ] = "bundles"
     port: Annotated[
         Port,
         _doc(

@@ -12,6 +12,7 @@ import gc
 import logging
 import resource
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from typing import Protocol
@@ -39,13 +40,16 @@ class Server(Protocol):
 
 def serve_process(name: str, server: Server, status: Callable[[], ChildStatus]) -> int:
     """Run ``server`` until a signal has stopped it. Returns the exit status: 0 after
-    a graceful stop, 1 (after one line on stderr) when a port cannot be bound."""
+    a graceful stop, 1 (after one line on stderr) when a port cannot be bound or its
+    host name does not resolve."""
     _raise_descriptor_limit()
     unbound = None
     try:
         trio.run(_serve_until_signal, server, status)
     except* OSError as group:
-        unbound, rest = group.split(lambda e: getattr(e, "errno", None) in _LISTEN_ERRORS)
+        unbound, rest = group.split(
+            lambda e: isinstance(e, socket.gaierror) or getattr(e, "errno", None) in _LISTEN_ERRORS
+        )
         if rest is not None:
             raise
     if unbound is not None:

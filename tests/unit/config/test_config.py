@@ -349,11 +349,28 @@ def test_env_unknown_variable_named(tmp_path):
         ("INFERENCE_SERVER_RUNTIME_BACKEND", "tpu"),
         ("INFERENCE_SERVER_SCHEDULER_MAX_QUEUE_DEPTH", ""),
         ("INFERENCE_SERVER_SCHEDULER_MAX_QUEUE_DEPTH", "none"),
+        ("INFERENCE_SERVER_ENDPOINTS_HOST", ""),  # (it used to reach bind as "any")
+        ("INFERENCE_SERVER_ENDPOINTS_HOST", " 127.0.0.1"),
+        ("INFERENCE_SERVER_MODEL_REPO", ""),  # (it used to mean the working directory)
+        ("INFERENCE_SERVER_CACHE_DIR", ""),
     ],
 )
 def test_env_invalid_value_named(tmp_path, var, value):
     with pytest.raises(ConfigError, match=rf"^{var}="):
         worker_of(tmp_path, "", env={var: value})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("global: {endpoints: {host: 'a b'}}", "$.global.endpoints.host: expected a host name"),
+        ("workers: [{name: a, host: ''}]", "$.workers[0].host: Expected `str` of length >= 1"),
+        ("model_repo: ''", "$.model_repo: Expected `str` of length >= 1"),
+    ],
+)
+def test_empty_or_spaced_hosts_and_paths_are_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_node(write(tmp_path, "node.yaml", text))
 
 
 def test_env_model_repo_is_relative_to_the_working_directory(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from rsrv.lifeline import (
     SupervisorLink,
     read_status,
 )
-from rsrv.lifeline._process import _serve_until_signal
+from rsrv.lifeline._process import _serve_until_signal, serve_process
 from rsrv.node._admin import public_port
 from rsrv.node._children import Child, ChildSpec, ChildState, restart_delay
 from rsrv.node._output import (
@@ -482,6 +482,22 @@ class Starting:
 
     async def shutdown(self):
         self.shut_down = True
+
+
+def test_a_host_that_does_not_resolve_is_one_line_and_exit_1(monkeypatch, capsys):
+    """As a port that cannot be bound (it used to end in a traceback)."""
+
+    class Unresolvable(Starting):
+        async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.delenv(LINK_FD_VARIABLE, raising=False)
+    assert serve_process("worker w", Unresolvable(), lambda: ChildStatus(False, 1)) == 1
+    error = capsys.readouterr().err
+    assert (
+        error
+        == f"rsrv: worker w: cannot listen: [Errno {socket.EAI_NONAME}] Name or service not known\n"
+    )
 
 
 async def test_a_child_is_not_ready_while_it_starts_and_its_supervisor_going_stops_it(
