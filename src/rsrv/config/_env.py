@@ -64,11 +64,14 @@ def _union_members(tp: Any) -> tuple[Any, ...]:
 
 
 def _is_scalar(tp: Any) -> bool:
-    # Structs and mappings have no single-string spelling; lists do (a:b:c).
+    # Structs and mappings have no single-string spelling; lists do (a:b:c), unless of
+    # structs or mappings.
     for member in _union_members(tp):
         if isinstance(member, type) and issubclass(member, msgspec.Struct | dict):
             return False
         if typing.get_origin(member) is dict:
+            return False
+        if typing.get_origin(member) is list and not _is_scalar(typing.get_args(member)[0]):
             return False
     return True
 

@@ -336,6 +336,9 @@ def test_env_unknown_variable_named(tmp_path):
     # Sections and dict fields have no single-string spelling.
     with pytest.raises(ConfigError, match=r"^INFERENCE_SERVER_SCHEDULER_MODELS: unknown"):
         worker_of(tmp_path, "", env={"INFERENCE_SERVER_SCHEDULER_MODELS": "x"})
+    # Nor lists of tables: empty, it used to drop every restricted protocol.
+    with pytest.raises(ConfigError, match=r"^INFERENCE_SERVER_ENDPOINTS_RESTRICTED: unknown"):
+        worker_of(tmp_path, "", env={"INFERENCE_SERVER_ENDPOINTS_RESTRICTED": ""})
 
 
 @pytest.mark.parametrize(
