@@ -166,9 +166,9 @@ def _resolve_one(
     where: str,
     *,
     base_port: int,
-    device: str | None,
     workers: int,
 ) -> WorkerConfig:
+    """One worker, resolved; its device (``gpu``) is assigned by :func:`plan_node`."""
     settings: dict[str, Any] = msgspec.to_builtins(node.global_)
     settings["model_repo"] = node.model_repo
     for section in SECTIONS:
@@ -207,8 +207,6 @@ def _resolve_one(
         other = "gRPC" if http_port == port else "metrics"
         raise ConfigError(f"{here}: REST (http) port and {other} port are both {http_port}")
 
-    gpu = device if merged.runtime.backend != "cpu" else None
-
     # Paths from the file are relative to the file; from the environment,
     # relative to where the server was started.
     cwd = Path.cwd()
@@ -228,7 +226,7 @@ def _resolve_one(
             endpoints, port=port, metrics_port=metrics_port, http_port=http_port
         ),
         logging=merged.logging,
-        gpu=gpu,
+        gpu=None,
         workers=workers,
         overrides=overrides,
     )
@@ -324,34 +322,33 @@ def plan_node(
     where = os.fspath(source) if source is not None else "<node config>"
     base = Path(where).absolute().parent if source is not None else Path.cwd()
     backend = _backend(node, env)
+    may_detect = detect or node.gpus != "auto"
     devices, found = [], ""
-    if backend != "cpu" and (detect or node.gpus != "auto"):
+    if backend != "cpu" and may_detect:  # (the number of workers may follow)
         devices, found = detect_devices(node, env, where)
     entries = _entries(node, backend, devices if found else None, env)
     _check_node(node, entries, where)
-    assigned: list[str | None] = [None] * len(entries)
-    if devices:
-        names = [e.name for e in entries]
-        assigned = list(assign_devices(names, [e.gpu for e in entries], devices, where))
-    # No device found on a cuda node: each worker starts on none and fails with one
-    # line, or falls back to the CPU where allow_cpu_fallback says so (the worker's call).
     base_port = node.base_port
     if base_port is None:
         base_port = node.port if len(entries) == 1 else node.port + _WORKER_PORT_OFFSET
     workers = [
         _resolve_one(
-            node,
-            entry,
-            index,
-            env,
-            base,
-            where,
-            base_port=base_port,
-            device=assigned[index],
-            workers=len(entries),
+            node, entry, index, env, base, where, base_port=base_port, workers=len(entries)
         )
         for index, entry in enumerate(entries)
     ]
+    # Devices go to the workers whose own backend uses one (a worker may override the
+    # node's). None found: each gets none to see (""), and fails at start with one line,
+    # or falls back to the CPU where allow_cpu_fallback says so (the worker's call).
+    on_device = [i for i, w in enumerate(workers) if w.runtime.backend != "cpu"]
+    if on_device and not found and may_detect:
+        devices, found = detect_devices(node, env, where)
+    if on_device and found:
+        names = [workers[i].name for i in on_device]
+        gpus = [entries[i].gpu for i in on_device]
+        assigned = assign_devices(names, gpus, devices, where) if devices else [""] * len(names)
+        for i, device in zip(on_device, assigned, strict=True):
+            workers[i] = msgspec.structs.replace(workers[i], gpu=device)
     _check_ports(workers, where)
     public = workers[0].endpoints.port if len(workers) == 1 else node.port
     assert public is not None  # resolved by _resolve_one

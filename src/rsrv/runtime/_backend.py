@@ -94,7 +94,8 @@ def open_device() -> DeviceInfo:
             "(pip install 'rsrv[cuda]') on a machine with an NVIDIA GPU, or set "
             "runtime.allow_cpu_fallback"
         ) from None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if backend == "cuda" else None
+    on_cuda = backend == "cuda" and first.platform != "cpu"  # (not a fallback)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if on_cuda else None
     return DeviceInfo(
         first.platform,
         first.device_kind,

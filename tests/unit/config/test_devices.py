@@ -117,6 +117,22 @@ def test_workers_get_devices_by_index_or_by_gpu(tmp_path):
     assert [w.gpu for w in plan(tmp_path, three + "gpus: 3\n").workers] == [None] * 3
 
 
+def test_devices_go_to_the_workers_whose_own_backend_uses_one(tmp_path):
+    """A worker may override the node's backend: a cuda one on a cpu node gets a device
+    of its own (it used to see them all), a cpu one on a cuda node takes none."""
+    mixed = (
+        "workers: [{name: a, runtime: {backend: cuda}}, {name: b},"
+        " {name: c, runtime: {backend: cuda}}]\n"
+    )
+    got = plan(tmp_path, mixed, {"INFERENCE_SERVER_GPUS": "2"})
+    assert [w.gpu for w in got.workers] == ["0", None, "1"]
+    assert (got.devices, got.device_source) == (["0", "1"], "INFERENCE_SERVER_GPUS")
+    assert [w.gpu for w in plan(tmp_path, mixed).workers] == ["", None, ""]  # none found
+    cpu_one = "workers: [{name: a, runtime: {backend: cpu}}, {name: b}]\n"
+    got = plan(tmp_path, CUDA + cpu_one, {"INFERENCE_SERVER_GPUS": "1"})
+    assert [w.gpu for w in got.workers] == [None, "0"]
+
+
 def test_one_worker_per_detected_device(tmp_path, fake_smi):
     got = plan(tmp_path, CUDA, {"PATH": fake_smi})
     assert [(w.name, w.gpu) for w in got.workers] == [
@@ -131,8 +147,10 @@ def test_one_worker_per_detected_device(tmp_path, fake_smi):
     one = plan(tmp_path, CUDA, {"INFERENCE_SERVER_GPUS": "GPU-77"})
     assert [(w.name, w.gpu, w.endpoints.port) for w in one.workers] == [("worker0", "GPU-77", 8001)]
     assert one.port == 8001
-    # None found: one worker, on no device (it fails at start, or falls back to the CPU).
-    assert [w.gpu for w in plan(tmp_path, CUDA).workers] == [None]
+    # None found: one worker, shown no device (it fails at start, or falls back to the
+    # CPU), and not every device there may be (gpus 0 says none).
+    assert [w.gpu for w in plan(tmp_path, CUDA).workers] == [""]
+    assert [w.gpu for w in plan(tmp_path, CUDA + "gpus: 0\n", {"PATH": fake_smi}).workers] == [""]
 
 
 def test_base_port_fixes_every_workers_port_whatever_the_node_size(tmp_path):
@@ -162,7 +180,7 @@ def test_cpu_workers_from_the_file_and_the_environment(tmp_path):
         plan(tmp_path, CUDA, {"INFERENCE_SERVER_CPU_WORKERS": "2"})
     # The backend override decides between cpu_workers and one per device.
     cuda = plan(tmp_path, "cpu_workers: 4\n", {"INFERENCE_SERVER_RUNTIME_BACKEND": "cuda"})
-    assert [w.gpu for w in cuda.workers] == [None]
+    assert [w.gpu for w in cuda.workers] == [""]  # (none found)
 
 
 @pytest.mark.parametrize(
