@@ -3,7 +3,8 @@
 SIGTERM while 100 requests are in flight: every request gets its answer or an explicit
 error, shared memory is released, the process exits 0. SIGINT likewise. With
 ``logging.format = "json"`` every stderr line is a JSON object, including the effective
-configuration and each model's load.
+configuration and each model's load. Without a node file, from a checkout, it says
+which repository it serves.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -23,8 +25,17 @@ import tritonclient.utils.shared_memory as shm
 from support.bundles import X, expected, export_linear, infer_y, matches, x_input
 from support.clients import connect
 from support.metrics import Scrape
-from support.serving import ServerProcess, running, shut_down, worker_config
+from support.serving import (
+    ServerProcess,
+    free_ports,
+    rsrv_command,
+    running,
+    shut_down,
+    worker_config,
+)
 from support.waiting import wait_until
+
+import rsrv
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals, /proc, /dev/shm")
 
@@ -249,3 +260,32 @@ def test_an_idle_open_stream_does_not_hold_up_shutdown(tmp_path, cache_dir, capl
 def static(tmp_path: Path, cache_dir: Path, **settings):
     """An in-process worker of ``tmp_path/repo`` in static mode."""
     return worker_config(tmp_path / "repo", cache_dir, MODEL_CONTROL_MODE="static", **settings)
+
+
+def test_serve_without_a_node_file_says_it_serves_the_checkouts_bundles(tmp_path, cache_dir):
+    """From a directory without ./bundles: the checkout's example bundles, and a line
+    saying so (it was logged before logging was set up, so it never showed)."""
+    checkout = Path(rsrv.__file__).resolve().parents[2] / "bundles"
+    if not checkout.is_dir():
+        pytest.skip("rsrv is not installed from a source checkout")
+    (port,) = free_ports(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_SERVER_")}
+    env |= {
+        "INFERENCE_SERVER_ENDPOINTS_PORT": str(port),
+        "INFERENCE_SERVER_CACHE_DIR": str(cache_dir),
+    }
+    process = subprocess.Popen(
+        [*rsrv_command(), "serve"], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if "effective configuration" in line:
+                break
+    finally:
+        process.kill()
+        process.wait()
+    said = [line for line in lines if "serving the example bundles of the rsrv checkout" in line]
+    assert len(said) == 1 and str(checkout) in said[0], lines
+    assert f'"model_repo": "{checkout}"' in lines[-1]

@@ -30,14 +30,14 @@ def serve_main(node_file: str | None, worker_name: str | None) -> int:
     """Entry point of ``rsrv serve``: configure, then run the worker under trio."""
     try:
         config = load_worker(node_file, worker_name)
-        if node_file is None:
-            config = _default_repo(config)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
     configure_logging(
         config.name, config.logging.level, config.logging.format, tag=not supervised()
     )
+    if node_file is None:
+        config = _default_repo(config)  # (it says so in the log)
     log.info("effective configuration: %s", json.dumps(effective_config_dict(config)))
     rt = config.runtime
     configure(
