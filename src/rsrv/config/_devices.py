@@ -78,7 +78,7 @@ def detect_devices(
     text = env.get(GPUS_VARIABLE)
     if text is not None:
         text = text.strip()
-        if text.isdigit():
+        if text.isascii() and text.isdigit():
             return [str(i) for i in range(int(text))], GPUS_VARIABLE
         if not text:
             raise ConfigError(f"{GPUS_VARIABLE} is empty: give a count or a list of devices")

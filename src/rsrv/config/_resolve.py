@@ -95,7 +95,7 @@ def _entries(
     that cannot apply (the file lists its workers; a cuda node has one per device)."""
     text = env.get(CPU_WORKERS_VARIABLE)
     if text is not None:
-        if not text.strip().isdigit() or int(text) < 1:
+        if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
             raise ConfigError(f"{CPU_WORKERS_VARIABLE}={text!r}: expected an integer >= 1")
         why = "the node file lists its workers" if node.workers else ""
         if not why and backend != "cpu":

@@ -52,7 +52,7 @@ def _request(command: str, args: list[str], options: argparse.Namespace):
             name=model, fill_mode=options.fill_mode, allow_unknown_model=options.allow_unknown
         )
         special = {"all": -1, "default": 0}
-        if count not in special and not (count.isdigit() and int(count) >= 1):
+        if count not in special and not (count.isascii() and count.isdigit() and int(count) >= 1):
             raise ValueError(f"set-replicas: {count!r}: expected N (1 or more), all or default")
         request.replicas = special[count] if count in special else int(count)
         if options.fill_factor is not None:

@@ -42,10 +42,14 @@ MAX_ALARM = 2**31 - 1  # seconds signal.alarm takes
 log = logging.getLogger("rsrv.lifeline")
 
 
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def supervised() -> bool:
     """Whether ``rsrv node`` started this process (its link is in the environment): the
     supervisor then tags each of its output lines with its name."""
-    return os.environ.get(LINK_FD_VARIABLE, "").isdigit()
+    return _is_number(os.environ.get(LINK_FD_VARIABLE, ""))
 
 
 class ChildStatus(msgspec.Struct, frozen=True):
@@ -67,7 +71,7 @@ class SupervisorLink:
         self.current = current
         self.interval = interval
         text = os.environ.get(LINK_FD_VARIABLE)
-        self.fd = int(text) if text is not None and text.isdigit() else None
+        self.fd = int(text) if text is not None and _is_number(text) else None
         try:
             self.grace = float(os.environ.get(LINK_GRACE_VARIABLE, DEFAULT_GRACE))
         except ValueError:

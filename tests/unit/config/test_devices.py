@@ -170,8 +170,11 @@ def test_cpu_workers_from_the_file_and_the_environment(tmp_path):
     assert [w.name for w in plan(tmp_path, "cpu_workers: 2\n").workers] == ["worker0", "worker1"]
     got = plan(tmp_path, "", {"INFERENCE_SERVER_CPU_WORKERS": "3"})
     assert len(got.workers) == 3
-    with pytest.raises(ConfigError, match="INFERENCE_SERVER_CPU_WORKERS='0': expected"):
-        plan(tmp_path, "", {"INFERENCE_SERVER_CPU_WORKERS": "0"})
+    for value in ("0", "\u00b2"):  # (a superscript two is a digit to str.isdigit, not to int)
+        with pytest.raises(ConfigError, match=f"INFERENCE_SERVER_CPU_WORKERS='{value}': expected"):
+            plan(tmp_path, "", {"INFERENCE_SERVER_CPU_WORKERS": value})
+    with pytest.raises(ConfigError, match="INFERENCE_SERVER_GPUS\\[0\\]: '\u00b2' is not a device"):
+        plan(tmp_path, CUDA, {"INFERENCE_SERVER_GPUS": "\u00b2"})
     # Where it cannot apply it is an error, not ignored (malformed or not).
     for value in ("4", "abc"):
         with pytest.raises(ConfigError, match=f"CPU_WORKERS='{value}'"):
