@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from support import ROOT
 
+import rsrv.config
 from rsrv.config import (
     ConfigError,
     NodeConfig,
@@ -64,6 +65,25 @@ def test_embedded_default_is_the_schema_default(tmp_path, monkeypatch):
     assert worker.endpoints.metrics_port is None
     assert worker.gpu is None
     assert worker.overrides == ()
+
+
+def test_the_embedded_default_shows_every_key(tmp_path):
+    """default.toml says it lists every default: each key of the schema's tables is
+    set there, or shown commented out (null defaults)."""
+    text = (Path(rsrv.config.__file__).parent / "default.toml").read_text()
+    shown = set(re.findall(r"^#? *(\w+) = ", text, re.M))
+
+    def keys(struct) -> set[str]:
+        out = set()
+        for field in msgspec.structs.fields(struct):
+            tp = field.type
+            if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+                out |= keys(tp)  # a table: [name]
+            else:
+                out.add(field.encode_name)
+        return out
+
+    assert keys(NodeConfig) <= shown
 
 
 def test_empty_yaml_file_is_all_defaults(tmp_path):
