@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ._env import parse_env_value
-from ._errors import ConfigError, convert
+from ._errors import ConfigError, convert, reword
 from ._load import read_document
 from ._schema import LoggingConfig, _doc, _Strict
 
@@ -321,8 +321,11 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         else:
             try:
                 value = parse_env_value(text, tp)
-            except ValueError as exc:
-                raise ConfigError(f"{variable}={text!r}: {exc}") from None
+                # the field's own range (Meta constraints), named by the variable
+                value = msgspec.convert(value, type=tp, strict=True)
+            except ValueError as exc:  # (msgspec.ValidationError is one)
+                message = reword(str(exc).removesuffix(" - at `$`"))
+                raise ConfigError(f"{variable}={text!r}: {message}") from None
         target = raw
         for key in path[:-1]:
             target = target.setdefault(key, {})

@@ -633,6 +633,19 @@ def test_a_gateway_file_turns_admin_http_off_with_none(tmp_path):
     assert load_gateway(path, env={}).listen.metrics is None  # TOML has no null
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "problem"),
+    [
+        ("INFERENCE_GATEWAY_GRPC_MAX_MESSAGE_BYTES", "5", "Expected `int` >= 1048576"),
+        ("INFERENCE_GATEWAY_SCHEDULING_ROUTING_FILL_FACTOR", "1e9", "Expected `float` <= 1000"),
+    ],
+)
+def test_a_gateway_variable_out_of_range_is_named(variable, value, problem):
+    env = {"INFERENCE_GATEWAY_ENDPOINTS": "127.0.0.1:8101", variable: value}
+    with pytest.raises(ConfigError, match=rf"^{variable}='{value}': {re.escape(problem)}"):
+        load_gateway(None, env)
+
+
 def test_configs_are_immutable(tmp_path):
     worker = worker_of(tmp_path, "")
     with pytest.raises(AttributeError):
