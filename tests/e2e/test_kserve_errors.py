@@ -149,6 +149,15 @@ def test_more_rows_than_the_largest_batch(triton):
         triton.infer("classifier", [infer_input("x", x_rows(9))])
 
 
+def test_too_many_rows_are_refused_before_their_data_is_read(triton):
+    """From the header alone: its shared-memory region is never looked at (a client
+    could name gigabytes there; Triton refuses from the batch size too)."""
+    x = grpcclient.InferInput("x", [100_000, 256], "FP32")
+    x.set_shared_memory("unregistered", 100_000 * 256 * 4)
+    with raises_status("INVALID_ARGUMENT", "a request of 100000 rows exceeds the largest"):
+        triton.infer("classifier", [x])
+
+
 def test_unknown_requested_output(triton):
     with raises_status(
         "INVALID_ARGUMENT",

@@ -61,6 +61,12 @@ class ServedModelView(Protocol):
         """Rows one execution of it may hold, the scheduler's cap (0: unbatched, meta)."""
         ...
 
+    def check_rows(self, rows: int) -> None:
+        """InvalidArgument when a request whose inputs hold ``rows`` rows on their batch
+        axis cannot run (as the scheduler would say it); nothing where that is not
+        known before the request runs (a preprocess hook may change the rows)."""
+        ...
+
     @property
     def version_policy(self) -> VersionPolicy:
         """The version policy its model is served under."""

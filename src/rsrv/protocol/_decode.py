@@ -36,7 +36,7 @@ The codec assumes a little-endian host (as Triton and tritonclient do).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,8 +131,10 @@ def decode_request(
     shm: SharedMemoryRegistry | None = None,
     *,
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    check_rows: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Decode every input of a ModelInferRequest against the model's client-facing specs.
+    """Decode every input of a ModelInferRequest against the model's client-facing specs
+    (``check_rows``: the served model's check of the rows on a batch axis).
 
     Returns ``{name: read-only array}`` in request order. ``shm`` None means system shared
     memory is unavailable (a tensor naming a region is FAILED_PRECONDITION). Raises
@@ -150,7 +152,14 @@ def decode_request(
     for tensor in request.inputs:
         name = tensor.name
         plan = plan_input(
-            model, name, tensor.datatype, tuple(tensor.shape), by_name, seen, max_tensor_bytes
+            model,
+            name,
+            tensor.datatype,
+            tuple(tensor.shape),
+            by_name,
+            seen,
+            max_tensor_bytes,
+            check_rows,
         )
         what = plan.what
         target = shm_target(tensor, what)

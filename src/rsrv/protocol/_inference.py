@@ -159,7 +159,9 @@ class InferenceService(GRPCInferenceServiceServicer):
 
         def prepare():
             nonlocal order
-            inputs = decode_request(message, sig.client_inputs, backend.shm)
+            inputs = decode_request(
+                message, sig.client_inputs, backend.shm, check_rows=served.check_rows
+            )
             order = requested_outputs(message, [t.name for t in sig.client_outputs], backend.shm)
             deadline = min(
                 call_deadline.get(),

@@ -233,7 +233,9 @@ class RestService:
 
         def prepare():
             nonlocal plan
-            inputs = decode_rest_inputs(request, model, sig.client_inputs, binary, backend.shm)
+            inputs = decode_rest_inputs(
+                request, model, sig.client_inputs, binary, backend.shm, check_rows=served.check_rows
+            )
             plan = rest_outputs(request, model, produced, backend.shm)
             rest_priority(request)  # validated; the scheduler has no priorities
             return inputs, rest_deadline(request, trio.current_time())

@@ -35,7 +35,7 @@ Triton sends it); an output in shared memory carries neither and echoes
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -140,6 +140,7 @@ def decode_rest_inputs(
     shm: SharedMemoryRegistry | None = None,
     *,
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    check_rows: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Decode every input of ``request`` (``binary``: the bytes after its JSON) against
     the model's client-facing specs: ``{name: read-only array}`` in request order.
@@ -157,6 +158,7 @@ def decode_rest_inputs(
             by_name,
             seen,
             max_tensor_bytes,
+            check_rows,
         )
         what = plan.what
         params = tensor.parameters

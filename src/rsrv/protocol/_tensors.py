@@ -100,10 +100,12 @@ def plan_input(
     by_name: Mapping[str, Tensor],
     seen: set[str],
     max_tensor_bytes: int,
+    check_rows: Callable[[int], None] | None = None,
 ) -> InputPlan:
     """Check one input's header against the model's client-facing specs (``by_name``):
-    declared, not repeated (``seen`` is updated), datatype, shape, and size from the
-    shape alone (above ``max_tensor_bytes``: refused before anything is allocated)."""
+    declared, not repeated (``seen`` is updated), datatype, shape, its rows on the batch
+    axis (``check_rows``, when given), and size from the shape alone (above
+    ``max_tensor_bytes``: refused before anything is allocated)."""
     what = f"input tensor '{name}' for model '{model}'"
     spec = by_name.get(name)
     if spec is None:
@@ -119,13 +121,21 @@ def plan_input(
         )
     _check_shape(spec, shape, what)
     count = math.prod(shape)
-    least = count * (spec.dtype.itemsize or 4)  # BYTES: a 4-byte prefix per element
+    # A zero dimension leaves no data, but the other dimensions still shape an array
+    # that numpy must be able to address: they count against the limit too.
+    extent = count or math.prod(max(d, 1) for d in shape)
+    least = extent * (spec.dtype.itemsize or 4)  # BYTES: a 4-byte prefix per element
     if least > max_tensor_bytes:
+        elements = f"{count} elements"
+        if not count:
+            elements = f"0 elements, but its other dimensions span {extent}"
         raise InvalidArgument(
-            f"{what}: shape {list(shape)} has {count} elements ({least} bytes"
+            f"{what}: shape {list(shape)} has {elements} ({least} bytes"
             f"{' at least' if spec.dtype is DType.BYTES else ''}), above the limit of "
             f"{max_tensor_bytes} bytes per tensor"
         )
+    if check_rows is not None and spec.batch_axis is not None:
+        check_rows(shape[spec.batch_axis])
     return InputPlan(spec, what, shape, count)
 
 

@@ -6,7 +6,7 @@ Formulas and rules: specs/scheduler.md.
 
 from rsrv.scheduler._executor import Executor, Result
 from rsrv.scheduler._scheduler import PinnedVersion, Scheduler
-from rsrv.scheduler._spec import ModelSpec, check_weight
+from rsrv.scheduler._spec import ModelSpec, check_rows, check_weight
 from rsrv.scheduler._stats import SchedulingCounters, SchedulingStats, VersionStats
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "SchedulingCounters",
     "SchedulingStats",
     "VersionStats",
+    "check_rows",
     "check_weight",
 ]

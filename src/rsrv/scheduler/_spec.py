@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,22 @@ def check_weight(weight: float, where: str) -> float:
             f"{where}: weight must be between {MIN_WEIGHT:g} and {MAX_WEIGHT:g}, got {weight}"
         )
     return float(weight)
+
+
+def check_rows(name: str, rows: int, batch_sizes: Sequence[int], max_rows: int) -> None:
+    """InvalidArgument when a request of ``rows`` rows cannot run on model ``name``,
+    compiled at ``batch_sizes`` (ascending, not empty), whose requests hold at most
+    ``max_rows``."""
+    largest = batch_sizes[-1]
+    if rows > largest:
+        raise InvalidArgument(
+            f"model {name!r}: a request of {rows} rows exceeds the largest compiled "
+            f"batch size {largest} (compiled sizes: {list(batch_sizes)})"
+        )
+    if rows > max_rows:
+        raise InvalidArgument(
+            f"model {name!r}: a request of {rows} rows exceeds max_batch_size {max_rows}"
+        )
 
 
 @dataclass(frozen=True)
@@ -137,16 +154,7 @@ class ModelSpec:
         n = rows_of(arrays, self.input_axes, name)
         if rows is not None and rows != n:
             raise InvalidArgument(f"model {name!r}: rows={rows} but the inputs have {n} rows")
-        largest = self.batch_sizes[-1]
-        if n > largest:
-            raise InvalidArgument(
-                f"model {name!r}: a request of {n} rows exceeds the largest compiled "
-                f"batch size {largest} (compiled sizes: {list(self.batch_sizes)})"
-            )
-        if n > self.max_rows:
-            raise InvalidArgument(
-                f"model {name!r}: a request of {n} rows exceeds max_batch_size {self.max_rows}"
-            )
+        check_rows(name, n, self.batch_sizes, self.max_rows)
         return sig, n
 
     def with_policy(self, policy: ModelSchedConfig | None) -> ModelSpec:

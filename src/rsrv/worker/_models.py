@@ -20,7 +20,7 @@ import trio
 from rsrv.bundle import Bundle, load_bundle
 from rsrv.errors import BundleError, NotFound, Unavailable
 from rsrv.runtime import CompiledModel, Compiler, compile_bundle
-from rsrv.scheduler import ModelSpec
+from rsrv.scheduler import ModelSpec, check_rows
 from rsrv.versions import DEFAULT_POLICY, VersionPolicy
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,14 @@ class ServedModel:
     def key(self) -> str:
         """The executable key: this load's identity in the scheduler and weight cache."""
         return f"{self.name}@{self.generation}"
+
+    def check_rows(self, rows: int) -> None:
+        """The scheduler's check of a request's rows, for the codec to make before it
+        decodes the request's data; only where a client's rows are the executable's (a
+        batched model without a preprocess hook)."""
+        sizes = self.bundle.batch_sizes
+        if self.compiled is not None and sizes and self.bundle.hooks.preprocess is None:
+            check_rows(self.name, rows, sizes, self.max_batch_size)
 
     def spec(self) -> ModelSpec:
         """What the scheduler needs of this version (lay the config over it with

@@ -347,6 +347,32 @@ def test_bytes_element_count_overflow():
         decode_request(build([tensor]), [spec("s", DType.BYTES, (-1, 1))])
 
 
+@pytest.mark.parametrize("source", ["raw", "none"])
+def test_a_zero_size_tensor_whose_other_dimensions_overflow_is_refused(source):
+    """0 x 2**62: no data, but numpy cannot shape it (it was INTERNAL "array is too big")."""
+    tensor = tgrpc.InferInput("x", [0, 2**62], "FP32")
+    if source == "raw":
+        tensor._raw_content = b""
+    with raises(InvalidArgument, "'x'", "0 elements, but its other dimensions span", "limit"):
+        decode_request(build([tensor]), [spec(shape=(-1, -1), batch_axis=None)])
+
+
+def test_rows_are_checked_before_any_data_is_decoded(monkeypatch):
+    """The served model's check of the rows on the batch axis runs with the header's
+    checks, before anything is materialized (shared memory copied, BYTES split)."""
+    calls, rows = [], []
+    monkeypatch.setattr(_decode, "_materialize", lambda *a: calls.append(a))
+
+    def check_rows(n):
+        rows.append(n)
+        raise InvalidArgument(f"model 'm': a request of {n} rows exceeds ...")
+
+    request = build([infer_input("x", np.zeros((9, 3), dtype=np.float32))])
+    with raises(InvalidArgument, "a request of 9 rows exceeds"):
+        decode_request(request, [spec()], check_rows=check_rows)
+    assert rows == [9] and calls == []
+
+
 def test_raw_byte_length_mismatch():
     tensor = tgrpc.InferInput("x", [2, 3], "FP32")
     tensor._raw_content = b"\x00" * 20
