@@ -29,6 +29,7 @@ from support.references import (
     grader_inputs,
     grader_reference,
 )
+from support.rest import http_connect, http_input, with_http
 from support.serving import held_device, on_port, running, sched_stats, worker_config
 from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
@@ -672,3 +673,20 @@ def test_a_bytes_output_may_come_from_a_hook_as_numpy_bytes_or_str(tmp_path, cac
         )
         assert result.as_numpy("OUTPUT0").tolist() == [[str(2 * i).encode() for i in range(16)]]
         assert result.as_numpy("OUTPUT1").tolist() == [[b"0"] * 16]
+
+
+def test_large_bytes_requests_and_answers_decode_off_the_loop_correctly(tmp_path, cache_dir):
+    """20,000 BYTES elements in (decoded in a worker thread: longer than the codec may
+    hold the event loop) and 20,000 out (encoded in one too), over gRPC and REST, shared
+    memory included, with a deadline; the answers are exact."""
+    repo = make_repo(tmp_path / "repo", "words")
+    text = np.array([[b"w"] * 10_000, [b"w"] * 9_000 + [b""] * 1_000], dtype=object)
+    with running(with_http(worker_config(repo, cache_dir))) as w, connect(w) as triton:
+        rest = http_connect(w, network_timeout=60)
+        grpc_in = infer_input("text", text, "BYTES")
+        grpc_answer = triton.infer("words", [grpc_in], client_timeout=60)
+        rest_answer = rest.infer("words", [http_input("text", text, "BYTES")], timeout=60_000_000)
+        for answer in (grpc_answer, rest_answer):
+            assert answer.as_numpy("counts").tolist() == [[10_000], [9_000]]
+            oks = answer.as_numpy("oks")
+            assert oks.shape == (2, 10_000) and set(oks.ravel().tolist()) == {b"ok"}

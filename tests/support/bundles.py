@@ -21,6 +21,8 @@
   * ``image``: an image classifier as Triton's image client expects one: x FP32[n,3,8,8]
     with axis letters ``nchw`` -> scores FP32[n,4] = mean over h, w of x, times W
     (:data:`IMAGE_W`); compiled sizes 1, 4.
+  * ``words``: text BYTES[n,?] -> counts INT32[n,1] (its non-empty elements per row) and
+    oks BYTES[n,max count] (that many ``b"ok"``); hooks around y = x; sizes 1, 2.
   * ``broken``: the classifier with an unsupported ``format_version``: UNAVAILABLE.
 
 :func:`write_weights` writes a weights file (any tensors, any argument order).
@@ -48,7 +50,7 @@ from support import BUNDLES
 from support.clients import infer_input
 
 EXAMPLES = ("classifier", "severity_grader", "region_scorer", "patch_classifier", "region_pipeline")
-GENERATED = ("simple", "simple_string", "slow", "unbatched", "image")
+GENERATED = ("simple", "simple_string", "slow", "unbatched", "image", "words")
 
 SIMPLE_STRING_MODEL_PY = '''\
 """simple_string: BYTES decimal integers in and out around an INT32 add/subtract."""
@@ -72,6 +74,27 @@ def format_results(total, diff):
         out[:] = [str(int(v)).encode() for v in t.reshape(-1)]
         return out.reshape(t.shape)
     return text(total), text(diff)
+'''
+
+WORDS_MODEL_PY = '''\
+"""words: BYTES rows of any length in, their count of non-empty elements out, and that
+many b"ok" per row back (a large BYTES request and answer from a tiny executable)."""
+
+import numpy as np
+
+import rsrv
+
+
+@rsrv.preprocess(inputs=["text"], outputs=["x"])
+def count(text):
+    return np.array([[sum(1 for v in row if v)] for row in text], np.int32)
+
+
+@rsrv.postprocess(inputs=["y"], outputs=["counts", "oks"])
+def answer(y):
+    oks = np.empty((len(y), int(y.max())), dtype=object)
+    oks[:] = b"ok"
+    return y, oks
 '''
 
 SLOW_MODEL_PY = '''\
@@ -143,6 +166,27 @@ def _build_simple_string(out: Path) -> None:
     )
 
 
+def _build_words(out: Path) -> None:
+    from rsrv.bundle._manifest import TensorSpec
+    from rsrv.export import Input, Output
+
+    _export(
+        fn=lambda p, x: x * p["one"],
+        params={"one": np.int32(1)},
+        inputs=[Input("x", np.int32, ("n", 1))],
+        outputs=[Output("y")],
+        batch_sizes=[1, 2],
+        client_inputs=[TensorSpec(name="text", dtype="bytes", shape="nk", dims={"k": -1})],
+        client_outputs=[
+            TensorSpec(name="counts", dtype="i32", shape="nk", dims={"k": 1}),
+            TensorSpec(name="oks", dtype="bytes", shape="nk", dims={"k": -1}),
+        ],
+        model_py=WORDS_MODEL_PY,
+        out_dir=out,
+        description="counts the non-empty BYTES elements of each row",
+    )
+
+
 def _build_slow(out: Path) -> None:
     from rsrv.export import Input, Output
 
@@ -198,6 +242,7 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "slow": _build_slow,
     "unbatched": _build_unbatched,
     "image": _build_image,
+    "words": _build_words,
 }
 
 

@@ -44,6 +44,7 @@ from rsrv.protocol._rest_codec import (
     encode_rest_response,
     parse_rest_request,
     rest_deadline,
+    rest_decode_seconds,
     rest_outputs,
     rest_priority,
 )
@@ -231,14 +232,14 @@ class RestService:
         produced = [t.name for t in sig.client_outputs]
         plan = None
 
-        def prepare():
+        def prepare(now: float):
             nonlocal plan
             inputs = decode_rest_inputs(
                 request, model, sig.client_inputs, binary, backend.shm, check_rows=served.check_rows
             )
             plan = rest_outputs(request, model, produced, backend.shm)
             rest_priority(request)  # validated; the scheduler has no priorities
-            return inputs, rest_deadline(request, trio.current_time())
+            return inputs, rest_deadline(request, now)
 
         def finish(outputs):
             order, as_values = plan
@@ -246,7 +247,9 @@ class RestService:
                 request, served.name, served.version, outputs, order, as_values, backend.shm
             )
 
-        header_json, parts = await infer_counted(backend, served, start, prepare, finish)
+        header_json, parts = await infer_counted(
+            backend, served, start, prepare, finish, decode_seconds=rest_decode_seconds(request)
+        )
         if not parts:
             return Reply(200, header_json)
         return Reply(

@@ -35,6 +35,7 @@ from rsrv.protocol._shm import SharedMemoryRegistry
 
 __all__ = [
     "DEFAULT_MAX_TENSOR_BYTES",
+    "codec_seconds",
     "InputPlan",
     "check_data_size",
     "check_missing",
@@ -62,6 +63,32 @@ class InputPlan:
     shm: ShmTarget | None = None
     values: Any = None
     field: str | None = None
+
+
+#: Rough costs of the codec, measured on a 2-core VM: a BYTES element parsed or built
+#: (~0.3 us), a typed value converted (~30 ns), a byte copied (~5 GB/s). Numeric bytes in
+#: a request are not copied.
+_BYTES_ELEMENT_SECONDS = 3e-7
+_TYPED_VALUE_SECONDS = 3e-8
+_COPY_BYTE_SECONDS = 2e-10
+
+
+def codec_seconds(shape: Sequence[int], bytes_: bool, source: str, nbytes: int = 0) -> float:
+    """Roughly how long one tensor takes to decode or encode, from its header: its
+    ``shape``, whether it is BYTES, and where its data is (``source``: "raw", in the
+    message and not copied; "copy", with ``nbytes`` copied: shared memory, a response's
+    tensor; "typed", values converted). Malformed headers count as nothing (decoding
+    refuses them)."""
+    count = 1
+    for d in shape:
+        count *= max(d, 0)
+    count = min(count, 1 << 40)
+    seconds = count * _BYTES_ELEMENT_SECONDS if bytes_ else 0.0
+    if source == "copy":
+        seconds += max(nbytes, 0) * _COPY_BYTE_SECONDS
+    elif source == "typed" and not bytes_:
+        seconds += count * _TYPED_VALUE_SECONDS
+    return seconds
 
 
 def _names(specs: Sequence[Tensor]) -> str:
