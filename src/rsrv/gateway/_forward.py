@@ -201,9 +201,16 @@ class Forwarder:
                 )
             finally:
                 ticket.release()
-        # No worker is known to serve it, even after a refresh: one worker's answer (its
+        # No ready worker is known to serve it, even after a refresh. Served by workers
+        # that are down: UNAVAILABLE, worth retrying. Else one worker's answer (its
         # NOT_FOUND, with the text a client of that worker would get) is the answer.
-        return await self.try_in_order(path, body, metadata, deadline, [self.any_ready()[0].name])
+        asked = self.any_ready()[0]  # (UNAVAILABLE "no worker is ready" when none is)
+        down = [w.name for w in self.fleet.workers if not w.ready and head.model in w.serving]
+        if down:
+            raise self._none_ready(
+                f"model {head.model!r} is served by no ready worker (not ready: {', '.join(down)})"
+            )
+        return await self.try_in_order(path, body, metadata, deadline, [asked.name])
 
     async def to_model(
         self,

@@ -14,6 +14,7 @@ from purerpc.grpclib.status import StatusCode
 from support.gateway import Answering, FakeDiscovery, fleet_of, ok
 
 from rsrv.errors import Unavailable
+from rsrv.gateway._fleet import IndexRow
 from rsrv.gateway._forward import INFERENCE, Forwarder, Relayed
 from rsrv.protocol import grpc_trailers
 from rsrv.transport import UnaryResult
@@ -65,6 +66,25 @@ async def test_no_worker_ready_carries_a_pushback():
     with pytest.raises(Unavailable, match="no worker is ready") as info:
         await f.fan_out(INFERENCE + "RepositoryIndex", b"")
     assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
+
+
+async def test_a_model_whose_workers_are_down_is_unavailable_not_unknown():
+    """Another worker is ready but does not serve it: not that worker's NOT_FOUND
+    ("unknown model"), but UNAVAILABLE with the retry pushback."""
+    f = forwarder(ok(b"other"), ok(b"m"))
+    up, down = f.fleet.workers
+    down.ready, down.index = False, (IndexRow("m", "1", "READY", ""),)
+    head = SimpleNamespace(model="m")
+    with pytest.raises(
+        Unavailable, match=r"'m' is served by no ready worker \(not ready: w1\)"
+    ) as info:
+        await f.infer(INFERENCE + "ModelInfer", head, b"", {}, trio.current_time() + 10)
+    assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
+    up.index = (IndexRow("n", "1", "READY", ""),)
+    down.index = ()  # not served anywhere: the ready worker's own answer
+    assert (
+        await f.infer(INFERENCE + "ModelInfer", head, b"", {}, trio.current_time() + 10) == b"other"
+    )
 
 
 async def test_failover_skips_a_worker_that_left_the_fleet_meanwhile():
