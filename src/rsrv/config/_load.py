@@ -80,6 +80,8 @@ def read_document(path: Path) -> Any:
     """A YAML (``.yaml``/``.yml``) or TOML (``.toml``) file as plain data; an empty
     YAML file is an empty table. Raises ConfigError naming the file."""
     where = os.fspath(path)
+    if path.is_dir():
+        raise ConfigError(f"{where}: is a directory; give a .yaml, .yml or .toml file")
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ConfigError(f"{where}: unsupported extension; use .yaml, .yml or .toml")

@@ -179,6 +179,10 @@ def test_yml_extension_and_unsupported_extension(tmp_path):
     assert load_node(write(tmp_path, "node.yml", "base_port: 9000")).base_port == 9000
     with pytest.raises(ConfigError, match=r"node\.json: unsupported extension"):
         load_node(write(tmp_path, "node.json", "{}"))
+    (tmp_path / "conf.yaml").mkdir()
+    for directory in (tmp_path, tmp_path / "conf.yaml"):
+        with pytest.raises(ConfigError, match=r": is a directory; give a \.yaml"):
+            load_node(directory)
 
 
 def test_missing_file(tmp_path):
