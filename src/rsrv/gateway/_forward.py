@@ -247,16 +247,19 @@ class Forwarder:
         last: CallResult | None = None
         last_worker: WorkerLink | None = None
         reached = False  # some worker may have processed it
-        for name in order:
-            worker = self.fleet.by_name.get(name)
+        by_name = self.fleet.by_name
+        for i, name in enumerate(order):
+            worker = by_name.get(name)
             if worker is None:
                 continue  # it left the fleet (DNS) since routing
-            if not worker.ready and last is not None:
-                continue  # found down since routing: try it only if nothing else answered
+            if not worker.ready and (
+                last is not None or any(w.ready for n in order[i + 1 :] if (w := by_name.get(n)))
+            ):
+                continue  # found down since routing: tried only if no other one can be
             if last is not None:
                 _count(last_worker.failovers, last.status)
-                if on_failover is not None:
-                    on_failover(name)  # the work in flight is now on this worker
+            if on_failover is not None:
+                on_failover(name)  # the work in flight is on this worker (no-op: routed there)
             try:
                 result = await self.call(worker, path, body, headers, deadline)
             except DeadlineExceeded:

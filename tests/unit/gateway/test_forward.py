@@ -87,6 +87,22 @@ async def test_a_model_whose_workers_are_down_is_unavailable_not_unknown():
     )
 
 
+async def test_a_worker_found_down_since_routing_is_passed_over():
+    """First in the order but no longer ready (stopped, say: a call there would hang
+    until its deadline): the next replica answers, and the work in flight is moved to
+    it; a worker that is down is still tried when no other one can be."""
+    f = forwarder(ok(b"w0"), ok(b"w1"))
+    f.fleet.workers[0].ready = False
+    moved: list[str] = []
+    deadline = trio.current_time() + 10
+    answer = await f.try_in_order(
+        INFERENCE + "ModelInfer", b"", {}, deadline, ["w0", "w1"], on_failover=moved.append
+    )
+    assert answer == b"w1" and moved == ["w1"]
+    assert f.counters.routed == {("w1", "OK"): 1}
+    assert await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"]) == b"w0"
+
+
 async def test_failover_skips_a_worker_that_left_the_fleet_meanwhile():
     f = forwarder(REFUSED, BUSY, ok(b"ok"))
     f.fleet.remove("w1")  # DNS dropped it after the request was routed
