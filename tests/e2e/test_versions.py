@@ -11,6 +11,7 @@ import json
 import logging
 import queue
 import shutil
+import threading
 
 import numpy as np
 from support.bundles import X, export_linear, infer_y, matches, x_input
@@ -18,6 +19,8 @@ from support.clients import connect, raises_status, stats_of
 from support.serving import held_device, node_config, running, sched_stats
 from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
+
+from rsrv.protocol import _infer_flow, _inference
 
 POLL = 0.1
 WRONG = "failed to get model version from specified version string 'wrong_specification'"
@@ -355,6 +358,49 @@ def test_a_request_in_its_preprocess_runs_on_the_load_it_was_accepted_for(tmp_pa
             assert result.get_response().model_version == version
             assert matches(result.as_numpy("y"), seed, X)
         assert matches(infer_y(client, "m", X), 3, X)
+
+
+def test_a_request_decoding_in_a_thread_runs_on_the_load_it_was_accepted_for(
+    tmp_path, cache_dir, monkeypatch
+):
+    """As above, with the gap in the decoding a worker thread does for a large request
+    (made long here: it waits for a signal; and every request counts as large): a load
+    retiring version 1, then a reload of version 2, overtake it there."""
+    repo = tmp_path / "repo"
+    export_linear(repo / "m" / "1", seed=1)
+    entered, go = threading.Event(), threading.Event()
+    decode = _inference.decode_request
+
+    def held_decode(*args, **kwargs):
+        if threading.current_thread().name != "rsrv-test-worker":  # (a worker thread)
+            entered.set()
+            assert go.wait(30)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(_inference, "decode_request", held_decode)
+    monkeypatch.setattr(_infer_flow, "OFFLOAD_SECONDS", -1.0)
+    with (
+        running(node_config(tmp_path, node(repo, cache_dir, mode="explicit"))) as worker,
+        connect(worker) as client,
+    ):
+        client.load_model("m")
+        answers: queue.Queue = queue.Queue()
+        for version, new_seed, expected in (("1", 2, 1), ("2", 3, 2)):
+            entered.clear()
+            go.clear()
+            client.async_infer(
+                "m", [x_input(X)], lambda result, error: answers.put(error or result)
+            )
+            try:
+                assert entered.wait(30)
+                export_linear(repo / "m" / "2", seed=new_seed)
+                client.load_model("m")  # version 2 loads (1 retires), then is reloaded
+            finally:
+                go.set()
+            result = answers.get(timeout=30)
+            assert not isinstance(result, Exception), result
+            assert result.get_response().model_version == version
+            assert matches(result.as_numpy("y"), expected, X)
 
 
 # -- explicit mode: the index, config overrides, file overrides -----------------------------------

@@ -17,6 +17,7 @@ its version as the decimal string the protocol sends back.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -193,11 +194,22 @@ class InferenceBackend(Protocol):
         """The ready versions of ``name``, ascending (ModelMetadata's ``versions``)."""
         ...
 
+    def hold(self, model: ServedModelView) -> AbstractContextManager[object]:
+        """Keep ``model`` (what :meth:`model` just gave, with no checkpoint since) able
+        to run one request while the block runs, whatever reload or retirement comes
+        meanwhile (the request's decoding may take a while); the value it gives goes to
+        :meth:`infer`. Once its model is unloaded, infer raises NotFound."""
+        ...
+
     async def infer(
-        self, model: ServedModelView, inputs: Mapping[str, np.ndarray], deadline: float | None
+        self,
+        model: ServedModelView,
+        inputs: Mapping[str, np.ndarray],
+        deadline: float | None,
+        held: object = None,
     ) -> dict[str, np.ndarray]:
-        """Run one request of validated client inputs on that version; returns the
-        client outputs."""
+        """Run one request of validated client inputs on that version (held by
+        :meth:`hold`, given as ``held``); returns the client outputs."""
         ...
 
     def record(

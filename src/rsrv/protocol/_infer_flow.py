@@ -65,12 +65,13 @@ async def infer_counted(
     DEADLINE_EXCEEDED when the call's own deadline has passed, else CANCELLED).
     Exceptions propagate unchanged."""
     try:
-        now = trio.current_time()
-        if decode_seconds > OFFLOAD_SECONDS:
-            inputs, deadline = await trio.to_thread.run_sync(prepare, now)
-        else:
-            inputs, deadline = prepare(now)
-        outputs = await backend.infer(served, inputs, deadline)
+        with backend.hold(served) as held:  # (no checkpoint since the version was chosen)
+            now = trio.current_time()
+            if decode_seconds > OFFLOAD_SECONDS:
+                inputs, deadline = await trio.to_thread.run_sync(prepare, now)
+            else:
+                inputs, deadline = prepare(now)
+            outputs = await backend.infer(served, inputs, deadline, held)
         if encode_seconds(outputs) > OFFLOAD_SECONDS:
             response = await trio.to_thread.run_sync(finish, outputs)
         else:

@@ -6,7 +6,8 @@ client inputs -> preprocess (thread) -> scheduler queue -> device -> postprocess
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import trio
@@ -20,7 +21,7 @@ from rsrv.errors import (
     NotFound,
     Unavailable,
 )
-from rsrv.scheduler import Scheduler
+from rsrv.scheduler import PinnedVersion, Scheduler
 from rsrv.worker._meta import MetaRunner
 from rsrv.worker._models import ModelSet, ServedModel
 from rsrv.worker._statistics import RequestStatistics
@@ -74,15 +75,29 @@ class Pipeline:
         for key in [k for k in self.version_statistics if k[0] == name]:
             del self.version_statistics[key]
 
+    @contextlib.contextmanager
+    def hold(self, served: ServedModel) -> Iterator[PinnedVersion | None]:
+        """The scheduler's pin of ``served`` (None for a meta model, whose calls each
+        hold their own), taken at once: no checkpoint may come between choosing
+        ``served`` and this."""
+        if not served.compiled:
+            yield None
+            return
+        with self.scheduler.pinned(served.name, served.version) as pinned:
+            if pinned.key != served.key:
+                raise Unavailable(f"model {served.name!r} changed; send the request again")
+            yield pinned
+
     async def infer(
         self,
         served: ServedModel,
         inputs: Mapping[str, np.ndarray],
         *,
         deadline: float | None = None,
+        held: PinnedVersion | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run one request on the loaded version ``served``; ``inputs`` are validated
-        client inputs."""
+        """Run one request on the loaded version ``served`` (held by :meth:`hold`, or
+        held from now); ``inputs`` are validated client inputs."""
         name = served.name
         if served.bundle.kind == "meta":
             waiting = [c for c in served.bundle.signature.calls if not self.models.ready(c)]
@@ -96,7 +111,7 @@ class Pipeline:
                 stats.compute_infer.add(seconds)
             self.meta.stats[name].requests += 1
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
-        return (await self._run_model(served, inputs, deadline, front=False))[0]
+        return (await self._run_model(served, inputs, deadline, front=False, held=held))[0]
 
     async def infer_sub(
         self, name: str, inputs: Mapping[str, np.ndarray], deadline: float | None
@@ -119,16 +134,17 @@ class Pipeline:
         deadline: float | None,
         *,
         front: bool,
+        held: PinnedVersion | None = None,
     ):
         name = served.name
         both = self._both(served)
         hooks = served.bundle.hooks
         start = trio.current_time()
         exec_inputs = dict(inputs)
-        # The version chosen for the request (no checkpoint since) is held while its
-        # preprocess runs: a reload or retirement meanwhile leaves it to run there.
-        with self.scheduler.pinned(name, served.version) as version:
-            assert version.key == served.key
+        # The version chosen for the request is held while its preprocess runs: a reload
+        # or retirement meanwhile leaves it to run there.
+        with contextlib.ExitStack() as stack:
+            version = held or stack.enter_context(self.hold(served))
             if hooks.preprocess:
                 made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
                 exec_inputs.update(made)

@@ -184,8 +184,13 @@ class Worker:
         entry = self.models.entries.get(name)
         return [] if entry is None else [str(v.number) for v in entry.ready()]
 
-    async def infer(self, model: ServedModel, inputs, deadline: float | None) -> dict:
-        return await self.pipeline.infer(model, inputs, deadline=deadline)
+    def hold(self, model: ServedModel):
+        return self.pipeline.hold(model)
+
+    async def infer(
+        self, model: ServedModel, inputs, deadline: float | None, held: object = None
+    ) -> dict:
+        return await self.pipeline.infer(model, inputs, deadline=deadline, held=held)
 
     def record(self, model: ServedModel, ok: bool, seconds: float, status: str, rows: int):
         self.pipeline.record(model, ok, seconds, status, rows)

@@ -4,6 +4,7 @@ copies), and stay on it otherwise; the estimates come from the request's header.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -16,13 +17,18 @@ from rsrv.protocol._infer_flow import OFFLOAD_SECONDS, encode_seconds, infer_cou
 
 
 class Backend:
-    """What infer_counted uses of a backend: infer and record."""
+    """What infer_counted uses of a backend: hold, infer and record."""
 
     def __init__(self, outputs):
         self.outputs = outputs
         self.records = []
 
-    async def infer(self, served, inputs, deadline):
+    @contextlib.contextmanager
+    def hold(self, served):
+        yield "held"
+
+    async def infer(self, served, inputs, deadline, held=None):
+        assert held == "held"
         return self.outputs
 
     def record(self, served, ok, seconds, status, rows):
