@@ -134,7 +134,9 @@ def request_decode_seconds(request: Any) -> float:
         bytes_ = tensor.datatype == "BYTES"
         params = tensor.parameters
         if params and "shared_memory_region" in params:
-            nbytes = params["shared_memory_byte_size"].int64_param
+            # (indexing a protobuf map that lacks the key would add it: `in` first)
+            size = "shared_memory_byte_size" in params and params["shared_memory_byte_size"]
+            nbytes = size.int64_param if size else 0
             total += codec_seconds(tensor.shape, bytes_, "copy", nbytes)
         elif bytes_ or tensor.HasField("contents"):
             source = "typed" if tensor.HasField("contents") else "raw"

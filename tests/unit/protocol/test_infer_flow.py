@@ -64,6 +64,12 @@ def test_estimates_from_the_header():
     in_shm = tgrpc.InferInput("x", [16384, 256], "FP32")
     in_shm.set_shared_memory("r", 16384 * 256 * 4)  # 16 MiB copied out of the region
     assert request_decode_seconds(request(in_shm)) > OFFLOAD_SECONDS
+    bare = tgrpc.InferInput("x", [1, 256], "FP32")
+    bare.set_shared_memory("r", 1024)
+    message = request(bare)
+    del message.inputs[0].parameters["shared_memory_byte_size"]
+    request_decode_seconds(message)  # reads the map without adding the missing key
+    assert sorted(message.inputs[0].parameters) == ["shared_memory_region"]
     assert encode_seconds({"y": np.zeros((8, 10), np.float32)}) < OFFLOAD_SECONDS
     assert encode_seconds({"y": np.array([b"a"] * 20_000, dtype=object)}) > OFFLOAD_SECONDS
 
