@@ -7,8 +7,10 @@ index, RepositoryModelLoad's config override and file overrides.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import pathlib
 import queue
 import shutil
 import threading
@@ -313,6 +315,53 @@ def test_a_gone_version_retires_and_a_kept_one_loses_its_reason(tmp_path, cache_
         shutil.rmtree(repo / "m" / "2")
         wait_until(lambda: versions(client, "m") == [("1", "READY", "")])
         assert matches(infer_y(client, "m", X), 1, X)
+
+
+def test_a_version_directory_that_cannot_be_read_keeps_its_version_serving(
+    tmp_path, cache_dir, monkeypatch
+):
+    """Dynamic mode: version 2's directory can no longer be read (EACCES, as after
+    chmod 000 for a user other than root; simulated, since the tests may run as root):
+    the model says why, and both versions keep serving (version 2 used to retire as
+    gone); readable again, the reason clears."""
+    repo = tmp_path / "repo"
+    export_linear(repo / "m" / "1", seed=1)
+    export_linear(repo / "m" / "2", seed=2)
+    locked = repo / "m" / "2"
+    denied = threading.Event()
+    iterdir, stat = pathlib.Path.iterdir, pathlib.Path.stat
+
+    def refuse(path) -> None:
+        if denied.is_set() and path.is_relative_to(locked):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    def denying_iterdir(path):
+        refuse(path)
+        return iterdir(path)
+
+    def denying_stat(path, **kwargs):
+        if path != locked:  # (its own entry is in m, which can be read)
+            refuse(path)
+        return stat(path, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", denying_iterdir)
+    monkeypatch.setattr(pathlib.Path, "stat", denying_stat)
+    policy = "[global.scheduler.models.m]\nversion_policy = { all = true }"
+    with (
+        running(node_config(tmp_path, node(repo, cache_dir, models=policy))) as worker,
+        connect(worker) as client,
+    ):
+        both = [("1", "READY", ""), ("2", "READY", "")]
+        assert versions(client, "m") == both
+        denied.set()
+        reasons = wait_until(
+            lambda: {e.reason for e in client.get_model_repository_index().models} - {""}
+        )
+        assert any("m/2: cannot be read: Permission denied" in r for r in reasons), reasons
+        assert [v[:2] for v in versions(client, "m")] == [("1", "READY"), ("2", "READY")]
+        assert matches(infer_v(client, "m", "2", X).as_numpy("y"), 2, X)
+        denied.clear()
+        wait_until(lambda: versions(client, "m") == both)
 
 
 def test_a_request_in_its_preprocess_runs_on_the_load_it_was_accepted_for(tmp_path, cache_dir):

@@ -12,13 +12,12 @@ from rsrv.versions import VersionPolicy, version_dir_number
 
 
 def has_manifest(path: Path) -> bool:
-    """``path`` holds a manifest file (one or more: load_bundle reports two); False
-    when it cannot be read (a version directory without permission, a symbolic link
-    loop)."""
+    """``path`` holds a manifest file (one or more: load_bundle reports two). Raises
+    BundleError when it cannot be read (no permission: it may hold one)."""
     try:
         return any((path / name).is_file() for name in MANIFEST_NAMES)
-    except OSError:
-        return False
+    except OSError as e:
+        raise BundleError(f"{path}: cannot be read: {e.strerror or e}") from None
 
 
 def model_versions(model_dir: Path) -> dict[int, Path]:
@@ -27,7 +26,8 @@ def model_versions(model_dir: Path) -> dict[int, Path]:
     A manifest directly in ``model_dir`` makes it the model's only version, 1. Otherwise
     its versions are the subdirectories named by a positive decimal number (no leading
     zero) that hold a manifest; other entries are ignored. A manifest beside version
-    directories is ambiguous: BundleError.
+    directories is ambiguous: BundleError, as is a version directory that cannot be read
+    (its versions are not known).
     """
     model_dir = Path(model_dir)
     try:
@@ -86,7 +86,7 @@ def discover(repo: Path) -> list[Path]:
                 for v in child.iterdir()
             ):
                 out.append(child)
-        except OSError:  # unreadable: loading it says why
+        except (OSError, BundleError):  # unreadable: loading it says why
             out.append(child)
     return out
 

@@ -28,8 +28,10 @@ Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def fingerprint(bundle: Path) -> Fingerprint | None:
-    """The defining files of a bundle with their sizes and mtimes; None if it is gone
-    or cannot be read (as loading it finds)."""
+    """The defining files of a bundle with their sizes and mtimes; None if it is gone.
+    One that cannot be read (no permission, a symbolic link loop) has a fingerprint of
+    its own, saying so: a change (loading it reports the error, and keeps what it
+    serves), neither gone nor the same."""
     try:
         files = sorted(
             p for p in bundle.iterdir() if p.name in MANIFEST_NAMES or _DEFINING.match(p.name)
@@ -37,8 +39,10 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
         return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        return (("<unreadable>", e.errno or 0, 0),)
 
 
 ModelFingerprint = tuple[tuple[str, Fingerprint], ...]
