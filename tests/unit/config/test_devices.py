@@ -128,9 +128,12 @@ def test_devices_go_to_the_workers_whose_own_backend_uses_one(tmp_path):
     assert [w.gpu for w in got.workers] == ["0", None, "1"]
     assert (got.devices, got.device_source) == (["0", "1"], "INFERENCE_SERVER_GPUS")
     assert [w.gpu for w in plan(tmp_path, mixed).workers] == ["", None, ""]  # none found
-    cpu_one = "workers: [{name: a, runtime: {backend: cpu}}, {name: b}]\n"
-    got = plan(tmp_path, CUDA + cpu_one, {"INFERENCE_SERVER_GPUS": "1"})
-    assert [w.gpu for w in got.workers] == [None, "0"]
+    # The i-th worker on a device gets the i-th device (a cpu worker is not counted).
+    cpu_one = "workers: [{name: a, runtime: {backend: cpu}}, {name: b}, {name: c, gpu: 0}]\n"
+    with pytest.raises(ConfigError, match="workers 'b' and 'c' are both on device 0"):
+        plan(tmp_path, CUDA + cpu_one, {"INFERENCE_SERVER_GPUS": "2"})
+    got = plan(tmp_path, CUDA + cpu_one.replace("gpu: 0", "gpu: 1"), {"INFERENCE_SERVER_GPUS": "2"})
+    assert [w.gpu for w in got.workers] == [None, "0", "1"]
 
 
 def test_one_worker_per_detected_device(tmp_path, fake_smi):
