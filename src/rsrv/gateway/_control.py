@@ -17,6 +17,7 @@ import trio
 from rsrv.config import MAX_FILL_FACTOR, ConfigError, ModelPlacementConfig, SchedulingConfig
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rsrv.gateway._fill import INFLIGHT_WARNING, FillRouter, fill_quantum
+from rsrv.gateway._placement import ALL_REPLICAS
 from rsrv.gateway._scheduling import Scheduling, fill_settings, packing_settings
 from rsrv.gateway._status import model_views, worker_views
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
@@ -275,8 +276,10 @@ class GatewayControl:
         placement = s.planner.settings.placement
         configured = placement.configured(name)
         effective = placement.effective(name, ready)
-        if replicas not in (None, "all") and replicas > ready:
-            warnings.append(f"{replicas} replicas but {ready} ready worker(s): clamped to {ready}")
+        if configured != ALL_REPLICAS and configured > ready:
+            warnings.append(
+                f"{configured} replicas but {ready} ready worker(s): clamped to {ready}"
+            )
         assert isinstance(s.router, FillRouter)
         plan = s.router.plan(name)
         if plan.mode.value == "inflight":

@@ -255,6 +255,7 @@ class Child:
 
     def _not_started(self, error: OSError) -> None:
         self.started_at = trio.current_time()
+        self.timed_out = self.served = False  # (not the last process's)
         self.last_exit = f"not started: {error}"
         log.warning("%s could not be started: %s", self.name, error)
 

@@ -67,6 +67,8 @@ async def test_set_placement_answers_the_counts_the_status_shows(
         request.replicas = replicas
     answer = await control.set_placement(request, None)
     assert (answer.configured_replicas, answer.effective_replicas) == (configured, effective)
+    clamped = f"{configured} replicas but 2 ready worker(s): clamped to 2"
+    assert (clamped in answer.warnings) == (configured > 2)
     status = await control.status(pb.GetSchedulingStatusRequest(), None)
     (model,) = status.models
     assert model.configured_replicas == configured

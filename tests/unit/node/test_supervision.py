@@ -216,6 +216,7 @@ async def test_a_child_that_cannot_be_started_is_retried_like_a_crash():
     failures: list[str] = []
     c = child("", policy, failures)
     c.spec = dataclasses.replace(c.spec, argv=["/nonexistent/python"])
+    c.timed_out = c.served = True  # as an earlier process may have left them
     with trio.fail_after(30):
         await c.run()
     assert c.state is ChildState.FAILED and c.restarts_total == 1
