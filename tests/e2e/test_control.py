@@ -6,6 +6,7 @@ SetModelResidency, SetModelPolicy and CompactMemory through our own ControlClien
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ from rsrv.config import ModelSchedConfig
 from rsrv.export import Input, Output, export_jax
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as pb
 from rsrv.worker import Worker
+from rsrv.worker._executor import DeviceExecutor
 
 
 @pytest.fixture
@@ -260,6 +262,62 @@ async def test_set_model_residency_in_explicit_mode(repo, cache_dir):
             client.load_model("c")
             c = (await statuses(control))["c"]
             assert c.residency == pb.RESIDENCY_DEVICE and c.device_resident
+
+
+async def test_a_residency_change_that_cannot_be_made_changes_nothing(repo, cache_dir):
+    """The weights file is gone: unpinned (which reads from it) is FAILED_PRECONDITION,
+    and the model stays system, serving from its host copy (it used to drop that copy
+    first, and fail every request after)."""
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8
+    )
+    async with serving(config) as (worker, client):
+        client.load_model("a")
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            (repo / "a" / "weights.safetensors").unlink()
+            with server_error(StatusCode.FAILED_PRECONDITION, "weights file cannot be read"):
+                await control.set_residency("a", "unpinned")
+            a = (await statuses(control))["a"]
+            assert a.residency == pb.RESIDENCY_SYSTEM and a.host_resident
+            await control.compact_memory([])  # off the device: back from the host copy
+            assert matches(infer_y(client, "a", X), 0, X)
+
+
+async def test_a_residency_set_during_a_reload_holds_for_the_new_load(repo, cache_dir, monkeypatch):
+    """SetModelResidency waits for a reload in progress, and sets the new load's floor
+    (it used to set the old load's, and the new one came up with the old floor); the
+    floor, and SetModelPolicy's weight, are kept across later reloads until unload."""
+    warm_up = DeviceExecutor.warm_up
+    warming = threading.Event()  # (set on the worker's own loop, in its thread)
+
+    async def slow_warm_up(self, served):
+        warming.set()
+        await trio.sleep(0.5)
+        return await warm_up(self, served)
+
+    monkeypatch.setattr(DeviceExecutor, "warm_up", slow_warm_up)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8
+    )
+    async with serving(config) as (worker, client):
+        client.load_model("a")
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            assert await control.set_policy("a", weight=3.5) == 3.5
+            async with trio.open_nursery() as nursery:
+                warming.clear()
+                nursery.start_soon(trio.to_thread.run_sync, client.load_model, "a")
+                while not warming.is_set():
+                    await trio.sleep(0.01)
+                assert await control.set_residency("a", "device") == "device"
+            a = (await statuses(control))["a"]
+            assert (a.residency, a.device_resident, a.weight) == (pb.RESIDENCY_DEVICE, True, 3.5)
+            client.load_model("a")
+            a = (await statuses(control))["a"]
+            assert (a.residency, a.weight) == (pb.RESIDENCY_DEVICE, 3.5)
+            client.unload_model("a")
+            client.load_model("a")
+            a = (await statuses(control))["a"]
+            assert (a.residency, a.weight) == (pb.RESIDENCY_SYSTEM, 1.0)  # forgotten
 
 
 async def test_set_model_residency_needs_explicit_mode(repo, cache_dir):

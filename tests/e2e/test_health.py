@@ -18,8 +18,10 @@ import pytest
 from support.bundles import X, export_linear, matches, x_input
 from support.clients import connect
 from support.health import Watch, check
+from support.metrics import get
 from support.serving import (
     ServerProcess,
+    free_port,
     held_device,
     node_config,
     running,
@@ -71,10 +73,16 @@ def test_readiness_follows_a_model_loading(repo, cache_dir, tmp_path):
 
 def test_graceful_shutdown_is_not_serving_and_health_is_never_shed(repo, cache_dir):
     """One request held on the device fills the in-flight cap (1): health still answers.
-    Then the worker drains: readiness NOT_SERVING, liveness SERVING, while the held
-    request waits; released, it is answered and the Watch stream ends with the server."""
+    Then the worker drains: readiness NOT_SERVING (and /readyz 503), liveness SERVING,
+    while the held request waits; released, it is answered and the Watch stream ends
+    with the server."""
+    admin = free_port()
     config = worker_config(
-        repo, cache_dir, MODEL_POLL_SECONDS=60, ENDPOINTS_MAX_CONCURRENT_REQUESTS=1
+        repo,
+        cache_dir,
+        MODEL_POLL_SECONDS=60,
+        ENDPOINTS_MAX_CONCURRENT_REQUESTS=1,
+        ENDPOINTS_METRICS_PORT=admin,
     )
     answers: list = []
     with running(config) as worker, connect(worker) as client:
@@ -94,6 +102,7 @@ def test_graceful_shutdown_is_not_serving_and_health_is_never_shed(repo, cache_d
                 assert check(address, name) == "NOT_SERVING", name
             for name in LIVE_NAMES:
                 assert check(address, name) == "SERVING", name
+            assert get(admin, "/readyz")[0] == 503  # as over gRPC (it stayed 200)
             assert not answers  # still held: the drain waits for it
             gate.set()
             stopping.join(30)

@@ -35,7 +35,7 @@ import jax
 import trio
 
 from rsrv.bundle import WeightsFile
-from rsrv.errors import NotFound
+from rsrv.errors import FailedPrecondition, NotFound
 from rsrv.runtime._allocator import AllocatorStats, measured_scratch
 from rsrv.runtime._staging import HostWeights, Staging, free, place, stage, staging_route, to_device
 from rsrv.runtime._weight_cache import Resident, WeightCache
@@ -317,15 +317,28 @@ class WeightManager:
         ``device`` places the weights and pins them (the host copy is dropped);
         ``system`` stages a host copy and makes the device copy evictable;
         ``unpinned`` drops the host copy and makes the device copy evictable.
+        The new source of the weights is made ready before the old one goes: a change
+        that cannot be made (its weights file unreadable) raises FailedPrecondition and
+        leaves the version as it was. NotFound when ``key`` is not loaded.
         """
-        placement = self.placements[key]
-        if residency == "system" and placement.host is None and placement.file is not None:
-            placement.host = await trio.to_thread.run_sync(self._stage_floor, placement.file)
-        elif residency != "system":
+        placement = self.placements.get(key)
+        if placement is None:
+            raise NotFound(f"model version {key!r} is not loaded")
+        try:
+            if residency == "system" and placement.host is None and placement.file is not None:
+                placement.host = await trio.to_thread.run_sync(self._stage_floor, placement.file)
+            elif residency == "unpinned":
+                placement.open()
+            elif residency == "device":
+                await self._ensure(key)  # placed from the floor it has now
+        except OSError as e:
+            raise FailedPrecondition(
+                f"model version {key!r} cannot be made {residency}: its weights file cannot "
+                f"be read ({e.strerror or e}); it stays {placement.residency}"
+            ) from None
+        if residency != "system":
             placement.host = None
-        if residency == "unpinned":
-            placement.open()
-        else:
+        if residency != "unpinned":
             placement.close()
         previous, placement.residency = placement.residency, residency
         if residency == "device":

@@ -148,7 +148,10 @@ class Scheduler:
         old = m.versions.pop(label, None)
         m.versions[label] = version  # last: the default
         m.counters.setdefault(label, VersionCounters())
-        m.version, m.weight = version, spec.weight
+        m.version = version
+        if spec.weight != m.weight:  # (service so far keeps its size in device seconds)
+            self._policy.reweight(m, spec.weight, self._clock())
+            m.weight = spec.weight
         if old is not None:
             self._delayed -= old.delay > 0
             self._retire(old)

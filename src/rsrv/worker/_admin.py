@@ -19,7 +19,7 @@ async def serve_admin(
     """Serve until cancelled; ``task_status.started()`` once listening. Every answer is
     computed from the worker's live state."""
     app = admin_app(
-        ready=lambda: worker.ready,
+        ready=lambda: worker.ready and not worker.admission.closed,  # (draining: not)
         metrics=lambda: Response(200, exposition(worker), PROMETHEUS),
     )
     await serve_http(app, host, port, "rsrv.admin", task_status=task_status)

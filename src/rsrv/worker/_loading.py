@@ -7,7 +7,9 @@ before the name goes, so it never registers a version with the scheduler afterwa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import msgspec
@@ -34,8 +36,9 @@ class ModelLoader:
     """Builds, switches, retires and unloads the models of one worker.
 
     ``compiler`` is set once the worker runs (its cache directory is created then);
-    ``residency`` holds the floors set by SetModelResidency, by model name, kept across
-    reloads until the model is unloaded.
+    ``residency`` holds the floors set by SetModelResidency and ``fair_weights`` the
+    weights set by SetModelPolicy, by model name, kept across reloads until the model is
+    unloaded.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class ModelLoader:
         self.pipeline = pipeline
         self.compiler: Compiler | None = None
         self.residency: dict[str, str] = {}
+        self.fair_weights: dict[str, float] = {}
         self._loading: dict[str, trio.Lock] = {}
 
     async def load_startup_set(self) -> None:
@@ -255,6 +259,8 @@ class ModelLoader:
         )
         if spec is not None:
             self.scheduler.add_model(spec)
+            if name in self.fair_weights:  # set by SetModelPolicy: kept until unload
+                self.scheduler.set_weight(name, self.fair_weights[name])
             self.scheduler.warm_costs(name, costs, served.version)
             served.max_queue_delay = self.scheduler.queue_delay(name, served.version)
 
@@ -309,6 +315,15 @@ class ModelLoader:
                     "meta model %s calls %s, not (yet) in the repository", name, ", ".join(missing)
                 )
 
+    @contextlib.asynccontextmanager
+    async def locked(self, names: Iterable[str]) -> AsyncIterator[None]:
+        """The load locks of ``names``: no load or unload of those models runs in the
+        block. (Taken in name order, so that two holders never wait on each other.)"""
+        async with contextlib.AsyncExitStack() as stack:
+            for name in sorted(set(names)):
+                await stack.enter_async_context(self._loading.setdefault(name, trio.Lock()))
+            yield
+
     def policy_of(self, name: str) -> ModelSchedConfig:
         """``scheduler.models.<name>`` of the worker's file, or the defaults."""
         return self.config.scheduler.models.get(name) or ModelSchedConfig()
@@ -322,6 +337,7 @@ class ModelLoader:
         async with self._loading.setdefault(name, trio.Lock()):
             entry = self.models.entries.pop(name, None)
             self.residency.pop(name, None)
+            self.fair_weights.pop(name, None)
             # Counters start again at the next load, like the scheduler's (and Triton's).
             self.pipeline.forget(name)
             self.scheduler.remove_model(name)  # the executor retires its weights once drained

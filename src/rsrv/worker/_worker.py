@@ -209,9 +209,11 @@ class Worker:
         return self.scheduler.stats(name).weight
 
     def set_weight(self, name: str, weight: float) -> float:
-        """SetModelPolicy: ``name``'s fair-share weight, live."""
+        """SetModelPolicy: ``name``'s fair-share weight, live, kept across reloads until
+        the model is unloaded."""
         self._scheduled(name)
         self.scheduler.set_weight(name, weight)
+        self.loader.fair_weights[name] = weight
         return self.scheduler.stats(name).weight
 
     def _scheduled(self, name: str) -> None:
@@ -372,12 +374,17 @@ class Worker:
             "SetModelResidency",
             "; residency then comes from scheduler.models.<name>.residency",
         )
-        for target in self._weight_owners(served):
-            await self.weights.set_residency(target.key, residency)
-            target.residency = residency
-            self.loader.residency[target.name] = residency  # kept across reloads until unload
-        for version in self._served(name):  # a meta reports the floor it set on its models
-            version.residency = residency
+        # Under the load locks of the models changed: a load or unload of one of them
+        # comes before or after, whole (a reload would miss the floor, an unload forget it
+        # too early).
+        async with self.loader.locked(t.name for t in self._weight_owners(served)):
+            targets = self._weight_owners(self.models.get(name))  # (what is served now)
+            for target in targets:
+                await self.weights.set_residency(target.key, residency)
+                target.residency = residency
+                self.loader.residency[target.name] = residency  # kept until unload
+            for version in self._served(name):  # a meta reports the floor set on its models
+                version.residency = residency
         return residency
 
     async def compact_memory(self, reload: list[str]) -> tuple[int, int]:
