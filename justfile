@@ -24,10 +24,12 @@ bundles:
 check:
     rsrv bundle check bundles
 
+# Lint and check the formatting (ruff).
 lint:
     ruff check src tests scripts benchmarks
     ruff format --check src tests scripts benchmarks
 
+# Fix lint findings and format (ruff).
 fmt:
     ruff check --fix src tests scripts benchmarks
     ruff format src tests scripts benchmarks
@@ -36,6 +38,7 @@ fmt:
 # .venv-torch, installed as specs/export.md §8 says: torch first, then the torch extra.
 # TORCH_INDEX=<the PyTorch CPU index> keeps a CUDA build of torch off a CPU machine (here
 # `torch==2.13.0` finds the CPU wheel on disk); TORCH=<requirement> picks another torch.
+[doc("The PyTorch export tests in their own environment, .venv-torch (see the comment).")]
 test-torch *args:
     test -x .venv-torch/bin/python || python -m venv .venv-torch
     .venv-torch/bin/python -m pip install -q "${TORCH:-torch==2.13.0}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
@@ -48,5 +51,6 @@ test-torch *args:
 # C-proxy comparison nghttpx (nghttp2-proxy); each says so when it is missing.
 # `just bench gpu` measures the accelerator weight path (benchmarks/gpu.py); without a GPU it
 # says so and exits 0 (`just bench gpu --cpu-smoke` checks the script on the CPU).
+[doc("Benchmark figures under results/: full, `quick`, `--only 2,7`, or `gpu`.")]
 bench *args:
     python benchmarks/run.py {{args}}
