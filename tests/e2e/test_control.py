@@ -283,6 +283,30 @@ async def test_a_residency_change_that_cannot_be_made_changes_nothing(repo, cach
             assert matches(infer_y(client, "a", X), 0, X)
 
 
+async def test_a_residency_change_failing_on_one_version_changes_none(tmp_path, cache_dir):
+    """Two versions; version 2's weights file is gone: unpinned fails FAILED_PRECONDITION
+    and version 1, changed first, is put back; no floor is kept for reloads (it was left
+    half changed, and the floor kept)."""
+    repo = tmp_path / "repo"
+    for n in (1, 2):
+        export_linear(repo / "m" / str(n), seed=n)
+        manifest = repo / "m" / str(n) / "manifest.yaml"
+        manifest.write_text(manifest.read_text() + "version_policy: {all: true}\n")
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=4 * WEIGHT_BYTES
+    )
+    async with serving(config) as (worker, client):
+        client.load_model("m")
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            (repo / "m" / "2" / "weights.safetensors").unlink()
+            with server_error(StatusCode.FAILED_PRECONDITION, "weights file cannot be read"):
+                await control.set_residency("m", "unpinned")
+            versions = worker.models.entries["m"].versions
+            assert {n: v.model.residency for n, v in versions.items()} == {1: "system", 2: "system"}
+            assert "m" not in worker.loader.residency
+            assert (await statuses(control))["m"].residency == pb.RESIDENCY_SYSTEM
+
+
 async def test_a_residency_set_during_a_reload_holds_for_the_new_load(repo, cache_dir, monkeypatch):
     """SetModelResidency waits for a reload in progress, and sets the new load's floor
     (it used to set the old load's, and the new one came up with the old floor); the

@@ -678,6 +678,30 @@ def test_glue_runs_off_the_dispatch_loop(tiny_repo, tiny_template, cache_dir, po
         client.close()
 
 
+def test_a_meta_unloaded_while_in_its_glue_answers_and_leaves_no_counts(
+    tiny_repo, tiny_template, cache_dir, pool
+):
+    """The request the meta accepted is answered (it was INTERNAL, KeyError), and the
+    unloaded meta's statistics stay forgotten (the request's count brought them back)."""
+    config = worker_config(tiny_repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    with running(config) as worker:
+        client = connect(worker)
+        client.load_model("tiny")
+        client.load_model("relay")
+        relay = hook_globals(worker, "relay")
+        relay["control"]["park"] = True
+        m = pool.submit(infer, client, "relay", {"x": rows(4)})
+        assert relay["parked"].wait(10)
+        client.unload_model("relay")
+        relay["release"].set()
+        np.testing.assert_allclose(
+            m.result(10)["y"], tiny_reference(tiny_template, rows(4)), rtol=1e-6
+        )
+        assert "relay" not in worker.pipeline.statistics
+        assert "relay" not in worker.pipeline.meta.stats
+        client.close()
+
+
 def test_meta_concurrency_limit(tiny_repo, cache_dir, pool):
     config = worker_config(tiny_repo, cache_dir, SCHEDULER_META_CONCURRENCY=1)
     with running(config) as worker:

@@ -248,14 +248,14 @@ class Forwarder:
         last_worker: WorkerLink | None = None
         reached = False  # some worker may have processed it
         by_name = self.fleet.by_name
-        for i, name in enumerate(order):
+        if not any(w.ready for n in order if (w := by_name.get(n))):
+            # every one found down since routing (a stopped one would hold the call until
+            # its deadline): as for a request routed when none was ready
+            raise self._none_ready(f"no worker is ready ({', '.join(order)} went down)")
+        for name in order:
             worker = by_name.get(name)
-            if worker is None:
-                continue  # it left the fleet (DNS) since routing
-            if not worker.ready and (
-                last is not None or any(w.ready for n in order[i + 1 :] if (w := by_name.get(n)))
-            ):
-                continue  # found down since routing: tried only if no other one can be
+            if worker is None or not worker.ready:
+                continue  # it left the fleet (DNS), or was found down, since routing
             if last is not None:
                 _count(last_worker.failovers, last.status)
             if on_failover is not None:

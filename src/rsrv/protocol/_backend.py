@@ -198,7 +198,8 @@ class InferenceBackend(Protocol):
         """Keep ``model`` (what :meth:`model` just gave, with no checkpoint since) able
         to run one request while the block runs, whatever reload or retirement comes
         meanwhile (the request's decoding may take a while); the value it gives goes to
-        :meth:`infer`. Once its model is unloaded, infer raises NotFound."""
+        :meth:`infer`. A request of a model unloaded meanwhile fails NotFound; a meta
+        model's calls are each held from when they are made."""
         ...
 
     async def infer(

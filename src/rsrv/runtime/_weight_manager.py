@@ -43,18 +43,33 @@ from rsrv.runtime._weight_cache import Resident, WeightCache
 log = logging.getLogger(__name__)
 
 
+class FileReplaced(OSError):
+    """The weights file at a version's path is no longer the one it loaded."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file as it was: device, inode (reused once freed), size and modification time."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass(eq=False, slots=True)
 class Placement:
     file: WeightsFile | None
     residency: str
     host: HostWeights | None = None  # the staged floor of a "system" model
     fd: int | None = None  # an "unpinned" model's weights file, open since load
+    identity: tuple[int, ...] | None = None  # of the file it loaded: see _identity
 
     def open(self) -> None:
         """Hold the file open, so this version keeps reading its own weights even after
-        the bundle is replaced on disk (a rename; in-place overwrites are not safe)."""
+        the bundle is replaced on disk (a rename; in-place overwrites are not safe).
+        Raises FileReplaced when the file at the path is no longer the one it loaded."""
         if self.fd is None and self.file is not None:
-            self.fd = os.open(self.file.path, os.O_RDONLY)
+            fd = os.open(self.file.path, os.O_RDONLY)
+            if self.identity is not None and _identity(os.fstat(fd)) != self.identity:
+                os.close(fd)
+                raise FileReplaced(f"{self.file.path} was replaced since it loaded")
+            self.fd = fd
 
     def close(self) -> None:
         if self.fd is not None:
@@ -124,6 +139,8 @@ class WeightManager:
     async def add(self, key: str, file: WeightsFile | None, residency: str) -> None:
         """Register a model version: stage its host floor, or place it now if pinned."""
         placement = Placement(file, residency)
+        if file is not None:
+            placement.identity = _identity(await trio.to_thread.run_sync(os.stat, file.path))
         if file is not None and residency == "system":
             placement.host = await trio.to_thread.run_sync(self._stage_floor, file)
         elif residency == "unpinned":
@@ -245,9 +262,10 @@ class WeightManager:
         host = placement.host or stage(placement.file, placement.fd)  # unpinned: read now
         return to_device(host, self.device)
 
-    def _stage_floor(self, file: WeightsFile) -> HostWeights:
-        """A ``system`` model's host floor: staged, and placed where the route says."""
-        return place(stage(file), self.staging, self.device)
+    def _stage_floor(self, file: WeightsFile, fd: int | None = None) -> HostWeights:
+        """A ``system`` model's host floor: staged (through ``fd``, the version's own
+        open file, when it has one), and placed where the route says."""
+        return place(stage(file, fd), self.staging, self.device)
 
     # -- control (CompactMemory, SetModelResidency) ---------------------------------------
 
@@ -324,27 +342,33 @@ class WeightManager:
         placement = self.placements.get(key)
         if placement is None:
             raise NotFound(f"model version {key!r} is not loaded")
+        previous = placement.residency
         try:
             if residency == "system" and placement.host is None and placement.file is not None:
-                placement.host = await trio.to_thread.run_sync(self._stage_floor, placement.file)
+                placement.host = await trio.to_thread.run_sync(
+                    self._stage_floor, placement.file, placement.fd
+                )
             elif residency == "unpinned":
                 placement.open()
             elif residency == "device":
-                await self._ensure(key)  # placed from the floor it has now
+                placement.residency = "device"  # (transferred as pinned: no room made)
+                if not self.cache.pin(key) and key not in self.cache.pinned:
+                    await self._ensure(key)  # from the source it has now
         except OSError as e:
+            placement.residency = previous
             raise FailedPrecondition(
                 f"model version {key!r} cannot be made {residency}: its weights file cannot "
-                f"be read ({e.strerror or e}); it stays {placement.residency}"
+                f"be read ({e.strerror or e}); it stays {previous}"
             ) from None
+        except BaseException:
+            placement.residency = previous
+            raise
         if residency != "system":
             placement.host = None
         if residency != "unpinned":
             placement.close()
-        previous, placement.residency = placement.residency, residency
-        if residency == "device":
-            if not self.cache.pin(key) and key not in self.cache.pinned:
-                await self._ensure(key)
-        elif previous == "device" and self.cache.enabled:
+        placement.residency = residency
+        if previous == "device" and residency != "device" and self.cache.enabled:
             self.cache.unpin(key)  # now under the budget: idle models give it room
             evicted = self.cache.trim(frozenset(self._waiting))
             if evicted:

@@ -59,6 +59,9 @@ class ModelLoader:
         self.compiler: Compiler | None = None
         self.residency: dict[str, str] = {}
         self.fair_weights: dict[str, float] = {}
+        # The models to load at startup are known (every one has its entry): before,
+        # none LOADING proves nothing.
+        self.startup_known = config.model_control_mode == "explicit"
         self._loading: dict[str, trio.Lock] = {}
 
     async def load_startup_set(self) -> None:
@@ -68,9 +71,11 @@ class ModelLoader:
             paths = discover(Path(self.config.model_repo))
         except BundleError as e:
             log.error("%s", e)
+            self.startup_known = True
             return
         for path in paths:
             self.models.entries[path.name] = ModelEntry(path.name, path)
+        self.startup_known = True
         async with trio.open_nursery() as nursery:
             for path in paths:
                 nursery.start_soon(self.load, path)

@@ -53,9 +53,12 @@ class Pipeline:
 
     def _both(self, served: ServedModel) -> tuple[RequestStatistics, ...]:
         """The name's statistics, and the version's while it is served (a request that
-        outlives its version's retirement is counted for the name only)."""
+        outlives its version's retirement is counted for the name only, one that outlives
+        its model's unload for nothing: its counters were forgotten)."""
         entry = self.models.entries.get(served.name)
-        if entry is None or int(served.version) not in entry.versions:
+        if entry is None:
+            return ()
+        if int(served.version) not in entry.versions:
             return (self.stats(served.name),)
         return self.stats(served.name), self.version_stats(served.name, served.version)
 
@@ -109,7 +112,8 @@ class Pipeline:
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
             for stats in self._both(served):  # the device time of its sub-calls
                 stats.compute_infer.add(seconds)
-            self.meta.stats[name].requests += 1
+            if (stats := self.meta.stats.get(name)) is not None:  # (None: unloaded since)
+                stats.requests += 1
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return (await self._run_model(served, inputs, deadline, front=False, held=held))[0]
 

@@ -158,7 +158,10 @@ class Worker:
 
     @property
     def ready(self) -> bool:
-        """Live and every model that is not broken has finished loading."""
+        """Live, the models to load at startup known, and every model that is not broken
+        has finished loading."""
+        if not self.loader.startup_known:  # (the port listens before they are)
+            return False
         entries = self.models.entries.values()
         return all(e.state is not LoadState.LOADING for e in entries)
 
@@ -376,16 +379,38 @@ class Worker:
         )
         # Under the load locks of the models changed: a load or unload of one of them
         # comes before or after, whole (a reload would miss the floor, an unload forget it
-        # too early).
-        async with self.loader.locked(t.name for t in self._weight_owners(served)):
-            targets = self._weight_owners(self.models.get(name))  # (what is served now)
+        # too early). (A meta reloaded with other calls meanwhile: locked again.)
+        names = {t.name for t in self._weight_owners(served)}
+        while True:
+            async with self.loader.locked(names):
+                targets = self._weight_owners(self.models.get(name))  # (served now)
+                if {t.name for t in targets} <= names:
+                    await self._set_residency(targets, residency)
+                    for version in self._served(name):  # a meta reports its models' floor
+                        version.residency = residency
+                    return residency
+                names |= {t.name for t in targets}
+
+    async def _set_residency(self, targets: list[ServedModel], residency: str) -> None:
+        """Every target's floor, or none: one that cannot be changed puts those changed
+        before it back (as far as they can be), and no floor is kept for reloads."""
+        done: list[tuple[ServedModel, str]] = []
+        try:
             for target in targets:
                 await self.weights.set_residency(target.key, residency)
+                done.append((target, target.residency))
                 target.residency = residency
-                self.loader.residency[target.name] = residency  # kept until unload
-            for version in self._served(name):  # a meta reports the floor set on its models
-                version.residency = residency
-        return residency
+        except BaseException:
+            for target, previous in reversed(done):
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.weights.set_residency(target.key, previous)
+                        target.residency = previous
+                    except Exception as e:
+                        log.warning("%s stays %s: %s", target.key, residency, e)
+            raise
+        for target in targets:
+            self.loader.residency[target.name] = residency  # kept until unload
 
     async def compact_memory(self, reload: list[str]) -> tuple[int, int]:
         """CompactMemory: free every evictable device weight, then reload ``reload`` (every

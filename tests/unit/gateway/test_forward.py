@@ -90,7 +90,8 @@ async def test_a_model_whose_workers_are_down_is_unavailable_not_unknown():
 async def test_a_worker_found_down_since_routing_is_passed_over():
     """First in the order but no longer ready (stopped, say: a call there would hang
     until its deadline): the next replica answers, and the work in flight is moved to
-    it; a worker that is down is still tried when no other one can be."""
+    it; when no worker in the order is ready any more, UNAVAILABLE with the pushback at
+    once, as for a request routed when none was."""
     f = forwarder(ok(b"w0"), ok(b"w1"))
     f.fleet.workers[0].ready = False
     moved: list[str] = []
@@ -100,7 +101,10 @@ async def test_a_worker_found_down_since_routing_is_passed_over():
     )
     assert answer == b"w1" and moved == ["w1"]
     assert f.counters.routed == {("w1", "OK"): 1}
-    assert await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"]) == b"w0"
+    with pytest.raises(Unavailable, match=r"no worker is ready \(w0 went down\)") as info:
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, deadline, ["w0"])
+    assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
+    assert f.counters.routed == {("w1", "OK"): 1}  # (w0 never called)
 
 
 async def test_failover_skips_a_worker_that_left_the_fleet_meanwhile():

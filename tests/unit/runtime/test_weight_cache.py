@@ -25,7 +25,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from rsrv.bundle._safetensors import read_weights_header
 from rsrv.config._schema import RuntimeConfig
-from rsrv.errors import NotFound
+from rsrv.errors import FailedPrecondition, NotFound
 from rsrv.runtime import configure
 from rsrv.runtime._allocator import allocator_limit, measured_scratch
 from rsrv.runtime._staging import (
@@ -676,4 +676,46 @@ async def test_remove_during_a_transfer_frees_what_was_copied(files, route):
             m.remove("a")
             release.set()
         assert not m.cache.is_resident("a") and copied and copied[0].is_deleted()
+        nursery.cancel_scope.cancel()
+
+
+# -- SetModelResidency's guarantees ---------------------------------------------------------
+
+
+async def test_pinning_a_model_not_on_the_device_makes_no_room(files):
+    """Pinned weights are outside the budget: pinning c (not resident) leaves a and b,
+    which fill the budget, where they are (it evicted one while c came as evictable)."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, files)
+        for name in "ab":
+            async with m.lease(name):
+                pass
+        await m.set_residency("c", "device")
+        assert "c" in m.cache.pinned and set(m.cache.lru) == {"a", "b"}
+        assert m.cache.counters.evictions == 0
+        nursery.cancel_scope.cancel()
+
+
+def replace_by_rename(path: Path, fill: float) -> None:
+    """A new bundle's weights renamed into place, as a new version is written."""
+    staged = path.with_name("new.safetensors")
+    write_weights(staged, {"w": np.full(W // 4, fill, np.float32)})
+    os.rename(staged, path)
+
+
+async def test_a_residency_change_keeps_the_weights_the_version_loaded(files):
+    """The bundle replaced on disk by a rename: unpinned -> system stages through the
+    file the version holds open (not the new one at its path); system -> unpinned finds
+    the file at its path is not the one it loaded, and refuses (FAILED_PRECONDITION)."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 4 * W, {"a": files["a"]}, residency="unpinned")
+        replace_by_rename(files["a"].path, 9.0)
+        await m.set_residency("a", "system")
+        m.compact()
+        async with m.lease("a") as weights:
+            assert float(weights[0][0]) == 1.0  # a's own
+        replace_by_rename(files["a"].path, 7.0)
+        with pytest.raises(FailedPrecondition, match="was replaced since it loaded"):
+            await m.set_residency("a", "unpinned")
+        assert m.placements["a"].residency == "system" and m.host_resident("a")
         nursery.cancel_scope.cancel()
