@@ -22,7 +22,7 @@ from support.serving import held_device, node_config, running, sched_stats
 from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
 
-from rsrv.protocol import _infer_flow, _inference
+from rsrv.protocol import _infer_flow, _tensors
 
 POLL = 0.1
 WRONG = "failed to get model version from specified version string 'wrong_specification'"
@@ -418,15 +418,15 @@ def test_a_request_decoding_in_a_thread_runs_on_the_load_it_was_accepted_for(
     repo = tmp_path / "repo"
     export_linear(repo / "m" / "1", seed=1)
     entered, go = threading.Event(), threading.Event()
-    decode = _inference.decode_request
+    materialize = _tensors.Decoding.materialize
 
-    def held_decode(*args, **kwargs):
+    def held_materialize(self):
         if threading.current_thread().name != "rsrv-test-worker":  # (a worker thread)
             entered.set()
             assert go.wait(30)
-        return decode(*args, **kwargs)
+        return materialize(self)
 
-    monkeypatch.setattr(_inference, "decode_request", held_decode)
+    monkeypatch.setattr(_tensors.Decoding, "materialize", held_materialize)
     monkeypatch.setattr(_infer_flow, "OFFLOAD_SECONDS", -1.0)
     with (
         running(node_config(tmp_path, node(repo, cache_dir, mode="explicit"))) as worker,

@@ -48,17 +48,16 @@ from rsrv.protocol._parameters import shm_target
 from rsrv.protocol._shm import SharedMemoryRegistry
 from rsrv.protocol._tensors import (
     DEFAULT_MAX_TENSOR_BYTES,
+    Decoding,
     InputPlan,
     check_data_size,
     check_missing,
     check_shm_input,
-    codec_seconds,
-    materialize,
     narrow,
     plan_input,
 )
 
-__all__ = ["DEFAULT_MAX_TENSOR_BYTES", "decode_request", "request_decode_seconds"]
+__all__ = ["DEFAULT_MAX_TENSOR_BYTES", "decode_request", "plan_request"]
 
 _CONTENT_FIELDS = (
     "bool_contents",
@@ -126,24 +125,6 @@ def _check_typed(plan: InputPlan, tensor: Any) -> str | None:
     return expected
 
 
-def request_decode_seconds(request: Any) -> float:
-    """Roughly how long :func:`decode_request` takes on ``request``, from the inputs'
-    headers alone (a few attribute reads per input)."""
-    total = 0.0
-    for tensor in request.inputs:
-        bytes_ = tensor.datatype == "BYTES"
-        params = tensor.parameters
-        if params and "shared_memory_region" in params:
-            # (indexing a protobuf map that lacks the key would add it: `in` first)
-            size = "shared_memory_byte_size" in params and params["shared_memory_byte_size"]
-            nbytes = size.int64_param if size else 0
-            total += codec_seconds(tensor.shape, bytes_, "copy", nbytes)
-        elif bytes_ or tensor.HasField("contents"):
-            source = "typed" if tensor.HasField("contents") else "raw"
-            total += codec_seconds(tensor.shape, bytes_, source)
-    return total
-
-
 def decode_request(
     request: Any,
     specs: Sequence[Tensor],
@@ -152,14 +133,27 @@ def decode_request(
     max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
     check_rows: Callable[[int], None] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Decode every input of a ModelInferRequest against the model's client-facing specs
-    (``check_rows``: the served model's check of the rows on a batch axis).
+    """:func:`plan_request`, then its inputs materialized."""
+    return plan_request(
+        request, specs, shm, max_tensor_bytes=max_tensor_bytes, check_rows=check_rows
+    ).materialize()
 
-    Returns ``{name: read-only array}`` in request order. ``shm`` None means system shared
-    memory is unavailable (a tensor naming a region is FAILED_PRECONDITION). Raises
-    InvalidArgument / NotFound / FailedPrecondition as the module docstring lists, each
-    message naming the tensor (and region), before anything sized by the request is
-    allocated.
+
+def plan_request(
+    request: Any,
+    specs: Sequence[Tensor],
+    shm: SharedMemoryRegistry | None = None,
+    *,
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    check_rows: Callable[[int], None] | None = None,
+) -> Decoding:
+    """Check every input of a ModelInferRequest against the model's client-facing specs
+    (``check_rows``: the served model's check of the rows on a batch axis), allocating
+    nothing sized by the request: the :class:`Decoding` materializes them.
+
+    ``shm`` None means system shared memory is unavailable (a tensor naming a region is
+    FAILED_PRECONDITION). Raises InvalidArgument / NotFound / FailedPrecondition as the
+    module docstring lists, each message naming the tensor (and region).
     """
     model = request.model_name
     by_name = {s.name: s for s in specs}
@@ -216,11 +210,7 @@ def decode_request(
             f"{raw_used} inputs not in shared memory; expected one entry per such input"
         )
     check_missing(model, specs, seen)
-    return {plan.spec.name: _materialize(plan, shm) for plan in plans}
-
-
-def _materialize(plan: InputPlan, shm: SharedMemoryRegistry | None) -> np.ndarray:
-    return materialize(plan, shm, _from_typed)
+    return Decoding(plans, shm, _from_typed)
 
 
 def _from_typed(plan: InputPlan) -> np.ndarray:

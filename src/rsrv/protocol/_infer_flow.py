@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -23,9 +23,9 @@ from rsrv.bundle import Tensor
 from rsrv.protocol._backend import InferenceBackend, ServedModelView
 from rsrv.protocol._calls import call_deadline
 from rsrv.protocol._status import grpc_status
-from rsrv.protocol._tensors import codec_seconds
+from rsrv.protocol._tensors import BYTES_ELEMENT_SECONDS, COPY_BYTE_SECONDS
 
-__all__ = ["OFFLOAD_SECONDS", "encode_seconds", "infer_counted"]
+__all__ = ["OFFLOAD_SECONDS", "Prepared", "encode_seconds", "infer_counted"]
 
 T = TypeVar("T")
 
@@ -40,37 +40,47 @@ def encode_seconds(outputs: Mapping[str, np.ndarray]) -> float:
     total = 0.0
     for array in outputs.values():
         dtype = getattr(array, "dtype", None)
-        if dtype is not None:
-            shape, bytes_ = array.shape, dtype.kind in "OSU"
-            total += codec_seconds(shape, bytes_, "copy", 0 if bytes_ else array.nbytes)
+        if dtype is None:
+            continue
+        if dtype.kind in "OSU":
+            total += array.size * BYTES_ELEMENT_SECONDS
+        else:
+            total += array.nbytes * COPY_BYTE_SECONDS
     return total
+
+
+class Prepared(Protocol):
+    """A request checked and ready to decode: ``seconds`` roughly how long
+    ``materialize()`` (thread-safe) takes to give its inputs."""
+
+    @property
+    def seconds(self) -> float: ...
+
+    def materialize(self) -> Mapping[str, np.ndarray]: ...
 
 
 async def infer_counted(
     backend: InferenceBackend,
     served: ServedModelView,
     start: float,
-    prepare: Callable[[float], tuple[Mapping[str, np.ndarray], float | None]],
+    prepare: Callable[[float], tuple[Prepared, float | None]],
     finish: Callable[[Mapping[str, np.ndarray]], T],
-    *,
-    decode_seconds: float = 0.0,
 ) -> T:
-    """``prepare(now)`` decodes and validates (returns the inputs and the request's
-    absolute deadline, None for none; ``now`` is trio's clock), the backend runs them,
-    ``finish(outputs)`` encodes. Both run in a worker thread when expected to take longer
-    than :data:`OFFLOAD_SECONDS` (``decode_seconds``: the wire's estimate for
-    ``prepare``), so they must not need trio. Every outcome is recorded once on
-    ``backend`` with the seconds since ``start`` (``time.perf_counter``): OK with the
-    request's rows, or a failure under its status name (a cancelled call:
-    DEADLINE_EXCEEDED when the call's own deadline has passed, else CANCELLED).
-    Exceptions propagate unchanged."""
+    """``prepare(now)`` validates (returns the request ready to decode and its absolute
+    deadline, None for none; ``now`` is trio's clock), its inputs are materialized, the
+    backend runs them, ``finish(outputs)`` encodes. Materializing and encoding run in a
+    worker thread when expected to take longer than :data:`OFFLOAD_SECONDS`. Every
+    outcome is recorded once on ``backend`` with the seconds since ``start``
+    (``time.perf_counter``): OK with the request's rows, or a failure under its status
+    name (a cancelled call: DEADLINE_EXCEEDED when the call's own deadline has passed,
+    else CANCELLED). Exceptions propagate unchanged."""
     try:
         with backend.hold(served) as held:  # (no checkpoint since the version was chosen)
-            now = trio.current_time()
-            if decode_seconds > OFFLOAD_SECONDS:
-                inputs, deadline = await trio.to_thread.run_sync(prepare, now)
+            prepared, deadline = prepare(trio.current_time())
+            if prepared.seconds > OFFLOAD_SECONDS:
+                inputs = await trio.to_thread.run_sync(prepared.materialize)
             else:
-                inputs, deadline = prepare(now)
+                inputs = prepared.materialize()
             outputs = await backend.infer(served, inputs, deadline, held)
         if encode_seconds(outputs) > OFFLOAD_SECONDS:
             response = await trio.to_thread.run_sync(finish, outputs)

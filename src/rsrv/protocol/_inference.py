@@ -20,7 +20,7 @@ from rsrv.errors import (
 )
 from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
-from rsrv.protocol._decode import decode_request, request_decode_seconds
+from rsrv.protocol._decode import plan_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
 from rsrv.protocol._infer_flow import infer_counted
 from rsrv.protocol._model_config import load_parameters, model_config
@@ -159,7 +159,7 @@ class InferenceService(GRPCInferenceServiceServicer):
 
         def prepare(now: float):
             nonlocal order
-            inputs = decode_request(
+            inputs = plan_request(
                 message, sig.client_inputs, backend.shm, check_rows=served.check_rows
             )
             order = requested_outputs(message, [t.name for t in sig.client_outputs], backend.shm)
@@ -172,9 +172,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                 message, served.name, served.version, outputs, order, backend.shm
             )
 
-        return await infer_counted(
-            backend, served, start, prepare, finish, decode_seconds=request_decode_seconds(message)
-        )
+        return await infer_counted(backend, served, start, prepare, finish)
 
     async def ModelStatistics(self, message, request):
         """Every ready version of every model (no name), of the model named, or the

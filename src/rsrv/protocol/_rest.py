@@ -30,7 +30,8 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import trio
 
@@ -232,14 +233,17 @@ class RestService:
         produced = [t.name for t in sig.client_outputs]
         plan = None
 
-        def prepare(now: float):
-            nonlocal plan
-            inputs = decode_rest_inputs(
+        def decode():
+            return decode_rest_inputs(
                 request, model, sig.client_inputs, binary, backend.shm, check_rows=served.check_rows
             )
+
+        def prepare(now: float):
+            nonlocal plan
             plan = rest_outputs(request, model, produced, backend.shm)
             rest_priority(request)  # validated; the scheduler has no priorities
-            return inputs, rest_deadline(request, now)
+            # (JSON values are parsed as the inputs are checked: both in materialize)
+            return _Deferred(rest_decode_seconds(request), decode), rest_deadline(request, now)
 
         def finish(outputs):
             order, as_values = plan
@@ -247,9 +251,7 @@ class RestService:
                 request, served.name, served.version, outputs, order, as_values, backend.shm
             )
 
-        header_json, parts = await infer_counted(
-            backend, served, start, prepare, finish, decode_seconds=rest_decode_seconds(request)
-        )
+        header_json, parts = await infer_counted(backend, served, start, prepare, finish)
         if not parts:
             return Reply(200, header_json)
         return Reply(
@@ -258,6 +260,14 @@ class RestService:
             "application/octet-stream",
             [(b"inference-header-content-length", str(len(header_json)).encode())],
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A REST request's decoding, to run (``materialize``) later (``Prepared``)."""
+
+    seconds: float
+    materialize: Callable[[], dict]
 
 
 async def _cancel_on_disconnect(work, receive):

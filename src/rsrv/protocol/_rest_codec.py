@@ -35,6 +35,7 @@ Triton sends it); an output in shared memory carries neither and echoes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,13 +56,14 @@ from rsrv.protocol._parameters import (
 )
 from rsrv.protocol._shm import SharedMemoryRegistry
 from rsrv.protocol._tensors import (
+    BYTES_ELEMENT_SECONDS,
+    COPY_BYTE_SECONDS,
     DEFAULT_MAX_TENSOR_BYTES,
+    Decoding,
     InputPlan,
     check_data_size,
     check_missing,
     check_shm_input,
-    codec_seconds,
-    materialize,
     narrow,
     plan_input,
 )
@@ -136,18 +138,18 @@ def _has_data(raw: msgspec.Raw) -> bool:
 
 def rest_decode_seconds(request: RestRequest) -> float:
     """Roughly how long :func:`decode_rest_inputs` takes on ``request``, from its inputs'
-    headers and the length of their JSON values."""
+    headers and the length of their JSON values (BYTES elements parsed, shared memory
+    copied, JSON values converted: ~30 ns each, at most one per 2 bytes of JSON)."""
     total = 0.0
     for tensor in request.inputs:
-        bytes_ = tensor.datatype == "BYTES"
         params = tensor.parameters
-        if "shared_memory_region" in params:
+        if "shared_memory_region" in params or "binary_data_size" in params:
+            if tensor.datatype == "BYTES":
+                count = min(math.prod(max(d, 0) for d in tensor.shape), 1 << 40)
+                total += count * BYTES_ELEMENT_SECONDS
             nbytes = params.get("shared_memory_byte_size")
-            nbytes = nbytes if type(nbytes) is int else 0
-            total += codec_seconds(tensor.shape, bytes_, "copy", nbytes)
-        elif "binary_data_size" in params:
-            total += codec_seconds(tensor.shape, bytes_, "raw")
-        else:  # JSON values: ~30 ns each, at most one per 2 bytes of JSON
+            total += (nbytes if type(nbytes) is int else 0) * COPY_BYTE_SECONDS
+        else:
             total += len(tensor.data) * 1.5e-8
     return total
 
@@ -225,7 +227,7 @@ def decode_rest_inputs(
             "expected one binary part per input sent as binary data, in input order"
         )
     check_missing(model, specs, seen)
-    return {plan.spec.name: materialize(plan, shm, _from_values) for plan in plans}
+    return Decoding(plans, shm, _from_values).materialize()
 
 
 def _flatten(value: Any, out: list) -> None:

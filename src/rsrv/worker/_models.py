@@ -60,15 +60,17 @@ class ServedModel:
     def name(self) -> str:
         return self.bundle.name
 
-    @property
-    def key(self) -> str:
-        """The executable key: this load's identity in the scheduler and weight cache."""
-        return f"{self.name}@{self.generation}"
+    key: str = field(init=False)  # this load's identity in the scheduler and weight cache
+
+    def __post_init__(self) -> None:
+        self.key = f"{self.name}@{self.generation}"
 
     def check_rows(self, rows: int) -> None:
         """The scheduler's check of a request's rows, for the codec to make before it
         decodes the request's data; only where a client's rows are the executable's (a
         batched model without a preprocess hook)."""
+        if rows <= self.max_batch_size:  # (at most the largest compiled size)
+            return
         sizes = self.bundle.batch_sizes
         if self.compiled is not None and sizes and self.bundle.hooks.preprocess is None:
             check_rows(self.name, rows, sizes, self.max_batch_size)

@@ -7,7 +7,8 @@ client inputs -> preprocess (thread) -> scheduler queue -> device -> postprocess
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 
 import numpy as np
 import trio
@@ -78,18 +79,17 @@ class Pipeline:
         for key in [k for k in self.version_statistics if k[0] == name]:
             del self.version_statistics[key]
 
-    @contextlib.contextmanager
-    def hold(self, served: ServedModel) -> Iterator[PinnedVersion | None]:
+    def hold(self, served: ServedModel) -> AbstractContextManager[PinnedVersion | None]:
         """The scheduler's pin of ``served`` (None for a meta model, whose calls each
         hold their own), taken at once: no checkpoint may come between choosing
         ``served`` and this."""
         if not served.compiled:
-            yield None
-            return
-        with self.scheduler.pinned(served.name, served.version) as pinned:
-            if pinned.key != served.key:
-                raise Unavailable(f"model {served.name!r} changed; send the request again")
-            yield pinned
+            return contextlib.nullcontext()
+        pinned = self.scheduler.pinned(served.name, served.version)
+        if pinned.key != served.key:
+            pinned.release()
+            raise Unavailable(f"model {served.name!r} changed; send the request again")
+        return pinned
 
     async def infer(
         self,
@@ -140,30 +140,31 @@ class Pipeline:
         front: bool,
         held: PinnedVersion | None = None,
     ):
+        if held is None:  # (a meta's call: held from now)
+            with self.hold(served) as held:
+                return await self._run_model(served, inputs, deadline, front=front, held=held)
         name = served.name
         both = self._both(served)
         hooks = served.bundle.hooks
         start = trio.current_time()
         exec_inputs = dict(inputs)
-        # The version chosen for the request is held while its preprocess runs: a reload
-        # or retirement meanwhile leaves it to run there.
-        with contextlib.ExitStack() as stack:
-            version = held or stack.enter_context(self.hold(served))
-            if hooks.preprocess:
-                made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
-                exec_inputs.update(made)
-                _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
-            for stats in both:
-                stats.compute_input.add(trio.current_time() - start)
+        # The version chosen for the request is held (``held``) while its preprocess runs:
+        # a reload or retirement meanwhile leaves it to run there.
+        if hooks.preprocess:
+            made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
+            exec_inputs.update(made)
+            _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
+        for stats in both:
+            stats.compute_input.add(trio.current_time() - start)
 
-            order = served.bundle.signature.executable_inputs
-            result = await self.scheduler.submit(
-                name,
-                [exec_inputs[t.name] for t in order],
-                deadline=deadline,
-                front=front,
-                version=version,
-            )
+        order = served.bundle.signature.executable_inputs
+        result = await self.scheduler.submit(
+            name,
+            [exec_inputs[t.name] for t in order],
+            deadline=deadline,
+            front=front,
+            version=held,
+        )
         outputs = {
             t.name: a
             for t, a in zip(served.bundle.signature.executable_outputs, result.outputs, strict=True)

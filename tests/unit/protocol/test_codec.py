@@ -38,7 +38,7 @@ from rsrv.protocol import (
     AlreadyExists,
     SharedMemoryRegistry,
     ShmTarget,
-    _decode,
+    _tensors,
     decode_request,
     encode_response,
     grpc_status,
@@ -361,7 +361,7 @@ def test_rows_are_checked_before_any_data_is_decoded(monkeypatch):
     """The served model's check of the rows on the batch axis runs with the header's
     checks, before anything is materialized (shared memory copied, BYTES split)."""
     calls, rows = [], []
-    monkeypatch.setattr(_decode, "_materialize", lambda *a: calls.append(a))
+    monkeypatch.setattr(_tensors, "materialize", lambda *a: calls.append(a))
 
     def check_rows(n):
         rows.append(n)
@@ -452,7 +452,7 @@ def test_malformed_bytes(payload, needle):
 def test_validation_precedes_materialization(monkeypatch):
     """A bad second input fails the request before the first input is decoded."""
     calls = []
-    monkeypatch.setattr(_decode, "_materialize", lambda *a: calls.append(a))
+    monkeypatch.setattr(_tensors, "materialize", lambda *a: calls.append(a))
     good = infer_input("a", sample(DType.F32))
     bad = infer_input("b", sample(DType.I32))
     with raises(InvalidArgument, "'b'"):

@@ -1,6 +1,6 @@
 """One request's life (rsrv.protocol._infer_flow): decoding and encoding leave the event
 loop for a worker thread when they are expected to take long (many BYTES elements, large
-copies), and stay on it otherwise; the estimates come from the request's header."""
+copies), and stay on it otherwise; the estimates come from the checked request."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ import pytest
 import tritonclient.grpc as tgrpc
 from tritonclient.grpc import service_pb2 as t_svc
 
-from rsrv.protocol._decode import request_decode_seconds
+from rsrv.bundle import Tensor
+from rsrv.dtypes import DType
+from rsrv.protocol._decode import plan_request
 from rsrv.protocol._infer_flow import OFFLOAD_SECONDS, encode_seconds, infer_counted
+from rsrv.protocol._parameters import ShmTarget
+from rsrv.protocol._tensors import Decoding, InputPlan
 
 
 class Backend:
@@ -54,24 +58,34 @@ def tensor(name, array, datatype) -> tgrpc.InferInput:
     return t
 
 
-def test_estimates_from_the_header():
+def spec(name: str, dtype: DType, shape: tuple[int, ...]) -> Tensor:
+    return Tensor(name, dtype, "nabc"[: len(shape)], shape, 0)
+
+
+def test_estimates_from_the_checked_request():
     numeric = tensor("x", np.zeros((4096, 256), np.float32), "FP32")  # 4 MiB, zero-copy
-    assert request_decode_seconds(request(numeric)) == 0.0
+    assert plan_request(request(numeric), [spec("x", DType.F32, (-1, 256))]).seconds == 0.0
+    words = [spec("s", DType.BYTES, (-1, 1))]
     few = tensor("s", np.array([[b"a"]] * 100, dtype=object), "BYTES")
     many = tensor("s", np.array([[b"a"]] * 20_000, dtype=object), "BYTES")
-    assert request_decode_seconds(request(few)) < OFFLOAD_SECONDS
-    assert request_decode_seconds(request(many)) > OFFLOAD_SECONDS
-    in_shm = tgrpc.InferInput("x", [16384, 256], "FP32")
-    in_shm.set_shared_memory("r", 16384 * 256 * 4)  # 16 MiB copied out of the region
-    assert request_decode_seconds(request(in_shm)) > OFFLOAD_SECONDS
-    bare = tgrpc.InferInput("x", [1, 256], "FP32")
-    bare.set_shared_memory("r", 1024)
-    message = request(bare)
-    del message.inputs[0].parameters["shared_memory_byte_size"]
-    request_decode_seconds(message)  # reads the map without adding the missing key
-    assert sorted(message.inputs[0].parameters) == ["shared_memory_region"]
+    assert plan_request(request(few), words).seconds < OFFLOAD_SECONDS
+    assert plan_request(request(many), words).seconds > OFFLOAD_SECONDS
+    x = spec("x", DType.F32, (-1, 256))  # 16 MiB to copy out of a region
+    in_shm = InputPlan(x, "x", (16384, 256), 16384 * 256, shm=ShmTarget("r", 16384 * 1024))
+    assert Decoding([in_shm], None, None).seconds > OFFLOAD_SECONDS
     assert encode_seconds({"y": np.zeros((8, 10), np.float32)}) < OFFLOAD_SECONDS
     assert encode_seconds({"y": np.array([b"a"] * 20_000, dtype=object)}) > OFFLOAD_SECONDS
+
+
+class Ready:
+    """A request ready to decode, recording the thread it is decoded in."""
+
+    def __init__(self, seconds: float, threads: dict):
+        self.seconds, self.threads = seconds, threads
+
+    def materialize(self):
+        self.threads["decode"] = threading.get_ident()
+        return {}
 
 
 @pytest.mark.parametrize("heavy", [False, True])
@@ -82,15 +96,14 @@ async def test_long_work_runs_in_a_worker_thread(heavy):
 
     def prepare(now):
         threads["prepare"] = threading.get_ident()
-        return {}, None
+        return Ready(1.0 if heavy else 0.0, threads), None
 
     def finish(outs):
         threads["finish"] = threading.get_ident()
         return "answer"
 
     backend = Backend(outputs)
-    seconds = 1.0 if heavy else 0.0
-    got = await infer_counted(backend, Served(), 0.0, prepare, finish, decode_seconds=seconds)
+    got = await infer_counted(backend, Served(), 0.0, prepare, finish)
     assert got == "answer" and backend.records == [(True, "OK")]
     on_loop = {k: v == loop_thread for k, v in threads.items()}
-    assert on_loop == {"prepare": not heavy, "finish": not heavy}
+    assert on_loop == {"prepare": True, "decode": not heavy, "finish": not heavy}
