@@ -607,9 +607,11 @@ def test_fill_routing_coalesces_more_rows_than_round_robin(tmp_path, cache_dir, 
     hold, 16 closed-loop clients each: fill routing sends a replica runs of 8 rows, so
     its executions hold more rows than when every other request goes elsewhere; held at
     the gateway until full, a run's requests reach the worker together and are one
-    batch. Margins below what this machine gives (fill 1.3-1.4x round robin; held 2.0-2.1x
-    round robin, 1.5-1.6x fill); a fill router degraded to alternation gives about 1x,
-    and a hold that never holds, held = fill."""
+    batch. Margins below what this machine gives (fill 1.15-1.4x round robin, 1.25 in the
+    middle, over 14 runs of the code before and after 2e373cd..HEAD interleaved: the low
+    ones under the whole suite's load; held 2.0-2.1x round robin, 1.5-1.6x fill); a fill
+    router degraded to alternation gives about 1x, and a hold that never holds, held =
+    fill."""
     export_linear(tmp_path / "repo" / "m", seed=5, batch_sizes=(1, 8), work=300)
     workers = start_workers(tmp_path, cache_dir, 2, discipline="fifo", delay=0.002)
     processes.extend(workers)
@@ -628,7 +630,7 @@ def test_fill_routing_coalesces_more_rows_than_round_robin(tmp_path, cache_dir, 
         rows_after, executions_after = row_totals(workers, "m")
         measured[mode] = (rows_after - rows) / (executions_after - executions)
         gateway.kill()
-    assert measured["fill"] >= 1.15 * measured["round_robin"], measured
+    assert measured["fill"] >= 1.1 * measured["round_robin"], measured
     assert measured["held"] >= 1.5 * measured["round_robin"], measured
     assert measured["held"] >= 1.15 * measured["fill"], measured
 
