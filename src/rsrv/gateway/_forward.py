@@ -248,10 +248,6 @@ class Forwarder:
         last_worker: WorkerLink | None = None
         reached = False  # some worker may have processed it
         by_name = self.fleet.by_name
-        if not any(w.ready for n in order if (w := by_name.get(n))):
-            # every one found down since routing (a stopped one would hold the call until
-            # its deadline): as for a request routed when none was ready
-            raise self._none_ready(f"no worker is ready ({', '.join(order)} went down)")
         for name in order:
             worker = by_name.get(name)
             if worker is None or not worker.ready:
@@ -280,8 +276,8 @@ class Forwarder:
             last, last_worker = result, worker
             # (a worker's own pushback: it refused the call before processing it)
             reached |= result.reached_server and pushback_of(result.trailers) is None
-        if last is None:
-            raise self._none_ready()
+        if last is None:  # every one found down (or gone) since routing: none was called
+            raise self._none_ready(f"no worker is ready ({', '.join(order)} went down)")
         if not reached:
             raise self._none_ready(last.message)
         raise Relayed(last.status, last.message)

@@ -59,6 +59,7 @@ from rsrv.protocol._tensors import (
     BYTES_ELEMENT_SECONDS,
     COPY_BYTE_SECONDS,
     DEFAULT_MAX_TENSOR_BYTES,
+    TYPED_VALUE_SECONDS,
     Decoding,
     InputPlan,
     check_data_size,
@@ -149,8 +150,8 @@ def rest_decode_seconds(request: RestRequest) -> float:
                 total += count * BYTES_ELEMENT_SECONDS
             nbytes = params.get("shared_memory_byte_size")
             total += (nbytes if type(nbytes) is int else 0) * COPY_BYTE_SECONDS
-        else:
-            total += len(tensor.data) * 1.5e-8
+        else:  # (JSON: at most one value per 2 bytes)
+            total += len(tensor.data) * TYPED_VALUE_SECONDS / 2
     return total
 
 

@@ -76,16 +76,6 @@ TYPED_VALUE_SECONDS = 3e-8
 COPY_BYTE_SECONDS = 2e-10
 
 
-def _seconds(plan: InputPlan) -> float:
-    """Roughly how long :func:`materialize` takes on ``plan``."""
-    seconds = plan.count * BYTES_ELEMENT_SECONDS if plan.spec.dtype is DType.BYTES else 0.0
-    if plan.shm is not None:
-        seconds += plan.shm.byte_size * COPY_BYTE_SECONDS
-    elif plan.field is not None and plan.spec.dtype is not DType.BYTES:
-        seconds += plan.count * TYPED_VALUE_SECONDS
-    return seconds
-
-
 @dataclass(slots=True)
 class Decoding:
     """A request's inputs, every check passed, not yet materialized: ``seconds`` is
@@ -100,8 +90,12 @@ class Decoding:
     def seconds(self) -> float:
         total = 0.0
         for plan in self.plans:  # (numeric bytes in the request, the usual: nothing)
-            if plan.shm is not None or plan.field is not None or plan.spec.dtype is DType.BYTES:
-                total += _seconds(plan)
+            if plan.spec.dtype is DType.BYTES:
+                total += plan.count * BYTES_ELEMENT_SECONDS
+            elif plan.field is not None:
+                total += plan.count * TYPED_VALUE_SECONDS
+            if plan.shm is not None:
+                total += plan.shm.byte_size * COPY_BYTE_SECONDS
         return total
 
     def materialize(self) -> dict[str, np.ndarray]:
