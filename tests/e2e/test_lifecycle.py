@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 from support.bundles import X, export_linear, infer_y, matches, x_input
 from support.clients import connect, index, model_status, status_of
 from support.serving import running, worker_config
@@ -32,6 +33,12 @@ def repo(tmp_path) -> Path:
 
 
 # -- dynamic mode: the repository watcher ----------------------------------------------------
+
+
+async def poll_once(watcher) -> None:
+    """One poll of ``watcher``, the changes it starts run to their end."""
+    async with trio.open_nursery() as changes:
+        await watcher.poll(changes.start_soon)
 
 
 def test_dynamic_mode_follows_the_repository(repo, cache_dir):
@@ -114,6 +121,23 @@ def test_a_bundle_being_written_is_not_loaded_until_stable(repo, cache_dir, tmp_
         assert matches(infer_y(client, "c", X), 3, X)
 
 
+def test_a_slow_load_delays_no_other_models_change(repo, cache_dir):
+    """A model whose load takes a while (its model.py sleeps 5 s on import) is LOADING
+    while a model added after it is loaded, and one removed after it is unloaded."""
+    export_linear(repo / "gone", seed=0)
+    config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL)
+    with running(config) as worker, connect(worker) as client:
+        export_linear(repo / "slow", seed=1, import_seconds=5.0)
+        wait_until(lambda: index(client).get("slow") == ("LOADING", ""), timeout=5)
+        export_linear(repo / "fast", seed=2)
+        shutil.rmtree(repo / "gone")
+        wait_until(lambda: index(client).get("fast") == ("READY", ""), timeout=4)
+        wait_until(lambda: "gone" not in index(client), timeout=1)
+        assert index(client)["slow"] == ("LOADING", "")
+        assert matches(infer_y(client, "fast", X), 2, X)
+        wait_until(lambda: index(client)["slow"] == ("READY", ""), timeout=10)
+
+
 async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):
     """The debounce rule itself, poll by poll, over real files."""
     from rsrv.worker._watcher import RepositoryWatcher
@@ -131,47 +155,47 @@ async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):
 
     watcher = RepositoryWatcher(repo, 1.0, load, unload)
     watcher.seed()
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls == []
 
     (repo / "m").mkdir()
     (repo / "m" / "notes.txt").write_text("no manifest: not a bundle yet")
-    await watcher.poll()
-    await watcher.poll()
+    await poll_once(watcher)
+    await poll_once(watcher)
     assert calls == []
 
     shutil.copy2(source / "manifest.yaml", repo / "m")
-    await watcher.poll()  # first sighting
+    await poll_once(watcher)  # first sighting
     assert calls == []
     for f in source.iterdir():  # still being written when the next poll comes
         shutil.copy2(f, repo / "m")
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls == []
-    await watcher.poll()  # unchanged since the last poll: act
+    await poll_once(watcher)  # unchanged since the last poll: act
     assert calls == [("load", "m")]
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls == [("load", "m")]
 
     (repo / "m" / "weights.safetensors").write_bytes(b"half")
-    await watcher.poll()
+    await poll_once(watcher)
     (repo / "m" / "weights.safetensors").write_bytes(b"half a file")
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls == [("load", "m")]
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls == [("load", "m"), ("load", "m")]
 
     shutil.rmtree(repo / "m")
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls[-1] == ("load", "m")
-    await watcher.poll()
+    await poll_once(watcher)
     assert calls[-1] == ("unload", "m")
 
     (repo / "m").mkdir()  # vanished for a single poll only: nothing happens
     shutil.copy2(source / "manifest.yaml", repo / "m")
-    await watcher.poll()
+    await poll_once(watcher)
     shutil.rmtree(repo / "m")
-    await watcher.poll()
-    await watcher.poll()
+    await poll_once(watcher)
+    await poll_once(watcher)
     assert calls[-1] == ("unload", "m") and len(calls) == 3
 
 
@@ -200,7 +224,7 @@ async def test_watcher_leaves_what_it_cannot_read_as_it_is(tmp_path, monkeypatch
     watcher.seed()
     (repo / "m" / "7").symlink_to("7")
     for _ in range(3):
-        await watcher.poll()
+        await poll_once(watcher)
     # a change to m: loading it finds no version 7 there (a loop is no directory)
     assert calls == [("load", "m")] and [p.name for p in discover(repo)] == ["m", "n"]
     calls.clear()
@@ -214,20 +238,20 @@ async def test_watcher_leaves_what_it_cannot_read_as_it_is(tmp_path, monkeypatch
 
     monkeypatch.setattr(_watcher, "model_fingerprint", unlistable)
     for _ in range(3):
-        await watcher.poll()
+        await poll_once(watcher)
     monkeypatch.undo()
 
     moved = tmp_path / "away"
     repo.rename(moved)
     repo.symlink_to(repo.name)  # a loop: listing it fails ELOOP
     for _ in range(3):
-        await watcher.poll()
+        await poll_once(watcher)
     with pytest.raises(BundleError, match="repo: model repository is not a directory"):
         discover(repo)
     repo.unlink()
     moved.rename(repo)
     for _ in range(3):
-        await watcher.poll()
+        await poll_once(watcher)
     assert calls == []
     warnings = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
     assert len(warnings) == 2, warnings

@@ -6,7 +6,9 @@ version directories). A change is acted on only when the same new fingerprint is
 on two consecutive polls, so a bundle that is still being written is never loaded: a new
 model is loaded, a removed one unloaded, a changed one reloaded (the worker rebuilds only
 the versions whose own fingerprint changed, loads added ones beside them and retires
-removed ones).
+removed ones). Each model's change runs as a task of its own: a slow load (a long
+compile, a slow ``model.py``) delays no other model's change and no poll; the loader's
+per-model lock keeps one model's changes in the order they were seen.
 """
 
 from __future__ import annotations
@@ -92,8 +94,12 @@ def scan(repo: Path) -> dict[str, ModelFingerprint | Unreadable]:
     return out
 
 
+Spawn = Callable[..., object]  # trio.Nursery.start_soon
+
+
 class RepositoryWatcher:
-    """Polls ``repo`` and calls ``load(path)`` / ``unload(name)`` on stable changes."""
+    """Polls ``repo`` and calls ``load(path)`` / ``unload(name)`` on stable changes, each
+    in a task of its own."""
 
     def __init__(
         self,
@@ -119,13 +125,15 @@ class RepositoryWatcher:
             self.seen = {}  # (the startup load says why)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            await trio.sleep(self.interval)
-            await self.poll()
+        async with trio.open_nursery() as changes:
+            task_status.started()
+            while True:
+                await trio.sleep(self.interval)
+                await self.poll(changes.start_soon)
 
-    async def poll(self) -> None:
-        """One look at the repository; one that cannot be read changes nothing."""
+    async def poll(self, spawn: Spawn) -> None:
+        """One look at the repository; ``spawn(fn, *args)`` starts each change it acts
+        on (``load`` or ``unload``). One that cannot be read changes nothing."""
         try:
             current = await trio.to_thread.run_sync(scan, self.repo)
         except OSError as e:
@@ -147,11 +155,11 @@ class RepositoryWatcher:
             if new is None:
                 del self.seen[name]
                 log.info("model %s removed: unloading", name)
-                await self._unload(name)
+                spawn(self._unload, name)
             else:
                 self.seen[name] = new
                 log.info("model %s %s: loading", name, "changed" if old else "added")
-                await self._load(self.repo / name)
+                spawn(self._load, self.repo / name)
 
     def _unreadable(self, key: str, what: str, error: object) -> None:
         """Log once when ``key`` becomes unreadable (``error`` an OSError or
