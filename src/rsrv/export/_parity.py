@@ -6,8 +6,9 @@ buffer and copied to the device), every compiled batch size is run on seeded ran
 inputs, and each output is compared with what the source framework computes for the same
 inputs. Float outputs must satisfy ``|got - want| <= atol + rtol * |want|`` elementwise;
 integer and bool outputs must be equal. Batched models are also checked row by row across
-batch sizes (the inputs of a smaller size are the first rows of the largest one), since
-the server pads and coalesces requests and so needs every row computed independently.
+batch sizes (the inputs of a smaller size are the first rows of the largest one) and at
+each size with the first row alone (the other rows zero, as the server pads), since the
+server pads and coalesces requests and so needs every row computed independently.
 """
 
 from __future__ import annotations
@@ -142,11 +143,7 @@ def check(
                 against, hint = "the source framework", ""
                 if n != largest:
                     against = f"the source framework (the same rows in a batch of {largest})"
-                    hint = (
-                        " Rows are not computed independently of each other, which the "
-                        "server's batching requires (specs/bundle.md section 6): a batch-"
-                        "dependent op such as BatchNorm using batch statistics?"
-                    )
+                    hint = _DEPENDENT_ROWS
             got = model.run(n, xs, weights)
             if len(want) != len(got):
                 raise ExportError(
@@ -154,9 +151,33 @@ def check(
                 )
             for name, g, w in zip(names, got, want, strict=True):
                 errors.append(_compare(name, n, g, w, settings, against, hint))
+            if batched and n > 1:  # row 0 as served alone: the rest zero padding
+                alone = [_first_row_padded(x, a) for x, a in zip(xs, in_axes, strict=True)]
+                got = model.run(n, alone, weights)
+                against = f"the source framework (the same row in a batch of {n})"
+                for name, g, w, a in zip(names, got, want, axes, strict=True):
+                    first = _head(g, a, 1), _head(w, a, 1)
+                    errors.append(_compare(name, n, *first, settings, against, _PADDED_ROWS))
     finally:
         free([w for w in weights if isinstance(w, jax.Array)])
     return ParityReport(tuple(errors), settings.rtol, settings.atol)
+
+
+_DEPENDENT_ROWS = (
+    " Rows are not computed independently of each other, which the server's batching "
+    "requires (specs/bundle.md section 6): a batch-dependent op such as BatchNorm using "
+    "batch statistics?"
+)
+_PADDED_ROWS = " The row ran alone, the other rows zero as the server pads them." + _DEPENDENT_ROWS
+
+
+def _first_row_padded(x: np.ndarray, axis: int) -> np.ndarray:
+    """``x`` with every row but the first zero (a 1-row request padded to its size)."""
+    out = np.zeros_like(x)
+    first = [slice(None)] * x.ndim
+    first[axis] = slice(0, 1)
+    out[tuple(first)] = x[tuple(first)]
+    return out
 
 
 def _head(x: Any, axis: int | None, n: int) -> np.ndarray:

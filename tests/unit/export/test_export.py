@@ -420,9 +420,12 @@ def test_parity_gate_on_a_fresh_directory_writes_nothing(tmp_path):
     assert listing(tmp_path) == ["m"]
 
 
-def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path):
+@pytest.mark.parametrize("sizes", [[1, 4], [4]])
+def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path, sizes):
     """BatchNorm on batch statistics (training mode): the source agrees with the bundle at
-    every size, but a row's answer depends on the other rows, which batching breaks."""
+    every size, but a row's answer depends on the other rows, which batching breaks: a
+    row run alone, padded with zero rows as the server pads it, answers otherwise. With
+    one compiled size too (no smaller size to compare with)."""
 
     class Norm(nnx.Module):
         def __init__(self, rngs):
@@ -440,15 +443,39 @@ def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path):
             eval=False,
             inputs=[Input("x", np.float32, ("n", 4))],
             outputs=["y"],
-            batch_sizes=[1, 4],
+            batch_sizes=sizes,
             out_dir=tmp_path / "bn",
+        )
+    assert str(info.value).startswith(
+        "PARITY: output 'y' at batch size 4 differs from the "
+        "source framework (the same row in a batch of 4)"
+    )
+    assert "the other rows zero as the server pads them" in str(info.value)
+    assert "Rows are not computed independently" in str(info.value)
+    assert listing(tmp_path) == []
+
+
+def test_parity_gate_compares_smaller_sizes_with_the_same_rows_of_the_largest(tmp_path):
+    """A row's answer that depends on the batch size, not on the other rows, passes the
+    padded check at each size; a smaller size's rows still differ from the same rows in
+    a batch of the largest size."""
+
+    def fn(p, x):
+        return x * x.shape[0]
+
+    with pytest.raises(ExportError) as info:
+        export_jax(
+            fn,
+            {},
+            inputs=[Input("x", np.float32, ("n", 3))],
+            outputs=["y"],
+            batch_sizes=[1, 4],
+            out_dir=tmp_path / "m",
         )
     assert str(info.value).startswith(
         "PARITY: output 'y' at batch size 1 differs from the "
         "source framework (the same rows in a batch of 4)"
     )
-    assert "Rows are not computed independently" in str(info.value)
-    assert listing(tmp_path) == []
 
 
 def test_parity_integer_outputs_are_exact_and_settings_apply(tmp_path, caplog):
