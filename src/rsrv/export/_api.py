@@ -222,6 +222,13 @@ def export_main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.no_parity and args.cache_dir is not None:
+            print(
+                "rsrv export: --cache-dir keeps the parity gate's executables, and "
+                "--no-parity skips the gate: give one of them",
+                file=sys.stderr,
+            )
+            return 2
         try:
             factory = load_factory(args.module)
         except (ExportError, ImportError) as e:

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rsrv.bundle import Bundle
 from rsrv.export._errors import ExportError
 
 log = logging.getLogger("rsrv.export")
@@ -101,7 +102,7 @@ def draw_inputs(inputs, n: int, settings: Parity) -> list[np.ndarray]:
 
 
 def check(
-    staging: Path,
+    bundle: Bundle,
     *,
     inputs,
     outputs,
@@ -109,16 +110,11 @@ def check(
     reference: Callable[..., list[np.ndarray]],
     settings: Parity,
 ) -> ParityReport:
-    """Run the bundle at ``staging`` at every size in ``sizes`` (0 = unbatched) and
-    compare with ``reference(*inputs)``; raise :class:`ExportError` on a mismatch."""
-    from rsrv.bundle import load_bundle
-    from rsrv.errors import BundleError
+    """Run ``bundle`` (loaded from its staging directory) at every size in ``sizes``
+    (0 = unbatched) and compare with ``reference(*inputs)``; raise :class:`ExportError`
+    on a mismatch."""
     from rsrv.runtime import Compiler, compile_bundle, free, weights_to_device
 
-    try:
-        bundle = load_bundle(staging)
-    except BundleError as e:
-        raise ExportError(f"PARITY: the written bundle does not load: {e}") from None
     model = compile_bundle(bundle, Compiler(settings.cache_dir and Path(settings.cache_dir)))
     weights = weights_to_device(bundle)
     names = [o.name for o in outputs]

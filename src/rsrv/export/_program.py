@@ -19,36 +19,33 @@ PyTorch) builds a :class:`Program` and calls :func:`export_program`.
 from __future__ import annotations
 
 import io
-import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import msgspec
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
 from rsrv.bundle import (
     BATCH_LETTER,
     FORMAT_VERSION,
-    ORDER_KEY,
     Batching,
     Manifest,
     TensorSpec,
+    load_bundle,
     read_signature,
     resolve_manifest,
 )
-from rsrv.dtypes import DType
+from rsrv.dtypes import TOKENS, DType
 from rsrv.errors import BundleError
 from rsrv.export._errors import ExportError
 from rsrv.export._parity import Parity
 from rsrv.export._parity import check as parity_check
 from rsrv.export._provenance import collect_provenance
+from rsrv.export._writer import check_replaceable, write_bundle
 
 __all__ = ["Input", "Output", "Program", "compiled_sizes", "export_program", "flatten_weights"]
 
@@ -73,6 +70,37 @@ class Input:
     def concrete(self, n: int) -> tuple[int, ...]:
         """The shape with ``n`` rows on the batch axis."""
         return tuple(n if d == BATCH_LETTER else int(d) for d in self.shape)
+
+
+def check_inputs(inputs: Sequence[Input]) -> None:
+    """Raise :class:`ExportError` unless every input has a unique name, a dtype a bundle
+    holds (a numpy dtype) and a shape of positive ints with at most one ``"n"``."""
+    names = [i.name for i in inputs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ExportError(f"input names are not unique: {', '.join(dup)}")
+    for i in inputs:
+        if not isinstance(i.name, str) or not i.name:
+            raise ExportError(f"input name {i.name!r}: expected a non-empty string")
+        try:
+            DType.from_numpy(np.dtype(i.dtype))
+        except (TypeError, ValueError):
+            hint = ""
+            if isinstance(i.dtype, str) and i.dtype in TOKENS:
+                hint = f" (for the manifest's {i.dtype!r} pass np.{DType(i.dtype).numpy})"
+            raise ExportError(
+                f"input {i.name!r}: dtype {i.dtype!r} is not a numpy dtype a bundle holds{hint}"
+            ) from None
+        shape = tuple(i.shape) if isinstance(i.shape, (tuple, list)) else None
+        good = shape is not None and all(
+            d == BATCH_LETTER or (isinstance(d, int) and not isinstance(d, bool) and d >= 1)
+            for d in shape
+        )
+        if not good or shape.count(BATCH_LETTER) > 1:
+            raise ExportError(
+                f"input {i.name!r}: shape {i.shape!r}: expected a tuple of positive ints "
+                f"with at most one {BATCH_LETTER!r} (the batch axis)"
+            )
 
 
 def compiled_sizes(inputs: Sequence[Input], batch_sizes: Sequence[int]) -> list[int]:
@@ -155,7 +183,9 @@ def export_program(
     a gate refuses.
     """
     out_dir = Path(out_dir)
+    check_replaceable(out_dir)  # (before the work: again before the bundle is swapped in)
     inputs = list(inputs)
+    check_inputs(inputs)
     outputs = [o if isinstance(o, Output) else Output(o) for o in outputs]
     names = list(program.weight_names)
     if len(set(names)) != len(names):
@@ -175,9 +205,7 @@ def export_program(
         modules, out_avals = _trace(program, inputs, outputs, weights, sizes)
 
     exec_inputs = [_input_spec(i) for i in inputs]
-    exec_outputs = [
-        _output_spec(o, a, sizes[-1], batched) for o, a in zip(outputs, out_avals, strict=True)
-    ]
+    exec_outputs = _output_specs(outputs, out_avals, batched)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         description=description,
@@ -192,19 +220,26 @@ def export_program(
         resolve_manifest(manifest, out_dir / "manifest.yaml", out_dir.name)
     except BundleError as e:
         raise ExportError(f"the bundle's manifest would not load: {e}") from None
+    _check_every_size(outputs, out_avals, batched, exec_outputs)
 
-    verify = None
-    if parity:
-        settings = parity if isinstance(parity, Parity) else Parity()
+    settings = (parity if isinstance(parity, Parity) else Parity()) if parity else None
 
-        def reference(*xs):
-            with jax.enable_x64(x64):
-                result = _as_outputs(program.reference(*xs), outputs)
-            return [np.asarray(r) for r in result]
+    def reference(*xs):
+        with jax.enable_x64(x64):
+            result = _as_outputs(program.reference(*xs), outputs)
+        return [np.asarray(r) for r in result]
 
-        def verify(staging: Path) -> None:
+    def verify(staging: Path) -> None:
+        """What a worker's loader checks (model.py, client tensors: with or without the
+        parity gate), then the gate."""
+        try:
+            bundle = load_bundle(staging, out_dir.name)
+        except BundleError as e:
+            message = str(e).replace(str(staging), str(out_dir))
+            raise ExportError(f"the written bundle would not load: {message}") from None
+        if settings is not None:
             report = parity_check(
-                staging,
+                bundle,
                 inputs=inputs,
                 outputs=outputs,
                 sizes=sizes,
@@ -213,7 +248,7 @@ def export_program(
             )
             log.info("%s: %s", out_dir.name, report.summary())
 
-    return _write(out_dir, manifest, modules, names, weights, model_py, verify)
+    return write_bundle(out_dir, manifest, modules, names, weights, model_py, verify)
 
 
 def _trace(
@@ -240,11 +275,22 @@ def _trace(
         return _as_outputs(program.call(list(ws), st, *xs), outputs)
 
     modules: dict[int, bytes] = {}
-    out_avals = None
+    out_avals: dict[int, Sequence[Any]] = {}
     for n in sizes:
         xs, ws = avals_for(n)
         extra = [jax.ShapeDtypeStruct(np.shape(state[k]), state[k].dtype) for k in lifted]
         exported = jax.export.export(jax.jit(entry, keep_unused=True))(*xs, *ws, *extra)
+        if len(exported.out_avals) != len(outputs):
+            raise ExportError(
+                f"the function returns {len(exported.out_avals)} outputs, {len(outputs)} were named"
+            )
+        for o, aval in zip(outputs, exported.out_avals, strict=True):
+            try:
+                DType.from_numpy(np.dtype(aval.dtype))
+            except ValueError:
+                raise ExportError(
+                    f"output {o.name!r} has dtype {aval.dtype}, which a bundle cannot hold"
+                ) from None
         text = _strip_locations(exported.mlir_module())
         got = len(read_signature(text).inputs)
         if got != n_in + n_w:
@@ -260,12 +306,8 @@ def _trace(
                     f"{': ' + program.state_hint if program.state_hint else ''}."
                 )
             raise ExportError(message)
-        if len(exported.out_avals) != len(outputs):
-            raise ExportError(
-                f"the function returns {len(exported.out_avals)} outputs, {len(outputs)} were named"
-            )
         modules[n] = _portable_bytes(text)
-        out_avals = exported.out_avals
+        out_avals[n] = exported.out_avals
     return modules, out_avals
 
 
@@ -367,6 +409,38 @@ def _input_spec(i: Input) -> TensorSpec:
     )
 
 
+def _output_specs(
+    outputs: Sequence[Output], avals_by_size: Mapping[int, Sequence[Any]], batched: bool
+) -> list[TensorSpec]:
+    """The outputs' specs at the largest traced size."""
+    n = max(avals_by_size)
+    return [_output_spec(o, a, n, batched) for o, a in zip(outputs, avals_by_size[n], strict=True)]
+
+
+def _check_every_size(
+    outputs: Sequence[Output],
+    avals_by_size: Mapping[int, Sequence[Any]],
+    batched: bool,
+    specs: Sequence[TensorSpec],
+) -> None:
+    """Raise :class:`ExportError` unless the outputs have ``specs`` (those of the largest
+    size) at every traced size: only the batch axis may change with it."""
+    largest = max(avals_by_size)
+    for n, avals in sorted(avals_by_size.items(), reverse=True):
+        for o, a, want in zip(outputs, avals, specs, strict=True):
+            spec = _output_spec(o, a, n, batched)
+            if spec != want:
+                raise ExportError(
+                    f"output {o.name!r} is {spec.dtype}{_shape(spec)} at batch size {n} "
+                    f"but {want.dtype}{_shape(want)} at {largest}: only its batch axis may "
+                    "change with the batch size"
+                )
+
+
+def _shape(spec: TensorSpec) -> list:
+    return [BATCH_LETTER if ch == BATCH_LETTER else spec.dims[ch] for ch in spec.shape]
+
+
 def _output_spec(o: Output, aval, n: int, batched: bool) -> TensorSpec:
     axis = o.batch_axis if batched else None
     if axis is not None and (axis >= len(aval.shape) or aval.shape[axis] != n):
@@ -406,49 +480,3 @@ def _portable_bytes(module_text: str) -> bytes:
         raise ExportError(
             f"the traced module cannot be written as a StableHLO portable artifact: {e}"
         ) from None
-
-
-def _write(
-    out_dir: Path,
-    manifest: Manifest,
-    modules: dict[int, bytes],
-    weight_names: list[str],
-    weights: list[np.ndarray],
-    model_py: str | None,
-    verify: Callable[[Path], None] | None = None,
-) -> Path:
-    """Write into a hidden staging directory next to ``out_dir``, run ``verify`` on it,
-    then swap it in; on any failure the staging directory is removed and ``out_dir`` is
-    left as it was."""
-    from safetensors.numpy import save_file
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    try:
-        doc = {k: v for k, v in msgspec.to_builtins(manifest).items() if v not in (None, {}, [])}
-        (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
-        for n, data in modules.items():
-            (staging / ("model.mlir" if n == 0 else f"model.b{n}.mlir")).write_bytes(data)
-        tensors = {
-            name: np.asarray(w, order="C")  # keeps 0-d weights 0-d
-            for name, w in zip(weight_names, weights, strict=True)
-        }
-        save_file(
-            tensors,
-            str(staging / "weights.safetensors"),
-            metadata={ORDER_KEY: json.dumps(weight_names)},
-        )
-        if model_py is not None:
-            (staging / "model.py").write_text(model_py)
-        staging.chmod(0o755)  # mkdtemp creates 0700; a bundle is meant to be shared
-        for file in staging.iterdir():
-            file.chmod(0o644)
-        if verify is not None:
-            verify(staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir

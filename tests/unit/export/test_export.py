@@ -796,6 +796,9 @@ def test_cli_file_factories_names_and_errors(tmp_path, capsys):
     assert "--batch-sizes '1,x'" in capsys.readouterr().err
     assert cli_main(["export", "--module", f"{factory}:as_dict", "--out", str(repo)]) == 1
     assert "no batch sizes" in capsys.readouterr().err
+    assert cli_main([*args, "--name", "cached", "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "--no-parity skips the gate: give one of them" in capsys.readouterr().err
+    assert listing(repo) == ["as_dict", "renamed"]
 
 
 def test_export_spec_dicts_are_checked(tmp_path):

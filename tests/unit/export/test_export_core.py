@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import stat
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import msgspec
 import numpy as np
 import pytest
@@ -132,13 +135,59 @@ def test_export_is_deterministic(tmp_path):
 
 def test_reexport_replaces_the_bundle_as_a_whole(tmp_path):
     out = export(tmp_path / "m")
-    (out / "stale.txt").write_text("old")
-    export(tmp_path / "m", batch_sizes=[4])
+    export(tmp_path / "m", batch_sizes=[4])  # model.b1.mlir and model.b2.mlir go
     assert sorted(p.name for p in out.iterdir()) == [
         "manifest.yaml",
         "model.b4.mlir",
         "weights.safetensors",
     ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing staged is left
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (
+            {"notes.md": "mine"},
+            "exists and holds no bundle (no manifest), which an export would delete",
+        ),
+        ({"manifest.yaml": "", "labels.txt": "cat"}, "holds files a bundle export does not "),
+        ({"1/manifest.yaml": "", "2/notes": ""}, "holds version directories (1, 2)"),
+    ],
+)
+def test_export_refuses_to_replace_what_is_not_a_bundle(tmp_path, layout, message):
+    """An export replaces its directory as a whole: one holding anything but a bundle's
+    own files is refused before any work, and left as it was."""
+    for name, text in layout.items():
+        (tmp_path / "m" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "m" / name).write_text(text)
+    with pytest.raises(ExportError, match=f"^{tmp_path / 'm'} {re.escape(message)}"):
+        export(tmp_path / "m")
+    assert {
+        str(p.relative_to(tmp_path / "m")): p.read_text()
+        for p in (tmp_path / "m").rglob("*")
+        if p.is_file()
+    } == layout
+    _assert_nothing_written(tmp_path, keep=["m"])
+
+
+def test_a_failed_swap_leaves_the_old_bundle(tmp_path, monkeypatch):
+    """An interrupt while the new bundle is renamed into place puts the old one back."""
+    out = export(tmp_path / "m")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rename = Path.rename
+
+    def interrupted(self, target):
+        if self.name.startswith(".m-") and "-old-" not in self.name:
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export(tmp_path / "m", batch_sizes=[4])
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_unbatched_export_writes_model_mlir(tmp_path):
@@ -307,6 +356,89 @@ def test_the_batch_letter_must_be_on_the_batch_axis(tmp_path, inputs, outputs, m
     with pytest.raises(ExportError) as info:
         export(tmp_path / "m", inputs=inputs, outputs=outputs, parity=False)
     assert str(info.value).startswith(message)
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            Input("x", "f32", ("n", 4)),
+            "input 'x': dtype 'f32' is not a numpy dtype a bundle holds (for the manifest's "
+            "'f32' pass np.float32)",
+        ),
+        (Input("x", np.complex64, ("n", 4)), "input 'x': dtype <class 'numpy.complex64'> is"),
+        (Input("x", np.float32, ("n", "n")), "input 'x': shape ('n', 'n'): expected a tuple"),
+        (Input("x", np.float32, ("n", -1)), "input 'x': shape ('n', -1): expected a tuple"),
+        (Input("x", np.float32, ("n", 4.0)), "input 'x': shape ('n', 4.0): expected a tuple"),
+    ],
+)
+def test_inputs_are_checked_before_tracing(tmp_path, given, message):
+    with pytest.raises(ExportError) as info:
+        export_jax(
+            lambda p, x: x,
+            {},
+            inputs=[given],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "m",
+        )
+    assert str(info.value).startswith(message)
+    _assert_nothing_written(tmp_path)
+
+
+def test_an_output_of_a_dtype_a_bundle_cannot_hold_is_refused(tmp_path):
+    with pytest.raises(ExportError) as info:
+        export_jax(
+            lambda p, x: jnp.fft.fft(x),
+            {},
+            inputs=[Input("x", np.float32, ("n", 4))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "m",
+        )
+    assert str(info.value) == "output 'y' has dtype complex64, which a bundle cannot hold"
+    _assert_nothing_written(tmp_path)
+
+
+def test_an_output_whose_shape_depends_on_the_batch_size_otherwise_is_refused(tmp_path):
+    """Judged at every traced size, not only the largest: ``y`` is [4] whatever the
+    batch size, so at size 4 its axis 0 looks like the batch axis."""
+    with pytest.raises(ExportError) as info:
+        export_jax(
+            lambda p, x: x.sum(axis=0) + jnp.zeros(4),
+            {},
+            inputs=[Input("x", np.float32, ("n", 4))],
+            outputs=["y"],
+            batch_sizes=[1, 4],
+            out_dir=tmp_path / "m",
+            parity=False,
+        )
+    assert str(info.value) == (
+        "output 'y' has shape [4]: axis 0 is not the batch axis (expected extent 1)"
+    )
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"client_outputs": [TensorSpec(name="y", dtype="f32", shape="nk", dims={"k": 3})]},
+            "client_outputs: only valid when model.py transforms I/O, and m has no model.py",
+        ),
+        ({"model_py": "raise ValueError('broken')\n"}, "model.py"),
+    ],
+)
+def test_without_the_parity_gate_the_bundle_is_still_loaded_before_the_swap(
+    tmp_path, overrides, message
+):
+    """What a worker's loader refuses is refused with ``parity=False`` too, naming the
+    bundle's directory (not its staging directory), and nothing is written."""
+    with pytest.raises(ExportError) as info:
+        export(tmp_path / "m", parity=False, **overrides)
+    assert str(info.value).startswith(f"the written bundle would not load: {tmp_path / 'm'}")
+    assert message in str(info.value)
     _assert_nothing_written(tmp_path)
 
 

@@ -1,0 +1,123 @@
+"""Writing a bundle: staged beside its directory, checked, then swapped in.
+
+The files are written into a hidden staging directory next to ``out_dir``
+(``.{name}-XXXX``, which repository scans ignore), checked there, and only then put in
+place of ``out_dir``: a reader sees the old bundle or the new one, and a failure or an
+interrupt at any point leaves the old one as it was. ``out_dir`` is replaced as a whole,
+so a directory holding anything but a bundle's own files is refused, never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from rsrv.bundle import MANIFEST_NAMES, ORDER_KEY, Manifest
+from rsrv.export._errors import ExportError
+from rsrv.versions import version_dir_number
+
+_BUNDLE_FILE = re.compile(r"^(model(\.b\d+)?\.mlir|model\.py|weights\.safetensors|__pycache__)$")
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Raise :class:`ExportError` unless ``out_dir`` is absent or a bundle directory
+    holding nothing but a bundle's own files (what an export would replace)."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        what = "a symbolic link" if out_dir.is_symlink() else "not a directory"
+        raise ExportError(f"{out_dir} is {what}, not a bundle directory. Nothing was written.")
+    try:
+        entries = sorted(out_dir.iterdir())
+    except OSError as e:
+        raise ExportError(f"{out_dir} cannot be read ({e}). Nothing was written.") from None
+    versions = [e.name for e in entries if version_dir_number(e.name) is not None]
+    if versions:
+        raise ExportError(
+            f"{out_dir} holds version directories ({', '.join(versions)}), which an export "
+            f"would delete: export a version into {out_dir}/<N> instead. Nothing was written."
+        )
+    if not any(e.name in MANIFEST_NAMES for e in entries):
+        raise ExportError(
+            f"{out_dir} exists and holds no bundle (no manifest), which an export would "
+            "delete: remove it or export elsewhere. Nothing was written."
+        )
+    others = [e.name for e in entries if e.name not in MANIFEST_NAMES]
+    others = [n for n in others if not _BUNDLE_FILE.match(n)]
+    if others:
+        raise ExportError(
+            f"{out_dir} holds files a bundle export does not write ({', '.join(others)}), "
+            "which replacing the bundle would delete: move them away or export elsewhere. "
+            "Nothing was written."
+        )
+
+
+def write_bundle(
+    out_dir: Path,
+    manifest: Manifest,
+    modules: dict[int, bytes],
+    weight_names: list[str],
+    weights: list[np.ndarray],
+    model_py: str | None,
+    verify: Callable[[Path], None],
+) -> Path:
+    """Write the bundle into a staging directory next to ``out_dir``, run ``verify`` on
+    it, then swap it in (see the module docstring). Raises :class:`ExportError` when
+    ``out_dir`` is not replaceable (:func:`check_replaceable`) and whatever ``verify``
+    raises; on any failure the staging directory is removed and ``out_dir`` is left as
+    it was."""
+    from safetensors.numpy import save_file
+
+    check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    try:
+        doc = {k: v for k, v in msgspec.to_builtins(manifest).items() if v not in (None, {}, [])}
+        (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
+        for n, data in modules.items():
+            (staging / ("model.mlir" if n == 0 else f"model.b{n}.mlir")).write_bytes(data)
+        tensors = {
+            name: np.asarray(w, order="C")  # keeps 0-d weights 0-d
+            for name, w in zip(weight_names, weights, strict=True)
+        }
+        save_file(
+            tensors,
+            str(staging / "weights.safetensors"),
+            metadata={ORDER_KEY: json.dumps(weight_names)},
+        )
+        if model_py is not None:
+            (staging / "model.py").write_text(model_py)
+        staging.chmod(0o755)  # mkdtemp creates 0700; a bundle is meant to be shared
+        for file in staging.iterdir():
+            file.chmod(0o644)
+        verify(staging)
+        check_replaceable(out_dir)  # (again: it may have changed while the gate ran)
+        _swap_in(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Put ``staging`` in place of ``out_dir``: the old directory is renamed aside first
+    and put back if the new one cannot be renamed in, then deleted."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-old-"))
+    out_dir.rename(old)  # (onto an empty directory: allowed)
+    try:
+        staging.rename(out_dir)
+    except BaseException:
+        if not out_dir.exists():
+            old.rename(out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
