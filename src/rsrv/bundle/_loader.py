@@ -12,7 +12,7 @@ import importlib.util
 import itertools
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rsrv.bundle._dsl import Hook
@@ -104,9 +104,8 @@ def load_bundle(path: Path, name: str | None = None) -> Bundle:
             f"{manifest_path}: kind: a meta bundle needs a model.py declaring "
             f"@rsrv.meta, and {name} has no model.py"
         )
-    hooks = _load_hooks(model_py, sig, name) if has_py else Hooks()
-
     if sig.kind == "meta":
+        hooks = _load_hooks(model_py, sig, name) if has_py else Hooks()
         return Bundle(name, path, manifest_path, manifest, sig, {}, None, hooks, {})
 
     weights_path = path / "weights.safetensors"
@@ -122,7 +121,47 @@ def load_bundle(path: Path, name: str | None = None) -> Bundle:
     for size, file in modules.items():
         size, signatures[size] = _check_module(file, size, sig, weights)
         checked[size] = file
+    sig = _with_module_extents(sig, manifest, signatures, path)
+    hooks = _load_hooks(model_py, sig, name) if has_py else Hooks()
     return Bundle(name, path, manifest_path, manifest, sig, checked, weights, hooks, signatures)
+
+
+def _with_module_extents(
+    sig: Signature, manifest: Manifest, signatures: dict[int, ModuleSignature], path: Path
+) -> Signature:
+    """``sig`` with each variable (-1) extent of an executable tensor replaced by the
+    static extent its modules declare (a module takes one shape: a request of any other
+    extent is refused at decoding, not failed by the runtime). Client lists that default
+    to the executable ones follow. BundleError when two modules disagree."""
+
+    def resolve(tensors: tuple[Tensor, ...], args_of) -> tuple[Tensor, ...]:
+        out = []
+        for i, t in enumerate(tensors):
+            shape = list(t.shape)
+            for axis, d in enumerate(t.shape):
+                if d != -1 or axis == t.batch_axis:
+                    continue
+                extents = sorted({args_of(m)[i].shape[axis] for m in signatures.values()})
+                if len(extents) > 1:
+                    raise BundleError(
+                        f"{path}: {t.name!r} axis {axis} ({t.letters[axis]!r}: -1) is "
+                        f"{' in one module, '.join(map(str, extents))} in another: a "
+                        "variable extent must be the same in every module"
+                    )
+                shape[axis] = extents[0]  # (-1 still when the module's extent is dynamic)
+            out.append(replace(t, shape=tuple(shape)))
+        return tuple(out)
+
+    n_in = len(sig.executable_inputs)
+    inputs = resolve(sig.executable_inputs, lambda m: m.inputs[:n_in])
+    outputs = resolve(sig.executable_outputs, lambda m: m.outputs)
+    return replace(
+        sig,
+        executable_inputs=inputs,
+        executable_outputs=outputs,
+        client_inputs=sig.client_inputs if manifest.client_inputs else inputs,
+        client_outputs=sig.client_outputs if manifest.client_outputs else outputs,
+    )
 
 
 def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[int, Path]:
@@ -311,4 +350,12 @@ def _check_passthrough(
             raise BundleError(
                 f"{model_py}: {what} {name!r} passes through unchanged but its "
                 f"dtype differs ({src.dtype.value} vs {t.dtype.value})"
+            )
+        fits = src.batch_axis == t.batch_axis and src.rank == t.rank
+        fits = fits and all(d in (-1, e) for e, d in zip(src.shape, t.shape, strict=True))
+        if not fits:  # (the same batch axis, and every extent ``t`` fixes)
+            raise BundleError(
+                f"{model_py}: {what} {name!r} passes through unchanged but its shape "
+                f"differs ({src.describe()} vs {t.describe()}): give it the same batch "
+                "axis, and every extent the other fixes"
             )

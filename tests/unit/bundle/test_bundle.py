@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from support.bundles import write_weights
+from support.bundles import export_linear, linear_params, write_weights
 
 from rsrv.bundle import (
     Bundle,
@@ -405,9 +405,34 @@ def test_module_output_shape(tiny_bundle):
     )
 
 
-def test_variable_extent_matches_any_size(tiny_bundle):
+def test_a_variable_executable_extent_takes_the_modules_static_one(tiny_bundle):
+    """-1 on an executable tensor matches the module's extent, and is then that extent:
+    a request of another extent is refused at decoding (not failed by the runtime), for
+    the client tensors that default to the executable ones too."""
     edit(tiny_bundle, lambda d: d["executable_inputs"][0]["dims"].update(f=-1))
-    assert load_bundle(tiny_bundle).signature.executable_inputs[0].shape == (-1, -1)
+    sig = load_bundle(tiny_bundle).signature
+    assert sig.executable_inputs[0].shape == (-1, 3)
+    assert sig.client_inputs[0].shape == (-1, 3)
+    assert sig.client_inputs[0].describe() == "x: f32[n,3]"
+
+
+def test_a_variable_extent_must_be_the_same_in_every_module(tmp_path):
+    src = export_linear(tmp_path / "m", seed=0)  # x f32[n,3] at sizes 1, 2, 4
+    edit(src, lambda d: d["executable_inputs"][0]["dims"].update(f=-1))
+    other = export_jax(
+        lambda p, x: x[:, :3] @ p["w"] + p["b"],
+        linear_params(0),
+        inputs=[Input("x", np.float32, ("n", 5))],
+        outputs=["y"],
+        batch_sizes=[2],
+        out_dir=tmp_path / "five",
+        parity=False,
+    )
+    (src / "model.b2.mlir").write_bytes((other / "model.b2.mlir").read_bytes())
+    assert error(src) == (
+        f"{src}: 'x' axis 1 ('f': -1) is 3 in one module, 5 in another: a variable extent "
+        "must be the same in every module"
+    )
 
 
 # -- weights ---------------------------------------------------------------------------------
@@ -547,6 +572,35 @@ def test_client_output_not_produced(tiny_bundle):
     assert error(tiny_bundle) == (
         f"{tiny_bundle}/model.py: client output 'label' is neither produced by "
         "@rsrv.postprocess nor passed through under the same name"
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "dims", "client"),
+    [
+        ("nf", {"f": 3}, None),
+        ("nf", {"f": 5}, "x: f32[n,5]"),
+        ("nf", {"f": -1}, "x: f32[n,?]"),
+        ("fn", {"f": 3}, "x: f32[3,n]"),
+        ("n", {}, "x: f32[n]"),
+    ],
+)
+def test_a_client_input_passing_through_must_fit_the_executable_input(
+    tiny_bundle, shape, dims, client
+):
+    """No preprocess: the client's ``x`` is the executable's, so a shape the module
+    cannot take is refused at load (it failed each request INTERNAL in the runtime)."""
+    x = {"name": "x", "dtype": "f32", "shape": shape, "dims": dims}
+    label = {"name": "label", "dtype": "i64", "shape": "n"}
+    edit(tiny_bundle, lambda d: d.update(client_inputs=[x], client_outputs=[label]))
+    (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "y"))
+    if client is None:
+        load_bundle(tiny_bundle)
+        return
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.py: executable input 'x' passes through unchanged but its "
+        f"shape differs ({client} vs x: f32[n,3]): give it the same batch axis, and every "
+        "extent the other fixes"
     )
 
 
