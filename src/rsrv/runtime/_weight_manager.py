@@ -253,7 +253,10 @@ class WeightManager:
         if self.placements.get(key) is not placement:  # removed while it was copied
             free(arrays)
             return
-        self.cache.admit(key, arrays, nbytes, seconds, pinned=pinned)
+        if pinned and placement.residency != "device" and self.cache.enabled:
+            self.cache.make_room(nbytes, frozenset(self._waiting))  # unpinned meanwhile
+        # (a SetModelResidency while it was copied: admitted as the version is now)
+        self.cache.admit(key, arrays, nbytes, seconds, pinned=placement.residency == "device")
         log.debug("weights of %s on device: %d bytes in %.4f s", key, nbytes, seconds)
 
     def _copy(self, placement: Placement) -> list[jax.Array]:

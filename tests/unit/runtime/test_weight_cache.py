@@ -438,6 +438,14 @@ async def manager(nursery, budget, files, residency="system", route=None) -> Wei
     return m
 
 
+def held_copies(m: WeightManager) -> threading.Event:
+    """Hold every copy of ``m`` until the returned event is set."""
+    release = threading.Event()
+    copy = m._copy
+    m._copy = lambda placement: (release.wait(), copy(placement))[1]
+    return release
+
+
 def record_peaks(monkeypatch, m: WeightManager) -> list[int]:
     """Resident bytes after every admission (the only time they grow)."""
     peaks = []
@@ -508,9 +516,7 @@ async def test_a_demanded_model_is_not_evicted_for_a_prefetch(files, route):
     comes, a is resident and demanded (or already leased): c must not evict it."""
     async with trio.open_nursery() as nursery:
         m = await manager(nursery, W, files, route=route)
-        release = threading.Event()
-        copy = m._copy
-        m._copy = lambda placement: (release.wait(), copy(placement))[1]
+        release = held_copies(m)
         got = {}
 
         async def lease_a():
@@ -718,4 +724,62 @@ async def test_a_residency_change_keeps_the_weights_the_version_loaded(files):
         with pytest.raises(FailedPrecondition, match="was replaced since it loaded"):
             await m.set_residency("a", "unpinned")
         assert m.placements["a"].residency == "system" and m.host_resident("a")
+        nursery.cancel_scope.cancel()
+
+
+# -- a residency change while the weights are copied -----------------------------------------
+
+
+async def test_a_version_pinned_while_its_evictable_copy_runs_is_admitted_pinned(files):
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, W, {k: files[k] for k in "ab"})  # room for one
+        release = held_copies(m)
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(m.prefetch, "a")  # an evictable copy
+            while "a" not in m._transfers:
+                await trio.sleep(0.01)
+            await wait_all_tasks_blocked()
+            tasks.start_soon(m.set_residency, "a", "device")  # joins the copy
+            await wait_all_tasks_blocked()
+            release.set()
+        assert m.placements["a"].residency == "device" and "a" in m.cache.pinned
+        async with m.lease("b"):  # a load that needs the room: a is not evicted for it
+            assert m.cache.is_resident("a")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_version_unpinned_while_its_pinned_copy_runs_is_admitted_evictable(files):
+    async with trio.open_nursery() as nursery:
+        m = WeightManager(W, CPU)
+        await nursery.start(m.run)
+        release = held_copies(m)
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(m.add, "a", files["a"], "device")  # a pinned copy
+            while "a" not in m._transfers:
+                await trio.sleep(0.01)
+            await wait_all_tasks_blocked()
+            tasks.start_soon(m.set_residency, "a", "system")
+            while m.placements["a"].residency != "system":
+                await trio.sleep(0.01)
+            assert "a" in m._transfers  # the change is made while the copy still runs
+            release.set()
+        assert "a" not in m.cache.pinned and m.cache.pinned_bytes == 0
+        assert m.cache.is_resident("a")  # evictable, under the budget
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pin_cancelled_while_its_copy_runs_leaves_the_version_evictable(files):
+    """SetModelResidency(device) cut off by its deadline while the weights are copied:
+    the version stays ``system``, and its copy is admitted under the budget, not pinned
+    outside it for good."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, W, {"a": files["a"]})
+        release = held_copies(m)
+        with trio.move_on_after(0.2):
+            await m.set_residency("a", "device")
+        release.set()
+        while m._transfers:
+            await trio.sleep(0.01)
+        assert m.placements["a"].residency == "system"
+        assert "a" not in m.cache.pinned and m.cache.is_resident("a")
         nursery.cancel_scope.cancel()
