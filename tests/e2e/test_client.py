@@ -5,6 +5,8 @@ statuses, deadlines, and retries a call until a late server starts."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -256,8 +258,6 @@ async def test_system_shared_memory(worker):
 
 def test_sync_client(worker):
     """The facade from plain code: same answers, errors, and its one thread joined."""
-    import threading
-
     before = threading.active_count()
     x = np.ones((2, 256), np.float32)
     with SyncInferenceClient("127.0.0.1", worker.port) as client:
@@ -282,6 +282,51 @@ def test_sync_client(worker):
     SyncInferenceClient("127.0.0.1", worker.port).server_ready()  # dropped, never closed
     gc.collect()
     wait_until(lambda: threading.active_count() == before, 10, "the dropped client's thread")
+
+
+def test_closing_the_sync_client_ends_a_call_between_retries_with_its_error():
+    """Another thread's call waiting between retries (nothing listens) when the client
+    closes fails InferenceServerError UNAVAILABLE at once, never with trio's Cancelled
+    (a BaseException plain code does not catch)."""
+    policy = RetryPolicy(attempts=1000, initial_backoff=0.2, max_backoff=0.2)
+    client = SyncInferenceClient("127.0.0.1", free_port(), retry=policy)
+    got = []
+
+    def call():
+        try:
+            client.server_live(timeout=30)
+        except BaseException as e:  # noqa: BLE001 - what reaches plain code is the test
+            got.append(e)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.5)
+    client.close()
+    caller.join(5)
+    assert not caller.is_alive()
+    assert [type(e) for e in got] == [InferenceServerError], got
+    assert (got[0].code, got[0].message) == (StatusCode.UNAVAILABLE, "the client was closed")
+    with pytest.raises(RuntimeError, match="the client is closed"):
+        client.server_live()
+
+
+async def test_closing_the_client_ends_a_call_between_retries_at_once():
+    """A closed channel is no reason to go on retrying: the call ends at its next try."""
+    policy = RetryPolicy(attempts=40, initial_backoff=0.1, max_backoff=0.1)
+    client = InferenceClient("127.0.0.1", free_port(), retry=policy)
+    ended = []
+
+    async def call():
+        with pytest.raises(InferenceServerError, match="the channel is closed"):
+            await client.server_live()
+        ended.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        async with client:
+            nursery.start_soon(call)
+            await trio.sleep(0.3)
+        closed = trio.current_time()
+    assert ended[0] - closed < 0.2  # (it slept out 40 x 0.1 s before)
 
 
 async def test_retry_until_a_late_server_starts(tmp_path, cache_dir):

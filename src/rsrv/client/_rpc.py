@@ -31,9 +31,10 @@ class RetryPolicy:
     down) — never one the server may have processed. ``attempts`` counts the first one
     (1: never retry); attempt *n* waits ``initial_backoff * multiplier**n`` seconds
     (±20% jitter, at most ``max_backoff``), or the server's pushback when longer, before
-    the next. A call's timeout covers every attempt and wait. (Behind a gateway with no
-    ready worker, the pushback is its discovery interval: with the defaults, 5 attempts
-    2 s apart, a call rides out about 8 s of no worker before it fails.)"""
+    the next; none once the channel is closed. A call's timeout covers every attempt
+    and wait. (Behind a gateway with no ready worker, the pushback is its discovery
+    interval: with the defaults, 5 attempts 2 s apart, a call rides out about 8 s of no
+    worker before it fails.)"""
 
     attempts: int = 5
     initial_backoff: float = 0.05
@@ -78,6 +79,7 @@ async def call_unary(
             result.status is not StatusCode.UNAVAILABLE
             or (result.reached_server and pushback is None)
             or attempt >= retry.attempts
+            or channel.closed  # (the client was closed: no attempt can succeed)
         ):
             return result
         delay = max(retry.backoff(attempt - 1), pushback or 0.0)

@@ -2,7 +2,8 @@
 
 It owns exactly one thread: a daemon thread running a trio loop that holds the client's
 channel. Each method hands its call to that loop and blocks until it returns;
-:meth:`SyncInferenceClient.close` (or leaving ``with``) closes the channel and joins
+:meth:`SyncInferenceClient.close` (or leaving ``with``) ends the calls still running
+(InferenceServerError UNAVAILABLE "the client was closed"), closes the channel and joins
 the thread, and a client dropped unclosed has its loop stopped when it is collected.
 No other thread is started for an address given as an IP address; a host name is
 looked up in one of trio's worker threads, which trio keeps idle for a few seconds
@@ -14,10 +15,13 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+from purerpc.grpclib.status import StatusCode
 
+from rsrv.client._errors import InferenceServerError
 from rsrv.client._inference import InferenceClient
 
 __all__ = ["SyncInferenceClient"]
@@ -50,6 +54,8 @@ class _Loop:
         self.token: trio.lowlevel.TrioToken | None = None
         self.error: BaseException | None = None
         self._stop: trio.Event | None = None
+        self._calls: set[trio.CancelScope] = set()  # the facade's calls running
+        self._call_ended = trio.lowlevel.ParkingLot()
         self._ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="rsrv-client", daemon=True)
         self.thread.start()
@@ -69,6 +75,24 @@ class _Loop:
         async with self.client:
             self._ready.set()
             await self._stop.wait()
+            for scope in self._calls:  # (before trio cancels them with its Cancelled)
+                scope.cancel()
+            while self._calls:
+                await self._call_ended.park()
+
+    async def call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """Run one facade call on the loop. One the client's closing cuts short (waiting
+        between retries, for a connection, for its answer) raises InferenceServerError
+        UNAVAILABLE, never trio's Cancelled into the caller's thread."""
+        if not self._stop.is_set():
+            with trio.CancelScope() as scope:
+                self._calls.add(scope)
+                try:
+                    return await fn()
+                finally:
+                    self._calls.discard(scope)
+                    self._call_ended.unpark_all()
+        raise InferenceServerError(StatusCode.UNAVAILABLE, "the client was closed")
 
     def stop(self) -> None:
         """Ask the loop to close the channel and end; from any thread, without waiting."""
@@ -100,10 +124,11 @@ class SyncInferenceClient:
         loop = self._loop
         if loop.token is None or not loop.thread.is_alive():
             raise RuntimeError("the client is closed")
-        method = getattr(loop.client, name)
-        return trio.from_thread.run(
-            functools.partial(method, *args, **kwargs), trio_token=loop.token
-        )
+        method = functools.partial(getattr(loop.client, name), *args, **kwargs)
+        try:
+            return trio.from_thread.run(loop.call, method, trio_token=loop.token)
+        except trio.RunFinishedError:
+            raise RuntimeError("the client is closed") from None
 
     def close(self) -> None:
         """Close the channel and join the client's thread (idempotent)."""

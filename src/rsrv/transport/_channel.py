@@ -118,6 +118,11 @@ class Channel:
             self._common.append((b"grpc-accept-encoding", b"identity,gzip,deflate"))
         self._scheme = b"https" if tls is not None else b"http"
 
+    @property
+    def closed(self) -> bool:
+        """True from :meth:`aclose` on: every later call fails UNAVAILABLE, never sent."""
+        return self._closed
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hold the channel's connections until cancelled or :meth:`aclose`; meant for
         ``await nursery.start(channel.run)``."""
