@@ -2,7 +2,14 @@
 (StableHLO modules, safetensors weights), loading and repository discovery."""
 
 from rsrv.bundle._dsl import Hook, meta, postprocess, preprocess
-from rsrv.bundle._loader import UNBATCHED, Bundle, Hooks, find_manifest, load_bundle
+from rsrv.bundle._loader import (
+    UNBATCHED,
+    Bundle,
+    Hooks,
+    defines_bundle,
+    find_manifest,
+    load_bundle,
+)
 from rsrv.bundle._manifest import (
     BATCH_LETTER,
     FORMAT_VERSION,
@@ -28,7 +35,7 @@ from rsrv.bundle._stablehlo import ArgType, ModuleSignature, read_module, read_s
 __all__ = [
     "BATCH_LETTER", "FORMAT_VERSION", "MANIFEST_NAMES", "ORDER_KEY", "UNBATCHED", "ArgType",
     "Batching", "Bundle", "Hook", "Hooks", "Manifest", "ModuleSignature", "Signature", "Tensor",
-    "TensorSpec", "WeightInfo", "WeightsFile", "decode_manifest", "discover",
+    "TensorSpec", "WeightInfo", "WeightsFile", "decode_manifest", "defines_bundle", "discover",
     "find_manifest", "has_manifest", "load_bundle", "meta", "model_versions", "postprocess",
     "preprocess", "read_module", "read_signature", "read_weights_header", "resolve_manifest",
     "scan", "version_policy_of",

@@ -34,6 +34,12 @@ _IDENT = re.compile(r"\W")
 _import_counter = itertools.count()
 
 
+def defines_bundle(name: str) -> bool:
+    """Whether a file of this name defines a bundle besides its manifest: a module
+    (``model.mlir``, ``model.b<N>.mlir``), ``weights.safetensors`` or ``model.py``."""
+    return name in ("weights.safetensors", "model.py") or _MODULE_RE.match(name) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Hooks:
     preprocess: Hook | None = None

@@ -10,7 +10,6 @@ so a directory holding anything but a bundle's own files is refused, never delet
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -19,11 +18,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from rsrv.bundle import MANIFEST_NAMES, ORDER_KEY, Manifest
+from rsrv.bundle import MANIFEST_NAMES, ORDER_KEY, Manifest, defines_bundle
 from rsrv.export._errors import ExportError
 from rsrv.versions import version_dir_number
-
-_BUNDLE_FILE = re.compile(r"^(model(\.b\d+)?\.mlir|model\.py|weights\.safetensors|__pycache__)$")
 
 
 def check_replaceable(out_dir: Path) -> None:
@@ -49,8 +46,11 @@ def check_replaceable(out_dir: Path) -> None:
             f"{out_dir} exists and holds no bundle (no manifest), which an export would "
             "delete: remove it or export elsewhere. Nothing was written."
         )
-    others = [e.name for e in entries if e.name not in MANIFEST_NAMES]
-    others = [n for n in others if not _BUNDLE_FILE.match(n)]
+    others = [
+        e.name
+        for e in entries
+        if e.name not in (*MANIFEST_NAMES, "__pycache__") and not defines_bundle(e.name)
+    ]
     if others:
         raise ExportError(
             f"{out_dir} holds files a bundle export does not write ({', '.join(others)}), "

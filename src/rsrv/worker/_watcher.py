@@ -14,18 +14,16 @@ per-model lock keeps one model's changes in the order they were seen.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
 
-from rsrv.bundle import MANIFEST_NAMES
+from rsrv.bundle import MANIFEST_NAMES, defines_bundle
 from rsrv.versions import version_dir_number
 
 log = logging.getLogger(__name__)
 
-_DEFINING = re.compile(r"^(model(\.b\d+)?\.mlir|model\.py|weights\.safetensors)$")
 Fingerprint = tuple[tuple[str, int, int], ...]
 
 
@@ -36,7 +34,7 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
     serves), neither gone nor the same."""
     try:
         files = sorted(
-            p for p in bundle.iterdir() if p.name in MANIFEST_NAMES or _DEFINING.match(p.name)
+            p for p in bundle.iterdir() if p.name in MANIFEST_NAMES or defines_bundle(p.name)
         )
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
