@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.transport._frames import CANCEL, header_block
+from rsrv.transport._frames import CANCEL, STREAM_CLOSED, header_block
 from rsrv.transport._messages import Compressed, MessageError, MessageReader, frame
 
 if TYPE_CHECKING:
@@ -119,6 +119,10 @@ class ServerCall:
     def _on_data(self, data: bytes, flow: int) -> None:
         if self._closed:
             self.conn.acknowledge(None, flow)
+            return
+        if self._ended:  # DATA after the client's END_STREAM: RFC 9113 §5.1
+            self.conn.acknowledge(None, flow)
+            self.conn._reset(self, STREAM_CLOSED)
             return
         now = self.conn.last_active = trio.current_time()
         reader = self._reader
@@ -254,11 +258,18 @@ class ServerCall:
     async def send(self, payload: bytes, *, flush: bool = True) -> None:
         """Send one response message (already serialized). ``flush`` False leaves it
         queued for the next flush (a unary call's answer leaves with its trailers).
-        Waits for the client's flow-control window, and, flushing, while more than
-        ``max_unsent_bytes`` wait unsent on the connection (until half is left)."""
+        Waits for the client's flow-control window, and, before queuing it and after
+        flushing it, while more than ``max_unsent_bytes`` wait unsent on the connection
+        (until half is left)."""
         if self._closed:
             return
         conn = self.conn
+        if conn._pending is not None or conn._writing:  # the socket is full
+            # Queue no more while over the limit: a client that does not read holds
+            # the answers of its calls here, unary ones too (queued unflushed).
+            await self._on_client(conn._unsent_below(conn.max_unsent))
+            if self._closed:
+                return
         if not self._started:
             conn.write_headers(self.id, _RESPONSE_BLOCK)
             self._started = True

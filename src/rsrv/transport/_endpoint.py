@@ -37,6 +37,9 @@ MAX_FRAME = 2**24 - 1  # the largest frame we accept
 MAX_HEADER_BLOCK = 64 * 1024  # a header block, CONTINUATION frames included
 MAX_HEADER_LIST = 16 * 1024  # decoded header list size (SETTINGS_MAX_HEADER_LIST_SIZE)
 MAX_CONTINUATIONS = 64  # frames of one header block, HEADERS included (empty ones cost too)
+#: Entries of one SETTINGS frame: RFC 9113 defines 6 (and extensions a few more); a frame
+#: of thousands only costs its reader.
+MAX_SETTINGS = 32
 #: Answers the reader queues itself (PING and SETTINGS acknowledgements, resets of the
 #: peer's streams, statuses of requests refused before they became calls) that may wait
 #: unsent at once: a peer that sends PINGs and reads nothing must not grow the queue.
@@ -206,6 +209,12 @@ class Http2Endpoint:
             elif kind == F.PRIORITY:
                 if sid == 0:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "PRIORITY on stream 0")
+                if len(payload) != 5:  # a stream error (RFC 9113 §6.3)
+                    stream = self.streams.get(sid)
+                    if stream is not None:
+                        self._reset(stream, F.FRAME_SIZE_ERROR)
+                    else:
+                        self._answer(F.rst_stream(sid, F.FRAME_SIZE_ERROR))
             elif kind == F.GOAWAY:
                 if sid != 0:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "GOAWAY on a stream")
@@ -244,6 +253,8 @@ class Http2Endpoint:
             if len(block) < 5:
                 raise F.ConnectionError_(F.FRAME_SIZE_ERROR, "HEADERS priority cut short")
             block = block[5:]
+        if len(block) > MAX_HEADER_BLOCK:  # (before anything decodes it)
+            raise F.ConnectionError_(F.ENHANCE_YOUR_CALM, "header block too large")
         if not flags & F.END_HEADERS:
             self._continuing = (sid, flags, [block])
             self._continued_bytes = len(block)
@@ -267,11 +278,13 @@ class Http2Endpoint:
         if sid == 0:
             if increment == 0:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            blocked = self.send_window <= 0  # (else no stream waits on this window)
             self.send_window += increment
             if self.send_window > F.MAX_WINDOW:
                 raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "connection window overflow")
-            for stream in self.streams.values():
-                stream._window_opened()
+            if blocked and self.send_window > 0:
+                for stream in self.streams.values():
+                    stream._window_opened()
             return
         if sid > self._last_stream:
             raise F.ConnectionError_(F.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
@@ -294,14 +307,14 @@ class Http2Endpoint:
             if payload:
                 raise F.ConnectionError_(F.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             return
+        if len(payload) > 6 * MAX_SETTINGS:
+            raise F.ConnectionError_(F.ENHANCE_YOUR_CALM, "SETTINGS of too many entries")
+        window = None
         for key, value in F.parse_settings(payload):
             if key == F.INITIAL_WINDOW_SIZE:
                 if value > F.MAX_WINDOW:
                     raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "initial window too large")
-                delta, self.peer_initial_window = value - self.peer_initial_window, value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    stream._window_opened()
+                window = value  # (the last one counts: applied once, below)
             elif key == F.MAX_FRAME_SIZE:
                 if not F.DEFAULT_FRAME <= value <= MAX_FRAME:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
@@ -311,7 +324,23 @@ class Http2Endpoint:
             elif key == F.MAX_CONCURRENT_STREAMS:
                 self._on_peer_max_streams(value)
             # HEADER_TABLE_SIZE: our header blocks never use the dynamic table
+        if window is not None:
+            self._on_initial_window(window)
         self._answer(F.frame(F.SETTINGS, F.ACK, 0))
+
+    def _on_initial_window(self, value: int) -> None:
+        """The peer's SETTINGS_INITIAL_WINDOW_SIZE changed: every stream's send window
+        moves by the difference (RFC 9113 §6.9.2), one beyond 2**31 - 1 a connection
+        error; streams wake when their window grew."""
+        delta, self.peer_initial_window = value - self.peer_initial_window, value
+        if not delta:
+            return
+        for stream in self.streams.values():
+            stream.send_window += delta
+            if stream.send_window > F.MAX_WINDOW:
+                raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "a stream's window overflows")
+            if delta > 0:
+                stream._window_opened()
 
     # -- writing ------------------------------------------------------------------------
 

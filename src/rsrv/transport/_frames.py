@@ -261,11 +261,14 @@ class HeaderDecoder:
         if size > self.max_header_list_size:
             raise HeaderListTooLarge(size, self.max_header_list_size)
         parsed = headers if self._parse is None else self._parse(headers)
-        if _table_state(table) == state:
+        if _table_state(table) == state and len(block) <= _CACHED_BLOCK:
             if len(self._decoded) >= 64:
                 self._decoded.clear()
             self._decoded[block] = (state, parsed)
         return parsed
+
+
+_CACHED_BLOCK = 4096  # larger header blocks are decoded each time, never kept
 
 
 def _table_state(table) -> tuple:

@@ -18,13 +18,18 @@ import hpack
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.echo import HOLD, STREAM, STREAM_SIZED, UNARY, echo_server
+from support.echo import HOLD, SIZED, STREAM, STREAM_SIZED, UNARY, echo_server
 from support.rawh2 import RawH2, message
 
 from rsrv.transport import TransportLimits
 from rsrv.transport import _frames as F
 from rsrv.transport._connection import ServerConnection
-from rsrv.transport._endpoint import MAX_CONTINUATIONS, MAX_UNSENT_ANSWERS
+from rsrv.transport._endpoint import (
+    MAX_CONTINUATIONS,
+    MAX_HEADER_BLOCK,
+    MAX_SETTINGS,
+    MAX_UNSENT_ANSWERS,
+)
 
 PATH = b"/inference.GRPCInferenceService/ModelInfer"
 
@@ -165,6 +170,13 @@ async def test_bad_settings_end_the_connection(settings, code):
     assert protocol_error(Client(), F.PREFACE + F.settings(settings)) == code
 
 
+#: A header block beyond MAX_HEADER_BLOCK that decodes to a small header list: table
+#: size updates (3 bytes each, to 4096: no change), then a request's headers.
+_LONG_SMALL_BLOCK = b"\x3f\xe1\x1f" * (MAX_HEADER_BLOCK // 3) + hpack.Encoder().encode(
+    [(b":method", b"POST"), (b":path", PATH)]
+)
+
+
 @pytest.mark.parametrize(
     ("frame", "code"),
     [
@@ -180,6 +192,11 @@ async def test_bad_settings_end_the_connection(settings, code):
         (F.frame(F.SETTINGS, 0, 1, b""), F.PROTOCOL_ERROR),
         (F.frame(F.CONTINUATION, F.END_HEADERS, 1, b""), F.PROTOCOL_ERROR),
         (F.frame(F.HEADERS, F.END_HEADERS, 1, b"\xff\xff\xff\xff"), F.COMPRESSION_ERROR),
+        # costs bounded per frame: a SETTINGS frame of thousands of entries (each walked
+        # every stream), a header block beyond 64 KiB in one HEADERS frame (decoded and
+        # cached before: seconds of the loop, MiBs each)
+        (F.frame(F.SETTINGS, 0, 0, bytes(6 * (MAX_SETTINGS + 1))), F.ENHANCE_YOUR_CALM),
+        (F.frame(F.HEADERS, F.END_HEADERS, 1, _LONG_SMALL_BLOCK), F.ENHANCE_YOUR_CALM),
     ],
 )
 async def test_protocol_errors_end_the_connection(frame, code):
@@ -358,6 +375,44 @@ async def test_window_settings_change_open_streams():
     (call,) = client.calls
     client.send(F.settings({F.INITIAL_WINDOW_SIZE: 40}))
     assert call.send_window == 40
+    # the last of several values counts, applied once
+    client.send(F.settings({F.INITIAL_WINDOW_SIZE: 10}) + F.settings({F.INITIAL_WINDOW_SIZE: 70}))
+    assert call.send_window == 70
+    # a change that takes a stream's window past 2**31 - 1: FLOW_CONTROL_ERROR (§6.9.2)
+    client.send(F.window_update(1, F.MAX_WINDOW - 70))
+    assert protocol_error(client, F.settings({F.INITIAL_WINDOW_SIZE: 71})) == F.FLOW_CONTROL_ERROR
+
+
+async def test_a_connection_window_update_wakes_streams_only_when_it_was_exhausted():
+    """Each stream waking on every WINDOW_UPDATE of the connection cost a flood of +1
+    increments 13 times a PING flood; only an exhausted window can hold streams up."""
+    client = Client()
+    client.start()
+    client.send(client.headers(1))
+    (call,) = client.calls
+    waiting = call._window = trio.Event()  # (as a send out of window waits)
+    client.send(F.window_update(0, 1) * 3)
+    assert not waiting.is_set()
+    client.conn.send_window = -5  # (a smaller SETTINGS_INITIAL_WINDOW_SIZE can do this)
+    client.send(F.window_update(0, 5))  # still not positive: nobody can send yet
+    assert not waiting.is_set()
+    client.send(F.window_update(0, 1))
+    assert waiting.is_set() and call._window is None
+
+
+async def test_data_after_the_clients_end_and_a_short_priority_reset_the_stream():
+    """RFC 9113: DATA on a half-closed (remote) stream is a STREAM_CLOSED stream error
+    (it reached the call, which then failed INTERNAL: more than one message); a PRIORITY
+    frame of other than 5 bytes a FRAME_SIZE_ERROR one."""
+    client = Client()
+    client.start()
+    client.send(client.headers(1) + F.frame(F.DATA, F.END_STREAM, 1, message(b"a")))
+    (call,) = client.calls
+    assert rst(client.send(F.frame(F.DATA, 0, 1, message(b"b"))), 1) == F.STREAM_CLOSED
+    assert call._closed and len(call._inbox) == 1
+    client.send(client.headers(3))
+    assert rst(client.send(F.frame(F.PRIORITY, 0, 3, bytes(4))), 3) == F.FRAME_SIZE_ERROR
+    assert rst(client.send(F.frame(F.PRIORITY, 0, 7, bytes(6))), 7) == F.FRAME_SIZE_ERROR
 
 
 async def test_headers_on_a_closed_stream_and_oversized_header_lists():
@@ -520,6 +575,56 @@ async def test_a_stream_whose_client_does_not_read_waits_to_send():
             done.set()
     assert max(unsent) > limit  # the client held the answers up
     assert max(unsent) < limit + 4 * 65536  # and the handler waited
+
+
+async def test_unary_answers_to_a_client_that_does_not_read_wait_to_be_queued():
+    """Unary calls asking for large answers (100 of 256 KiB here), from a client that
+    opens every flow-control window and reads nothing: past ``max_unsent_bytes`` each
+    handler waits before queuing its answer, so the connection's output stays near the
+    limit (it held every answer, 25 MiB, before)."""
+    limit = 256 * 1024
+    unsent: list[int] = []
+    done = threading.Event()
+
+    def client(port: int) -> None:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            encoder = hpack.Encoder()
+            frames = [
+                F.PREFACE,
+                F.settings({F.INITIAL_WINDOW_SIZE: F.MAX_WINDOW}),
+                F.window_update(0, F.MAX_WINDOW - F.DEFAULT_WINDOW),
+            ]
+            for i in range(100):
+                block = encoder.encode(
+                    [
+                        (b":method", b"POST"),
+                        (b":scheme", b"http"),
+                        (b":path", SIZED.encode()),
+                        (b":authority", b"x"),
+                        (b"content-type", b"application/grpc"),
+                    ]
+                )
+                frames.append(F.frame(F.HEADERS, F.END_HEADERS, 2 * i + 1, block))
+                frames.append(F.frame(F.DATA, F.END_STREAM, 2 * i + 1, message(b"262144")))
+            s.sendall(b"".join(frames))
+            done.wait(10)
+
+    async with echo_server(limits=TransportLimits(max_unsent_bytes=limit)) as echo:
+        thread = threading.Thread(target=client, args=(echo.port,), daemon=True)
+        thread.start()
+        try:
+            with trio.move_on_after(1.5):
+                while True:
+                    for conn in echo.server.connections:
+                        conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                        unsent.append(conn._unsent())
+                    await trio.sleep(0.005)
+        finally:
+            done.set()
+    assert max(unsent) > limit  # the client held the answers up
+    assert max(unsent) < limit + 2 * 262144  # and the handlers waited
 
 
 async def test_a_request_cut_short_by_its_end_fails_internal():
