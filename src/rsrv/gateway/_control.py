@@ -299,8 +299,8 @@ class GatewayControl:
 
     async def repack(self, request, call: ServerCall) -> pb.RepackResponse:
         self._require_packing("Repack")
-        if not math.isfinite(request.wait_seconds) or request.wait_seconds < 0:
-            raise InvalidArgument("wait_seconds must be >= 0")
+        if math.isnan(request.wait_seconds) or request.wait_seconds < 0:
+            raise InvalidArgument("wait_seconds must be >= 0")  # (larger ones are clamped)
         wait = min(request.wait_seconds, MAX_WAIT_SECONDS)
         s = self.scheduling
         if wait > 0 and not s.fleet.ready:

@@ -271,7 +271,7 @@ class FillRouter:
             if run.target in members:
                 t = members.index(run.target)
                 if (
-                    run.units < q
+                    run.units + units <= q  # (one that does not fit opens the next run)
                     and self.ledger.model_outstanding(model) > 0
                     and buckets[t] <= min(buckets)
                 ):

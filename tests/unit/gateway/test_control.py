@@ -1,9 +1,12 @@
 """The gateway's control service in process: a fill factor past its bound is refused
 whole (nothing applied), by SetSchedulingPolicy and SetModelPlacement alike, and the
 largest one allowed still routes; SetModelPlacement answers the replica counts the
-status shows and counts as a change of the policy."""
+status shows and counts as a change of the policy; a Repack's wait is clamped to its
+cap."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from support.gateway import packed
@@ -73,3 +76,18 @@ async def test_set_placement_answers_the_counts_the_status_shows(
     (model,) = status.models
     assert model.configured_replicas == configured
     assert status.policy.generation == control.generation == 1
+
+
+@pytest.mark.parametrize("wait", [1e9, math.inf])
+async def test_a_repack_wait_past_its_cap_is_clamped(autojump_clock, wait):
+    """At most 120 s: an infinite wait too (it was refused "must be >= 0")."""
+    _, scheduling = packed("w0", "w1")
+    control = GatewayControl(scheduling, scheduling.tick)  # (the round it wakes ticks)
+    answer = await control.repack(pb.RepackRequest(wait_seconds=wait), None)
+    assert answer.completed
+
+
+@pytest.mark.parametrize("wait", [-1.0, math.nan])
+async def test_a_negative_or_nan_repack_wait_is_refused(control, wait):
+    with pytest.raises(InvalidArgument, match="wait_seconds must be >= 0"):
+        await control.repack(pb.RepackRequest(wait_seconds=wait), None)

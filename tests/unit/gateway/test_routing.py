@@ -186,6 +186,20 @@ def test_fill_factor_scales_the_run():
     assert workers == ["w0"] * 12 + ["w1"]
 
 
+def test_a_request_that_does_not_fit_what_is_left_of_the_run_opens_the_next():
+    """7 rows then 4 of Q = 8 could never share a batch: the 4 go to the other replica
+    (they made an 11-row run before, two batches on one worker beside an idle one); a
+    request of Q or more goes alone, as a run of its own."""
+    router, ws = fill_router(max_batch=8)
+    first, second = router.route("m", ws, 7), router.route("m", ws, 4)
+    assert (first.worker, second.worker) == ("w0", "w1")
+    assert second.run.opened and second.run.units == 4
+    assert router.route("m", ws, 4).worker == "w1"  # 8: fits exactly
+    big = router.route("m", ws, 9)
+    assert big.run.opened and big.run.units == 9
+    assert router.route("m", ws, 1).run.opened  # nothing fits a full run
+
+
 def test_fill_rr_alternates_when_each_request_finishes_first():
     router, ws = fill_router(policy="fill_rr")
     seen = []
