@@ -20,7 +20,7 @@ class Executor(Protocol):
     An exception fails every request of the batch: an ``RsrvError`` as is, any other
     as ``Internal`` carrying its message.
 
-    Two optional methods are used when present:
+    Three optional methods are used when present:
 
     * ``async def prefetch(self, model: str) -> None``: started in the background,
       while a batch executes, for the model that the scheduler expects to run next
@@ -29,6 +29,11 @@ class Executor(Protocol):
       removed has no queued or executing request left, so whatever ``execute``
       needs for that name can go. Never called for a name that a registered model's
       current version uses.
+    * ``def measured_seconds(self, model: str, batch_size: int) -> float | None``:
+      the device time of the last execution of ``model`` at ``batch_size``, measured
+      apart from what ``execute`` waited for (the device, weights being copied); the
+      cost estimates learn it instead of ``execute``'s wall time, which still counts
+      as the model's device usage.
 
     ``model`` is :attr:`ModelSpec.key`: the model name, unless the spec names its
     executable (see there).

@@ -82,6 +82,11 @@ class PinnedVersion:
         return self.version.spec.key
 
 
+def _late(req: Request, now: float, costs: CostTable, size: int) -> bool:
+    """Whether ``req`` would finish after its deadline in a batch of ``size`` from now."""
+    return req.deadline is not None and now + costs.estimate(size) > req.deadline
+
+
 class Scheduler:
     """Queues requests per model and runs them on one executor, one batch at a time.
 
@@ -169,6 +174,7 @@ class Scheduler:
             self._delayed -= old.delay > 0
             self._retire(old)
         self._policy.update(m, self._clock())
+        self._wake.set()  # (a held request's delay or budget may have changed)
 
     def remove_version(self, name: str, label: str) -> None:
         """Stop admitting requests for version ``label`` of ``name``; those already
@@ -188,6 +194,7 @@ class Scheduler:
             m.version = next(reversed(m.versions.values()))
         self._retire(old)
         self._policy.update(m, self._clock())
+        self._wake.set()
 
     def remove_model(self, name: str) -> None:
         """Unregister ``name``; its queued requests fail with NotFound. A batch of it
@@ -202,6 +209,7 @@ class Scheduler:
         for version in m.versions.values():
             self._delayed -= version.delay > 0
             self._retire(version)
+        self._wake.set()
 
     def set_weight(self, name: str, weight: float) -> None:
         """Change a model's fair-share weight, effective from the next decision.
@@ -220,6 +228,7 @@ class Scheduler:
         m = self._model(name)
         m.version_of(version).costs.seed(costs)
         self._policy.update(m, self._clock())
+        self._wake.set()  # (a held request may no longer afford its wait)
 
     def spec(self, name: str, version: str | None = None) -> ModelSpec:
         """The current spec of ``name`` (of its label ``version``, or the default's);
@@ -463,21 +472,30 @@ class Scheduler:
             if not taken:
                 return None
             version = taken[0].version
-            size = version.spec.size_for(rows)
-            estimate = version.costs.estimate(size)
+            spec, costs = version.spec, version.costs
+            # edf sheds the requests that cannot finish in time even alone, unless
+            # nothing else waits: then shedding saves nobody time, and the earliest runs
+            # to refresh an estimate that may be stale (shed requests never correct it).
             if self._shed:
-                late = {
-                    id(r) for r in taken if r.deadline is not None and now + estimate > r.deadline
-                }
-                if late:  # shed those, then plan again without them
+                doomed = {id(r) for r in taken if _late(r, now, costs, spec.size_for(r.rows))}
+                if doomed and self._queued > len(doomed):  # shed, then plan again
                     for r in taken:
-                        if id(r) in late:
-                            self._fail_queued(
-                                r, self._shed_error(r, now, size, estimate), refresh=False
-                            )
+                        if id(r) in doomed:
+                            size = spec.size_for(r.rows)
+                            error = self._shed_error(r, now, size, costs.estimate(size))
+                            self._fail_queued(r, error, refresh=False)
                         else:
                             queue.restore(r)
                     continue
+            if self._shed:  # the longest prefix that finishes in time at its own size
+                while len(taken) > 1 and any(
+                    _late(r, now, costs, spec.size_for(rows)) for r in taken
+                ):
+                    last = taken.pop()
+                    rows -= last.rows
+                    queue.restore(last)  # (planned next, at a smaller size)
+            size = spec.size_for(rows)
+            estimate = costs.estimate(size)
             for r in taken:
                 self._unqueue(r, State.RUNNING)
             return Batch(m, version, taken, rows, size, estimate)
@@ -534,7 +552,9 @@ class Scheduler:
         m.stats.compute_seconds += elapsed
         m.usage.add(elapsed, now)
         if ok:  # a failed run says little about the cost
-            batch.version.costs.observe(batch.size, elapsed)
+            measured = getattr(self._executor, "measured_seconds", None)
+            seconds = measured(batch.version.spec.key, batch.size) if measured else None
+            batch.version.costs.observe(batch.size, elapsed if seconds is None else seconds)
         self._policy.completed(m, batch.estimate, elapsed, now)
         self._refresh(m)
 

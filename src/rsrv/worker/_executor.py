@@ -47,6 +47,11 @@ class DeviceExecutor:
     async def prefetch(self, model: str) -> None:
         await self.weights.prefetch(model)
 
+    def measured_seconds(self, model: str, batch_size: int) -> float | None:
+        """The last run of ``model`` at ``batch_size``, timed in its thread: without
+        the waits for the device and for its weights (seconds when they were evicted)."""
+        return self._seconds.get((model, batch_size))
+
     def retire(self, model: str) -> None:
         """A replaced or removed version has drained: free its weights now."""
         self.versions.pop(model, None)

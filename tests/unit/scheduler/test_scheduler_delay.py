@@ -293,3 +293,35 @@ def test_queue_delay_settings_are_bounded():
     assert SchedulerConfig().max_queue_delay_seconds == 0.0
     assert ModelSchedConfig().max_queue_delay_seconds is None
     assert spec("m").with_policy(ModelSchedConfig()).max_queue_delay is None
+
+
+async def test_replacing_a_held_version_by_one_without_a_delay_dispatches_at_once(
+    autojump_clock,
+):
+    """A registry change wakes the loop sleeping on a hold: it dispatched at the old
+    hold's end (0.5) before."""
+    ex, sched = scheduler_of(spec("m", max_queue_delay=0.5), cost=0.01)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await queued(nursery, sched, "m", [rows(1, 1)])
+        await trio.sleep(0.1)
+        sched.add_model(spec("m", max_queue_delay=0.0))
+        await trio.sleep(1.0)
+        await sched.drain()
+    assert ex.calls[0].start == pytest.approx(0.1)
+
+
+async def test_costs_learned_while_held_end_a_wait_that_would_miss_the_deadline(
+    autojump_clock,
+):
+    """Seeded costs of 0.3 s make waiting until 0.5 finish at 0.8, past the 0.7
+    deadline: the request goes at once (it waited, and finished at 0.8, before)."""
+    ex, sched = scheduler_of(spec("m", max_queue_delay=0.5), cost=0.3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        held = await queued(nursery, sched, "m", [rows(1, 1)], deadline=0.7)
+        await trio.sleep(0.1)
+        sched.warm_costs("m", {1: 0.3})
+        await trio.sleep(1.0)
+        await sched.drain()
+    assert held.finished_at <= 0.7

@@ -74,12 +74,89 @@ async def test_edf_treats_the_latency_budget_as_a_deadline(autojump_clock):
     ex = FakeExecutor(cost=2.0)
     sched = Scheduler(config(discipline="edf"), ex)
     sched.add_model(spec("m", (1,), latency_budget=1.0))
+    sched.add_model(spec("other", (1,)))
     sched.warm_costs("m", {1: 2.0})
     async with trio.open_nursery() as nursery:
         out = await queued(nursery, sched, "m", [rows(1, 1)])
+        await queued(nursery, sched, "other", [rows(2, 1)])
         await nursery.start(sched.run)
         await sched.drain()
-    assert isinstance(out.error, DeadlineExceeded) and ex.calls == []
+    assert isinstance(out.error, DeadlineExceeded) and ex.order() == ["other"]
+
+
+async def test_edf_runs_a_doomed_request_when_nothing_else_waits(autojump_clock):
+    """Shedding it would save nobody time; its run refreshes the estimate. One slow run
+    (2 s against 10 ms) shed every later request of a 200 ms deadline for good before:
+    a request shed never runs, so the estimate never came down."""
+    slow = iter([2.0])
+    ex = FakeExecutor(cost=lambda m, s: next(slow, 0.01))
+    sched = Scheduler(config(discipline="edf", cost_ema_alpha=0.5), ex)
+    sched.add_model(spec("m", (1, 4)))
+    sched.warm_costs("m", {1: 0.01, 4: 0.02})
+    shed = 0
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await sched.submit("m", [rows(1, 1)])  # 2 s: the estimate is 1 s now
+        for _ in range(10):  # one client, one request at a time
+            await trio.sleep(1.0)
+            try:
+                await sched.submit("m", [rows(1, 1)], deadline=trio.current_time() + 0.2)
+            except DeadlineExceeded:
+                shed += 1
+        await sched.drain()
+    assert shed == 0 and len(ex.calls) == 11
+    assert sched.stats("m").costs[1] < 0.02
+
+
+async def test_edf_learns_the_executors_measured_time_not_its_waits(autojump_clock):
+    """An executor that measures its device time apart from waits (for weights to be
+    copied: seconds once evicted) has its measure learned, not the wall time."""
+
+    class Measuring(FakeExecutor):
+        def measured_seconds(self, model: str, size: int) -> float:
+            return 0.01
+
+    ex = Measuring(cost=2.0)
+    sched = Scheduler(config(discipline="edf"), ex)
+    sched.add_model(spec("m", (1,)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        await sched.submit("m", [rows(1, 1)])
+        await sched.drain()
+    assert sched.stats("m").costs == {1: 0.01}
+    assert sched.stats("m").compute_seconds == 2.0  # (device usage is the wall time)
+
+
+async def test_edf_serves_the_longest_prefix_that_finishes_in_time(autojump_clock):
+    """Eight 1-row requests due at 0.5, 0.1 s per row: all were shed, at size 8 (0.8 s);
+    a batch of 4 (0.4 s) finishes in time, then one more at size 1."""
+    ex = FakeExecutor(cost=lambda m, size: 0.1 * size)
+    sched = Scheduler(config(discipline="edf"), ex)
+    sched.add_model(spec("m", (1, 4, 8)))
+    sched.warm_costs("m", {1: 0.1, 4: 0.4, 8: 0.8})
+    async with trio.open_nursery() as nursery:
+        outs = [await queued(nursery, sched, "m", [rows(i, 1)], deadline=0.5) for i in range(8)]
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert [c.size for c in ex.calls] == [4, 1]
+    assert [o.error is None for o in outs] == [True] * 5 + [False] * 3
+    assert all(o.finished_at <= 0.5 for o in outs)
+
+
+async def test_edf_sheds_only_what_cannot_finish_alone(autojump_clock):
+    """Two 4-row requests due at 0.5 and 0.6: together (size 8, 0.8 s) both are late,
+    but the first finishes alone (size 4, 0.4 s); it was shed with the other."""
+    ex = FakeExecutor(cost=lambda m, size: 0.1 * size)
+    sched = Scheduler(config(discipline="edf"), ex)
+    sched.add_model(spec("m", (1, 4, 8)))
+    sched.warm_costs("m", {1: 0.1, 4: 0.4, 8: 0.8})
+    async with trio.open_nursery() as nursery:
+        first = await queued(nursery, sched, "m", [rows(1, 4)], deadline=0.5)
+        await queued(nursery, sched, "m", [rows(2, 4)], deadline=0.6)
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert first.error is None and first.finished_at == pytest.approx(0.4)
+    assert ex.calls[0].size == 4
 
 
 @pytest.mark.parametrize("discipline", ["fair", "fifo", "edf"])
