@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -782,4 +783,28 @@ async def test_a_pin_cancelled_while_its_copy_runs_leaves_the_version_evictable(
             await trio.sleep(0.01)
         assert m.placements["a"].residency == "system"
         assert "a" not in m.cache.pinned and m.cache.is_resident("a")
+        nursery.cancel_scope.cancel()
+
+
+async def test_warm_up_and_measured_costs_leave_out_the_wait_for_weights(files, monkeypatch):
+    """The first warm-up run also waits for the weights to be copied (seconds for a
+    large model): its cost was seeded with that wait, and edf then shed requests on
+    it. The costs are the runs alone, as measured_seconds reports them."""
+    from rsrv.worker import _executor
+
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, {"a": files["a"]})
+        copy = m._copy
+        m._copy = lambda placement: (time.sleep(0.3), copy(placement))[1]
+        monkeypatch.setattr(_executor, "zero_inputs", lambda compiled, size: [])
+        executor = DeviceExecutor(m)
+        compiled = SimpleNamespace(executables={1: None, 4: None}, run=lambda *args: [])
+        served = SimpleNamespace(key="a", compiled=compiled)
+        executor.versions["a"] = served
+        start = time.perf_counter()
+        costs = await executor.warm_up(served)
+        assert time.perf_counter() - start >= 0.3  # (the copy happened)
+        assert set(costs) == {1, 4} and max(costs.values()) < 0.1
+        assert executor.measured_seconds("a", 4) <= costs[4] < 0.1
+        assert executor.measured_seconds("a", 2) is None
         nursery.cancel_scope.cancel()
