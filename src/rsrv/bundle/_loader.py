@@ -128,8 +128,42 @@ def load_bundle(path: Path, name: str | None = None) -> Bundle:
         size, signatures[size] = _check_module(file, size, sig, weights)
         checked[size] = file
     sig = _with_module_extents(sig, manifest, signatures, path)
-    hooks = _load_hooks(model_py, sig, name) if has_py else Hooks()
+    if has_py:
+        hooks = _load_hooks(model_py, sig, name)
+        sig = _passthrough_narrowed(sig, hooks)
+    else:
+        hooks = Hooks()
     return Bundle(name, path, manifest_path, manifest, sig, checked, weights, hooks, signatures)
+
+
+def _passthrough_narrowed(sig: Signature, hooks: Hooks) -> Signature:
+    """``sig`` with each client tensor that passes through model.py unchanged given the
+    fixed extents of the executable tensor it is, where it declares a variable one: a
+    request is then checked at decoding against what the module takes."""
+
+    def narrowed(tensors, others, made) -> tuple[Tensor, ...]:
+        out = []
+        for t in tensors:
+            other = others.get(t.name)
+            if other is not None and t.name not in made:
+                shape = tuple(
+                    e if d == -1 else d for d, e in zip(t.shape, other.shape, strict=True)
+                )
+                t = replace(t, shape=shape)
+            out.append(t)
+        return tuple(out)
+
+    made_in = hooks.preprocess.outputs if hooks.preprocess else ()
+    made_out = hooks.postprocess.outputs if hooks.postprocess else ()
+    return replace(
+        sig,
+        client_inputs=narrowed(
+            sig.client_inputs, {t.name: t for t in sig.executable_inputs}, made_in
+        ),
+        client_outputs=narrowed(
+            sig.client_outputs, {t.name: t for t in sig.executable_outputs}, made_out
+        ),
+    )
 
 
 def _with_module_extents(
@@ -358,10 +392,10 @@ def _check_passthrough(
                 f"dtype differs ({src.dtype.value} vs {t.dtype.value})"
             )
         fits = src.batch_axis == t.batch_axis and src.rank == t.rank
-        fits = fits and all(d in (-1, e) for e, d in zip(src.shape, t.shape, strict=True))
-        if not fits:  # (the same batch axis, and every extent ``t`` fixes)
+        fits = fits and all(-1 in (d, e) or d == e for e, d in zip(src.shape, t.shape, strict=True))
+        if not fits:  # (the same batch axis, and no two fixed extents that differ)
             raise BundleError(
                 f"{model_py}: {what} {name!r} passes through unchanged but its shape "
                 f"differs ({src.describe()} vs {t.describe()}): give it the same batch "
-                "axis, and every extent the other fixes"
+                "axis and the extents the other fixes"
             )

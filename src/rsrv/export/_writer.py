@@ -24,8 +24,8 @@ from rsrv.versions import version_dir_number
 
 
 def check_replaceable(out_dir: Path) -> None:
-    """Raise :class:`ExportError` unless ``out_dir`` is absent or a bundle directory
-    holding nothing but a bundle's own files (what an export would replace)."""
+    """Raise :class:`ExportError` unless ``out_dir`` is absent, empty, or a bundle
+    directory holding nothing but a bundle's own files (what an export would replace)."""
     if not out_dir.exists() and not out_dir.is_symlink():
         return
     if out_dir.is_symlink() or not out_dir.is_dir():
@@ -35,6 +35,8 @@ def check_replaceable(out_dir: Path) -> None:
         entries = sorted(out_dir.iterdir())
     except OSError as e:
         raise ExportError(f"{out_dir} cannot be read ({e}). Nothing was written.") from None
+    if not entries:
+        return  # (an empty directory: made to export into)
     versions = [e.name for e in entries if version_dir_number(e.name) is not None]
     if versions:
         raise ExportError(

@@ -112,7 +112,7 @@ class ClientConnection(Http2Endpoint):
         self._error: str | None = None
         self.ready = trio.Event()  # the server's SETTINGS arrived (or the connection ended)
         self.finished = trio.Event()  # set once run() has returned
-        self._out.append(F.PREFACE + self.local_settings())
+        self.queue(F.PREFACE + self.local_settings())
 
     @property
     def available(self) -> bool:
@@ -157,7 +157,7 @@ class ClientConnection(Http2Endpoint):
 
     def _send_goaway(self, code: int, why: str = "") -> None:
         self._goaway_sent = True
-        self._out.append(F.goaway(0, code, why.encode()[:256]))  # the server opens none
+        self.queue(F.goaway(0, code, why.encode()[:256]))  # the server opens none
         self.flush()
 
     def open_stream(

@@ -286,7 +286,7 @@ class ClientStream:
 
     def _write_end(self) -> None:
         if not self.done:
-            self.conn._out.append(F.frame(F.DATA, F.END_STREAM, self.id))
+            self.conn.queue(F.frame(F.DATA, F.END_STREAM, self.id))
             self.conn.flush()
 
     async def receive(self) -> bytes | None:

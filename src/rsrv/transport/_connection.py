@@ -103,7 +103,7 @@ class ServerConnection(Http2Endpoint):
 
     async def run(self) -> None:
         """Serve the connection until it ends; every call on it ends with it."""
-        self._out.append(self.local_settings(self.max_streams))
+        self.queue(self.local_settings(self.max_streams))
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery

@@ -20,7 +20,6 @@ the read loop answers it with GOAWAY and ends.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -74,6 +73,7 @@ class Http2Endpoint:
         self._continued_bytes = 0  # of the block being continued
         self._last_stream = 0  # highest stream id opened (by the client)
         self._out: list[bytes] = []  # frames queued, not yet written
+        self._out_bytes = 0  # bytes in _out
         self._writable = trio.lowlevel.ParkingLot()
         # plain TCP: flush() writes straight to the socket (see there)
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
@@ -351,12 +351,18 @@ class Http2Endpoint:
         if len(block) <= size:
             self._out.append(F.frame_header(F.HEADERS, flags | F.END_HEADERS, sid, len(block)))
             self._out.append(block)
+            self._out_bytes += 9 + len(block)
             return
         pieces = [block[i : i + size] for i in range(0, len(block), size)]
-        self._out.append(F.frame(F.HEADERS, flags, sid, pieces[0]))
+        self.queue(F.frame(F.HEADERS, flags, sid, pieces[0]))
         for piece in pieces[1:-1]:
-            self._out.append(F.frame(F.CONTINUATION, 0, sid, piece))
-        self._out.append(F.frame(F.CONTINUATION, F.END_HEADERS, sid, pieces[-1]))
+            self.queue(F.frame(F.CONTINUATION, 0, sid, piece))
+        self.queue(F.frame(F.CONTINUATION, F.END_HEADERS, sid, pieces[-1]))
+
+    def queue(self, frame: bytes) -> None:
+        """Queue one frame (sent at the next flush)."""
+        self._out.append(frame)
+        self._out_bytes += len(frame)
 
     def write_data(self, stream, data: memoryview, end_stream: bool = False) -> int:
         """Queue as much of ``data`` as the flow-control windows allow; returns how many
@@ -374,12 +380,13 @@ class Http2Endpoint:
             chunk = data[start:end]
             out.append(F.frame_header(F.DATA, last if end == room else 0, sid, len(chunk)))
             out.append(chunk)
+        self._out_bytes += room + 9 * -(-room // frame_size)
         self.send_window -= room
         stream.send_window -= room
         return room
 
     def reset_stream(self, sid: int, code: int) -> None:
-        self._out.append(F.rst_stream(sid, code))
+        self.queue(F.rst_stream(sid, code))
 
     def _reset(self, stream, code: int) -> None:
         """End ``stream`` because it broke a rule: RST_STREAM, and tell the stream."""
@@ -390,7 +397,7 @@ class Http2Endpoint:
         """Queue a frame the peer's own frame calls for (from the reader); see
         :meth:`_answered`."""
         self._answered()
-        self._out.append(frame)
+        self.queue(frame)
 
     def _answered(self) -> None:
         """Count one answer the reader queues itself (an acknowledgement, a reset, a
@@ -404,7 +411,7 @@ class Http2Endpoint:
 
     def _send_goaway(self, code: int, why: str = "") -> None:
         self._goaway_sent = True
-        self._out.append(F.goaway(self._last_stream, code, why.encode()[:256]))
+        self.queue(F.goaway(self._last_stream, code, why.encode()[:256]))
         self.flush()
 
     def received(self, stream, flow: int) -> None:
@@ -436,21 +443,28 @@ class Http2Endpoint:
             return
         self._recv_unacked += flow
         if self._recv_unacked >= CONNECTION_WINDOW // 16:
-            self._out.append(F.window_update(0, self._recv_unacked))
+            self.queue(F.window_update(0, self._recv_unacked))
             self._recv_window += self._recv_unacked
             self._recv_unacked = 0
         if stream is not None and not stream._closed:
             stream.recv_unacked += flow
             if stream.recv_unacked >= self.stream_window // 2:
-                self._out.append(F.window_update(stream.id, stream.recv_unacked))
+                self.queue(F.window_update(stream.id, stream.recv_unacked))
                 stream.recv_window += stream.recv_unacked
                 stream.recv_unacked = 0
 
     async def _close_socket(self) -> None:
         """Close the socket, for good: frames queued from now on are dropped."""
         self._shut = True
-        self._out.clear()
+        self._take_out()
         await trio.aclose_forcefully(self.stream)
+
+    def _take_out(self) -> bytes:
+        """What is queued, as one piece; the queue is then empty."""
+        data = b"".join(self._out)
+        self._out.clear()
+        self._out_bytes = 0
+        return data
 
     def wake_writer(self) -> None:
         self._writable.unpark_all()
@@ -466,13 +480,12 @@ class Http2Endpoint:
         if not self._out:
             return
         if self._shut:
-            self._out.clear()  # the socket is closed: its descriptor may be another's now
+            self._take_out()  # the socket is closed: its descriptor may be another's now
             return
         if self._fd is None or self._writing or self._pending:
             self.wake_writer()
             return
-        data = b"".join(self._out)
-        self._out.clear()
+        data = self._take_out()
         self._unsent_answers = 0  # (what stays pending is counted again from here)
         try:
             sent = os.write(self._fd, data)
@@ -491,8 +504,7 @@ class Http2Endpoint:
                 if self._pending is not None:
                     data, self._pending = self._pending, None
                 elif self._out:
-                    data = b"".join(self._out)
-                    self._out.clear()
+                    data = self._take_out()
                     self._unsent_answers = 0
                 else:
                     data = None
@@ -513,16 +525,15 @@ class Http2Endpoint:
             self._writer_done.set()
             self._sent.unpark_all()
 
-    def _unsent(self, beyond: float = math.inf) -> int:
-        """Bytes queued or being written, not yet taken by the socket; the queue's
-        frames are summed only while the rest is at most ``beyond``."""
-        unsent = self._writing + (len(self._pending) if self._pending is not None else 0)
-        return unsent if unsent > beyond else unsent + sum(map(len, self._out))
+    def _unsent(self) -> int:
+        """Bytes queued or being written, not yet taken by the socket; O(1)."""
+        pending = len(self._pending) if self._pending is not None else 0
+        return self._writing + pending + self._out_bytes
 
     async def _unsent_below(self, limit: int) -> None:
         """Wait (reading nothing) while more than ``limit`` bytes are unsent, until half
         of it is left, or the writer has ended."""
-        if self._unsent(beyond=limit) <= limit:
+        if self._unsent() <= limit:
             return
         while self._unsent() > limit // 2 and not self._writer_done.is_set():
             await self._sent.park()

@@ -576,31 +576,39 @@ def test_client_output_not_produced(tiny_bundle):
 
 
 @pytest.mark.parametrize(
-    ("shape", "dims", "client"),
+    ("shape", "dims", "executable_f", "client"),
     [
-        ("nf", {"f": 3}, None),
-        ("nf", {"f": 5}, "x: f32[n,5]"),
-        ("nf", {"f": -1}, "x: f32[n,?]"),
-        ("fn", {"f": 3}, "x: f32[3,n]"),
-        ("n", {}, "x: f32[n]"),
+        ("nf", {"f": 3}, 3, None),
+        ("nf", {"f": -1}, 3, None),  # variable: narrowed to what the module takes
+        ("nf", {"f": -1}, -1, None),  # ... on both sides alike
+        ("nf", {"f": 5}, 3, "x: f32[n,5]"),
+        ("nf", {"f": 5}, -1, "x: f32[n,5]"),  # (the module's 3 fixes the executable's)
+        ("fn", {"f": 3}, 3, "x: f32[3,n]"),
+        ("n", {}, 3, "x: f32[n]"),
     ],
 )
 def test_a_client_input_passing_through_must_fit_the_executable_input(
-    tiny_bundle, shape, dims, client
+    tiny_bundle, shape, dims, executable_f, client
 ):
     """No preprocess: the client's ``x`` is the executable's, so a shape the module
-    cannot take is refused at load (it failed each request INTERNAL in the runtime)."""
+    cannot take is refused at load (it failed each request INTERNAL in the runtime),
+    and a variable extent takes the module's, checked at decoding."""
     x = {"name": "x", "dtype": "f32", "shape": shape, "dims": dims}
     label = {"name": "label", "dtype": "i64", "shape": "n"}
-    edit(tiny_bundle, lambda d: d.update(client_inputs=[x], client_outputs=[label]))
+
+    def change(doc):
+        doc["executable_inputs"][0]["dims"]["f"] = executable_f
+        doc.update(client_inputs=[x], client_outputs=[label])
+
+    edit(tiny_bundle, change)
     (tiny_bundle / "model.py").write_text(GRADE_MODEL_PY.replace("{input}", "y"))
     if client is None:
-        load_bundle(tiny_bundle)
+        assert load_bundle(tiny_bundle).signature.client_inputs[0].describe() == "x: f32[n,3]"
         return
     assert error(tiny_bundle) == (
         f"{tiny_bundle}/model.py: executable input 'x' passes through unchanged but its "
-        f"shape differs ({client} vs x: f32[n,3]): give it the same batch axis, and every "
-        "extent the other fixes"
+        f"shape differs ({client} vs x: f32[n,3]): give it the same batch axis and the "
+        "extents the other fixes"
     )
 
 

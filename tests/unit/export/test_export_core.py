@@ -171,6 +171,12 @@ def test_export_refuses_to_replace_what_is_not_a_bundle(tmp_path, layout, messag
     _assert_nothing_written(tmp_path, keep=["m"])
 
 
+def test_an_empty_directory_is_exported_into(tmp_path):
+    (tmp_path / "m").mkdir()
+    export(tmp_path / "m")
+    assert (tmp_path / "m" / "manifest.yaml").is_file()
+
+
 def test_a_failed_swap_leaves_the_old_bundle(tmp_path, monkeypatch):
     """An interrupt while the new bundle is renamed into place puts the old one back."""
     out = export(tmp_path / "m")

@@ -483,7 +483,7 @@ class Server:
             object(), stream_window=MIB, max_send=MIB, max_receive=MIB, on_change=self._changed
         )
         self.encoder = hpack.Encoder()
-        self.conn._out.clear()
+        self.conn._take_out()
         self.send(F.settings({F.MAX_CONCURRENT_STREAMS: 10}))
 
     def _changed(self, conn):
@@ -491,13 +491,12 @@ class Server:
 
     def send(self, data: bytes) -> list:
         self.conn._receive(data)
-        out = b"".join(bytes(b) for b in self.conn._out)
-        self.conn._out.clear()
+        out = self.conn._take_out()
         return F.FrameReader(F.MAX_WINDOW).feed(out)
 
     def open(self):
         stream = self.conn.open_stream(F.header_block([(b":path", b"/x")]))
-        self.conn._out.clear()
+        self.conn._take_out()
         return stream
 
     def headers(self, sid, headers, *, end=False) -> bytes:

@@ -60,13 +60,12 @@ class Client:
         self.conn._nursery = _Nursery(self.server)
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
-        self.conn._out.clear()  # (run() would have queued the server preface)
+        self.conn._take_out()  # (run() would have queued the server preface)
 
     def send(self, data: bytes) -> list[tuple[int, int, int, bytes]]:
         """Feed ``data``; the frames the server queued in answer."""
         self.conn._receive(data)
-        out = b"".join(bytes(b) for b in self.conn._out)
-        self.conn._out.clear()
+        out = self.conn._take_out()
         return F.FrameReader(F.MAX_WINDOW).feed(out)
 
     def start(self, settings: dict | None = None):
