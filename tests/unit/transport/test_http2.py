@@ -528,12 +528,21 @@ async def test_a_client_that_sends_and_never_reads_holds_a_bounded_output():
     assert max(unsent) < limit + 64 * 1024
 
 
-async def test_a_stream_whose_client_does_not_read_waits_to_send():
-    """Small requests asking for large answers on one stream, from a client that opens
-    every flow-control window and reads nothing: past ``max_unsent_bytes`` the stream's
-    handler waits in its send, so the answers queued stay near the limit instead of
-    growing with every request (400 of 64 KiB here)."""
-    limit = 256 * 1024
+def _request_block(encoder: hpack.Encoder, path: str) -> bytes:
+    return encoder.encode(
+        [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path.encode()),
+            (b":authority", b"x"),
+            (b"content-type", b"application/grpc"),
+        ]
+    )
+
+
+async def _unsent_behind_a_client_that_does_not_read(frames: bytes, limit: int) -> list[int]:
+    """Send ``frames`` after opening every flow-control window, read nothing; the
+    server connection's unsent bytes, sampled for 1.5 s (``max_unsent_bytes=limit``)."""
     unsent: list[int] = []
     done = threading.Event()
 
@@ -541,22 +550,11 @@ async def test_a_stream_whose_client_does_not_read_waits_to_send():
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", port))
-            block = hpack.Encoder().encode(
-                [
-                    (b":method", b"POST"),
-                    (b":scheme", b"http"),
-                    (b":path", STREAM_SIZED.encode()),
-                    (b":authority", b"x"),
-                    (b"content-type", b"application/grpc"),
-                ]
-            )
-            requests = b"".join(message(b"65536") for _ in range(400))
             s.sendall(
                 F.PREFACE
                 + F.settings({F.INITIAL_WINDOW_SIZE: F.MAX_WINDOW})
                 + F.window_update(0, F.MAX_WINDOW - F.DEFAULT_WINDOW)
-                + F.frame(F.HEADERS, F.END_HEADERS, 1, block)
-                + F.frame(F.DATA, 0, 1, requests)
+                + frames
             )
             done.wait(10)
 
@@ -572,6 +570,19 @@ async def test_a_stream_whose_client_does_not_read_waits_to_send():
                     await trio.sleep(0.005)
         finally:
             done.set()
+    return unsent
+
+
+async def test_a_stream_whose_client_does_not_read_waits_to_send():
+    """Small requests asking for large answers on one stream, from a client that opens
+    every flow-control window and reads nothing: past ``max_unsent_bytes`` the stream's
+    handler waits in its send, so the answers queued stay near the limit instead of
+    growing with every request (400 of 64 KiB here)."""
+    limit = 256 * 1024
+    block = _request_block(hpack.Encoder(), STREAM_SIZED)
+    requests = b"".join(message(b"65536") for _ in range(400))
+    frames = F.frame(F.HEADERS, F.END_HEADERS, 1, block) + F.frame(F.DATA, 0, 1, requests)
+    unsent = await _unsent_behind_a_client_that_does_not_read(frames, limit)
     assert max(unsent) > limit  # the client held the answers up
     assert max(unsent) < limit + 4 * 65536  # and the handler waited
 
@@ -582,46 +593,13 @@ async def test_unary_answers_to_a_client_that_does_not_read_wait_to_be_queued():
     handler waits before queuing its answer, so the connection's output stays near the
     limit (it held every answer, 25 MiB, before)."""
     limit = 256 * 1024
-    unsent: list[int] = []
-    done = threading.Event()
-
-    def client(port: int) -> None:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", port))
-            encoder = hpack.Encoder()
-            frames = [
-                F.PREFACE,
-                F.settings({F.INITIAL_WINDOW_SIZE: F.MAX_WINDOW}),
-                F.window_update(0, F.MAX_WINDOW - F.DEFAULT_WINDOW),
-            ]
-            for i in range(100):
-                block = encoder.encode(
-                    [
-                        (b":method", b"POST"),
-                        (b":scheme", b"http"),
-                        (b":path", SIZED.encode()),
-                        (b":authority", b"x"),
-                        (b"content-type", b"application/grpc"),
-                    ]
-                )
-                frames.append(F.frame(F.HEADERS, F.END_HEADERS, 2 * i + 1, block))
-                frames.append(F.frame(F.DATA, F.END_STREAM, 2 * i + 1, message(b"262144")))
-            s.sendall(b"".join(frames))
-            done.wait(10)
-
-    async with echo_server(limits=TransportLimits(max_unsent_bytes=limit)) as echo:
-        thread = threading.Thread(target=client, args=(echo.port,), daemon=True)
-        thread.start()
-        try:
-            with trio.move_on_after(1.5):
-                while True:
-                    for conn in echo.server.connections:
-                        conn.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-                        unsent.append(conn._unsent())
-                    await trio.sleep(0.005)
-        finally:
-            done.set()
+    encoder = hpack.Encoder()
+    frames = b"".join(
+        F.frame(F.HEADERS, F.END_HEADERS, sid, _request_block(encoder, SIZED))
+        + F.frame(F.DATA, F.END_STREAM, sid, message(b"262144"))
+        for sid in range(1, 201, 2)
+    )
+    unsent = await _unsent_behind_a_client_that_does_not_read(frames, limit)
     assert max(unsent) > limit  # the client held the answers up
     assert max(unsent) < limit + 2 * 262144  # and the handlers waited
 
