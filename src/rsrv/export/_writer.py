@@ -72,12 +72,11 @@ def write_bundle(
 ) -> Path:
     """Write the bundle into a staging directory next to ``out_dir``, run ``verify`` on
     it, then swap it in (see the module docstring). Raises :class:`ExportError` when
-    ``out_dir`` is not replaceable (:func:`check_replaceable`) and whatever ``verify``
-    raises; on any failure the staging directory is removed and ``out_dir`` is left as
-    it was."""
+    ``out_dir`` is not replaceable by then (:func:`check_replaceable`; check it before
+    the work too, to fail early) and whatever ``verify`` raises; on any failure the
+    staging directory is removed and ``out_dir`` is left as it was."""
     from safetensors.numpy import save_file
 
-    check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     try:
@@ -100,7 +99,7 @@ def write_bundle(
         for file in staging.iterdir():
             file.chmod(0o644)
         verify(staging)
-        check_replaceable(out_dir)  # (again: it may have changed while the gate ran)
+        check_replaceable(out_dir)  # (as it is now: the caller's check came before the work)
         _swap_in(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -84,7 +84,13 @@ class PinnedVersion:
 
 def _late(req: Request, now: float, costs: CostTable, size: int) -> bool:
     """Whether ``req`` would finish after its deadline in a batch of ``size`` from now."""
-    return req.deadline is not None and now + costs.estimate(size) > req.deadline
+    return _any_late((req,), now, costs, size)
+
+
+def _any_late(reqs, now: float, costs: CostTable, size: int) -> bool:
+    """Whether any of ``reqs`` would finish after its deadline in one batch of ``size``."""
+    finish = now + costs.estimate(size)
+    return any(r.deadline is not None and finish > r.deadline for r in reqs)
 
 
 class Scheduler:
@@ -487,10 +493,8 @@ class Scheduler:
                         else:
                             queue.restore(r)
                     continue
-            if self._shed:  # the longest prefix that finishes in time at its own size
-                while len(taken) > 1 and any(
-                    _late(r, now, costs, spec.size_for(rows)) for r in taken
-                ):
+                # the longest prefix that finishes in time at its own size
+                while len(taken) > 1 and _any_late(taken, now, costs, spec.size_for(rows)):
                     last = taken.pop()
                     rows -= last.rows
                     queue.restore(last)  # (planned next, at a smaller size)
