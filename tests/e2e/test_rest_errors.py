@@ -9,10 +9,12 @@ the mistake, plain HTTP as curl would otherwise) gets the same check, the same m
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import queue
 import socket
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -525,7 +527,9 @@ def test_in_flight_cap_is_shared_with_grpc(repo, cache_dir):
             "server is at its in-flight limit of 1 requests (endpoints.max_concurrent_requests)",
         ):
             client.infer("classifier", [http_input("x", x_rows(1))])
-        assert request(w, "GET", "/v2/health/live").status == 429  # every request counts
+        assert request(w, "GET", "/v2/health/live").status == 200  # a probe: never refused
+        assert request(w, "GET", "/v2/health/ready").status == 200
+        assert request(w, "GET", "/v2/models/classifier/ready").status == 429  # the rest do
         assert slow.get(timeout=60).shape == (1, 4)
         wait_until(lambda: w.admission.inflight == 0)
         assert client.infer("classifier", [http_input("x", x_rows(1))]).as_numpy(
@@ -704,3 +708,123 @@ def received_after(worker, request: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", worker.http_port), timeout=10) as sock:
         sock.sendall(request)
         return received(sock)
+
+
+# -- probes, floods and clients that misbehave -----------------------------------------------
+
+
+def test_the_probes_answer_while_the_worker_drains(worker):
+    """/v2/health/live and /ready answer from the stop signal on (a Kubernetes probe
+    must not fail as a refusal): live true, ready false; other requests are 503."""
+    worker.admission.close()  # (what the stop signal does first)
+    try:
+        assert request(worker, "GET", "/v2/health/live").status == 200
+        ready = request(worker, "GET", "/v2/health/ready")
+        assert ready.status == 400 and json.loads(ready.body) == {"ready": False}
+        assert request(worker, "GET", "/v2/models/classifier/ready").status == 503
+    finally:
+        worker.admission.closed = False
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v2/models/classifier/infer", b'{"inputs": [], "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"),
+        (
+            "/v2/models/classifier/infer",
+            json.dumps(
+                {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": 0}]}
+            )
+            .replace("0}", "[" * 3000 + "0" + "]" * 3000 + "}")
+            .encode(),
+        ),
+        ("/v2/repository/index", b'{"ready": ' + b"[" * 3000 + b"]" * 3000 + b"}"),
+    ],
+    ids=["an unknown field", "data", "another endpoint"],
+)
+def test_json_nested_too_deeply_is_400(worker, client, path, body):
+    """It was 500, "RecursionError: maximum recursion depth exceeded" (and INTERNAL)."""
+    answer = request(worker, "POST", path, body)
+    assert answer.status == 400, answer.body
+    assert "nested too deeply" in answer.error or "'data' of datatype FP32" in answer.error
+    assert client.is_server_live()
+
+
+def test_an_inference_request_that_cannot_be_parsed_counts_as_the_models_failure(worker, client):
+    """As a ModelInfer that fails INVALID_ARGUMENT does: JSON that does not parse, a
+    malformed Inference-Header-Content-Length (they were answered 400, counted nowhere)."""
+    before = fails(client, "classifier")
+    assert request(worker, "POST", "/v2/models/classifier/infer", b"{nope").status == 400
+    answer = request(
+        worker,
+        "POST",
+        "/v2/models/classifier/infer",
+        b"{}",
+        {"Inference-Header-Content-Length": "x"},
+    )
+    assert answer.status == 400
+    assert fails(client, "classifier") == before + 2
+
+
+@pytest.mark.parametrize("path", ["/v2/nosuch", "/v2/health/live"])
+def test_a_post_refused_before_its_body_is_read_is_answered_not_reset(worker, path):
+    """A 32 MiB POST to an unknown path (404) or one that takes GET (405): the body is
+    read and dropped, so that the client, still sending it, reads the answer (it got a
+    broken pipe)."""
+    conn = http.client.HTTPConnection("127.0.0.1", worker.http_port, timeout=30)
+    try:
+        conn.request("POST", path, body=bytes(32 << 20), headers={"Content-Type": "a/b"})
+        answer = conn.getresponse()
+        assert answer.status in (404, 405)
+        assert "error" in json.loads(answer.read())
+    finally:
+        conn.close()
+
+
+def test_a_client_that_reads_none_of_its_answer_is_closed_after_the_receive_timeout(
+    tmp_path, cache_dir
+):
+    """Its 16 MiB answer makes no progress: the connection is closed after
+    ``receive_timeout_seconds``, freeing its place under ``max_connections`` (it held
+    it, and a graceful stop, for as long as the client lived)."""
+    from rsrv.export import Input, export_jax
+
+    export_jax(
+        lambda p, x: x,
+        {},
+        inputs=[Input("x", np.float32, ("n", 1 << 22))],
+        outputs=["y"],
+        batch_sizes=[1],
+        out_dir=tmp_path / "repo" / "echo",
+        parity=False,
+    )
+    config = with_http(
+        worker_config(
+            tmp_path / "repo",
+            cache_dir,
+            ENDPOINTS_MAX_CONNECTIONS=1,
+            ENDPOINTS_RECEIVE_TIMEOUT_SECONDS=1,
+        )
+    )
+    body = {
+        "inputs": [tensor("x", "FP32", [1, 1 << 22], binary=16 << 20)],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+    }
+    header = json.dumps(body).encode()
+    head = (
+        f"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Type: a/b\r\n"
+        f"Inference-Header-Content-Length: {len(header)}\r\n"
+        f"Content-Length: {len(header) + (16 << 20)}\r\n\r\n"
+    ).encode()
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with running(config) as w:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", w.http_port))
+            sock.sendall(head + header + bytes(16 << 20))
+            time.sleep(0.5)
+            assert received_after(w, live) == b""  # the one connection is answering
+            end = time.monotonic() + 10
+            while not received_after(w, live).startswith(b"HTTP/1.1 200 "):
+                assert time.monotonic() < end, "the non-reading connection was never closed"
+                time.sleep(0.2)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Updated
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -78,15 +78,45 @@ class _ClosingTCPServer(TCPServer):
                     await trio.aclose_forcefully(self.stream)
 
     async def protocol_send(self, event) -> None:
+        if isinstance(event, RawData):
+            await self._send_data(event.data)
+            return
         if isinstance(event, Updated):
             self._rsrv_waiting_since = trio.current_time() if event.idle else None
         await super().protocol_send(event)
+
+    async def _send_data(self, data: bytes) -> None:
+        """hypercorn's write, shielded as its own (an answer is never cut by a cancel),
+        but closing the connection when a piece of it makes no progress for
+        ``rsrv_send_timeout`` seconds: a client that does not read its answer would
+        hold the connection (and a graceful stop) for ever."""
+        timeout = self.config.rsrv_send_timeout
+        view = memoryview(data)
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True) as scope:
+                    for start in range(0, len(view), _SEND_PIECE):
+                        scope.deadline = trio.current_time() + timeout
+                        await self.stream.send_all(view[start : start + _SEND_PIECE])
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+            if scope.cancelled_caught:
+                self.config.errorlog.info(
+                    "closed a connection whose client read none of its answer for %g s", timeout
+                )
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(self.stream)
+                await self.protocol.handle(Closed())
 
     async def _read_data(self) -> None:
         await super()._read_data()
         idle = getattr(self, "idle_task", None)
         if idle is not None:
             await idle.stop()
+
+
+_SEND_PIECE = 1 << 20  # an answer is written in pieces of this, each within the timeout
 
 
 def _waiting_since(conn: _ClosingTCPServer) -> float | None:
@@ -191,6 +221,7 @@ async def serve_http(
     keep_alive_timeout: float | None = None,
     read_timeout: float | None = None,
     handshake_timeout: float | None = None,
+    send_timeout: float = 60.0,
     tls: tuple[str, str, str | None] | None = None,
     backlog: int | None = None,
     max_connections: int = 64,
@@ -205,7 +236,9 @@ async def serve_http(
     the socket that takes longer closes the connection; ``tls``: (certificate chain,
     key, client CA or None) in PEM files, to serve HTTPS (with the CA: clients must
     present a certificate it signed), each TLS handshake within ``handshake_timeout``
-    (hypercorn's default, 60 s, when None). At most ``max_connections`` connections are open
+    (hypercorn's default, 60 s, when None); a write of an answer that makes no progress
+    for ``send_timeout`` (its client reads nothing) closes the connection. At most
+    ``max_connections`` connections are open
     at once: one more closes the one waiting longest for a request, or is refused when
     every one is answering one (``connections_setting`` names the limit in the log)."""
     config = Config()
@@ -216,6 +249,7 @@ async def serve_http(
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)
     config.graceful_timeout = 1.0
+    config.rsrv_send_timeout = send_timeout
     if keep_alive_timeout is not None:
         config.keep_alive_timeout = keep_alive_timeout
     if read_timeout is not None:

@@ -58,6 +58,12 @@ __all__ = ["RestService"]
 
 log = logging.getLogger(__name__)
 _EMPTY = memoryview(b"")
+#: The health probes (a Kubernetes httpGet on /v2/health/live or /ready): answered at the
+#: in-flight cap and while the worker drains (ready: false), as gRPC's health service is.
+_PROBES = frozenset({"live", "ready"})
+#: Answers compressed on the event loop up to this size (about 1 ms of zlib at level 6);
+#: larger ones in a worker thread.
+COMPRESS_ON_LOOP = 64 * 1024
 
 
 class _HttpError(RsrvError):
@@ -127,21 +133,29 @@ class RestService:
         # Only inference responses are compressed (as Triton does): clients such as
         # aiohttp ask for gzip on every request but inflate only what tritonclient does.
         infer = scope["path"].endswith("/infer") and 200 <= reply.status < 300
-        await _send(send, reply, headers.get("accept-encoding", "") if infer else "")
+        accept = headers.get("accept-encoding", "") if infer else ""
+        await _send(send, reply, accept, self._inflating)
 
     async def _handle(self, scope, headers: dict[str, str], receive) -> Reply:
         method = scope["method"]
-        name, group, params = route(method, scope["path"])
-        restriction = self._restricted.get(group)
-        if restriction is not None:
-            try:
-                restriction.check(headers)
-            except Unavailable as e:
-                raise _Forbidden(str(e)) from None
+        try:
+            name, group, params = route(method, scope["path"])
+            restriction = self._restricted.get(group)
+            if restriction is not None:
+                try:
+                    restriction.check(headers)
+                except Unavailable as e:
+                    raise _Forbidden(str(e)) from None
+        except (NoRoute, _Forbidden):
+            if method == "POST":  # (read, so that the client sees the answer, not a reset)
+                await self._discard(receive)
+            raise
         body = b""
         if method == "POST":
             body = await self._body(headers, receive)
         call = Call(method, scope["path"], params, headers, body)
+        if name in _PROBES:  # never refused at the in-flight cap nor while draining
+            return await getattr(self.routes, name)(call)
         with self.admission:
             if name == "infer":
                 return await _cancel_on_disconnect(self.infer(call), receive)
@@ -213,25 +227,13 @@ class RestService:
         model = call.params["m"]
         if not model:
             raise InvalidArgument("model_name is empty")
-        body = call.body
-        binary = _EMPTY
-        header = call.headers.get("inference-header-content-length")
-        if header is not None:
-            size = int(header) if _is_count(header) else -1
-            if not 0 <= size <= len(body):
-                raise InvalidArgument(
-                    f"invalid Inference-Header-Content-Length {header!r}: the JSON header "
-                    f"must be a length between 0 and the body's {len(body)} bytes"
-                )
-            view = memoryview(body)
-            body, binary = view[:size], view[size:]
-        request = parse_rest_request(body)
         backend = self.backend
         start = time.perf_counter()
         served = backend.model(model, parse_version(call.params.get("v", "")))
         sig = served.bundle.signature
         produced = [t.name for t in sig.client_outputs]
-        plan = None
+        request = plan = None
+        binary = _EMPTY
 
         def decode():
             return decode_rest_inputs(
@@ -239,7 +241,9 @@ class RestService:
             )
 
         def prepare(now: float):
-            nonlocal plan
+            nonlocal request, binary, plan
+            # (parsed here: a request that cannot be parsed counts as the model's failure)
+            request, binary = _parse_infer(call)
             plan = rest_outputs(request, model, produced, backend.shm)
             rest_priority(request)  # validated; the scheduler has no priorities
             # (JSON values are parsed as the inputs are checked: both in materialize)
@@ -346,6 +350,23 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
             )
 
 
+def _parse_infer(call: Call):
+    """The inference request of ``call``'s body and the binary data after its JSON
+    header (``Inference-Header-Content-Length``); InvalidArgument when malformed."""
+    body, binary = call.body, _EMPTY
+    header = call.headers.get("inference-header-content-length")
+    if header is not None:
+        size = int(header) if _is_count(header) else -1
+        if not 0 <= size <= len(body):
+            raise InvalidArgument(
+                f"invalid Inference-Header-Content-Length {header!r}: the JSON header "
+                f"must be a length between 0 and the body's {len(body)} bytes"
+            )
+        view = memoryview(body)
+        body, binary = view[:size], view[size:]
+    return parse_rest_request(body), binary
+
+
 def _accepted(accept: str) -> str | None:
     """gzip or deflate, if ``Accept-Encoding`` names one (gzip first), else None."""
     offered = {}
@@ -364,15 +385,24 @@ def _accepted(accept: str) -> str | None:
     return None
 
 
-async def _send(send, reply: Reply, accept: str) -> None:
+def _compress(body: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        compressor = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        return compressor.compress(body) + compressor.flush()
+    return zlib.compress(body)
+
+
+async def _send(send, reply: Reply, accept: str, limiter: trio.CapacityLimiter) -> None:
+    """Answer ``reply``, compressed as ``accept`` asks when it names gzip or deflate: in a
+    worker thread (``limiter``) above COMPRESS_ON_LOOP bytes, never holding the loop
+    for long."""
     body = reply.body
     headers = [(b"content-type", reply.content_type.encode()), *reply.headers]
     encoding = _accepted(accept) if accept and body else None
-    if encoding == "gzip":
-        compressor = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-        body = compressor.compress(body) + compressor.flush()
-    elif encoding == "deflate":
-        body = zlib.compress(body)
+    if encoding is not None and len(body) <= COMPRESS_ON_LOOP:
+        body = _compress(body, encoding)
+    elif encoding is not None:
+        body = await trio.to_thread.run_sync(_compress, body, encoding, limiter=limiter)
     if encoding is not None:
         headers.append((b"content-encoding", encoding.encode()))
     headers.append((b"content-length", str(len(body)).encode()))

@@ -74,6 +74,7 @@ __all__ = [
     "decode_rest_inputs",
     "rest_decode_seconds",
     "encode_rest_response",
+    "json_error_text",
     "parse_rest_request",
     "rest_deadline",
     "rest_outputs",
@@ -123,9 +124,11 @@ def parse_rest_request(body) -> RestRequest:
     """The JSON part of an inference request; InvalidArgument naming what is wrong."""
     try:
         return _REQUEST.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # the latter: a string not UTF-8
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        # (a string not UTF-8; JSON nested past the decoder's depth)
         raise InvalidArgument(
-            f"cannot parse the request as a KServe V2 inference request (JSON): {e}"
+            f"cannot parse the request as a KServe V2 inference request (JSON): "
+            f"{json_error_text(e)}"
         ) from None
 
 
@@ -232,11 +235,21 @@ def decode_rest_inputs(
 
 
 def _flatten(value: Any, out: list) -> None:
-    if isinstance(value, list):
-        for item in value:
-            _flatten(item, out)
-    else:
-        out.append(value)
+    """The leaves of nested lists, in row-major order (iteratively: any depth)."""
+    stack = [iter((value,))]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+
+
+def json_error_text(e: Exception) -> str:
+    """What a JSON decoder's error says (RecursionError: that it is nested too deep)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
@@ -252,13 +265,15 @@ def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
     decoder, words = found
     try:
         values = decoder.decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         values = None
     if values is None:  # nested arrays (row-major), or values of the wrong type
         try:
             nested = _ANY.decode(raw)
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:
-            raise InvalidArgument(f"{plan.what}: 'data' is not valid JSON: {e}") from None
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise InvalidArgument(
+                f"{plan.what}: 'data' is not valid JSON: {json_error_text(e)}"
+            ) from None
         flat: list = []
         _flatten(nested, flat)
         try:

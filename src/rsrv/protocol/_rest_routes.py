@@ -21,6 +21,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from rsrv.errors import InvalidArgument, RsrvError
 from rsrv.protocol._inference import InferenceService
+from rsrv.protocol._rest_codec import json_error_text
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = ["ROUTES", "Call", "Reply", "json_reply", "message_dict", "route"]
@@ -98,8 +99,11 @@ def _json_body(call: Call, what: str) -> dict:
         return {}
     try:
         value = msgspec.json.decode(call.body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # the latter: a string not UTF-8
-        raise InvalidArgument(f"cannot parse the {what} request body as JSON: {e}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        # (a string not UTF-8; JSON nested past the decoder's depth)
+        raise InvalidArgument(
+            f"cannot parse the {what} request body as JSON: {json_error_text(e)}"
+        ) from None
     if not isinstance(value, dict):
         raise InvalidArgument(f"the {what} request body must be a JSON object")
     return value
@@ -128,7 +132,7 @@ class RestRoutes:
         return json_reply({"live": True})
 
     async def ready(self, call: Call) -> Reply:
-        ready = self.backend.ready
+        ready = self.backend.ready and not self.backend.admission.closed  # (draining)
         return json_reply({"ready": ready}, 200 if ready else 400)
 
     async def server_metadata(self, call: Call) -> Reply:

@@ -24,7 +24,9 @@ async def serve_rest(
     port's address, restrictions, in-flight cap, message limit, receive timeout and TLS
     files. A connection without a whole request for ``endpoints.idle_connection_seconds``
     (0: never) is closed: one idle between requests, and one whose request headers do not
-    complete. No timeout applies while a request is being answered."""
+    complete. No timeout applies while a request is being answered, but a connection
+    whose answer makes no progress for ``endpoints.receive_timeout_seconds`` (its client
+    reads nothing) is closed."""
     ep = worker.config.endpoints
     app = RestService(
         service,
@@ -46,6 +48,7 @@ async def serve_rest(
                 # every read, also while a long inference runs, and drop its answer.
                 keep_alive_timeout=idle,
                 handshake_timeout=ep.receive_timeout_seconds,  # (as the gRPC port's)
+                send_timeout=ep.receive_timeout_seconds,  # (an answer nobody reads)
                 tls=tls,
                 max_connections=ep.max_connections,
                 connections_setting="endpoints.max_connections",
