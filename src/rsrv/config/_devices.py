@@ -3,9 +3,10 @@
 A device is named as ``CUDA_VISIBLE_DEVICES`` names it: an ordinal (``"3"``) or a UUID
 (``"GPU-..."``, ``"MIG-..."``). The node's devices come from the first of:
 
-1. ``INFERENCE_SERVER_GPUS``: a count (``"2"``: ordinals 0 and 1; ``"0"``: none) or a
+1. ``INFERENCE_SERVER_GPUS``: a count (``"2"``: the first two devices this process was
+   given, by ``CUDA_VISIBLE_DEVICES``, else ordinals 0 and 1; ``"0"``: none) or a
    comma-separated list of ordinals and UUIDs;
-2. the node file's ``gpus`` when it is not ``auto``: a count or a list;
+2. the node file's ``gpus`` when it is not ``auto``: a count (as above) or a list;
 3. an existing ``CUDA_VISIBLE_DEVICES`` (the devices this process was given);
 4. ``nvidia-smi --query-gpu=index --format=csv,noheader``;
 5. ``/dev/nvidia<N>`` device files.
@@ -67,6 +68,30 @@ def file_devices(node: NodeConfig, where: str) -> list[str]:
     return _listed(node.gpus, f"{where}: $.gpus")
 
 
+def _visible(env: Mapping[str, str]) -> list[str] | None:
+    """The devices this process was given by ``CUDA_VISIBLE_DEVICES``; None without it."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    items = [v for v in visible.split(",") if v.strip()]
+    return _listed(items, "CUDA_VISIBLE_DEVICES")
+
+
+def _counted(count: int, env: Mapping[str, str], what: str) -> list[str]:
+    """``count`` devices: the first of those this process was given, ordinals 0.. when
+    it was given none (under a scheduler that hands out GPUs 4 and 5, a count of 2
+    means those two, never another job's 0 and 1)."""
+    visible = _visible(env)
+    if visible is None:
+        return [str(i) for i in range(count)]
+    if count > len(visible):
+        raise ConfigError(
+            f"{what}: {count} devices, but CUDA_VISIBLE_DEVICES gives this process "
+            f"{len(visible)} ({','.join(visible) or 'none'})"
+        )
+    return visible[:count]
+
+
 def detect_devices(
     node: NodeConfig, env: Mapping[str, str], where: str, *, devfs: str = "/dev"
 ) -> tuple[list[str], str]:
@@ -79,19 +104,18 @@ def detect_devices(
     if text is not None:
         text = text.strip()
         if text.isascii() and text.isdigit():
-            return [str(i) for i in range(int(text))], GPUS_VARIABLE
+            return _counted(int(text), env, GPUS_VARIABLE), GPUS_VARIABLE
         if not text:
             raise ConfigError(f"{GPUS_VARIABLE} is empty: give a count or a list of devices")
         return _listed(text.split(","), GPUS_VARIABLE), GPUS_VARIABLE
     gpus = node.gpus
     if isinstance(gpus, int):
-        return [str(i) for i in range(gpus)], "gpus"
+        return _counted(gpus, env, f"{where}: $.gpus"), "gpus"
     if isinstance(gpus, list):
         return file_devices(node, where), "gpus"
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = _visible(env)
     if visible is not None:
-        items = [v for v in visible.split(",") if v.strip()]
-        return _listed(items, "CUDA_VISIBLE_DEVICES"), "CUDA_VISIBLE_DEVICES"
+        return visible, "CUDA_VISIBLE_DEVICES"
     smi = shutil.which("nvidia-smi", path=env.get("PATH", os.defpath))
     if smi is not None:
         try:

@@ -58,8 +58,10 @@ def test_detection_precedence(fake_smi, fake_devfs):
         "CUDA_VISIBLE_DEVICES": "5,6,7",
         "PATH": fake_smi,
     }
-    # 1. The environment override beats the file, CUDA_VISIBLE_DEVICES and the tools.
-    assert detect(listed, everything, fake_devfs) == (["0", "1"], "INFERENCE_SERVER_GPUS")
+    # 1. The environment override beats the file, CUDA_VISIBLE_DEVICES and the tools (a
+    # count takes the first of the devices this process was given).
+    assert detect(listed, everything, fake_devfs) == (["5", "6"], "INFERENCE_SERVER_GPUS")
+    assert detect(listed, {"INFERENCE_SERVER_GPUS": "2"}) == (["0", "1"], "INFERENCE_SERVER_GPUS")
     assert detect(listed, {**everything, "INFERENCE_SERVER_GPUS": "cuda:3, GPU-ab"}) == (
         ["3", "GPU-ab"],
         "INFERENCE_SERVER_GPUS",
@@ -68,7 +70,8 @@ def test_detection_precedence(fake_smi, fake_devfs):
     # 2. The node file, when it is not auto.
     rest = {k: v for k, v in everything.items() if k != "INFERENCE_SERVER_GPUS"}
     assert detect(listed, rest, fake_devfs) == (["GPU-1c2b", "1"], "gpus")
-    assert detect(NodeConfig(gpus=2), rest) == (["0", "1"], "gpus")
+    assert detect(NodeConfig(gpus=2), rest) == (["5", "6"], "gpus")
+    assert detect(NodeConfig(gpus=2), {}) == (["0", "1"], "gpus")
     # 3. The devices this process was given.
     auto = NodeConfig()
     assert detect(auto, rest, fake_devfs) == (["5", "6", "7"], "CUDA_VISIBLE_DEVICES")
@@ -96,6 +99,10 @@ def test_a_broken_nvidia_smi_falls_through_to_the_device_files(tmp_path, fake_de
         ({"INFERENCE_SERVER_GPUS": "1,1"}, "a device appears twice"),
         ({"INFERENCE_SERVER_GPUS": " "}, "INFERENCE_SERVER_GPUS is empty"),
         ({"CUDA_VISIBLE_DEVICES": "0,gpu"}, r"CUDA_VISIBLE_DEVICES\[1\]"),
+        (
+            {"INFERENCE_SERVER_GPUS": "3", "CUDA_VISIBLE_DEVICES": "4,5"},
+            "INFERENCE_SERVER_GPUS: 3 devices, but CUDA_VISIBLE_DEVICES gives this process 2",
+        ),
     ],
 )
 def test_malformed_device_lists(env, message):
