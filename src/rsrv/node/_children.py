@@ -92,7 +92,8 @@ class Child:
     last_exit: str | None = None
     killed: bool = False  # SIGKILLed: it outlived its grace period, or a second signal
     # how it ended while the node stopped it, when not by itself (exit 0) nor by the
-    # node's own signals: a signal from elsewhere (the OOM killer), a failed drain
+    # node's own signals: a signal from elsewhere (the OOM killer), a failed drain; or
+    # how it had ended before, when the stop found it waiting to be restarted
     broke_off: str | None = None
     timed_out: bool = False  # its last start did not serve within startup_timeout_seconds
     served: bool = False  # its last start reported ready at some point
@@ -149,7 +150,9 @@ class Child:
             self.state = ChildState.BACKOFF
             with trio.move_on_after(delay):
                 await self._stop.wait()
-            if not self._stop.is_set():
+            if self._stop.is_set():  # stopped while down after a crash: it never drained
+                self.broke_off = f"{self.last_exit}, then waiting to be restarted"
+            else:
                 self.restarts_total += 1
         self.state = ChildState.STOPPED
 

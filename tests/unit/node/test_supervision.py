@@ -322,6 +322,21 @@ async def test_a_child_kept_down_is_not_restarted_and_kill_is_at_once(tmp_path):
     assert c.killed and c.last_exit == "signal SIGKILL"
 
 
+async def test_a_child_stopped_while_waiting_to_be_restarted_did_not_drain():
+    """The node's stop finds it down after a crash (its in-flight requests lost): not a
+    child that drained and exited by itself (the node said so, and exited 0)."""
+    policy = SupervisorConfig(backoff_seconds=30.0)
+    c = child("import sys; sys.exit(3)", policy, [])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(c.run)
+        with trio.fail_after(30):
+            while c.state is not ChildState.BACKOFF:
+                await trio.sleep(0.01)
+            await c.stop()
+    assert c.broke_off == "code 3, then waiting to be restarted"
+    assert c.state is ChildState.STOPPED
+
+
 async def test_stop_escalates_to_sigkill_after_the_grace_period():
     script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
     c = child(script, SupervisorConfig(), [], grace=0.5)
