@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import select
+import threading
 
 import trio
 
@@ -62,11 +63,21 @@ class OutputSink:
     are dropped; once that batch has been written, a warning says how many. Before
     :meth:`run` starts and after it ends, :meth:`write` writes at once. Once ``fd``
     takes no more output (a closed pipe), what is written is dropped. Call
-    :meth:`write` from the trio thread, or while the writer is not running.
+    :meth:`write` from the trio thread, or while the writer is not running. Sinks whose
+    descriptors are one file (``2>&1``, a journal's stream) share a ``lock``, so that
+    one's batch never lands inside the other's line (a pipe keeps only writes of up to
+    4 KiB whole).
     """
 
-    def __init__(self, fd: int, name: str, limit: int = QUEUE_LIMIT_BYTES):
+    def __init__(
+        self,
+        fd: int,
+        name: str,
+        limit: int = QUEUE_LIMIT_BYTES,
+        lock: threading.Lock | None = None,
+    ):
         self.fd = fd
+        self.lock = lock or threading.Lock()
         self.name = name  # "stdout", "stderr": for the warning about dropped lines
         self.limit = limit
         self.open = True  # fd still takes output
@@ -84,7 +95,7 @@ class OutputSink:
         if not self.open:
             return
         if not self._running:
-            self.open = _write_all(self.fd, data)
+            self.open = self._write(data)
             return
         if self._queued + len(data) > self.limit:
             lines = data.count(b"\n") or 1
@@ -115,7 +126,7 @@ class OutputSink:
                 self._queued = 0
                 if self.open:
                     self.open = await trio.to_thread.run_sync(
-                        _write_all, self.fd, data, abandon_on_cancel=True
+                        self._write, data, abandon_on_cancel=True
                     )
                 if self._unreported:  # the reader took a whole batch: it is catching up
                     dropped, self._unreported = self._unreported, 0
@@ -128,15 +139,24 @@ class OutputSink:
         finally:
             self._running = False
 
+    def _write(self, data: bytes) -> bool:
+        with self.lock:
+            return _write_all(self.fd, data)
+
     async def flushed(self) -> None:
         """Return once everything queued has been written (or dropped)."""
         if self._running:
             await self._idle.wait()
 
 
-def standard_output() -> tuple[OutputSink, OutputSink]:
-    """Sinks for this process's stdout and stderr."""
-    return OutputSink(1, "stdout"), OutputSink(2, "stderr")
+def standard_output(stdout: int = 1, stderr: int = 2) -> tuple[OutputSink, OutputSink]:
+    """Sinks for this process's stdout and stderr (one lock when they are one file)."""
+    out = OutputSink(stdout, "stdout")
+    try:
+        same = os.path.samestat(os.fstat(stdout), os.fstat(stderr))
+    except OSError:  # (one of them closed)
+        same = False
+    return out, OutputSink(stderr, "stderr", lock=out.lock if same else None)
 
 
 class SinkStream:
