@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import hypercorn.trio.run
@@ -226,6 +226,7 @@ async def serve_http(
     backlog: int | None = None,
     max_connections: int = 64,
     connections_setting: str = "64 per admin port",
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI app ``app`` (a :class:`PlainApp` or any other) on host:port until
@@ -240,7 +241,9 @@ async def serve_http(
     for ``send_timeout`` (its client reads nothing) closes the connection. At most
     ``max_connections`` connections are open
     at once: one more closes the one waiting longest for a request, or is refused when
-    every one is answering one (``connections_setting`` names the limit in the log)."""
+    every one is answering one (``connections_setting`` names the limit in the log).
+    Once ``shutdown_trigger()`` returns, the port stops listening, the answers under way
+    get a second to finish, idle connections close, and this returns."""
     config = Config()
     config.rsrv_connection_cap = ConnectionCap(
         max_connections, _waiting_since, logging.getLogger(logger), connections_setting
@@ -262,4 +265,6 @@ async def serve_http(
         config.certfile, config.keyfile, config.ca_certs = tls
         if tls[2] is not None:
             config.verify_mode = ssl.CERT_REQUIRED
-    await serve(app, config, mode="asgi", task_status=task_status)
+    await serve(
+        app, config, mode="asgi", shutdown_trigger=shutdown_trigger, task_status=task_status
+    )

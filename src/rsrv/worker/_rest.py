@@ -26,7 +26,7 @@ async def serve_rest(
     (0: never) is closed: one idle between requests, and one whose request headers do not
     complete. No timeout applies while a request is being answered, but a connection
     whose answer makes no progress for ``endpoints.receive_timeout_seconds`` (its client
-    reads nothing) is closed."""
+    reads nothing) is closed. ``worker.rest_stop`` closes the port gracefully."""
     ep = worker.config.endpoints
     app = RestService(
         service,
@@ -38,7 +38,8 @@ async def serve_rest(
     tls = (ep.tls_cert_file, ep.tls_key_file, ep.tls_client_ca_file) if ep.tls_cert_file else None
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
-            lambda task_status: serve_http(
+            lambda task_status: _serve_until_stopped(
+                worker,
                 app,
                 ep.host,
                 ep.http_port,
@@ -52,7 +53,18 @@ async def serve_rest(
                 tls=tls,
                 max_connections=ep.max_connections,
                 connections_setting="endpoints.max_connections",
+                shutdown_trigger=worker.rest_stop.wait,
                 task_status=task_status,
             )
         )
         task_status.started(int(binds[0].rsplit(":", 1)[1]))
+
+
+async def _serve_until_stopped(worker: Worker, *args, **kwargs) -> None:
+    """serve_http, then ``worker.rest_stopped`` set: once ``worker.rest_stop`` is, the
+    port stops listening and the answers under way are finished (hypercorn's graceful
+    close), rather than cut by the worker's cancel."""
+    try:
+        await serve_http(*args, **kwargs)
+    finally:
+        worker.rest_stopped.set()

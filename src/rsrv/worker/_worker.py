@@ -58,6 +58,9 @@ from rsrv.worker._restrictions import restrictions_of
 
 log = logging.getLogger(__name__)
 MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
+#: How long a stop waits for the REST port's graceful close: hypercorn gives the answers
+#: under way a second (its graceful_timeout), then ends its ASGI lifespan.
+REST_CLOSE_SECONDS = 3.0
 
 
 class Worker:
@@ -122,6 +125,8 @@ class Worker:
         self.restrictions = restrictions_of(config.endpoints)
         self.port: int | None = None
         self.http_port: int | None = None  # the REST port bound, once serving
+        self.rest_stop = trio.Event()  # set: the REST port closes gracefully
+        self.rest_stopped = trio.Event()  # set once it has
         self.loader = ModelLoader(
             config, self.models, self.weights, self.executor, self.scheduler, self.pipeline
         )
@@ -306,6 +311,10 @@ class Worker:
         log.info("shutdown: released %d shared memory region(s); stopping", regions)
         # The last answers are flushed, then GOAWAY: clients see a clean end.
         await self.server.close()
+        if self.http_port is not None:  # its answers under way (503s too) are finished
+            self.rest_stop.set()
+            with trio.move_on_after(REST_CLOSE_SECONDS):
+                await self.rest_stopped.wait()
         if self._nursery is not None:  # (None: stopped before its tasks started)
             self._nursery.cancel_scope.cancel()
 
