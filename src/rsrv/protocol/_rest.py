@@ -13,13 +13,15 @@ What every request goes through, in order (specs/http.md):
    once it passes the limit. It must arrive within ``receive_timeout`` (else 408).
    ``Content-Encoding: gzip`` or ``deflate`` is inflated up to the same limit (above:
    413; another encoding: 415; corrupt: 400).
-4. **Admission**: the in-flight cap and shutdown, shared with the gRPC port (429 / 503).
+4. **Admission**: the in-flight cap and shutdown, shared with the gRPC port (429 / 503);
+   not for the probes ``/v2/health/live`` and ``/ready``, which are never refused.
 5. **The handler**: ``/infer`` here, the others in ``_rest_routes`` (through the gRPC
    handlers). Any exception becomes ``{"error": message}`` with the HTTP status of its
    gRPC status (``http_status``), the message exactly the gRPC one.
 
 Inference responses are compressed when the request's ``Accept-Encoding`` names gzip or
-deflate (others never are: tritonclient inflates only those).
+deflate (others never are: tritonclient inflates only those), in a worker thread when
+large. A request body that does not parse counts as its model's failure.
 A client that disconnects while its inference is under way cancels it (withdrawn from
 the scheduler's queue as a reset gRPC call is).
 """
