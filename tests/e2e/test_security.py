@@ -130,6 +130,25 @@ value_file = "secret"
     monkeypatch.delenv("RSRV_TEST_SECRET")
     with raises(ConfigError, "RSRV_TEST_SECRET is not set"):
         restrictions_of(config.endpoints)
+    # a value no gRPC client could send (it was accepted, and then no key matched)
+    monkeypatch.setenv("RSRV_TEST_SECRET", "clé-s3cret")
+    with raises(ConfigError, "restricted[0]: the header value must be printable ASCII"):
+        restrictions_of(config.endpoints)
+
+
+def test_a_header_grpc_keeps_to_itself_cannot_carry_a_key(tmp_path, node):
+    """`te` is never a call's metadata: every gRPC call would have been refused."""
+    text = node(
+        tmp_path,
+        restricted="""
+[[global.endpoints.restricted]]
+protocols = ["control"]
+header = "te"
+value = "x"
+""",
+    )
+    with raises(ConfigError, "restricted[0].header: 'te' is a header gRPC itself sets"):
+        restrictions_of(node_config(tmp_path, text).endpoints)
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,8 @@ __all__ = [
 log = logging.getLogger("rsrv.transport")
 
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-_RESERVED = frozenset(
+#: Request headers the transport keeps to itself: never a call's metadata.
+NOT_METADATA = frozenset(
     {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
 _PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
@@ -245,7 +246,7 @@ class ServerConnection(Http2Endpoint):
                 timeout = value
             elif name == b"grpc-encoding":
                 encoding = value
-            elif name not in _RESERVED:
+            elif name not in NOT_METADATA:
                 metadata[name.decode("latin-1")] = value.decode("latin-1")
         end = bool(flags & F.END_STREAM)
         if method != b"POST" or not path:

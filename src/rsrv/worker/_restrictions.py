@@ -7,13 +7,15 @@ from pathlib import Path
 
 from rsrv.config import ConfigError, EndpointsConfig
 from rsrv.protocol import Restriction
+from rsrv.transport import NOT_METADATA
 
 __all__ = ["restrictions_of"]
 
 
 def restrictions_of(endpoints: EndpointsConfig) -> list[Restriction]:
     """The restricted protocols of ``endpoints``, their values read from the file, the
-    environment or a file. Raises ConfigError when a value cannot be read or is empty."""
+    environment or a file. Raises ConfigError when a value cannot be read, is empty or is
+    not printable ASCII, or when the header is one gRPC keeps to itself."""
     out = []
     for i, block in enumerate(endpoints.restricted):
         where = f"endpoints.restricted[{i}]"
@@ -32,5 +34,15 @@ def restrictions_of(endpoints: EndpointsConfig) -> list[Restriction]:
             value = block.value
         if not value:
             raise ConfigError(f"{where}: the header value is empty")
+        if not (value.isascii() and value.isprintable()):
+            raise ConfigError(
+                f"{where}: the header value must be printable ASCII (all gRPC metadata may "
+                "carry; no client could send another)"
+            )
+        if block.header.encode() in NOT_METADATA:
+            raise ConfigError(
+                f"{where}.header: {block.header!r} is a header gRPC itself sets, never a "
+                "call's metadata: choose another name"
+            )
         out.append(Restriction(frozenset(block.protocols), block.header, value))
     return out
