@@ -70,7 +70,10 @@ class _ClosingTCPServer(TCPServer):
             if oldest is not None:
                 oldest._rsrv_scope.cancel()
             with scope:
-                await super().run()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._close_after_stop)
+                    await super().run()
+                    nursery.cancel_scope.cancel()
         finally:
             cap.open.pop(self, None)
             if scope.cancelled_caught:  # (hypercorn's own close was cancelled too)
@@ -84,6 +87,17 @@ class _ClosingTCPServer(TCPServer):
         if isinstance(event, Updated):
             self._rsrv_waiting_since = trio.current_time() if event.idle else None
         await super().protocol_send(event)
+
+    async def _close_after_stop(self) -> None:
+        """Once the server stops, give the connection hypercorn's graceful time, then
+        close its socket: a shielded write to a client still reading slowly ends there
+        too (ClosedResourceError), so a stop never waits on one."""
+        await self.context.terminated.wait()
+        try:
+            await trio.sleep(self.config.graceful_timeout)
+        finally:  # (also when cancelled: the connection ended, or the stop's deadline)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.stream)
 
     async def _send_data(self, data: bytes) -> None:
         """hypercorn's write, shielded as its own (an answer is never cut by a cancel),
@@ -116,7 +130,9 @@ class _ClosingTCPServer(TCPServer):
             await idle.stop()
 
 
-_SEND_PIECE = 1 << 20  # an answer is written in pieces of this, each within the timeout
+#: An answer is written in pieces of this, each within the send timeout: a client
+#: reading at least this much per timeout is never cut off.
+_SEND_PIECE = 64 * 1024
 
 
 def _waiting_since(conn: _ClosingTCPServer) -> float | None:

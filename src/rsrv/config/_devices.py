@@ -81,6 +81,8 @@ def _counted(count: int, env: Mapping[str, str], what: str) -> list[str]:
     """``count`` devices: the first of those this process was given, ordinals 0.. when
     it was given none (under a scheduler that hands out GPUs 4 and 5, a count of 2
     means those two, never another job's 0 and 1)."""
+    if count == 0:
+        return []
     visible = _visible(env)
     if visible is None:
         return [str(i) for i in range(count)]

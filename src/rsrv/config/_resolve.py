@@ -316,16 +316,18 @@ def plan_node(
     """Every worker of ``node``, resolved with ``env`` (see the module docstring).
 
     ``detect`` False leaves ``gpus: auto`` undetected (a file checked away from the
-    machine it is for): workers then get no device. Raises ConfigError naming the file
-    and the worker at fault.
+    machine it is for): workers then get no device, and a count is not matched against
+    this process's own ``CUDA_VISIBLE_DEVICES``. Raises ConfigError naming the file and
+    the worker at fault.
     """
     where = os.fspath(source) if source is not None else "<node config>"
     base = Path(where).absolute().parent if source is not None else Path.cwd()
     backend = _backend(node, env)
     may_detect = detect or node.gpus != "auto"
+    device_env = env if detect else {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
     devices, found = [], ""
     if backend != "cpu" and may_detect:  # (the number of workers may follow)
-        devices, found = detect_devices(node, env, where)
+        devices, found = detect_devices(node, device_env, where)
     entries = _entries(node, backend, devices if found else None, env)
     _check_node(node, entries, where)
     base_port = node.base_port
@@ -342,7 +344,7 @@ def plan_node(
     # or falls back to the CPU where allow_cpu_fallback says so (the worker's call).
     on_device = [i for i, w in enumerate(workers) if w.runtime.backend != "cpu"]
     if on_device and not found and may_detect:
-        devices, found = detect_devices(node, env, where)
+        devices, found = detect_devices(node, device_env, where)
     if on_device and found:
         names = [workers[i].name for i in on_device]
         gpus = [entries[i].gpu for i in on_device]

@@ -522,7 +522,8 @@ class NodeConfig(_Strict):
         Literal["auto"] | Annotated[int, Meta(ge=0)] | list[int | str],
         _doc(
             "Devices the node uses (backend cuda): auto (detected: INFERENCE_SERVER_GPUS, "
-            "CUDA_VISIBLE_DEVICES, nvidia-smi, /dev/nvidia*), a count (ordinals 0..n-1), "
+            "CUDA_VISIBLE_DEVICES, nvidia-smi, /dev/nvidia*), a count (the first n of the "
+            "supervisor's CUDA_VISIBLE_DEVICES, else ordinals 0..n-1), "
             'or a list of ordinals (`3`, `"cuda:3"`) or UUIDs (`"GPU-..."`); worker i '
             "gets the i-th unless its `gpu` says otherwise."
         ),

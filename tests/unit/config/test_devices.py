@@ -72,6 +72,11 @@ def test_detection_precedence(fake_smi, fake_devfs):
     assert detect(listed, rest, fake_devfs) == (["GPU-1c2b", "1"], "gpus")
     assert detect(NodeConfig(gpus=2), rest) == (["5", "6"], "gpus")
     assert detect(NodeConfig(gpus=2), {}) == (["0", "1"], "gpus")
+    # a count of none reads nothing (CUDA_VISIBLE_DEVICES=-1 hides every GPU)
+    assert detect(NodeConfig(gpus=0), {"CUDA_VISIBLE_DEVICES": "-1"}) == ([], "gpus")
+    assert (
+        detect(NodeConfig(), {"INFERENCE_SERVER_GPUS": "0", "CUDA_VISIBLE_DEVICES": "-1"})[0] == []
+    )
     # 3. The devices this process was given.
     auto = NodeConfig()
     assert detect(auto, rest, fake_devfs) == (["5", "6", "7"], "CUDA_VISIBLE_DEVICES")
@@ -122,6 +127,20 @@ def test_workers_get_devices_by_index_or_by_gpu(tmp_path):
     assert (got.devices, got.device_source) == (["3", "5", "GPU-9f"], "gpus")
     # The cpu backend uses no device, whatever the file says.
     assert [w.gpu for w in plan(tmp_path, three + "gpus: 3\n").workers] == [None] * 3
+
+
+def test_a_count_takes_the_devices_this_process_was_given(tmp_path):
+    """Under a scheduler that handed the supervisor GPUs 4 and 5, `gpus = 2` means
+    those (it meant 0 and 1: another job's); not when the plan is made away from the
+    machine (`rsrv node status` run from a shell that has a device of its own)."""
+    path = node_file(tmp_path, CUDA + "gpus: 2\n")
+    env = {"PATH": "", "CUDA_VISIBLE_DEVICES": "4,5"}
+    assert [w.gpu for w in plan_node(load_node(path), env, source=path).workers] == ["4", "5"]
+    shell = {"PATH": "", "CUDA_VISIBLE_DEVICES": "0"}
+    away = plan_node(load_node(path), shell, source=path, detect=False)
+    assert [w.gpu for w in away.workers] == ["0", "1"]
+    with pytest.raises(ConfigError, match="2 devices, but CUDA_VISIBLE_DEVICES gives"):
+        plan_node(load_node(path), shell, source=path)
 
 
 def test_devices_go_to_the_workers_whose_own_backend_uses_one(tmp_path):

@@ -1,0 +1,89 @@
+"""``rsrv.asgi.serve_http`` and clients that read their answers slowly or not at all: a
+reader that keeps reading is never cut off, one that reads nothing is after the send
+timeout, and a stop never waits on either past hypercorn's graceful second."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import trio
+
+from rsrv.asgi import PlainApp, Response, serve_http
+
+SIZE = 6 << 20
+APP = PlainApp(lambda path: Response(200, bytes(SIZE)))
+
+
+def read_slowly(port: int, pause: float) -> int:
+    """GET the answer through a small receive buffer, pausing between reads; the bytes
+    received until the server closes the connection."""
+    got = 0
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        try:
+            while chunk := s.recv(128 << 10):
+                got += len(chunk)
+                time.sleep(pause)
+        except ConnectionResetError:
+            pass
+    return got
+
+
+async def serving(nursery: trio.Nursery, stop: trio.Event, send_timeout: float) -> int:
+    binds = await nursery.start(
+        lambda task_status: serve_http(
+            APP,
+            "127.0.0.1",
+            0,
+            "test",
+            send_timeout=send_timeout,
+            shutdown_trigger=stop.wait,
+            task_status=task_status,
+        )
+    )
+    return int(binds[0].rsplit(":", 1)[1])
+
+
+async def test_a_client_reading_slowly_gets_its_whole_answer():
+    """At most 128 KiB every 0.1 s: under 1 MiB per 0.5 s send timeout (a timeout per
+    1 MiB piece cut such a reader off), but progress all along."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = await serving(nursery, stop, send_timeout=0.5)
+        got = await trio.to_thread.run_sync(read_slowly, port, 0.1)
+        stop.set()
+    assert got > SIZE
+
+
+async def test_a_client_reading_nothing_is_closed_and_a_stop_is_bounded():
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = await serving(nursery, stop, send_timeout=0.5)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            await trio.sleep(2.0)  # no progress for 0.5 s: closed
+            s.settimeout(5)
+            received = 0
+            try:
+                while chunk := s.recv(1 << 20):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert received < SIZE
+        # a slow reader at the stop: the stop waits a second for it, not its whole answer
+        reader = trio.Event()
+
+        async def slow():
+            await trio.to_thread.run_sync(read_slowly, port, 0.2)
+            reader.set()
+
+        nursery.start_soon(slow)
+        await trio.sleep(0.5)
+        start = trio.current_time()
+        stop.set()
+    assert trio.current_time() - start < 3.0
