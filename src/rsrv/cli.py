@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(export)
 
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except BrokenPipeError:
+        # The reader of stdout went away (`rsrv bundle check ... | head`): what is left
+        # has nowhere to go. Point stdout at /dev/null so that the exit's flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "node":
         from rsrv.node import node_main, status_main
 

@@ -17,7 +17,7 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
-from rsrv.transport import ConnectionCap
+from rsrv.transport import ConnectionCap, listen_error
 
 __all__ = [
     "NOT_FOUND",
@@ -243,6 +243,7 @@ async def serve_http(
     max_connections: int = 64,
     connections_setting: str = "64 per admin port",
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    what: str = "admin HTTP",
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI app ``app`` (a :class:`PlainApp` or any other) on host:port until
@@ -259,7 +260,8 @@ async def serve_http(
     at once: one more closes the one waiting longest for a request, or is refused when
     every one is answering one (``connections_setting`` names the limit in the log).
     Once ``shutdown_trigger()`` returns, the port stops listening, the answers under way
-    get a second to finish, idle connections close, and this returns."""
+    get a second to finish, idle connections close, and this returns. A bind that fails
+    raises its OSError naming the port as ``what`` (``rsrv.transport.listen_error``)."""
     config = Config()
     config.rsrv_connection_cap = ConnectionCap(
         max_connections, _waiting_since, logging.getLogger(logger), connections_setting
@@ -281,6 +283,12 @@ async def serve_http(
         config.certfile, config.keyfile, config.ca_certs = tls
         if tls[2] is not None:
             config.verify_mode = ssl.CERT_REQUIRED
-    await serve(
-        app, config, mode="asgi", shutdown_trigger=shutdown_trigger, task_status=task_status
-    )
+    try:
+        await serve(
+            app, config, mode="asgi", shutdown_trigger=shutdown_trigger, task_status=task_status
+        )
+    except* OSError as group:  # (hypercorn binds before it serves: a bind that failed)
+        leaf = group
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise listen_error(leaf, what, host, port) from None

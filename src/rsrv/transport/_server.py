@@ -186,8 +186,12 @@ class GrpcServer:
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled or closed; ``task_status.started(port)`` once
         accepting. Binds the host given, nothing else (no SO_REUSEPORT); with port 0
-        only the host's first address is bound."""
-        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        only the host's first address is bound. A bind that fails raises its OSError
+        naming the port (:func:`listen_error`)."""
+        try:
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        except OSError as e:
+            raise listen_error(e, "gRPC", self.host, self.port) from None
         if self.port == 0:
             for extra in listeners[1:]:
                 await extra.aclose()
@@ -318,6 +322,13 @@ class GrpcServer:
 async def _requests(method: Method, call: ServerCall):
     while (raw := await call.receive()) is not None:
         yield method.decode(raw)
+
+
+def listen_error(error: OSError, what: str, host: str, port: int) -> OSError:
+    """``error`` (a bind that failed, a host that does not resolve) naming the port it was
+    for, ``what`` ("gRPC", "REST", ...): of the same type and errno, so that callers
+    still tell such errors apart."""
+    return type(error)(error.errno, f"{what} port {host}:{port}: {error.strerror or error}")
 
 
 def request_decoder(message_type) -> Callable[[bytes], Any]:

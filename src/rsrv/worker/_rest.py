@@ -53,6 +53,7 @@ async def serve_rest(
                 tls=tls,
                 max_connections=ep.max_connections,
                 connections_setting="endpoints.max_connections",
+                what="REST",
                 shutdown_trigger=worker.rest_stop.wait,
                 task_status=task_status,
             )

@@ -4,6 +4,7 @@ timeout, and a stop never waits on either past hypercorn's graceful second."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 
@@ -87,3 +88,17 @@ async def test_a_client_reading_nothing_is_closed_and_a_stop_is_bounded():
         start = trio.current_time()
         stop.set()
     assert trio.current_time() - start < 3.0
+
+
+async def test_a_port_that_cannot_be_bound_is_named():
+    """A worker binds several ports; "[Errno 98] Address already in use" said not which."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            await serve_http(APP, "127.0.0.1", port, "test", what="REST")
+        except OSError as e:
+            error = e
+        assert error.errno == errno.EADDRINUSE
+        assert f"REST port 127.0.0.1:{port}: " in str(error)

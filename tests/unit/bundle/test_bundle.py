@@ -956,3 +956,19 @@ def test_check_console_script(repo_root, tiny_bundle):
     )
     assert bad.returncode != 0
     assert f"{tiny_bundle}/weights.safetensors: missing" in bad.stdout
+
+
+def test_check_piped_into_a_reader_that_stops_is_quiet(repo_root):
+    """`rsrv bundle check bundles | head -1`: the rest has nowhere to go, and no
+    BrokenPipeError traceback says so."""
+    with subprocess.Popen(
+        [*_rsrv_command(), "bundle", "check", "bundles"],
+        cwd=repo_root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as check:
+        assert check.stdout.readline().startswith(b"OK   ")
+        check.stdout.close()  # (head exits)
+        error = check.stderr.read()
+        assert check.wait(timeout=120) == 1
+    assert b"Traceback" not in error and b"BrokenPipeError" not in error
