@@ -50,6 +50,8 @@ from rsrv.transport import TLS_ERRORS, client_tls, server_tls
 __all__ = ["Supervisor", "node_main"]
 
 log = logging.getLogger("rsrv.node")
+#: A stop signal repeated within this long is the same stop (see _watch_signals).
+SAME_STOP_SECONDS = 0.5
 
 
 def worker_spec(
@@ -267,14 +269,19 @@ class Supervisor:
 
     async def _watch_signals(self, signals) -> None:
         """The first SIGTERM / SIGINT stops the node gracefully; a second one kills every
-        child at once (an impatient Ctrl-C)."""
-        seen = 0
+        child at once (an impatient Ctrl-C). The same signal again within
+        SAME_STOP_SECONDS is the same stop delivered twice (GNU ``timeout`` signals the
+        node and then its process group), not a second one."""
+        first: tuple[int, float] | None = None
         async for signum in signals:
             name = signal.Signals(signum).name
-            seen += 1
-            if seen == 1:
+            if first is None:
+                first = (signum, trio.current_time())
                 log.info("received %s: stopping the node", name)
                 self._stop_requested.set()
+                continue
+            if signum == first[0] and trio.current_time() - first[1] < SAME_STOP_SECONDS:
+                log.info("received %s again at once: the same stop", name)
                 continue
             log.warning("received %s again: killing every child now", name)
             self.forced = True

@@ -696,3 +696,27 @@ async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_pat
         await trio.testing.wait_all_tasks_blocked()
         assert supervisor.forced
         await send.aclose()
+
+
+async def test_the_same_signal_twice_at_once_is_one_stop(tmp_path, autojump_clock):
+    """GNU `timeout` signals the node, then its process group: two SIGTERMs a millisecond
+    apart. They are one graceful stop (the node killed every child and exited 1); the
+    same signal later, or another one, still forces it."""
+    path = tmp_path / "node.yaml"
+    path.write_text("cpu_workers: 1\n")
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    specs = [worker_spec(node_plan, w, str(path), {}) for w in node_plan.workers]
+    supervisor = Supervisor(node_plan, specs)
+    send, receive = trio.open_memory_channel(4)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(supervisor._watch_signals, receive)
+        await send.send(signal.SIGTERM)
+        await trio.sleep(0.001)
+        await send.send(signal.SIGTERM)
+        await trio.testing.wait_all_tasks_blocked()
+        assert supervisor._stop_requested.is_set() and not supervisor.forced
+        await trio.sleep(1.0)
+        await send.send(signal.SIGTERM)
+        await trio.testing.wait_all_tasks_blocked()
+        assert supervisor.forced
+        await send.aclose()
