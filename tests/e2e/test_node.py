@@ -410,7 +410,7 @@ backend = "cuda"
         assert line.startswith(
             ("[worker0] rsrv: worker worker0: ", "[worker1] rsrv: worker worker1: ")
         )
-        assert "install the CUDA build (pip install 'rsrv[cuda]')" in line
+        assert "install the CUDA build (pip install -e '.[cuda]' in a checkout" in line
         assert "runtime.allow_cpu_fallback" in line
     assert "configuration or device is unusable" in result.stderr
     assert "not restarting" in result.stderr

@@ -35,7 +35,8 @@ TORCHAX_REQUIREMENT = "torchax>=0.0.14.dev20260912"
 TORCH_REQUIREMENT = "torch>=2.13,<2.15"
 WORKING = "torch 2.13.0 or 2.14.1 with torchax 0.0.14.dev20260912 or 0.0.14.dev20261026"
 INSTALL = (
-    f"install a working pair with pip install 'rsrv[torch]' ({TORCH_REQUIREMENT}, "
+    "install a CPU build of torch first (PyPI's default is the CUDA one, ~5 GB), then "
+    f"a working pair with pip install -e '.[torch]' ({TORCH_REQUIREMENT}, "
     f"{TORCHAX_REQUIREMENT}); known to work: {WORKING} (specs/export.md §8)"
 )
 

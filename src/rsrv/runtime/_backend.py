@@ -88,11 +88,12 @@ def open_device() -> DeviceInfo:
     try:
         first = jax.devices()[0]
     except Exception as e:  # PJRT reports a missing plugin or driver in many ways
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e).strip()
+        detail = text.splitlines()[0] if text else "JAX found no device for it"
         raise DeviceUnavailable(
             f"backend {backend!r} has no usable device ({detail}): install the CUDA build "
-            "(pip install 'rsrv[cuda]') on a machine with an NVIDIA GPU, or set "
-            "runtime.allow_cpu_fallback"
+            "(pip install -e '.[cuda]' in a checkout, or 'rsrv[cuda]') on a machine with "
+            "an NVIDIA GPU, or set runtime.allow_cpu_fallback"
         ) from None
     on_cuda = backend == "cuda" and first.platform != "cpu"  # (not a fallback)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if on_cuda else None

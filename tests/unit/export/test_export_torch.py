@@ -186,7 +186,7 @@ def test_unavailable_reason_names_the_extra_and_the_working_versions():
     reason = torch_unavailable_reason()
     if reason is None:
         pytest.skip("torch and torchax work together here")
-    assert "pip install 'rsrv[torch]'" in reason
+    assert "pip install -e '.[torch]'" in reason and "CPU build of torch first" in reason
     assert TORCHAX_REQUIREMENT in reason
     assert WORKING in reason
 
