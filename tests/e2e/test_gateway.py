@@ -79,14 +79,15 @@ def start_workers(
     discipline: str = "fair",
     delay: float = 0.0,
     mode: str = "static",
+    repos: list[Path] | None = None,
 ) -> list:
+    """``count`` workers serving ``root / "repo"`` (worker i: ``repos[i]`` when given)."""
     workers = []
     for i in range(count):
         workdir = root / f"w{i}"
         workdir.mkdir()
-        text = WORKER.format(
-            repo=root / "repo", cache=cache, discipline=discipline, delay=delay, mode=mode
-        )
+        repo = repos[i] if repos is not None else root / "repo"
+        text = WORKER.format(repo=repo, cache=cache, discipline=discipline, delay=delay, mode=mode)
         workers.append(ServerProcess(workdir, text))
     for worker in workers:
         with connect(worker) as client:
@@ -395,6 +396,33 @@ def test_loads_made_through_the_gateway_reach_a_worker_that_was_away(
         wait_until(lambda: ready_on(workers[0]) == {"lin"}, 30, "w0's unload replayed")
         assert ready_on(workers[1]) == {"lin"}
         assert matches(client.infer("lin", [x_input(X)]).as_numpy("y"), 11, X)
+
+
+def test_workers_holding_different_versions_answer_as_one_server(tmp_path, cache_dir, processes):
+    """A rolling upgrade: w0 holds m/1, w1 m/2. One Triton server holding both answers a
+    request without a version, and ModelMetadata, with the newest (2): they alternated
+    between versions; one for version 2 goes straight to w1 (half failed over from
+    w0, NOT_FOUND there)."""
+    export_linear(tmp_path / "repo0" / "m" / "1", seed=1)
+    export_linear(tmp_path / "repo1" / "m" / "2", seed=2)
+    repos = [tmp_path / "repo0", tmp_path / "repo1"]
+    processes += start_workers(tmp_path, cache_dir, 2, repos=repos)
+    gateway = start_gateway(tmp_path, processes[:2])
+    processes.append(gateway)
+    with connect(gateway) as client:
+        rows = [(m.version, m.state) for m in client.get_model_repository_index().models]
+        assert rows == [("1", "READY"), ("2", "READY")]
+        for _ in range(6):
+            answer = client.infer("m", [x_input(X)])
+            assert answer.get_response().model_version == "2"
+            assert matches(answer.as_numpy("y"), 2, X)
+        for version in ("1", "2") * 3:
+            answer = client.infer("m", [x_input(X)], model_version=version)
+            assert matches(answer.as_numpy("y"), int(version), X)
+        failovers = Scrape(gateway.metrics_port).samples("rsrv_gateway_failovers", "_total")
+        assert sum(s.value for s in failovers) == 0
+        metadata = client.get_model_metadata("m")
+        assert list(metadata.versions) == ["1", "2"]
 
 
 def test_a_worker_busy_with_all_the_gateway_sends_it_stays_ready(tmp_path, cache_dir, processes):

@@ -154,6 +154,11 @@ class WorkerLink:
         )
 
 
+def _version_order(version: str) -> tuple[int, str]:
+    """Versions in numeric order (``"10"`` after ``"9"``); any other text after them."""
+    return (int(version), "") if version.isascii() and version.isdigit() else (1 << 62, version)
+
+
 def _unloaded(row: IndexRow) -> bool:
     """An explicit-mode worker's row for a model directory it has no entry for."""
     return not row.version and row.state == "UNAVAILABLE" and row.reason == "unloaded"
@@ -162,10 +167,14 @@ def _unloaded(row: IndexRow) -> bool:
 @dataclass
 class Fleet:
     """Every worker, and ``routes``: model name -> names of the ready workers on which
-    it is READY, sorted."""
+    it is READY, sorted; ``version_routes``: (model, version) -> those on which that
+    version is READY; ``newest_routes``: model -> those holding its newest READY
+    version, only for a model whose workers do not all hold it (a rolling upgrade)."""
 
     workers: list[WorkerLink]
     routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    version_routes: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+    newest_routes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.by_name = {w.name: w for w in self.workers}
@@ -189,11 +198,24 @@ class Fleet:
 
     def rebuild_routes(self) -> None:
         routes: dict[str, list[str]] = {}
+        versions: dict[tuple[str, str], list[str]] = {}
         for worker in self.workers:
             if worker.ready:
                 for model in worker.serving:
                     routes.setdefault(model, []).append(worker.name)
+                for row in worker.index:
+                    if row.version and row.state == "READY":
+                        versions.setdefault((row.name, row.version), []).append(worker.name)
         self.routes = {model: tuple(sorted(names)) for model, names in routes.items()}
+        self.version_routes = {key: tuple(sorted(names)) for key, names in versions.items()}
+        newest: dict[str, tuple[str, tuple[str, ...]]] = {}
+        for (model, version), names in self.version_routes.items():
+            best = newest.get(model)
+            if best is None or _version_order(version) > _version_order(best[0]):
+                newest[model] = (version, names)
+        self.newest_routes = {
+            model: names for model, (_, names) in newest.items() if names != self.routes.get(model)
+        }
 
     def returned(self) -> list[WorkerLink]:
         """The ready workers to bring in line (catch-up): away since their last one

@@ -192,6 +192,7 @@ class Forwarder:
         :class:`Relayed` with the worker's status otherwise."""
         replicas = await self.replicas(head.model)
         if replicas:
+            replicas = self.of_version(head.model, head.version) or replicas
             ticket = self.router.route(head.model, head, replicas)
             try:
                 if ticket.hold is not None:  # (at most half the time it has left)
@@ -222,13 +223,22 @@ class Forwarder:
         version: str = "",
     ) -> bytes:
         """A call about ``model`` (ModelReady, ModelMetadata, ModelConfig) to a worker
-        serving it (one whose index has ``version`` READY first, when one is asked
-        for), failing over like ModelInfer."""
+        serving it (first one that has ``version``, or without one the newest version,
+        READY: :meth:`of_version`), failing over like ModelInfer."""
         names = list(await self.replicas(model)) or [w.name for w in self.any_ready()]
-        if version:
-            having = [n for n in names if version in self.fleet.by_name[n].ready_versions(model)]
-            names = having + [n for n in names if n not in having]
+        having = self.of_version(model, version)
+        names = [*having, *(n for n in names if n not in having)]
         return await self.try_in_order(path, body, metadata, deadline, names)
+
+    def of_version(self, model: str, version: str) -> tuple[str, ...]:
+        """The ready workers that answer for ``version`` of ``model`` as one server
+        would: those on which it is READY; with no version, those holding the newest
+        READY version, when not every replica does (during a rolling upgrade, an
+        unversioned request must not get the old version on half its calls). Empty:
+        no such preference (every replica answers alike, or none is known)."""
+        if version:
+            return self.fleet.version_routes.get((model, version), ())
+        return self.fleet.newest_routes.get(model, ())
 
     async def try_in_order(
         self,

@@ -74,7 +74,7 @@ async def test_a_model_whose_workers_are_down_is_unavailable_not_unknown():
     f = forwarder(ok(b"other"), ok(b"m"))
     up, down = f.fleet.workers
     down.ready, down.index = False, (IndexRow("m", "1", "READY", ""),)
-    head = SimpleNamespace(model="m")
+    head = SimpleNamespace(model="m", version="")
     with pytest.raises(
         Unavailable, match=r"'m' is served by no ready worker \(not ready: w1\)"
     ) as info:
@@ -176,7 +176,7 @@ async def test_a_held_request_waits_at_most_half_its_time_left(autojump_clock):
     f = forwarder(ok(b"ok"))
     f.fleet.routes = {"m": ("w0",)}
     f.router = SimpleNamespace(route=lambda model, head, replicas: Ticket())
-    head = SimpleNamespace(model="m")
+    head = SimpleNamespace(model="m", version="")
     now = trio.current_time()
     for deadline in (now + 0.3, math.inf):
         assert await f.infer(INFERENCE + "ModelInfer", head, b"", {}, deadline) == b"ok"
