@@ -326,11 +326,18 @@ class WeightManager:
             )
 
     async def compact_and_reload(self, keys: list[str]) -> int:
-        """CompactMemory: free every evictable weight, then load ``keys`` again."""
+        """CompactMemory: free every evictable weight, then load ``keys`` again; returns
+        how many were. A key retired meanwhile (a reload replaced its version while the
+        others were copied) is passed over, not the whole call's NotFound."""
         self.compact()
+        reloaded = 0
         for key in keys:
-            await self._ensure(key)
-        return len(keys)
+            try:
+                await self._ensure(key)
+            except NotFound:
+                continue
+            reloaded += 1
+        return reloaded
 
     async def set_residency(self, key: str, residency: str) -> None:
         """Change a version's floor now (SetModelResidency).

@@ -808,3 +808,27 @@ async def test_warm_up_and_measured_costs_leave_out_the_wait_for_weights(files, 
         assert executor.measured_seconds("a", 4) <= costs[4] < 0.1
         assert executor.measured_seconds("a", 2) is None
         nursery.cancel_scope.cancel()
+
+
+async def test_compaction_passes_over_a_version_retired_while_it_reloads(files):
+    """CompactMemory reloads b and then c; c's version is retired while b's weights are
+    copied (a reload replaced it): b is reloaded, c passed over (the whole call answered
+    NOT_FOUND before)."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 3 * W, files)
+        release = held_copies(m)
+        reloading = []
+
+        async def compact():
+            reloading.append(await m.compact_and_reload(["b", "c"]))
+
+        nursery.start_soon(compact)
+        while "b" not in m._transfers:
+            await trio.sleep(0.01)
+        m.remove("c")
+        release.set()
+        with trio.fail_after(10):
+            while not reloading:
+                await trio.sleep(0.01)
+        assert reloading == [1] and m.cache.is_resident("b")
+        nursery.cancel_scope.cancel()
