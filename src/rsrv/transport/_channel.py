@@ -126,10 +126,13 @@ class Channel:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hold the channel's connections until cancelled or :meth:`aclose`; meant for
         ``await nursery.start(channel.run)``."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None  # (a later call: UNAVAILABLE, "not running")
 
     async def aclose(self) -> None:
         """Close every connection (GOAWAY) and stop :meth:`run`; calls still in flight
@@ -269,7 +272,8 @@ class Channel:
                     best = conn
             if best is not None and (best.load < limits.streams_per_connection or not capped):
                 return best
-            if len(self.connections) + self._opening < limits.max_connections:
+            live = sum(not c.draining for c in self.connections)  # (GOAWAY: finishing)
+            if live + self._opening < limits.max_connections:
                 return await self._open()
             if not capped:
                 spare = self._spare
@@ -310,7 +314,7 @@ class Channel:
                     f"cannot connect to {where} within {limits.connect_timeout:g} s "
                     "(ClientLimits.connect_timeout)"
                 )
-            if conn.closed:
+            if conn.closed or conn.draining:  # (a GOAWAY with its settings: takes none)
                 raise _Unreachable(f"the connection to {where} ended before HTTP/2 settings")
         except BaseException:
             if conn is not None:

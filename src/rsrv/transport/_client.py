@@ -34,7 +34,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import _frames as F
 from rsrv.transport._client_stream import ClientStream
-from rsrv.transport._endpoint import Http2Endpoint
+from rsrv.transport._endpoint import Http2Endpoint, set_keepalive
 from rsrv.transport._messages import InflateBudget
 
 ASSUMED_MAX_STREAMS = 100  # the server's stream limit until its SETTINGS say otherwise
@@ -54,6 +54,7 @@ async def connect(
     verifying ``server_hostname`` or ``host``). Raises OSError, ``ssl.SSLError`` or
     ``trio.BrokenResourceError`` when the server cannot be reached."""
     sock = await trio.open_tcp_stream(host, port)
+    set_keepalive(sock.socket)  # (a server gone without a FIN: noticed, not waited on)
     if tls is None:
         return sock
     tls.set_alpn_protocols(["h2"])
@@ -132,6 +133,8 @@ class ClientConnection(Http2Endpoint):
                 self.flush()
                 with self._read_scope:
                     await self._read_loop()
+                self.draining = True  # (the server is gone: no new stream while it drains)
+                self._on_change(self)
                 if self._error is not None:
                     reason = f"the server broke the HTTP/2 protocol: {self._error}"
                 await self._drain_writer()

@@ -169,7 +169,7 @@ class ClientStream:
     def _on_reset(self, code: int) -> None:
         if self.done:
             return
-        if code == F.REFUSED_STREAM:
+        if code == F.REFUSED_STREAM and self._reader is None:  # (no answer began)
             self.reached_server = False
         status = _RESET_STATUS.get(code, StatusCode.INTERNAL)
         self._finish(status, f"the server reset the stream (HTTP/2 error code {code})")

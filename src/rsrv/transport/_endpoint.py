@@ -21,6 +21,7 @@ the read loop answers it with GOAWAY and ends.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import trio
@@ -45,6 +46,18 @@ MAX_SETTINGS = 32
 MAX_UNSENT_ANSWERS = 1000
 RECEIVE_SIZE = 256 * 1024
 INBOX_LIMIT = 4  # complete messages a stream may hold unread before flow control stops
+
+
+def set_keepalive(sock) -> None:
+    """TCP keepalive, so a peer that vanished without a FIN is noticed (~8 min)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 300)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 30)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
+    except OSError:
+        pass
 
 
 class Http2Endpoint:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import socket
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from rsrv.errors import alone
 from rsrv.transport._call import ServerCall
 from rsrv.transport._cap import ConnectionCap
 from rsrv.transport._connection import ServerConnection
+from rsrv.transport._endpoint import set_keepalive
 from rsrv.transport._messages import MessageError
 
 log = logging.getLogger("rsrv.transport")
@@ -241,7 +241,7 @@ class GrpcServer:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         peer = _peer(stream)
-        _keepalive(stream.socket)
+        set_keepalive(stream.socket)
         conn = None  # (None: not in ``connections`` yet, counted as starting)
         try:
             if self.tls is not None:
@@ -364,18 +364,6 @@ def _peer(stream: trio.SocketStream) -> str:
     except OSError:
         return "?"
     return f"{host}:{port}"
-
-
-def _keepalive(sock) -> None:
-    """TCP keepalive, so a peer that vanished without a FIN is noticed (~8 min)."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 300)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 30)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
-    except OSError:
-        pass
 
 
 def server_tls_context(

@@ -1,0 +1,132 @@
+"""The client Channel against servers that go away, from a scripted raw HTTP/2 server:
+whether a call "reached the server" (what decides a retry) is said only when certain,
+and a connection that is going is never given a new call."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import trio
+from purerpc.grpclib.status import StatusCode
+from support.echo import UNARY, echo_server
+from support.rawserver import raw_server
+
+from rsrv.transport import Channel, ClientLimits, open_channel
+from rsrv.transport import _frames as F
+
+PATH = "/x.Y/Z"
+SETTINGS = F.settings({F.MAX_CONCURRENT_STREAMS: 100})
+
+
+async def test_a_connection_gone_away_before_its_first_stream_takes_no_call():
+    """SETTINGS then GOAWAY(last 0) at once (a server draining): the call never reached
+    it, so it can be retried elsewhere (it said reached_server=True, 10 of 10)."""
+
+    async def handler(peer):
+        await peer.send(SETTINGS + F.goaway(0, F.NO_ERROR))
+        with trio.move_on_after(0.5):
+            while True:
+                await peer.frame()
+        await peer.s.aclose()
+
+    async with raw_server(handler) as (port, _):
+        for _ in range(3):
+            async with open_channel("127.0.0.1", port) as channel:
+                result = await channel.unary(PATH, b"x", timeout=3)
+            assert result.status is StatusCode.UNAVAILABLE and not result.reached_server
+
+
+async def test_a_draining_connection_does_not_hold_new_calls_at_max_connections():
+    """GOAWAY(last 1) while stream 1 runs on (a server rotating its connections): a new
+    call opens a fresh connection at once (it waited for the old call, to its deadline)."""
+
+    async def handler(peer):
+        await peer.send(SETTINGS)
+        if peer.index == 0:
+            _, _, sid, _ = await peer.until(F.HEADERS)
+            await peer.send(F.goaway(sid, F.NO_ERROR))
+            await trio.sleep(3)
+            await peer.send(peer.answer(sid, b"long"))
+            await trio.sleep(1)
+        else:
+            while True:
+                _, _, sid, _ = await peer.until(F.HEADERS)
+                await peer.send(peer.answer(sid, b"fresh"))
+
+    limits = ClientLimits(max_connections=1)
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port, limits=limits) as channel:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.unary, PATH, b"long")
+                await trio.sleep(0.3)
+                assert channel.connections[0].draining
+                result = await channel.unary(PATH, b"new", timeout=1.5)
+    assert result.ok and result.response == b"fresh"
+
+
+async def test_a_connection_whose_server_ended_it_takes_no_new_call():
+    """After the server's FIN the connection drains its writer (up to 1 s): a call put on
+    it meanwhile never left, yet said reached_server=True."""
+
+    async def handler(peer):
+        window = F.settings({F.MAX_CONCURRENT_STREAMS: 100, F.INITIAL_WINDOW_SIZE: 1 << 30})
+        await peer.send(window + F.window_update(0, 1 << 30))
+        if peer.index > 0:
+            while True:
+                _, _, sid, _ = await peer.until(F.HEADERS)
+                await peer.send(peer.answer(sid, b"ok"))
+        await peer.until(F.HEADERS)
+        await trio.sleep(0.3)  # the client's writer is stuck: nothing is read
+        peer.s.socket.shutdown(socket.SHUT_WR)
+        await trio.sleep(3)
+
+    limits = ClientLimits(max_connections=1)
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port, limits=limits) as channel:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.unary, PATH, bytes(64 << 20))
+                await trio.sleep(0.5)  # the end of the stream has been read
+                result = await channel.unary(PATH, b"new", timeout=3)
+                nursery.cancel_scope.cancel()
+    assert result.ok or not result.reached_server, result
+
+
+async def test_refused_after_the_answer_began_reached_the_server():
+    """RST_STREAM REFUSED_STREAM after response headers and a message: the server saw the
+    call (it said reached_server=False: a retry of a call that may have run)."""
+
+    async def handler(peer):
+        await peer.send(SETTINGS)
+        _, _, sid, _ = await peer.until(F.HEADERS)
+        message = F.frame(F.DATA, 0, sid, struct.pack(">?I", False, 2) + b"ok")
+        await peer.send(
+            peer.headers(sid, [(":status", "200")]) + message + F.rst_stream(sid, F.REFUSED_STREAM)
+        )
+        await trio.sleep(1)
+
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port) as channel:
+            result = await channel.unary(PATH, b"x", timeout=3)
+    assert result.status is StatusCode.UNAVAILABLE and result.reached_server
+
+
+async def test_a_call_after_the_channels_run_ended_is_unavailable():
+    """``nursery.start(channel.run)``, that nursery cancelled, no aclose(): a later call is
+    UNAVAILABLE, never sent (it raised trio's RuntimeError, "Nursery is closed")."""
+    async with echo_server() as echo:
+        channel = Channel("127.0.0.1", echo.port)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(channel.run)
+            assert (await channel.unary(UNARY, b"x", timeout=2)).ok
+            nursery.cancel_scope.cancel()
+        result = await channel.unary(UNARY, b"x", timeout=2)
+    assert result.status is StatusCode.UNAVAILABLE and not result.reached_server
+
+
+async def test_client_sockets_keep_alive():
+    """A server host gone without a FIN is noticed (TCP keepalive), as on the server."""
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        assert (await channel.unary(UNARY, b"x", timeout=2)).ok
+        sock = channel.connections[0].stream.socket
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
