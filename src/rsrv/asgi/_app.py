@@ -17,7 +17,7 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
-from rsrv.transport import ConnectionCap, listen_error
+from rsrv.transport import ConnectionCap, is_listen_error, listen_error
 
 __all__ = [
     "NOT_FOUND",
@@ -291,4 +291,6 @@ async def serve_http(
         leaf = group
         while isinstance(leaf, BaseExceptionGroup):
             leaf = leaf.exceptions[0]
-        raise listen_error(leaf, what, host, port) from None
+        if not is_listen_error(leaf):
+            raise
+        raise listen_error(leaf, what, host, port) from leaf

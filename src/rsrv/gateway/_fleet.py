@@ -209,13 +209,20 @@ class Fleet:
         self.routes = {model: tuple(sorted(names)) for model, names in routes.items()}
         self.version_routes = {key: tuple(sorted(names)) for key, names in versions.items()}
         newest: dict[str, tuple[str, tuple[str, ...]]] = {}
+        listed: dict[str, set[str]] = {}  # model -> workers whose index gives its versions
         for (model, version), names in self.version_routes.items():
+            listed.setdefault(model, set()).update(names)
             best = newest.get(model)
             if best is None or _version_order(version) > _version_order(best[0]):
                 newest[model] = (version, names)
-        self.newest_routes = {
-            model: names for model, (_, names) in newest.items() if names != self.routes.get(model)
-        }
+        self.newest_routes = {}
+        for model, (_, names) in newest.items():
+            routed = self.routes.get(model, ())
+            # (a replica whose index does not list the model, e.g. it serves it only as
+            # a meta's sub-model, is not known to hold another version: it stays)
+            holders = tuple(n for n in routed if n in names or n not in listed[model])
+            if holders != routed:
+                self.newest_routes[model] = holders
 
     def returned(self) -> list[WorkerLink]:
         """The ready workers to bring in line (catch-up): away since their last one

@@ -192,13 +192,16 @@ class Forwarder:
         :class:`Relayed` with the worker's status otherwise."""
         replicas = await self.replicas(head.model)
         if replicas:
-            replicas = self.of_version(head.model, head.version) or replicas
-            ticket = self.router.route(head.model, head, replicas)
+            preferred = self.of_version(head.model, head.version) or replicas
+            ticket = self.router.route(head.model, head, preferred)
+            order = ticket.order
+            if not head.version:  # the newest's holders first; the others still fail over
+                order = [*order, *(n for n in replicas if n not in order)]
             try:
                 if ticket.hold is not None:  # (at most half the time it has left)
                     await ticket.hold.wait((trio.current_time() + deadline) / 2)
                 return await self.try_in_order(
-                    path, body, metadata, deadline, ticket.order, on_failover=ticket.redirect
+                    path, body, metadata, deadline, order, on_failover=ticket.redirect
                 )
             finally:
                 ticket.release()
@@ -234,8 +237,9 @@ class Forwarder:
         """The ready workers that answer for ``version`` of ``model`` as one server
         would: those on which it is READY; with no version, those holding the newest
         READY version, when not every replica does (during a rolling upgrade, an
-        unversioned request must not get the old version on half its calls). Empty:
-        no such preference (every replica answers alike, or none is known)."""
+        unversioned request must not get the old version on half its calls: the others
+        stay its failover). Empty: no such preference (every replica answers alike, or
+        none is known)."""
         if version:
             return self.fleet.version_routes.get((model, version), ())
         return self.fleet.newest_routes.get(model, ())

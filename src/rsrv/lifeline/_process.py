@@ -7,12 +7,10 @@ goes up the link; a port that cannot be bound is one line and exit status 1.
 
 from __future__ import annotations
 
-import errno
 import gc
 import logging
 import resource
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from typing import Protocol
@@ -20,12 +18,11 @@ from typing import Protocol
 import trio
 
 from rsrv.lifeline._lifeline import ChildStatus, SupervisorLink
+from rsrv.transport import is_listen_error
 
 __all__ = ["Server", "first_error", "serve_process"]
 
 log = logging.getLogger("rsrv.lifeline")
-
-_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
 
 
 class Server(Protocol):
@@ -47,9 +44,7 @@ def serve_process(name: str, server: Server, status: Callable[[], ChildStatus]) 
     try:
         trio.run(_serve_until_signal, server, status)
     except* OSError as group:
-        unbound, rest = group.split(
-            lambda e: isinstance(e, socket.gaierror) or getattr(e, "errno", None) in _LISTEN_ERRORS
-        )
+        unbound, rest = group.split(is_listen_error)
         if rest is not None:
             raise
     if unbound is not None:

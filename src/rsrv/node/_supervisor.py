@@ -51,7 +51,7 @@ __all__ = ["Supervisor", "node_main"]
 
 log = logging.getLogger("rsrv.node")
 #: A stop signal repeated within this long is the same stop (see _watch_signals).
-SAME_STOP_SECONDS = 0.5
+SAME_STOP_SECONDS = 0.1
 
 
 def worker_spec(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 import ssl
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -191,7 +192,9 @@ class GrpcServer:
         try:
             listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         except OSError as e:
-            raise listen_error(e, "gRPC", self.host, self.port) from None
+            if not is_listen_error(e):
+                raise
+            raise listen_error(e, "gRPC", self.host, self.port) from e
         if self.port == 0:
             for extra in listeners[1:]:
                 await extra.aclose()
@@ -322,6 +325,15 @@ class GrpcServer:
 async def _requests(method: Method, call: ServerCall):
     while (raw := await call.receive()) is not None:
         yield method.decode(raw)
+
+
+_LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def is_listen_error(error: BaseException) -> bool:
+    """Whether ``error`` says a port cannot be listened on: taken, not this host's, not
+    allowed, or a host name that does not resolve."""
+    return isinstance(error, socket.gaierror) or getattr(error, "errno", None) in _LISTEN_ERRNOS
 
 
 def listen_error(error: OSError, what: str, host: str, port: int) -> OSError:

@@ -102,3 +102,13 @@ async def test_a_port_that_cannot_be_bound_is_named():
             error = e
         assert error.errno == errno.EADDRINUSE
         assert f"REST port 127.0.0.1:{port}: " in str(error)
+
+
+async def test_an_error_that_is_not_a_bind_is_not_called_one(tmp_path):
+    """A TLS file that is missing is its own error, not "REST port ...: No such file"."""
+    missing = str(tmp_path / "missing.pem")
+    try:
+        await serve_http(APP, "127.0.0.1", 0, "test", tls=(missing, missing, None), what="REST")
+    except OSError as e:
+        error = e
+    assert isinstance(error, FileNotFoundError) and "REST port" not in str(error)

@@ -207,3 +207,74 @@ async def test_a_fan_out_past_its_deadline_answers_each_worker_deadline_exceeded
         "w0": (StatusCode.DEADLINE_EXCEEDED, False),
         "w1": (StatusCode.DEADLINE_EXCEEDED, False),
     }
+
+
+# -- versions across workers (a rolling upgrade) ---------------------------------------------
+
+
+class RoundRobin:
+    """The router's interface over rsrv's round robin."""
+
+    def __init__(self):
+        from rsrv.gateway._routing import RoundRobinRouter
+
+        self.router = RoundRobinRouter()
+
+    def route(self, model, head, replicas):
+        return self.router.route(model, replicas)
+
+
+def upgrading(w0_answer: UnaryResult) -> Forwarder:
+    """w0 holds m/1 and m/2, w1 only m/1."""
+    channels = {"w0": Answering(w0_answer), "w1": Answering(ok(b"from w1"))}
+    fleet = fleet_of("w0", "w1", channels=channels, ready=True)
+    w0, w1 = fleet.workers
+    w0.index = (IndexRow("m", "1", "READY", ""), IndexRow("m", "2", "READY", ""))
+    w1.index = (IndexRow("m", "1", "READY", ""),)
+    fleet.rebuild_routes()
+    return Forwarder(fleet, FakeDiscovery(), RoundRobin(), request_timeout=60.0)
+
+
+@pytest.mark.parametrize(
+    "w0_answer",
+    [
+        UnaryResult(StatusCode.UNAVAILABLE, "server is shutting down", trailers=grpc_trailers({})),
+        UnaryResult(StatusCode.UNAVAILABLE, "connection refused", reached_server=False),
+        UnaryResult(StatusCode.NOT_FOUND, "Request for unknown model: 'm' is not found"),
+    ],
+    ids=["shutting down", "unreachable", "not found"],
+)
+async def test_an_unversioned_call_prefers_the_newest_and_fails_over_to_the_rest(w0_answer):
+    """Newest holder first (w0, m/2); one that cannot take the call gives way to the
+    holder of m/1, as one server that lost m/2 would answer with m/1."""
+    forwarder = upgrading(w0_answer)
+    head = SimpleNamespace(model="m", version="")
+    deadline = trio.current_time() + 10
+    assert await forwarder.infer(INFERENCE + "ModelInfer", head, b"", {}, deadline) == b"from w1"
+
+
+async def test_a_replica_that_lists_no_version_is_not_held_to_be_older():
+    """w1 serves enc only as a meta's sub-model (its index hides it): nothing is known to
+    differ in version, so both replicas take unversioned calls."""
+    from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
+
+    channels = {"w0": Answering(ok(b"w0")), "w1": Answering(ok(b"w1"))}
+    fleet = fleet_of("w0", "w1", channels=channels, ready=True)
+    w0, w1 = fleet.workers
+    w0.index = (IndexRow("enc", "1", "READY", ""),)
+    w1.index = (IndexRow("pipe", "1", "READY", ""),)
+    w1.control = cpb.ModelControlStatusResponse(
+        models=[
+            cpb.ModelStatus(name="pipe", state="READY"),
+            cpb.ModelStatus(name="enc", state="READY"),
+        ]
+    )
+    fleet.rebuild_routes()
+    assert fleet.routes["enc"] == ("w0", "w1") and "enc" not in fleet.newest_routes
+    forwarder = Forwarder(fleet, FakeDiscovery(), RoundRobin(), request_timeout=60.0)
+    head = SimpleNamespace(model="enc", version="")
+    deadline = trio.current_time() + 10
+    got = {
+        await forwarder.infer(INFERENCE + "ModelInfer", head, b"", {}, deadline) for _ in range(4)
+    }
+    assert got == {b"w0", b"w1"}
