@@ -8,6 +8,7 @@ import errno
 import socket
 import time
 
+import pytest
 import trio
 
 from rsrv.asgi import PlainApp, Response, serve_http
@@ -107,8 +108,9 @@ async def test_a_port_that_cannot_be_bound_is_named():
 async def test_an_error_that_is_not_a_bind_is_not_called_one(tmp_path):
     """A TLS file that is missing is its own error, not "REST port ...: No such file"."""
     missing = str(tmp_path / "missing.pem")
-    try:
+    with pytest.raises(BaseException) as info:
         await serve_http(APP, "127.0.0.1", 0, "test", tls=(missing, missing, None), what="REST")
-    except OSError as e:
-        error = e
+    error = info.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
     assert isinstance(error, FileNotFoundError) and "REST port" not in str(error)
