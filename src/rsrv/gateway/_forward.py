@@ -192,11 +192,11 @@ class Forwarder:
         :class:`Relayed` with the worker's status otherwise."""
         replicas = await self.replicas(head.model)
         if replicas:
-            preferred = self.of_version(head.model, head.version) or replicas
-            ticket = self.router.route(head.model, head, preferred)
+            preferred = self.of_version(head.model, head.version)
+            ticket = self.router.route(head.model, head, preferred or replicas)
             order = ticket.order
-            if not head.version:  # the newest's holders first; the others still fail over
-                order = [*order, *(n for n in replicas if n not in order)]
+            if preferred and not head.version:  # the newest's holders first; the others
+                order = [*order, *(n for n in replicas if n not in order)]  # fail over
             try:
                 if ticket.hold is not None:  # (at most half the time it has left)
                     await ticket.hold.wait((trio.current_time() + deadline) / 2)
