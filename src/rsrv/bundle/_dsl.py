@@ -6,7 +6,6 @@ one output, otherwise a tuple/list in ``outputs`` order or a dict keyed by name:
 
     import numpy as np
 
-from rsrv.errors import Internal, RsrvError
     import rsrv
 
     @rsrv.postprocess(inputs=["logits"], outputs=["grade"])
@@ -54,13 +53,16 @@ class Hook:
         return _bind_outputs(self, result)
 
     def run(self, model: str, tensors: Mapping[str, np.ndarray], *leading: Any):
-        """:meth:`apply` as the server calls it: a failure of the user's code becomes the
+        """:meth:`apply` as the server calls it: a failure of the user's code (an
+        exception, or ``KeyboardInterrupt`` / ``SystemExit`` raised in it) becomes the
         model's ``Internal`` error naming the hook (rsrv's own errors pass through)."""
         try:
             return self.apply(tensors, *leading)
         except RsrvError:
             raise
-        except Exception as e:
+        # (user code: its KeyboardInterrupt or SystemExit fails the request, never the
+        # worker; a meta call's trio.Cancelled, from the trio side, passes through)
+        except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit) as e:
             raise Internal(
                 f"model {model!r}: {self.kind} hook {self.fn.__name__!r} failed: "
                 f"{type(e).__name__}: {e}"

@@ -27,6 +27,11 @@ from rsrv.worker._meta import MetaRunner
 from rsrv.worker._models import ModelSet, ServedModel
 from rsrv.worker._statistics import RequestStatistics
 
+#: Threads one model's pre- and postprocess hooks take at once; its further calls wait
+#: for one of them. Each model has its own: slow hooks of one model never take the
+#: threads of another's, nor those of loads and of the codec's large tensors.
+HOOK_THREADS_PER_MODEL = 8
+
 
 class Pipeline:
     """Request statistics are kept per model name (``statistics``: the metrics, for as
@@ -39,6 +44,14 @@ class Pipeline:
         self.statistics: dict[str, RequestStatistics] = {}
         self.version_statistics: dict[tuple[str, str], RequestStatistics] = {}
         self.meta = MetaRunner(self, meta_concurrency)
+        self._hook_threads: dict[str, trio.CapacityLimiter] = {}
+
+    def _hook_limiter(self, name: str) -> trio.CapacityLimiter:
+        """The threads of ``name``'s hooks (HOOK_THREADS_PER_MODEL)."""
+        limiter = self._hook_threads.get(name)
+        if limiter is None:
+            limiter = self._hook_threads[name] = trio.CapacityLimiter(HOOK_THREADS_PER_MODEL)
+        return limiter
 
     def stats(self, name: str) -> RequestStatistics:
         stats = self.statistics.get(name)
@@ -76,6 +89,7 @@ class Pipeline:
         """Forget everything counted for ``name`` (unloaded)."""
         self.statistics.pop(name, None)
         self.meta.stats.pop(name, None)
+        self._hook_threads.pop(name, None)
         for key in [k for k in self.version_statistics if k[0] == name]:
             del self.version_statistics[key]
 
@@ -151,7 +165,9 @@ class Pipeline:
         # The version chosen for the request is held (``held``) while its preprocess runs:
         # a reload or retirement meanwhile leaves it to run there.
         if hooks.preprocess:
-            made = await trio.to_thread.run_sync(hooks.preprocess.run, name, inputs)
+            made = await trio.to_thread.run_sync(
+                hooks.preprocess.run, name, inputs, limiter=self._hook_limiter(name)
+            )
             exec_inputs.update(made)
             _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
         for stats in both:
@@ -171,7 +187,9 @@ class Pipeline:
         }
         if hooks.postprocess:
             start = trio.current_time()
-            made = await trio.to_thread.run_sync(hooks.postprocess.run, name, outputs)
+            made = await trio.to_thread.run_sync(
+                hooks.postprocess.run, name, outputs, limiter=self._hook_limiter(name)
+            )
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
             outputs.update(made)
             for stats in both:
@@ -227,3 +245,9 @@ def _check_made(
         if not spec.accepts(array.shape):
             expected = ["n" if i == spec.batch_axis else d for i, d in enumerate(spec.shape)]
             raise Internal(f"{where} with shape {list(array.shape)}, expected {expected}")
+        if (
+            hook == "preprocess"
+            and spec.batch_axis is not None
+            and not array.shape[spec.batch_axis]
+        ):
+            raise Internal(f"{where} with no rows (batch axis of extent 0)")

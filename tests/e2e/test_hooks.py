@@ -1,0 +1,111 @@
+"""model.py hooks that misbehave, against a running worker through tritonclient: what
+they raise fails their request only, what they make is checked, and one model's slow
+hooks leave the others' alone."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from support.bundles import X, x_input
+from support.clients import connect
+from support.serving import hook_globals, running, worker_config
+from tritonclient.utils import InferenceServerException
+
+PRE = """
+import threading
+
+import rsrv
+
+mode = {"v": "ok"}
+gate = threading.Event()
+
+
+@rsrv.preprocess(inputs=["x"], outputs=["x"])
+def pre(x):
+    if mode["v"] == "zero":
+        return x[:0]
+    if mode["v"] == "interrupt":
+        raise KeyboardInterrupt()
+    if mode["v"] == "exit":
+        raise SystemExit(3)
+    if mode["v"] == "block":
+        gate.wait(60)
+    return x
+"""
+
+POST = """
+import rsrv
+
+
+@rsrv.postprocess(inputs=["y"], outputs=["y"])
+def post(y):
+    return y
+"""
+
+
+@pytest.fixture
+def repo(tmp_path, tiny_template) -> Path:
+    repo = tmp_path / "repo"
+    for name, model_py in (("pre", PRE), ("post", POST), ("plain", None)):
+        path = Path(shutil.copytree(tiny_template, repo / name))
+        if model_py is not None:
+            (path / "model.py").write_text(model_py)
+    return repo
+
+
+def status(client, model: str, timeout: float = 10) -> tuple[str, str]:
+    try:
+        client.infer(model, [x_input(X)], client_timeout=timeout)
+    except InferenceServerException as e:
+        return e.status(), e.message()
+    return "OK", ""
+
+
+@pytest.mark.parametrize(
+    ("mode", "raised"), [("interrupt", "KeyboardInterrupt: "), ("exit", "SystemExit: 3")]
+)
+def test_a_hook_raising_what_ends_a_process_fails_its_request_only(repo, cache_dir, mode, raised):
+    """KeyboardInterrupt or SystemExit in user code ended the worker's trio run: every
+    model of the worker went down with the one request."""
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        hook_globals(worker, "pre")["mode"]["v"] = mode
+        assert status(client, "pre") == (
+            "StatusCode.INTERNAL",
+            f"model 'pre': preprocess hook 'pre' failed: {raised}",
+        )
+        assert status(client, "plain") == ("OK", "")
+
+
+def test_a_preprocess_that_makes_no_rows_is_internal(repo, cache_dir):
+    """It ran a padded batch on the device and answered OK with no rows, counted as one."""
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        hook_globals(worker, "pre")["mode"]["v"] = "zero"
+        code, message = status(client, "pre")
+        assert code == "StatusCode.INTERNAL"
+        assert (
+            message == "model 'pre': preprocess produced 'x' with no rows (batch axis of extent 0)"
+        )
+
+
+def test_slow_hooks_of_one_model_leave_another_models_hooks_their_threads(repo, cache_dir):
+    """40 requests parked in one model's preprocess took every thread of trio's default
+    limiter: another model's 10 µs postprocess then waited for them (its client's
+    deadline passed)."""
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        parked = hook_globals(worker, "pre")
+        parked["mode"]["v"] = "block"
+        try:
+            with ThreadPoolExecutor(40) as pool:
+                waiting = [pool.submit(status, connect(worker), "pre", 60) for _ in range(40)]
+                time.sleep(1.0)
+                start = time.monotonic()
+                assert status(client, "post", timeout=3) == ("OK", "")
+                assert time.monotonic() - start < 2.0
+                parked["gate"].set()
+                assert all(f.result() == ("OK", "") for f in waiting)
+        finally:
+            parked["gate"].set()
