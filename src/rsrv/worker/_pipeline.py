@@ -27,10 +27,11 @@ from rsrv.worker._meta import MetaRunner
 from rsrv.worker._models import ModelSet, ServedModel
 from rsrv.worker._statistics import RequestStatistics
 
-#: Threads one model's pre- and postprocess hooks take at once; its further calls wait
-#: for one of them. Each model has its own: slow hooks of one model never take the
-#: threads of another's, nor those of loads and of the codec's large tensors.
-HOOK_THREADS_PER_MODEL = 8
+#: Threads one model's pre- and postprocess hooks take at once (trio's default, so a
+#: model's hooks run as concurrently as when they shared it); its further calls wait for
+#: one. Each model has its own: slow hooks of one model never take the threads of
+#: another's, nor those of loads and of the codec's large tensors.
+HOOK_THREADS_PER_MODEL = 40
 
 
 class Pipeline:
