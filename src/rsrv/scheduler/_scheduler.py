@@ -82,11 +82,6 @@ class PinnedVersion:
         return self.version.spec.key
 
 
-def _late(req: Request, now: float, costs: CostTable, size: int) -> bool:
-    """Whether ``req`` would finish after its deadline in a batch of ``size`` from now."""
-    return _any_late((req,), now, costs, size)
-
-
 def _any_late(reqs, now: float, costs: CostTable, size: int) -> bool:
     """Whether any of ``reqs`` would finish after its deadline in one batch of ``size``."""
     finish = now + costs.estimate(size)
@@ -125,6 +120,8 @@ class Scheduler:
     ) -> None:
         self._config = config
         self._executor = executor
+        # (an optional method of the executor, looked up once: see Executor)
+        self._measured = getattr(executor, "measured_seconds", None)
         self._clock = clock
         self._policy = make_policy(config.discipline, config.ema_halflife_seconds)
         self._shed = config.discipline == "edf"  # shed requests that cannot finish in time
@@ -483,7 +480,9 @@ class Scheduler:
             # nothing else waits: then shedding saves nobody time, and the earliest runs
             # to refresh an estimate that may be stale (shed requests never correct it).
             if self._shed:
-                doomed = {id(r) for r in taken if _late(r, now, costs, spec.size_for(r.rows))}
+                doomed = {
+                    id(r) for r in taken if _any_late((r,), now, costs, spec.size_for(r.rows))
+                }
                 if doomed and self._queued > len(doomed):  # shed, then plan again
                     for r in taken:
                         if id(r) in doomed:
@@ -556,7 +555,7 @@ class Scheduler:
         m.stats.compute_seconds += elapsed
         m.usage.add(elapsed, now)
         if ok:  # a failed run says little about the cost
-            measured = getattr(self._executor, "measured_seconds", None)
+            measured = self._measured
             seconds = measured(batch.version.spec.key, batch.size) if measured else None
             batch.version.costs.observe(batch.size, elapsed if seconds is None else seconds)
         self._policy.completed(m, batch.estimate, elapsed, now)
