@@ -17,6 +17,7 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
+from rsrv.errors import alone
 from rsrv.transport import ConnectionCap, is_listen_error, listen_error
 
 __all__ = [
@@ -288,9 +289,7 @@ async def serve_http(
             app, config, mode="asgi", shutdown_trigger=shutdown_trigger, task_status=task_status
         )
     except* OSError as group:  # (hypercorn binds before it serves: a bind that failed)
-        leaf = group
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
-        if not is_listen_error(leaf):
+        error = alone(group)
+        if not is_listen_error(error):
             raise
-        raise listen_error(leaf, what, host, port) from leaf
+        raise listen_error(error, what, host, port) from error
