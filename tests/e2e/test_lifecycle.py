@@ -8,7 +8,9 @@ Every check goes through tritonclient over real gRPC, as a client would see it.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 import trio
 from support.bundles import X, export_linear, infer_y, matches, x_input
 from support.clients import connect, index, model_status, status_of
-from support.serving import running, worker_config
+from support.serving import free_port, rsrv_command, running, worker_config
 from support.waiting import wait_until
 from tritonclient.utils import InferenceServerException
 
@@ -394,3 +396,24 @@ def test_static_mode_ignores_the_repository(repo, cache_dir):
         assert status_of(lambda: client.load_model("b")) == "StatusCode.FAILED_PRECONDITION"
         assert status_of(lambda: client.unload_model("a")) == "StatusCode.FAILED_PRECONDITION"
         assert matches(infer_y(client, "a", X), 0, X)
+
+
+@pytest.mark.parametrize("missing", ["absent", "a file"])
+def test_a_model_repo_that_is_not_a_directory_stops_serve(tmp_path, missing):
+    """A mistyped model_repo would otherwise serve nothing and answer ready: exit 2,
+    naming the path, before any port is opened."""
+    if missing == "a file":
+        (tmp_path / "modls").write_text("")
+    (tmp_path / "node.toml").write_text(f'model_repo = "modls"\nport = {free_port()}\n')
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    result = subprocess.run(
+        [*rsrv_command(), "serve", str(tmp_path / "node.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+    )
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == f"rsrv: model_repo {tmp_path / 'modls'}: not a directory"
+    assert "listening" not in result.stderr

@@ -76,8 +76,11 @@ class Worker:
         """``device``: what :func:`rsrv.runtime.open_device` reported (opened here when
         None). ``allocator``: where the weight budget and the warm-up scratch measurement
         read the allocator's statistics; None (always, outside tests) reads the device's
-        own. Raises ConfigError when ``runtime.weight_staging`` names a route the device
-        cannot take, or a TLS file of ``endpoints`` cannot be read or used."""
+        own. Raises ConfigError when ``model_repo`` is not a directory (a mistyped path
+        would serve nothing, and say ready), when ``runtime.weight_staging`` names a route
+        the device cannot take, or a TLS file of ``endpoints`` cannot be read or used."""
+        if not Path(config.model_repo).is_dir():
+            raise ConfigError(f"model_repo {config.model_repo}: not a directory")
         self.config = config
         self.instance = uuid.uuid4().hex  # ModelControlStatus.instance: new at each start
         self.models = ModelSet()
