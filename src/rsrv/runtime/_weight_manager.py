@@ -71,6 +71,13 @@ class Placement:
                 raise FileReplaced(f"{self.file.path} was replaced since it loaded")
             self.fd = fd
 
+    def reader(self) -> int | None:
+        """A descriptor of its own on the open file (None: not open), for one read in a
+        worker thread, closed by whoever took it: a residency change closing the
+        placement's file meanwhile cannot pull it from under the read (EBADF, or worse,
+        another file opened on the number since)."""
+        return None if self.fd is None else os.dup(self.fd)
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -248,7 +255,16 @@ class WeightManager:
                 return
             self.cache.make_room(nbytes, protected)
         start = time.perf_counter()
-        arrays = await trio.to_thread.run_sync(self._copy, placement, limiter=self._limiter)
+        # (what the copy reads is taken here, on the loop: see Placement.reader)
+        host = placement.host
+        fd = placement.reader() if host is None else None
+        try:
+            arrays = await trio.to_thread.run_sync(
+                self._copy, placement.file, host, fd, limiter=self._limiter
+            )
+        finally:
+            if fd is not None:
+                os.close(fd)
         seconds = time.perf_counter() - start
         if self.placements.get(key) is not placement:  # removed while it was copied
             free(arrays)
@@ -259,11 +275,14 @@ class WeightManager:
         self.cache.admit(key, arrays, nbytes, seconds, pinned=placement.residency == "device")
         log.debug("weights of %s on device: %d bytes in %.4f s", key, nbytes, seconds)
 
-    def _copy(self, placement: Placement) -> list[jax.Array]:
-        if placement.file is None:
+    def _copy(
+        self, file: WeightsFile | None, host: HostWeights | None, fd: int | None
+    ) -> list[jax.Array]:
+        """The device copy of ``host`` (a staged floor), or of ``file`` read now through
+        ``fd`` (unpinned)."""
+        if file is None:
             return []
-        host = placement.host or stage(placement.file, placement.fd)  # unpinned: read now
-        return to_device(host, self.device)
+        return to_device(host or stage(file, fd), self.device)
 
     def _stage_floor(self, file: WeightsFile, fd: int | None = None) -> HostWeights:
         """A ``system`` model's host floor: staged (through ``fd``, the version's own
@@ -355,9 +374,14 @@ class WeightManager:
         previous = placement.residency
         try:
             if residency == "system" and placement.host is None and placement.file is not None:
-                placement.host = await trio.to_thread.run_sync(
-                    self._stage_floor, placement.file, placement.fd
-                )
+                fd = placement.reader()  # (a concurrent change may close the placement's)
+                try:
+                    placement.host = await trio.to_thread.run_sync(
+                        self._stage_floor, placement.file, fd
+                    )
+                finally:
+                    if fd is not None:
+                        os.close(fd)
             elif residency == "unpinned":
                 placement.open()
             elif residency == "device":

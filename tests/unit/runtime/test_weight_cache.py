@@ -27,7 +27,7 @@ from trio.testing import wait_all_tasks_blocked
 from rsrv.bundle._safetensors import read_weights_header
 from rsrv.config._schema import RuntimeConfig
 from rsrv.errors import FailedPrecondition, NotFound
-from rsrv.runtime import configure
+from rsrv.runtime import _weight_manager, configure
 from rsrv.runtime._allocator import allocator_limit, measured_scratch
 from rsrv.runtime._staging import (
     ALIGN,
@@ -443,7 +443,7 @@ def held_copies(m: WeightManager) -> threading.Event:
     """Hold every copy of ``m`` until the returned event is set."""
     release = threading.Event()
     copy = m._copy
-    m._copy = lambda placement: (release.wait(), copy(placement))[1]
+    m._copy = lambda *source: (release.wait(), copy(*source))[1]
     return release
 
 
@@ -671,9 +671,9 @@ async def test_remove_during_a_transfer_frees_what_was_copied(files, route):
         release, copied = threading.Event(), []
         copy = m._copy
 
-        def slow_copy(placement):
+        def slow_copy(*source):
             release.wait()
-            copied.extend(copy(placement))
+            copied.extend(copy(*source))
             return copied
 
         m._copy = slow_copy
@@ -729,6 +729,39 @@ async def test_a_residency_change_keeps_the_weights_the_version_loaded(files):
 
 
 # -- a residency change while the weights are copied -----------------------------------------
+
+
+async def test_an_unpinned_copy_reads_on_while_a_residency_change_closes_the_file(
+    files, monkeypatch
+):
+    """unpinned -> system while the unpinned version's weights are read for a copy: the
+    change closes the file the version held open; the copy, reading it in its thread,
+    failed EBADF (or read whatever file took the descriptor's number). It reads its own."""
+    release, reads = threading.Event(), []
+
+    def held_first_read(file, fd=None):
+        reads.append(fd)
+        if len(reads) == 1:  # the copy's, holding its descriptor (not the change's)
+            release.wait()
+        return stage(file, fd)
+
+    monkeypatch.setattr(_weight_manager, "stage", held_first_read)
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 4 * W, {"a": files["a"]}, residency="unpinned")
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(m.prefetch, "a")
+            while "a" not in m._transfers:
+                await trio.sleep(0.01)
+            await wait_all_tasks_blocked()
+            await m.set_residency("a", "system")
+            assert m.placements["a"].fd is None  # the version's own descriptor closed
+            other = os.open(files["b"].path, os.O_RDONLY)  # (may take its number)
+            release.set()
+        os.close(other)
+        async with m.lease("a") as weights:
+            assert float(weights[0][0]) == 1.0
+        assert m.cache.counters.loads == 1  # the prefetch's copy, not a failed one
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_version_pinned_while_its_evictable_copy_runs_is_admitted_pinned(files):
@@ -795,7 +828,7 @@ async def test_warm_up_and_measured_costs_leave_out_the_wait_for_weights(files, 
     async with trio.open_nursery() as nursery:
         m = await manager(nursery, 2 * W, {"a": files["a"]})
         copy = m._copy
-        m._copy = lambda placement: (time.sleep(0.3), copy(placement))[1]
+        m._copy = lambda *source: (time.sleep(0.3), copy(*source))[1]
         monkeypatch.setattr(_executor, "zero_inputs", lambda compiled, size: [])
         executor = DeviceExecutor(m)
         compiled = SimpleNamespace(executables={1: None, 4: None}, run=lambda *args: [])
