@@ -136,6 +136,42 @@ def test_explicit_mode_loads_and_unloads_only_on_request(repo, cache_dir):
         assert matches(infer_y(client, "a", X), 5, X)
 
 
+async def test_a_load_whose_client_gives_up_still_finishes(repo, cache_dir, monkeypatch):
+    """RepositoryModelLoad cut off by its client's deadline while it warms up: the load
+    finishes (as Triton's does), the old load of a is retired and its pinned weights
+    freed, and b is READY. (Cut off between its steps, loads kept their weights
+    registered and pinned, and b stayed LOADING: ServerReady false for good.)"""
+    warm_up = DeviceExecutor.warm_up
+
+    async def slow_warm_up(self, served):
+        await trio.sleep(1.0)
+        return await warm_up(self, served)
+
+    monkeypatch.setattr(DeviceExecutor, "warm_up", slow_warm_up)
+    config = worker_config(
+        repo, cache_dir, MODEL_CONTROL_MODE="explicit", RUNTIME_WEIGHT_CACHE_BYTES=1 << 20
+    )
+    async with serving(config) as (worker, client):
+        await trio.to_thread.run_sync(client.load_model, "a")
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            await control.set_residency("a", "device")
+        for name in ("a", "a", "b"):
+            with pytest.raises(tc.InferenceServerException, match="DEADLINE_EXCEEDED"):
+                await trio.to_thread.run_sync(
+                    lambda name=name: client.load_model(name, client_timeout=0.3)
+                )
+        with trio.fail_after(30):
+            while not (
+                client.is_server_ready()
+                and client.is_model_ready("b")
+                and len(worker.weights.placements) == 2
+            ):
+                await trio.sleep(0.05)
+        assert sorted(worker.executor.versions) == sorted(worker.weights.placements)
+        assert len(worker.weights.cache.pinned) == 1  # a's newest load alone
+        assert matches(infer_y(client, "a", X), 0, X) and matches(infer_y(client, "b", X), 1, X)
+
+
 def test_repository_load_and_unload_need_explicit_mode(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
     with running(config) as worker, connect(worker) as client:

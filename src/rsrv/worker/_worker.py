@@ -14,7 +14,7 @@ from pathlib import Path
 import trio
 
 from rsrv.config import ConfigError, WorkerConfig, unusable_tls
-from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound
+from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rsrv.protocol import (
     Admission,
     ControlService,
@@ -358,7 +358,7 @@ class Worker:
                 f"failed to load {name!r}, failed to poll from model repository: no such "
                 "model in the repository"
             )
-        await self.loader.load(path, force=True, override=override)
+        await self._unabandoned(self.loader.load, path, force=True, override=override)
         entry = self.models.entries.get(name)
         if entry is None:  # unloaded meanwhile
             return
@@ -370,6 +370,31 @@ class Worker:
         if entry.problem or failures:
             reasons = ([entry.problem] if entry.problem else []) + failures
             raise FailedPrecondition(f"failed to load {name!r}: {'; '.join(reasons)}")
+
+    async def _unabandoned(self, fn, *args, **kwargs) -> None:
+        """Await ``fn(*args, **kwargs)`` run as a task of the worker's: a caller that gives
+        up (its client's deadline, a disconnect) leaves it to finish, as Triton does,
+        instead of cutting it off between its steps (a load cut off so kept weights
+        registered and pinned, and its model LOADING for good: ServerReady false).
+        Raises what it raised; Unavailable when the worker stopped it."""
+        done = trio.Event()
+        ended: list[Exception | None] = []  # what it raised, None: returned (empty: cancelled)
+
+        async def task() -> None:
+            try:
+                await fn(*args, **kwargs)
+                ended.append(None)
+            except Exception as e:
+                ended.append(e)
+            finally:
+                done.set()
+
+        self._nursery.start_soon(task)
+        await done.wait()
+        if not ended:
+            raise Unavailable("the worker stopped before it was done")
+        if ended[0] is not None:
+            raise ended[0]
 
     async def unload_model(self, name: str) -> None:
         """RepositoryModelUnload (explicit mode): every version; queued requests fail
