@@ -454,6 +454,12 @@ async def test_compact_memory_frees_evictable_weights_and_reloads_the_listed(rep
             assert models["b"].device_resident
             assert models["c"].device_resident  # pinned weights are not evictable
 
+            # c stays on the device (pinned), b is copied once: one reloaded, as loaded
+            loads = (await control.status()).weight_cache_loads
+            response = await control.compact_memory(["c", "b", "b"])
+            assert response.reloaded_models == 1
+            assert (await control.status()).weight_cache_loads == loads + 1
+
             response = await control.compact_memory()
             assert (response.reloaded_models, response.resident_bytes_after) == (0, 0)
             assert matches(infer_y(client, "a", X), 0, X)  # loaded again on demand

@@ -346,11 +346,14 @@ class WeightManager:
 
     async def compact_and_reload(self, keys: list[str]) -> int:
         """CompactMemory: free every evictable weight, then load ``keys`` again; returns
-        how many were. A key retired meanwhile (a reload replaced its version while the
+        how many were copied onto the device (not those that stayed: pinned, executing,
+        or listed twice). A key retired meanwhile (a reload replaced its version while the
         others were copied) is passed over, not the whole call's NotFound."""
         self.compact()
         reloaded = 0
         for key in keys:
+            if self.cache.is_resident(key):
+                continue
             try:
                 await self._ensure(key)
             except NotFound:
