@@ -168,7 +168,7 @@ def plan_request(
             model,
             name,
             tensor.datatype,
-            tuple(tensor.shape),
+            tensor.shape,
             by_name,
             seen,
             max_tensor_bytes,

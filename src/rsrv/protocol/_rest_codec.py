@@ -180,7 +180,7 @@ def decode_rest_inputs(
             model,
             tensor.name,
             tensor.datatype,
-            tuple(tensor.shape),
+            tensor.shape,
             by_name,
             seen,
             max_tensor_bytes,

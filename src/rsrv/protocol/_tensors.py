@@ -108,11 +108,7 @@ def _names(specs: Sequence[Tensor]) -> str:
 
 
 def _check_shape(spec: Tensor, shape: tuple[int, ...], what: str) -> None:
-    if len(shape) != spec.rank:
-        raise InvalidArgument(
-            f"{what}: rank {len(shape)} (shape {list(shape)}) does not match the model's "
-            f"rank {spec.rank} ({spec.describe()})"
-        )
+    """(Of a shape whose rank is the spec's.)"""
     for axis, (got, want) in enumerate(zip(shape, spec.shape, strict=True)):
         if got < 0:
             raise InvalidArgument(
@@ -135,7 +131,7 @@ def plan_input(
     model: str,
     name: str,
     datatype: str,
-    shape: tuple[int, ...],
+    shape: Sequence[int],
     by_name: Mapping[str, Tensor],
     seen: set[str],
     max_tensor_bytes: int,
@@ -158,6 +154,14 @@ def plan_input(
         raise InvalidArgument(
             f"{what}: got datatype {datatype or '(empty)'}, expected {spec.dtype.kserve}"
         )
+    rank = len(shape)
+    if rank != spec.rank:  # (before anything walks a shape of any length: 20M dims)
+        shown = list(shape) if rank <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...]"
+        raise InvalidArgument(
+            f"{what}: rank {rank} (shape {shown}) does not match the model's "
+            f"rank {spec.rank} ({spec.describe()})"
+        )
+    shape = tuple(shape)
     _check_shape(spec, shape, what)
     count = math.prod(shape)
     # A zero dimension leaves no data, but the other dimensions still shape an array
