@@ -163,7 +163,10 @@ class Channel:
         """Call ``path`` ("/package.Service/Method") with one request message; never
         raises for a status. ``timeout`` (seconds) is sent as grpc-timeout and enforced
         here too: past it the stream is reset (RST_STREAM CANCEL) and the result is
-        DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well.
+        DEADLINE_EXCEEDED. Cancelling the calling task resets the stream as well. A call
+        the server refused unprocessed (GOAWAY past its stream, REFUSED_STREAM) is sent
+        once more, on a connection that takes calls; refused again, it is UNAVAILABLE
+        with ``reached_server`` False.
         ``capped=False``: the call does not take one of the ``max_concurrent_streams``
         slots (nor wait for one), nor wait for a connection with room (every one full,
         it takes the channel's spare one: see ``_connection``): for the few calls that
@@ -197,19 +200,25 @@ class Channel:
             except trio.WouldBlock:
                 await slots.acquire()
         try:
-            try:
-                conn = await self._connection(capped)
-            except _Unreachable as e:
-                return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
-            block = self._block(path, metadata, deadline)
-            stream = conn.open_stream(block, deadline=deadline)
-            if opened is not None:
-                opened.append(stream)
-            try:
-                await stream.send(request, end=True)
-            except CallEnded:
-                pass
-            await stream.wait_done()
+            for attempt in (1, 2):
+                try:
+                    conn = await self._connection(capped)
+                except _Unreachable as e:
+                    return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
+                block = self._block(path, metadata, deadline)
+                stream = conn.open_stream(block, deadline=deadline)
+                if opened is not None:
+                    opened.append(stream)
+                try:
+                    await stream.send(request, end=True)
+                except CallEnded:
+                    pass
+                await stream.wait_done()
+                if stream.reached_server or attempt == 2:
+                    break
+                # Refused unprocessed by a server that is up (GOAWAY past it, a connection
+                # rotated or idle-closed; REFUSED_STREAM): once more, on a connection that
+                # takes calls, as gRPC's transparent retry does.
         finally:
             if stream is not None and not stream.done:
                 stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel

@@ -37,6 +37,38 @@ async def test_a_connection_gone_away_before_its_first_stream_takes_no_call():
             assert result.status is StatusCode.UNAVAILABLE and not result.reached_server
 
 
+async def test_a_call_refused_unprocessed_by_a_live_server_is_sent_again():
+    """A server rotating its connection (GOAWAY past the call, as an idle close or a
+    maximum connection age does), or refusing a stream: the call goes out once more and
+    is answered (it failed UNAVAILABLE, and a gateway took the worker out of its
+    routes). (Refused every time, it fails unprocessed: the test above.)"""
+
+    async def handler(peer):
+        await peer.send(SETTINGS)
+        _, _, sid, _ = await peer.until(F.HEADERS)
+        if peer.index == 0:
+            await peer.send(peer.answer(sid, b"first"))
+            _, _, sid, _ = await peer.until(F.HEADERS)
+            await peer.send(F.goaway(sid - 2, F.NO_ERROR))
+            await trio.sleep(1)
+            return
+        await peer.send(peer.answer(sid, b"on a new connection"))
+        _, _, sid, _ = await peer.until(F.HEADERS)
+        await peer.send(F.rst_stream(sid, F.REFUSED_STREAM))
+        while True:
+            _, _, sid, _ = await peer.until(F.HEADERS)
+            await peer.send(peer.answer(sid, b"again"))
+
+    async with raw_server(handler) as (port, peers):
+        async with open_channel("127.0.0.1", port) as channel:
+            assert (await channel.unary(PATH, b"1", timeout=3)).response == b"first"
+            result = await channel.unary(PATH, b"2", timeout=3)  # GOAWAY past it
+            assert result.ok and result.response == b"on a new connection"
+            result = await channel.unary(PATH, b"3", timeout=3)  # REFUSED_STREAM
+            assert result.ok and result.response == b"again"
+        assert len(peers) == 2
+
+
 async def test_a_draining_connection_does_not_hold_new_calls_at_max_connections():
     """GOAWAY(last 1) while stream 1 runs on (a server rotating its connections): a new
     call opens a fresh connection at once (it waited for the old call, to its deadline)."""
