@@ -329,7 +329,7 @@ async def test_closing_the_client_ends_a_call_between_retries_at_once():
             nursery.start_soon(call)
             await trio.sleep(0.3)
         closed = trio.current_time()
-    assert ended[0] - closed < 0.2  # (it slept out 40 x 0.1 s before)
+    assert ended[0] - closed < 1.0  # (it slept out 40 x 0.1 s before)
 
 
 async def test_retry_until_a_late_server_starts(tmp_path, cache_dir):

@@ -15,7 +15,7 @@ import sys
 import threading
 
 import pytest
-from support.bundles import X, export_linear, matches, x_input
+from support.bundles import ImportGate, X, export_linear, matches, x_input
 from support.clients import connect
 from support.health import Watch, check
 from support.metrics import get
@@ -53,11 +53,12 @@ def test_check_answers_each_service_name(repo, cache_dir):
             assert unknown.ended is None  # the gRPC rule: the stream stays open
 
 
-def test_readiness_follows_a_model_loading(repo, cache_dir, tmp_path):
-    """A bundle added in dynamic mode takes 1.5 s to load: readiness is NOT_SERVING
-    meanwhile (liveness stays SERVING), and Watch sees SERVING -> NOT_SERVING ->
-    SERVING."""
-    slow = export_linear(tmp_path / "staging" / "slow", seed=2, import_seconds=1.5)
+def test_readiness_follows_a_model_loading(repo, cache_dir, tmp_path, monkeypatch):
+    """A bundle added in dynamic mode loads until the test lets it: readiness is
+    NOT_SERVING meanwhile (liveness stays SERVING), and Watch sees SERVING ->
+    NOT_SERVING -> SERVING."""
+    slow = export_linear(tmp_path / "staging" / "slow", seed=2, import_gate=True)
+    gate = ImportGate(monkeypatch, tmp_path / "gate")
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=0.1)
     with running(config) as worker, Watch(url(worker), "ready") as watch:
         watch.wait_for("SERVING")
@@ -65,6 +66,7 @@ def test_readiness_follows_a_model_loading(repo, cache_dir, tmp_path):
         watch.wait_for("NOT_SERVING", timeout=10)
         assert check(url(worker), "inference.GRPCInferenceService") == "NOT_SERVING"
         assert check(url(worker), "") == "SERVING"
+        gate.open()
         watch.wait_for("SERVING", timeout=20)
         assert watch.statuses == ["SERVING", "NOT_SERVING", "SERVING"]
         with connect(worker) as client:

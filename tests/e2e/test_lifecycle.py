@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
-from support.bundles import X, export_linear, infer_y, matches, x_input
+from support.bundles import ImportGate, X, export_linear, infer_y, matches, x_input
 from support.clients import connect, index, model_status, status_of
 from support.serving import free_port, rsrv_command, running, worker_config
 from support.waiting import wait_until
@@ -123,20 +123,24 @@ def test_a_bundle_being_written_is_not_loaded_until_stable(repo, cache_dir, tmp_
         assert matches(infer_y(client, "c", X), 3, X)
 
 
-def test_a_slow_load_delays_no_other_models_change(repo, cache_dir):
-    """A model whose load takes a while (its model.py sleeps 5 s on import) is LOADING
-    while a model added after it is loaded, and one removed after it is unloaded."""
+def test_a_slow_load_delays_no_other_models_change(repo, cache_dir, tmp_path, monkeypatch):
+    """A model whose load takes a while (its model.py's import waits at a gate) is
+    LOADING while a model added after it is loaded, and one removed after it is
+    unloaded."""
     export_linear(repo / "gone", seed=0)
+    slow = export_linear(tmp_path / "staging" / "slow", seed=1, import_gate=True)
+    gate = ImportGate(monkeypatch, tmp_path / "gate")
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL)
     with running(config) as worker, connect(worker) as client:
-        export_linear(repo / "slow", seed=1, import_seconds=5.0)
+        slow.rename(repo / "slow")
         wait_until(lambda: index(client).get("slow") == ("LOADING", ""), timeout=5)
         export_linear(repo / "fast", seed=2)
         shutil.rmtree(repo / "gone")
-        wait_until(lambda: index(client).get("fast") == ("READY", ""), timeout=4)
-        wait_until(lambda: "gone" not in index(client), timeout=1)
+        wait_until(lambda: index(client).get("fast") == ("READY", ""), timeout=10)
+        wait_until(lambda: "gone" not in index(client), timeout=5)
         assert index(client)["slow"] == ("LOADING", "")
         assert matches(infer_y(client, "fast", X), 2, X)
+        gate.open()
         wait_until(lambda: index(client)["slow"] == ("READY", ""), timeout=10)
 
 
@@ -363,7 +367,12 @@ def test_continuous_traffic_across_dynamic_reloads(repo, cache_dir):
                     time.sleep(0.1)
                     export_linear(repo / "m", seed=seed, work=300)
                     wait_until(lambda s=seed: matches(infer_y(client, "m", X), s, X), timeout=5)
-                time.sleep(0.1)
+
+            def answered_by_2() -> bool:  # (the traffic's, not the probe's)
+                done = list(results)
+                return any(not isinstance(y, Exception) and matches(y, 2, x) for x, y in done)
+
+            wait_until(answered_by_2, timeout=10)
         finally:
             stop.set()
             for t in threads:

@@ -587,7 +587,7 @@ def test_grpc_deadline_stops_the_glue(tiny_repo, cache_dir):
     with running(worker_config(tiny_repo, cache_dir)) as worker:
         client = connect(worker)
         spin = hook_globals(worker, "spin")
-        code, _ = failure(lambda: infer(client, "spin", {"x": rows(1)}, client_timeout=0.3))
+        code, _ = failure(lambda: infer(client, "spin", {"x": rows(1)}, client_timeout=1.0))
         assert code == "StatusCode.DEADLINE_EXCEEDED"
         # its natural end (3 s of calls) would leave "ended" empty: this cannot pass late
         assert spin["finished"].wait(10), "the glue kept calling after the deadline"

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from support.bundles import WEIGHT_BYTES, X, export_linear, infer_y, matches, x_input
+from support.bundles import WEIGHT_BYTES, ImportGate, X, export_linear, infer_y, matches, x_input
 from support.clients import connect, failure, infer_input
 from support.metrics import Scrape, get
 from support.procfs import listening_ports
@@ -57,16 +57,18 @@ def test_no_admin_server_without_a_metrics_port(repo, cache_dir):
     assert opened == {worker.port}  # gRPC only: no admin HTTP listener
 
 
-def test_readyz_is_503_while_a_model_is_loading(repo, cache_dir, tmp_path):
+def test_readyz_is_503_while_a_model_is_loading(repo, cache_dir, tmp_path, monkeypatch):
     port, config = with_metrics(repo, cache_dir, MODEL_POLL_SECONDS=0.1)
-    slow = export_linear(tmp_path / "staging" / "slow", seed=2, import_seconds=1.5)
+    slow = export_linear(tmp_path / "staging" / "slow", seed=2, import_gate=True)
+    gate = ImportGate(monkeypatch, tmp_path / "gate")
     with running(config) as worker, connect(worker) as client:
         assert get(port, "/readyz")[0] == 200
-        slow.rename(repo / "slow")  # loading takes 1.5 s (its model.py imports slowly)
+        slow.rename(repo / "slow")  # it loads until the gate opens
         assert wait_until(lambda: get(port, "/readyz")[0] == 503, timeout=5)
         assert not client.is_server_ready()
         assert get(port, "/healthz")[0] == 200  # live all along
         assert matches(infer_y(client, "a", X), 0, X)  # the others keep serving
+        gate.open()
         wait_until(lambda: get(port, "/readyz")[0] == 200, timeout=10)
         assert client.is_server_ready()
         assert matches(infer_y(client, "slow", X), 2, X)

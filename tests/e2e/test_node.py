@@ -269,7 +269,9 @@ def test_children_whose_stop_hangs_end_within_their_grace_when_the_supervisor_di
     stop) for 10 minutes; SIGKILL of the supervisor still ends both within the grace it
     would have given them (1 s to drain + 1 s), not when the import returns."""
     bundle = export_linear(tmp_path / "repo" / "lin", seed=5, import_seconds=0.01)
-    hang = SLOW_HOOK_PY.format(seconds=0, import_seconds=600)  # (exported, it would run)
+    hang = SLOW_HOOK_PY.format(
+        seconds=0, import_seconds=600, import_gate=False
+    )  # (exported, it would run)
     (bundle / "model.py").write_text(hang)
     n = node(
         TWO_WORKERS.replace("shutdown_grace_seconds = 20", "shutdown_grace_seconds = 1"),

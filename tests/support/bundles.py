@@ -294,13 +294,19 @@ def make_repo(root: Path, *names: str) -> Path:
 # -- tiny and linear -------------------------------------------------------------------------
 
 #: A pass-through preprocess hook that sleeps, so requests spend time in flight before
-#: they queue; the module itself may take a while to import (a slow load).
+#: they queue; the module itself may take a while to import (a slow load), or wait at an
+#: :class:`ImportGate`.
 SLOW_HOOK_PY = """
+import os
 import time
 
 import rsrv
 
 time.sleep({import_seconds})
+_gate = os.environ.get("RSRV_TEST_IMPORT_GATE", "") if {import_gate} else ""
+_until = time.monotonic() + 60
+while _gate and os.path.exists(_gate) and time.monotonic() < _until:
+    time.sleep(0.01)
 
 
 @rsrv.preprocess(inputs=["x"], outputs=["x"])
@@ -330,6 +336,7 @@ class Linear:
     work: int = 0
     hook_seconds: float = 0.0
     import_seconds: float = 0.0
+    import_gate: bool = False
     batch_sizes: tuple[int, ...] = (1, 2, 4)
 
     def export(self, out_dir: Path) -> Path:
@@ -354,9 +361,11 @@ class Linear:
             return y
 
         model_py = None
-        if self.hook_seconds or self.import_seconds:
+        if self.hook_seconds or self.import_seconds or self.import_gate:
             model_py = SLOW_HOOK_PY.format(
-                seconds=self.hook_seconds, import_seconds=self.import_seconds
+                seconds=self.hook_seconds,
+                import_seconds=self.import_seconds,
+                import_gate=self.import_gate,
             )
         return export_jax(
             fn,
@@ -381,7 +390,8 @@ def export_linear(out_dir: Path, seed: int, **variant) -> Path:
     multiplied by zero: the answer is unchanged but each execution takes a while, so
     requests pile up in the scheduler queue. ``hook_seconds`` adds a model.py preprocess
     hook sleeping that long per request, ``import_seconds`` a model.py that sleeps that
-    long when the bundle loads; ``batch_sizes`` are (1, 2, 4) unless given.
+    long when the bundle loads, ``import_gate`` one whose load waits at the
+    :class:`ImportGate` closed when it loads; ``batch_sizes`` are (1, 2, 4) unless given.
 
     Each variant is exported once per session; ``out_dir`` receives a fresh copy (new
     mtimes), replacing any previous bundle there as a whole, as ``export_jax`` does.
@@ -397,6 +407,22 @@ def export_linear(out_dir: Path, seed: int, **variant) -> Path:
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     return out_dir
+
+
+class ImportGate:
+    """Holds the loads of bundles exported with ``import_gate=True`` (their model.py's
+    import waits, 60 s at most) from now until :meth:`open`, so that a test sees them
+    LOADING for as long as it needs, however slow the machine: no fixed sleep to race.
+    For workers in this process (the gate is a file named in its environment); export
+    the bundle before closing the gate (an export imports its model.py too)."""
+
+    def __init__(self, monkeypatch, path: Path):
+        self.path = path
+        path.touch()
+        monkeypatch.setenv("RSRV_TEST_IMPORT_GATE", str(path))
+
+    def open(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def expected(seed: int, x: np.ndarray) -> np.ndarray:

@@ -78,6 +78,7 @@ async def test_a_draining_connection_does_not_hold_new_calls_at_max_connections(
         if peer.index == 0:
             _, _, sid, _ = await peer.until(F.HEADERS)
             await peer.send(F.goaway(sid, F.NO_ERROR))
+            goaway_sent.set()
             await trio.sleep(3)
             await peer.send(peer.answer(sid, b"long"))
             await trio.sleep(1)
@@ -86,12 +87,16 @@ async def test_a_draining_connection_does_not_hold_new_calls_at_max_connections(
                 _, _, sid, _ = await peer.until(F.HEADERS)
                 await peer.send(peer.answer(sid, b"fresh"))
 
+    goaway_sent = trio.Event()
     limits = ClientLimits(max_connections=1)
     async with raw_server(handler) as (port, _):
         async with open_channel("127.0.0.1", port, limits=limits) as channel:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(channel.unary, PATH, b"long")
-                await trio.sleep(0.3)
+                await goaway_sent.wait()
+                with trio.move_on_after(1):  # (read at once; the old call runs 3 s)
+                    while not channel.connections[0].draining:
+                        await trio.sleep(0.01)
                 assert channel.connections[0].draining
                 result = await channel.unary(PATH, b"new", timeout=1.5)
     assert result.ok and result.response == b"fresh"
@@ -111,14 +116,20 @@ async def test_a_connection_whose_server_ended_it_takes_no_new_call():
         await peer.until(F.HEADERS)
         await trio.sleep(0.3)  # the client's writer is stuck: nothing is read
         peer.s.socket.shutdown(socket.SHUT_WR)
+        fin_sent.set()
         await trio.sleep(3)
 
+    fin_sent = trio.Event()
     limits = ClientLimits(max_connections=1)
     async with raw_server(handler) as (port, _):
         async with open_channel("127.0.0.1", port, limits=limits) as channel:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(channel.unary, PATH, bytes(64 << 20))
-                await trio.sleep(0.5)  # the end of the stream has been read
+                await fin_sent.wait()
+                (old,) = channel.connections
+                with trio.move_on_after(0.5):  # (the FIN is read at once; well within
+                    while old.available:  # the 1 s the writer is given to drain)
+                        await trio.sleep(0.01)
                 result = await channel.unary(PATH, b"new", timeout=3)
                 nursery.cancel_scope.cancel()
     assert result.ok or not result.reached_server, result
