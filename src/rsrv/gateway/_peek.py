@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["InferHead", "WireError", "peek_infer", "peek_name", "stream_error", "stream_response"]
+__all__ = ["InferHead", "WireError", "peek_infer", "peek_name"]
 
 
 class WireError(ValueError):
@@ -177,27 +177,3 @@ def peek_name(body: bytes) -> tuple[str, str]:
         elif wire == 2 and number == 2:
             version = _text(body, value)
     return name, version
-
-
-def _length_delimited(number: int, payload: bytes) -> bytes:
-    out = bytearray([(number << 3) | 2])
-    length = len(payload)
-    while length >= 0x80:
-        out.append((length & 0x7F) | 0x80)
-        length >>= 7
-    out.append(length)
-    return bytes(out) + payload
-
-
-def stream_response(infer_response: bytes) -> bytes:
-    """A ModelStreamInferResponse carrying a worker's ModelInferResponse bytes as is."""
-    return _length_delimited(2, infer_response)
-
-
-def stream_error(message: str, model: str, request_id: str) -> bytes:
-    """A ModelStreamInferResponse with ``error_message``, naming the model and the id as
-    the worker does (its infer_response carries model_name and id)."""
-    head = _length_delimited(1, model.encode()) if model else b""
-    if request_id:
-        head += _length_delimited(3, request_id.encode())
-    return _length_delimited(1, message.encode()) + _length_delimited(2, head)

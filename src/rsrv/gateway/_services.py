@@ -42,8 +42,8 @@ from rsrv.gateway._merge import (
     merge_index,
     sum_statistics,
 )
-from rsrv.gateway._peek import WireError, peek_infer, peek_name, stream_error, stream_response
-from rsrv.protocol import Admission, grpc_status
+from rsrv.gateway._peek import WireError, peek_infer, peek_name
+from rsrv.protocol import Admission, grpc_status, stream_error, stream_response
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 from rsrv.transport import Method, ServerCall

@@ -23,6 +23,7 @@ from rsrv.protocol._calls import PROTOCOLS, Admission, Restriction, call_deadlin
 from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
 from rsrv.protocol._decode import DEFAULT_MAX_TENSOR_BYTES, decode_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
+from rsrv.protocol._framing import stream_error, stream_response
 from rsrv.protocol._health import HEALTH_SERVICES, HealthService
 from rsrv.protocol._inference import InferenceService
 from rsrv.protocol._logs import LogSettings
@@ -84,5 +85,7 @@ __all__ = [
     "request_deadline",
     "request_priority",
     "requested_outputs",
+    "stream_error",
+    "stream_response",
     "tensor_metadata",
 ]

@@ -22,6 +22,7 @@ from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
 from rsrv.protocol._decode import plan_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
+from rsrv.protocol._framing import stream_error
 from rsrv.protocol._infer_flow import infer_counted
 from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import request_deadline, request_priority
@@ -109,22 +110,14 @@ class InferenceService(GRPCInferenceServiceServicer):
         async def one(message):
             try:
                 with self.backend.admission:  # each request on a stream is one call in flight
-                    result = await self._infer(message)
-                response = pb.ModelStreamInferResponse(infer_response=result)
-                size = response.ByteSize()  # in-band: a stream must outlive one big answer
-                if size > limit:
+                    response = await self._infer(message, stream=True)
+                if len(response) > limit:  # in-band: a stream must outlive one big answer
                     raise ResourceExhausted(
-                        f"response of {size} bytes exceeds "
+                        f"response of {len(response)} bytes exceeds "
                         f"the maximum {limit} (endpoints.max_message_bytes)"
                     )
             except Exception as e:
-                _, text = grpc_status(e)
-                response = pb.ModelStreamInferResponse(
-                    error_message=text,
-                    infer_response=pb.ModelInferResponse(
-                        model_name=message.model_name, id=message.id
-                    ),
-                )
+                response = stream_error(grpc_status(e)[1], message.model_name, message.id)
             try:
                 await send.send(response)
             finally:
@@ -148,7 +141,9 @@ class InferenceService(GRPCInferenceServiceServicer):
                 async for response in receive:
                     yield response
 
-    async def _infer(self, message) -> pb.ModelInferResponse:
+    async def _infer(self, message, *, stream: bool = False) -> bytes:
+        """The serialized answer to ``message`` (``stream``: as a
+        ModelStreamInferResponse), encoded off the loop when it is large."""
         if not message.model_name:
             raise InvalidArgument("model_name is empty")
         backend = self.backend
@@ -169,7 +164,7 @@ class InferenceService(GRPCInferenceServiceServicer):
 
         def finish(outputs):
             return encode_response(
-                message, served.name, served.version, outputs, order, backend.shm
+                message, served.name, served.version, outputs, order, backend.shm, stream=stream
             )
 
         return await infer_counted(backend, served, start, prepare, finish)

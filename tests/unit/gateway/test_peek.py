@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rsrv.gateway._peek import (
-    MAX_DIMS,
-    MAX_FIELDS,
-    WireError,
-    peek_infer,
-    peek_name,
-    stream_error,
-    stream_response,
-)
+from rsrv.gateway._peek import MAX_DIMS, MAX_FIELDS, WireError, peek_infer, peek_name
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 
@@ -81,15 +73,6 @@ def test_name_and_version_of_model_requests():
     body = pb.ModelMetadataRequest(name="grader", version="3").SerializeToString()
     assert peek_name(body) == ("grader", "3")
     assert peek_name(pb.ModelReadyRequest(name="a").SerializeToString()) == ("a", "")
-
-
-def test_stream_answers_are_what_protobuf_decodes():
-    inner = pb.ModelInferResponse(model_name="m", id="7", raw_output_contents=[b"x" * 300])
-    wrapped = pb.ModelStreamInferResponse.FromString(stream_response(inner.SerializeToString()))
-    assert wrapped.infer_response == inner and wrapped.error_message == ""
-    error = pb.ModelStreamInferResponse.FromString(stream_error("bad shape", "m", "7"))
-    assert error.error_message == "bad shape"
-    assert (error.infer_response.model_name, error.infer_response.id) == ("m", "7")
 
 
 def test_the_reading_is_bounded():

@@ -47,6 +47,8 @@ from rsrv.protocol import (
     request_deadline,
     request_priority,
     requested_outputs,
+    stream_error,
+    stream_response,
     tensor_metadata,
 )
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
@@ -595,12 +597,41 @@ def test_requested_output_shm_checked_early(regions):
 # --- encode: read back by tritonclient ----------------------------------------------------
 
 
+def encoded(*args, **kwargs) -> pb.ModelInferResponse:
+    """encode_response's bytes, parsed by protobuf."""
+    return pb.ModelInferResponse.FromString(encode_response(*args, **kwargs))
+
+
+def test_the_answer_is_framed_as_protobuf_serializes_it():
+    """Built by hand (the tensors appended from their buffers), byte for byte what
+    protobuf writes for the same message, on its own and wrapped for a stream."""
+    outputs = {f"o_{d.value}": sample(d, (2, 3), seed=i) for i, d in enumerate(DType)}
+    outputs["big"] = np.arange(1 << 18, dtype=np.float32)  # (a length of 3 varint bytes)
+    request = build([], request_id="r")
+    order = requested_outputs(request, list(outputs))
+    wire = encode_response(request, MODEL, "1", outputs, order)
+    assert wire == pb.ModelInferResponse.FromString(wire).SerializeToString()
+    streamed = encode_response(request, MODEL, "1", outputs, order, stream=True)
+    parsed = pb.ModelStreamInferResponse.FromString(streamed)
+    assert streamed == parsed.SerializeToString() and parsed.infer_response.id == "r"
+    assert parsed.infer_response.SerializeToString() == wire
+
+
+def test_stream_answers_are_what_protobuf_decodes():
+    inner = pb.ModelInferResponse(model_name="m", id="7", raw_output_contents=[b"x" * 300])
+    wrapped = pb.ModelStreamInferResponse.FromString(stream_response(inner.SerializeToString()))
+    assert wrapped.infer_response == inner and wrapped.error_message == ""
+    error = pb.ModelStreamInferResponse.FromString(stream_error("bad shape", "m", "7"))
+    assert error.error_message == "bad shape"
+    assert (error.infer_response.model_name, error.infer_response.id) == ("m", "7")
+
+
 def test_response_every_dtype_through_tritonclient_as_numpy():
     outputs = {f"o_{d.value}": sample(d, (2, 3), seed=i) for i, d in enumerate(DType)}
     outputs["scalar"] = np.array(3.5, dtype=np.float64)
     request = build([], request_id="req-42")
     order = requested_outputs(request, list(outputs))
-    response = encode_response(request, MODEL, "1", outputs, order)
+    response = encoded(request, MODEL, "1", outputs, order)
     assert response.id == "req-42" and response.model_name == MODEL
     assert response.model_version == "1"
     assert len(response.raw_output_contents) == len(response.outputs) == len(outputs)
@@ -619,7 +650,7 @@ def test_response_every_dtype_through_tritonclient_as_numpy():
 def test_response_follows_requested_order():
     outputs = {n: np.full((1,), i, dtype=np.int32) for i, n in enumerate(PRODUCED)}
     request = build([], [tgrpc.InferRequestedOutput("y2"), tgrpc.InferRequestedOutput("y0")])
-    response = encode_response(request, MODEL, 1, outputs, requested_outputs(request, PRODUCED))
+    response = encoded(request, MODEL, 1, outputs, requested_outputs(request, PRODUCED))
     assert [o.name for o in response.outputs] == ["y2", "y0"]
     result = as_triton_result(response)
     assert result.as_numpy("y2").tolist() == [2]
@@ -631,7 +662,7 @@ def test_response_non_contiguous_and_str_outputs():
     base = np.arange(12, dtype=np.int64).reshape(3, 4)
     outputs = {"t": base.T, "u": np.array(["a", "é"])}
     request = build([])
-    response = encode_response(request, MODEL, "1", outputs, requested_outputs(request, ["t", "u"]))
+    response = encoded(request, MODEL, "1", outputs, requested_outputs(request, ["t", "u"]))
     result = as_triton_result(response)
     np.testing.assert_array_equal(result.as_numpy("t"), base.T)
     assert result.as_numpy("u").tolist() == [b"a", "é".encode()]
@@ -647,7 +678,7 @@ def test_response_output_in_shm(regions):
     o1 = tgrpc.InferRequestedOutput("y1")
     request = build([], [o0, o1])
     order = requested_outputs(request, ["y0", "y1"], registry)
-    response = encode_response(request, MODEL, "1", {"y0": y0, "y1": y1}, order, registry)
+    response = encoded(request, MODEL, "1", {"y0": y0, "y1": y1}, order, registry)
     assert list(response.raw_output_contents) == [b"", y1.tobytes()]
     result = as_triton_result(response)
     np.testing.assert_array_equal(result.as_numpy("y1"), y1)  # indexed past the empty entry
@@ -669,7 +700,7 @@ def test_response_bytes_output_in_shm(regions):
     out.set_shared_memory("sout", 64)
     request = build([], [out])
     order = requested_outputs(request, ["s"], registry)
-    response = encode_response(request, MODEL, "1", {"s": s}, order, registry)
+    response = encoded(request, MODEL, "1", {"s": s}, order, registry)
     size = response.outputs[0].parameters["shared_memory_byte_size"].int64_param
     assert size == len(serialize_bytes(s))
     got = tshm.get_contents_as_numpy(handle, np.object_, [3])

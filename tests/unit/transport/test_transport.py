@@ -1,9 +1,11 @@
-"""The transport's message reader: framing, limits, and the per-connection inflate budget."""
+"""The transport's message reader: framing, limits, the per-connection inflate budget, and
+where large requests are parsed."""
 
 from __future__ import annotations
 
 import gzip
 import struct
+import threading
 import zlib
 
 import pytest
@@ -11,6 +13,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport._connection import _parse_timeout
 from rsrv.transport._messages import InflateBudget, MessageError, MessageReader, frame
+from rsrv.transport._server import PARSE_ON_LOOP_BYTES, Method
 
 MIB = 1 << 20
 
@@ -120,3 +123,22 @@ def test_grpc_timeout_header():
     assert _parse_timeout(b"100n") == pytest.approx(1e-7)
     for bad in (b"", b"S", b"5", b"-5S", b"123456789S", b"5s", b"1.5S"):
         assert _parse_timeout(bad) is None, bad
+
+
+async def test_a_large_request_is_parsed_off_the_loop():
+    """A protobuf request above PARSE_ON_LOOP_BYTES is parsed in a worker thread (64 MiB
+    held the loop 33 ms); a smaller one, or one a method does not parse, on the loop."""
+    threads = []
+
+    def decode(raw: bytes) -> int:
+        threads.append(threading.current_thread())
+        return len(raw)
+
+    parsed = Method("/a.B/C", None, decode, bytes, parse_large=True)
+    kept = Method("/a.B/C", None, decode, bytes)
+    large = bytes(PARSE_ON_LOOP_BYTES + 1)
+    assert await parsed.parse(large[:-1]) == PARSE_ON_LOOP_BYTES
+    assert await parsed.parse(large) == len(large)
+    assert await kept.parse(large) == len(large)
+    main = threading.main_thread()
+    assert [t is main for t in threads] == [True, False, True]
