@@ -251,18 +251,19 @@ class RestService:
             # (JSON values are parsed as the inputs are checked: both in materialize)
             return _Deferred(rest_decode_seconds(request), decode), rest_deadline(request, now)
 
-        def finish(outputs):
+        def finish(outputs):  # (the join too: off the loop with the rest when large)
             order, as_values = plan
-            return encode_rest_response(
+            header_json, parts = encode_rest_response(
                 request, served.name, served.version, outputs, order, as_values, backend.shm
             )
+            return header_json, b"".join([header_json, *parts]) if parts else None
 
-        header_json, parts = await infer_counted(backend, served, start, prepare, finish)
-        if not parts:
+        header_json, body = await infer_counted(backend, served, start, prepare, finish)
+        if body is None:
             return Reply(200, header_json)
         return Reply(
             200,
-            b"".join([header_json, *parts]),
+            body,
             "application/octet-stream",
             [(b"inference-header-content-length", str(len(header_json)).encode())],
         )
