@@ -65,6 +65,7 @@ class Discovery:
         self._round_done = trio.Event()  # set as each round completes
         self._wake = trio.Event()
         self._last_refresh = -float("inf")
+        self._refresh_round = 0  # the round the last refresh woke (requests wait for it)
         self._change_round = 0  # the round that shows the last change made through the gateway
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -94,6 +95,7 @@ class Discovery:
         now = trio.current_time()
         if now - self._last_refresh >= self.settings.refresh_min_seconds:
             self._last_refresh = now
+            self._refresh_round = self._started + 1
             self._wake.set()
 
     async def round(self) -> None:
@@ -119,19 +121,20 @@ class Discovery:
     async def refresh(self) -> None:
         """Wait for the round that shows the last change made through the gateway, when
         it has not completed yet (:meth:`changed`); else wake the discovery task for a
-        round now and wait until a round begun after this call has completed, unless
-        one was asked for within ``refresh_min_seconds`` (an unknown model must not
-        turn every request into a probe of the whole fleet). The round runs in the
-        discovery task: cancelling the caller (its deadline, a reset) cancels only the
-        wait."""
+        round now and wait until a round begun after this call has completed. Within
+        ``refresh_min_seconds`` of the last such wake-up (an unknown model must not turn
+        every request into a probe of the whole fleet), it only waits for the round that
+        one woke, if it has not completed. The round runs in the discovery task:
+        cancelling the caller (its deadline, a reset) cancels only the wait."""
         target = self._change_round
         if self.rounds >= target:
             now = trio.current_time()
             if now - self._last_refresh < self.settings.refresh_min_seconds:
-                return
-            self._last_refresh = now
-            target = self._started + 1
-            self._wake.set()
+                target = self._refresh_round  # (completed already: no wait)
+            else:
+                self._last_refresh = now
+                target = self._refresh_round = self._started + 1
+                self._wake.set()
         await self._round(target)
 
     async def _round(self, number: int) -> None:

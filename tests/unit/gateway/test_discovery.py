@@ -239,3 +239,37 @@ async def test_a_refresh_after_a_change_through_the_gateway_waits_for_its_round(
         await discovery.refresh()  # nothing changed since: held back, no round
         assert discovery.rounds == rounds
         nursery.cancel_scope.cancel()
+
+
+class SlowChannel(ScriptedChannel):
+    """ServerReady answered after half a second: a round takes that long."""
+
+    async def unary(self, path, body, **kwargs):
+        if path == SERVER_READY:
+            await trio.sleep(0.5)
+        return await super().unary(path, body, **kwargs)
+
+
+async def test_requests_during_a_refresh_wait_for_its_round(autojump_clock):
+    """Five requests for a model that has just appeared, 50 ms apart, while the round the
+    first one woke takes 0.5 s: each waits for that round, then finds the model (the
+    four after the first returned at once, held back by refresh_min_seconds, and were
+    answered NOT_FOUND)."""
+    channel = SlowChannel(worker_answers([]))
+    fleet, worker, discovery = fleet_of(channel)
+    assert discovery.settings.refresh_min_seconds > 0.2
+    async with trio.open_nursery() as nursery:
+        await nursery.start(discovery.run)
+        channel.answers.update(worker_answers(["new"]))
+        found = []
+
+        async def request(delay: float) -> None:
+            await trio.sleep(delay)
+            await discovery.refresh()
+            found.append(fleet.holders("new") == [worker])
+
+        async with trio.open_nursery() as requests:
+            for i in range(5):
+                requests.start_soon(request, 0.05 * i)
+        assert found == [True] * 5
+        nursery.cancel_scope.cancel()
