@@ -105,12 +105,19 @@ class CatchUp:
             self.dropped[name] = self.dropped.get(name, set()) | {w.name for w in workers}
         self.start(workers)
 
-    def forget_absent(self, known: set[str]) -> None:
+    def forget_absent(self, known: set[str], every_worker_seen: bool) -> None:
         """Drop the settings of the models no worker lists any more (unloaded on the
         workers directly, gone from their repositories), unless a load through the
-        gateway will bring them back."""
+        gateway will bring them back; and, when ``every_worker_seen`` (each answered
+        the last round: none away may still hold one), their unloads through the
+        gateway (a gateway in front of explicit workers loading and unloading models of
+        new names, later deleted, kept every one)."""
         for model in [m for m in self.settings if m not in known and m not in self.loads]:
             del self.settings[model]
+        if every_worker_seen:
+            for model in [m for m in self.unloads if m not in known]:
+                del self.unloads[model]
+                self._unloaded.pop(model, None)
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS; a pod that returns comes as a new process):

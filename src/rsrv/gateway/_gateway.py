@@ -123,7 +123,8 @@ class Gateway:
 
     def _after_round(self) -> None:
         catchup = self.services.catchup
-        catchup.forget_absent(self.fleet.known_models())
+        fleet = self.fleet
+        catchup.forget_absent(fleet.known_models(), all(w.ready for w in fleet.workers))
         catchup.start(self.fleet.returned())
         outcome = self.scheduler.tick()
         if outcome is not None and outcome.compaction is not None and self._nursery:
