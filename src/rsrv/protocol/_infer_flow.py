@@ -65,18 +65,23 @@ async def infer_counted(
     start: float,
     prepare: Callable[[float], tuple[Prepared, float | None]],
     finish: Callable[[Mapping[str, np.ndarray]], T],
+    prepare_seconds: float = 0.0,
 ) -> T:
     """``prepare(now)`` validates (returns the request ready to decode and its absolute
     deadline, None for none; ``now`` is trio's clock), its inputs are materialized, the
-    backend runs them, ``finish(outputs)`` encodes. Materializing and encoding run in a
-    worker thread when expected to take longer than :data:`OFFLOAD_SECONDS`. Every
+    backend runs them, ``finish(outputs)`` encodes. Preparing (expected to take
+    ``prepare_seconds``), materializing and encoding run in a worker thread when
+    expected to take longer than :data:`OFFLOAD_SECONDS`. Every
     outcome is recorded once on ``backend`` with the seconds since ``start``
     (``time.perf_counter``): OK with the request's rows, or a failure under its status
     name (a cancelled call: DEADLINE_EXCEEDED when the call's own deadline has passed,
     else CANCELLED). Exceptions propagate unchanged."""
     try:
         with backend.hold(served) as held:  # (no checkpoint since the version was chosen)
-            prepared, deadline = prepare(trio.current_time())
+            if prepare_seconds > OFFLOAD_SECONDS:
+                prepared, deadline = await trio.to_thread.run_sync(prepare, trio.current_time())
+            else:
+                prepared, deadline = prepare(trio.current_time())
             if prepared.seconds > OFFLOAD_SECONDS:
                 inputs = await trio.to_thread.run_sync(prepared.materialize)
             else:

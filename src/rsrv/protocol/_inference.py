@@ -20,7 +20,7 @@ from rsrv.errors import (
 )
 from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
-from rsrv.protocol._decode import plan_request
+from rsrv.protocol._decode import plan_request, raw_copy_seconds
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
 from rsrv.protocol._framing import stream_error
 from rsrv.protocol._infer_flow import infer_counted
@@ -167,7 +167,9 @@ class InferenceService(GRPCInferenceServiceServicer):
                 message, served.name, served.version, outputs, order, backend.shm, stream=stream
             )
 
-        return await infer_counted(backend, served, start, prepare, finish)
+        return await infer_counted(
+            backend, served, start, prepare, finish, raw_copy_seconds(message)
+        )
 
     async def ModelStatistics(self, message, request):
         """Every ready version of every model (no name), of the model named, or the

@@ -150,7 +150,8 @@ class MessageReader:
                     continue
             if len(buf) < self._length:
                 break
-            payload = bytes(buf[: self._length])
+            with memoryview(buf) as view:  # (one copy: a slice of buf would be two)
+                payload = bytes(view[: self._length])
             del buf[: self._length]
             self._length = None
             out.append(self._deliver(self._compressed, payload))
