@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -28,7 +27,7 @@ from purerpc.grpclib.status import StatusCode
 from support.bundles import X, export_linear, make_repo, matches, x_input
 from support.clients import connect, control, index, model_status, raises_status
 from support.metrics import Scrape, get
-from support.serving import ServerProcess, rsrv_command
+from support.serving import ServerProcess, run_rsrv
 from support.waiting import wait_until
 
 from rsrv.client import ControlClient, InferenceClient, RetryPolicy
@@ -570,12 +569,7 @@ def test_lpt_packing_places_replicas_and_fills_runs(tmp_path, cache_dir, process
     processes.append(gateway)
     closed_loop(gateway, "m", clients=16, requests=25)
 
-    status = subprocess.run(
-        [*rsrv_command(), "gateway", "status", "--address", gateway.url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = run_rsrv("gateway", "status", "--address", gateway.url)
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
     assert report["mode"] == "lpt_packing" and not report.get("warnings")
@@ -593,27 +587,12 @@ def test_lpt_packing_places_replicas_and_fills_runs(tmp_path, cache_dir, process
     assert executions < 16 * 25  # requests were coalesced
 
     # A repack on request, and a replica count set live, through the CLI.
-    repack = subprocess.run(
-        [*rsrv_command(), "gateway", "repack", "--wait", "10", "--address", gateway.url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    repack = run_rsrv("gateway", "repack", "--wait", "10", "--address", gateway.url)
     assert repack.returncode == 0 and json.loads(repack.stdout)["completed"], repack.stderr
-    one = subprocess.run(
-        [*rsrv_command(), "gateway", "set-replicas", "m", "1", "--address", gateway.url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    one = run_rsrv("gateway", "set-replicas", "m", "1", "--address", gateway.url)
     assert one.returncode == 0, one.stderr
     assert json.loads(one.stdout)["configured_replicas"] == 1
-    bad = subprocess.run(
-        [*rsrv_command(), "gateway", "set-policy", "mode=round_robin", "--address", gateway.url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = run_rsrv("gateway", "set-policy", "mode=round_robin", "--address", gateway.url)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
 
 
@@ -676,15 +655,10 @@ def test_fill_routing_coalesces_more_rows_than_round_robin(tmp_path, cache_dir, 
 def test_a_tls_file_that_cannot_be_used_is_a_configuration_error(tmp_path, variables):
     """Exit 2 with one line, as for any invalid setting (a supervisor does not restart
     it: exit 1 would read as a port that may free up)."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
-    result = subprocess.run(
-        [*rsrv_command(), "gateway"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_rsrv(
+        "gateway",
         cwd=tmp_path,
         env={
-            **environ,
             "INFERENCE_GATEWAY_ENDPOINTS": "127.0.0.1:1",
             "INFERENCE_GATEWAY_LISTEN_GRPC": "127.0.0.1:0",
             "INFERENCE_GATEWAY_LISTEN_METRICS": "none",

@@ -8,9 +8,7 @@ Every check goes through tritonclient over real gRPC, as a client would see it.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 import trio
 from support.bundles import ImportGate, X, export_linear, infer_y, matches, x_input
 from support.clients import connect, index, model_status, status_of
-from support.serving import free_port, rsrv_command, running, worker_config
+from support.serving import free_port, run_rsrv, running, worker_config
 from support.waiting import wait_until
 from tritonclient.utils import InferenceServerException
 
@@ -414,14 +412,7 @@ def test_a_model_repo_that_is_not_a_directory_stops_serve(tmp_path, missing):
     if missing == "a file":
         (tmp_path / "modls").write_text("")
     (tmp_path / "node.toml").write_text(f'model_repo = "modls"\nport = {free_port()}\n')
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
-    result = subprocess.run(
-        [*rsrv_command(), "serve", str(tmp_path / "node.toml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=environ,
-    )
+    result = run_rsrv("serve", str(tmp_path / "node.toml"))
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line == f"rsrv: model_repo {tmp_path / 'modls'}: not a directory"

@@ -8,10 +8,8 @@ tritonclient's ``ssl=True`` options and a CA made for the test (trustme).
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
-import subprocess
 import time
 
 import numpy as np
@@ -22,7 +20,7 @@ from purerpc.grpclib.status import StatusCode
 from support.assertions import raises
 from support.bundles import make_repo
 from support.clients import connect, infer_input, raises_status, server_error
-from support.serving import free_port, node_config, rsrv_command, running
+from support.serving import free_port, node_config, run_rsrv, running
 
 from rsrv.client import ControlClient
 from rsrv.config import ConfigError
@@ -319,14 +317,7 @@ def test_a_tls_file_that_cannot_be_used_is_a_configuration_error(tmp_path, node,
         (tmp_path / "key.pem").write_text("not a key\n")
     endpoints = f'port = {free_port()}\ntls_cert_file = "cert.pem"\ntls_key_file = "key.pem"'
     (tmp_path / "node.toml").write_text(node(tmp_path / "repo", endpoints=endpoints))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
-    result = subprocess.run(
-        [*rsrv_command(), "serve", str(tmp_path / "node.toml")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=environ,
-    )
+    result = run_rsrv("serve", str(tmp_path / "node.toml"))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     line = result.stderr.strip().splitlines()[-1]

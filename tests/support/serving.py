@@ -155,6 +155,22 @@ def rsrv_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "rsrv.cli"]
 
 
+def run_rsrv(
+    *args: str, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``rsrv *args`` to its end (120 s at most), its output captured as text, in this
+    environment without its INFERENCE_* variables (plus ``env``)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_")}
+    return subprocess.run(
+        [*rsrv_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**environ, **(env or {})},
+    )
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct free loopback ports: each is held until all are picked, so the
     kernel cannot hand out one port twice (picked one at a time, two can be the same)."""
