@@ -33,6 +33,7 @@ worker keeps serving what it has.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 
@@ -72,7 +73,10 @@ class CatchUp:
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
         # model -> control method (SetModelResidency, SetModelPolicy) -> its request
         self.settings: dict[str, dict[str, bytes]] = {}
-        self._unloaded: dict[str, int] = {}  # model -> unloads through the gateway
+        # model -> the mark of its last unload through the gateway (see unload_mark)
+        self._unloaded: dict[str, int] = {}
+        self._marks = itertools.count(1)
+        self._forgotten = 0  # the last mark of a forgotten unload: the mark of the rest
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
         self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
         self._unfinished: set[int] = set()  # id(worker link): a call was shed or timed out
@@ -117,7 +121,7 @@ class CatchUp:
         if every_worker_seen:
             for model in [m for m in self.unloads if m not in known]:
                 del self.unloads[model]
-                self._unloaded.pop(model, None)
+                self._forgotten = max(self._forgotten, self._unloaded.pop(model, 0))
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS; a pod that returns comes as a new process):
@@ -137,19 +141,21 @@ class CatchUp:
         self.unloads[model] = body
         self.loads.pop(model, None)
         self.settings.pop(model, None)  # a model loaded again starts with the defaults
-        self._unloaded[model] = self._unloaded.get(model, 0) + 1
+        self._unloaded[model] = next(self._marks)
 
-    def unload_count(self, model: str) -> int:
-        """How many times ``model`` was unloaded through the gateway (read before a
-        setting's fan-out, given to :meth:`set` after it)."""
-        return self._unloaded.get(model, 0)
+    def unload_mark(self, model: str) -> int:
+        """A mark of ``model``'s last unload through the gateway, read before a setting's
+        fan-out and given to :meth:`set` after it: another mark then means an unload
+        came between (or the record of one was forgotten meanwhile: then the setting is
+        not kept either, to be safe)."""
+        return self._unloaded.get(model, self._forgotten)
 
-    def set(self, model: str, method: str, body: bytes, unloads: int) -> None:
-        """``method`` (SetModelResidency or SetModelPolicy) was done on ``model``, which
-        had been unloaded ``unloads`` times when it was sent (unloaded since: it is
-        not kept). A policy keeps the fields an earlier request set and this one
-        leaves unset."""
-        if self.unload_count(model) != unloads:
+    def set(self, model: str, method: str, body: bytes, mark: int) -> None:
+        """``method`` (SetModelResidency or SetModelPolicy) was done on ``model``, whose
+        :meth:`unload_mark` was ``mark`` when it was sent (another now: it is not
+        kept). A policy keeps the fields an earlier request set and this one leaves
+        unset."""
+        if self.unload_mark(model) != mark:
             return
         held = self.settings.setdefault(model, {})
         if method == "SetModelPolicy" and method in held:

@@ -405,12 +405,12 @@ class GatewayServices:
         except WireError as e:
             raise InvalidArgument(f"malformed request: {e}") from None
         holders = await self._holders(name)
-        unloads = self.catchup.unload_count(name)
+        mark = self.catchup.unload_mark(name)
         results = await self.forward.fan_out(
             call.path, body, call.metadata, call.deadline, workers=holders
         )
         if _any_ok(results):  # remembered for a holder that restarts, or failed it
-            self.catchup.set(name, call.path.rsplit("/", 1)[1], body, unloads)
+            self.catchup.set(name, call.path.rsplit("/", 1)[1], body, mark)
             self.catchup.missed(results, among=holders)
         return _first_answer(results)
 

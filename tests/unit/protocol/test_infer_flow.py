@@ -17,6 +17,7 @@ from rsrv.dtypes import DType
 from rsrv.protocol._decode import plan_request, raw_copy_seconds
 from rsrv.protocol._infer_flow import OFFLOAD_SECONDS, encode_seconds, infer_counted
 from rsrv.protocol._parameters import ShmTarget
+from rsrv.protocol._rest_codec import RestInput, RestRequest, rest_decode_seconds
 from rsrv.protocol._tensors import Decoding, InputPlan
 
 
@@ -119,3 +120,12 @@ async def test_long_work_runs_in_a_worker_thread(heavy):
     assert got == "answer" and backend.records == [(True, "OK")]
     on_loop = {k: v == loop_thread for k, v in threads.items()}
     assert on_loop == {"prepare": not heavy, "decode": not heavy, "finish": not heavy}
+
+
+def test_a_rest_shape_of_millions_of_dimensions_is_not_walked_to_estimate():
+    """A REST BYTES input in binary data with a 2M-dimension shape (20M: the loop held
+    2 s before the rank check refused it): the estimate counts nothing for it."""
+    tensor = RestInput("s", "BYTES", [1] * 2_000_000, {"binary_data_size": 8})
+    assert rest_decode_seconds(RestRequest([tensor])) == 0.0
+    tensor = RestInput("s", "BYTES", [1, 4], {"binary_data_size": 8})
+    assert rest_decode_seconds(RestRequest([tensor])) > 0.0

@@ -69,6 +69,24 @@ async def test_a_call_refused_unprocessed_by_a_live_server_is_sent_again():
         assert len(peers) == 2
 
 
+async def test_a_refused_call_whose_retry_runs_out_of_time_never_reached_the_server():
+    """Refused (GOAWAY past it), then its deadline passes while a new connection waits
+    for the server's SETTINGS: DEADLINE_EXCEEDED, and reached_server False (it said
+    True, so a gateway spent the deadline there instead of trying another replica)."""
+
+    async def handler(peer):
+        if peer.index == 0:
+            await peer.send(SETTINGS)
+            await peer.until(F.HEADERS)
+            await peer.send(F.goaway(0, F.NO_ERROR))
+        await trio.sleep(3)  # (the second connection never gets SETTINGS)
+
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port) as channel:
+            result = await channel.unary(PATH, b"x", timeout=1)
+    assert result.status is StatusCode.DEADLINE_EXCEEDED and not result.reached_server
+
+
 async def test_a_draining_connection_does_not_hold_new_calls_at_max_connections():
     """GOAWAY(last 1) while stream 1 runs on (a server rotating its connections): a new
     call opens a fresh connection at once (it waited for the old call, to its deadline)."""
