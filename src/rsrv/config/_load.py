@@ -100,7 +100,9 @@ def load_node(path: str | os.PathLike[str] | None = None) -> NodeConfig:
     use :func:`resolve_worker` with ``source=path`` to get a runnable
     worker. Besides the schema this checks what can be checked without the
     environment: worker names are unique, the pin map names defined
-    workers, device lists are well formed and ports do not collide.
+    workers (a pin on ``workerN`` of a node whose workers the machine numbers
+    is left to the plan made there), device lists are well formed and ports do
+    not collide.
 
     Raises ConfigError, naming the file, for unreadable files, syntax
     errors and invalid contents.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,8 +112,16 @@ def _entries(
     return [WorkerEntry(name=f"worker{i}") for i in range(count)]
 
 
-def _check_node(node: NodeConfig, entries: list[WorkerEntry], where: str) -> None:
-    """Cross-field rules of the node's workers that do not depend on their settings."""
+_NUMBERED = re.compile(r"worker[0-9]+")
+
+
+def _check_node(
+    node: NodeConfig, entries: list[WorkerEntry], where: str, count_known: bool = True
+) -> None:
+    """Cross-field rules of the node's workers that do not depend on their settings.
+    Not ``count_known`` (the workers are named by number, and how many there are
+    depends on the machine: its devices, INFERENCE_SERVER_CPU_WORKERS), a pin on
+    ``workerN`` is left to the plan made on the machine."""
     if isinstance(node.gpus, list):
         file_devices(node, where)  # well formed, whatever the backend
     names = [entry.name for entry in entries]
@@ -123,7 +132,7 @@ def _check_node(node: NodeConfig, entries: list[WorkerEntry], where: str) -> Non
         seen.add(name)
     for model, targets in node.models.items():
         for target in targets:
-            if target not in seen:
+            if target not in seen and (count_known or not _NUMBERED.fullmatch(target)):
                 raise ConfigError(
                     f"{where}: $.models{key_segment(model)}: pinned on unknown worker {target!r}; "
                     f"workers: {', '.join(names)}"
@@ -329,7 +338,7 @@ def plan_node(
     if backend != "cpu" and may_detect:  # (the number of workers may follow)
         devices, found = detect_devices(node, device_env, where)
     entries = _entries(node, backend, devices if found else None, env)
-    _check_node(node, entries, where)
+    _check_node(node, entries, where, count_known=detect or bool(node.workers))
     base_port = node.base_port
     if base_port is None:
         base_port = node.port if len(entries) == 1 else node.port + _WORKER_PORT_OFFSET

@@ -22,6 +22,7 @@ from rsrv.config import (
     load_node,
     load_worker,
     node_json_schema,
+    plan_node,
     resolve_worker,
 )
 
@@ -525,6 +526,23 @@ def test_pin_map_naming_undefined_worker_rejected(tmp_path, yaml, names):
         ConfigError, match=rf"^{re.escape(str(path))}: \$\.models\.m: .*unknown worker.*{names}$"
     ):
         load_node(path)
+
+
+def test_a_pin_on_a_worker_the_machine_decides_is_checked_on_the_machine(tmp_path):
+    """Workers named by number, as many as the machine's GPUs or
+    INFERENCE_SERVER_CPU_WORKERS say: a pin on worker1 loads (it was refused, the file
+    read as one worker), and is checked when the node is planned there."""
+    cuda = write(
+        tmp_path, "cuda.yaml", "global: {runtime: {backend: cuda}}\nmodels: {m: [worker0, worker1]}"
+    )
+    load_node(cuda)
+    path = write(tmp_path, "cpu.yaml", "models: {m: [worker1]}")
+    node = load_node(path)
+    plan = plan_node(node, {"INFERENCE_SERVER_CPU_WORKERS": "2"}, source=path)
+    assert [w.name for w in plan.workers] == ["worker0", "worker1"]
+    assert plan.workers[1].scheduler.models["m"].residency == "device"
+    with pytest.raises(ConfigError, match=r"pinned on unknown worker 'worker1'; workers: worker0$"):
+        plan_node(node, {}, source=path)
 
 
 # --- ports ---
