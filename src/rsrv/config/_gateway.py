@@ -400,7 +400,23 @@ def load_gateway(
         raise ConfigError(f"{where}: worker_client.tls_cert_file and tls_key_file go together")
     if client.tls_cert_file is not None and client.tls_ca_file is None:
         raise ConfigError(f"{where}: worker_client.tls_cert_file needs tls_ca_file")
+    for name, value in client.headers.items():
+        # (what a gRPC call may carry as metadata: the first call would fail otherwise)
+        if not _METADATA_KEY.fullmatch(name) or name in _GRPC_OWN or name.startswith("grpc-"):
+            raise ConfigError(
+                f"{where}: $.worker_client.headers: {name!r} is not a metadata key a call may "
+                "carry (lower case letters, digits, '_', '.', '-'; not te, content-type, "
+                "user-agent or grpc-*)"
+            )
+        if not (value.isascii() and value.isprintable()):
+            raise ConfigError(
+                f"{where}: $.worker_client.headers.{name}: the value must be printable ASCII"
+            )
     return config
+
+
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+_GRPC_OWN = frozenset({"te", "content-type", "user-agent"})
 
 
 def _absolute_files(config: GatewayConfig, base: Path) -> GatewayConfig:

@@ -648,6 +648,23 @@ def test_gateway_tls_settings_that_would_be_ignored_are_refused(tmp_path, tls, n
         load_gateway(path, env={})
 
 
+@pytest.mark.parametrize(
+    ("header", "needle"),
+    [
+        ('rsrv-key = "k\u20acy"', "headers.rsrv-key: the value must be printable ASCII"),
+        ('Rsrv-Key = "k"', "'Rsrv-Key' is not a metadata key a call may carry"),
+        ('te = "k"', "'te' is not a metadata key"),
+        ('grpc-timeout = "1S"', "'grpc-timeout' is not a metadata key"),
+    ],
+)
+def test_gateway_headers_no_call_could_carry_are_refused(tmp_path, header, needle):
+    """(Accepted, they failed the first probe with a traceback: exit 1.)"""
+    text = f'endpoints = ["127.0.0.1:8101"]\n[worker_client.headers]\n{header}\n'
+    path = write(tmp_path, "gateway.toml", text)
+    with pytest.raises(ConfigError, match=needle):
+        load_gateway(path, env={})
+
+
 def test_a_gateway_file_turns_admin_http_off_with_none(tmp_path):
     path = write(
         tmp_path, "gateway.toml", 'endpoints = ["127.0.0.1:8101"]\n[listen]\nmetrics = "none"\n'
