@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,38 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
                     None, None, f"the key {key!r} is given twice", key_node.start_mark
                 )
         return super().construct_mapping(node, deep)
+
+
+# Numbers as YAML 1.2 reads them (its core schema), not PyYAML's YAML 1.1: `010` is 10
+# (1.1: octal 8), `1:30` a string (1.1: 90, base 60), `1e3` the number 1000 (1.1: a
+# string); octal is written `0o10`. Booleans stay 1.1's (`yes`, `on` are true).
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in _UniqueKeyLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(
+    _INT_TAG, re.compile(r"[-+]?(?:[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z"), list("-+0123456789")
+)
+_UniqueKeyLoader.add_implicit_resolver(
+    _FLOAT_TAG,
+    re.compile(
+        r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?\Z"
+        r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z"
+    ),
+    list("-+.0123456789"),
+)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    digits = text.lstrip("+-")
+    base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+    value = int(digits[2:] if base != 10 else digits, base)
+    return -value if text.startswith("-") else value
+
+
+_UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
 
 
 def _load_yaml(data: bytes) -> Any:

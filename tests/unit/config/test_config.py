@@ -211,6 +211,17 @@ def test_syntax_errors_name_the_file(tmp_path, name, text):
         load_node(path)
 
 
+def test_yaml_numbers_read_as_yaml_1_2_does(tmp_path):
+    """PyYAML reads YAML 1.1: `010` was 8, `1:30` 90 (base 60), and `1e3` a string."""
+    text = "global:\n  scheduler: {max_queue_depth: 010}\n  model_poll_seconds: 1e3\n"
+    worker = worker_of(tmp_path, text)
+    assert worker.scheduler.max_queue_depth == 10 and worker.model_poll_seconds == 1000.0
+    worker = worker_of(tmp_path, "global:\n  scheduler: {max_queue_depth: 0o10}\n")
+    assert worker.scheduler.max_queue_depth == 8
+    with pytest.raises(ConfigError, match="model_poll_seconds: Expected `float`, got `str`"):
+        load_node(write(tmp_path, "node.yaml", "global: {model_poll_seconds: 1:30}\n"))
+
+
 def test_yaml_merge_keys_may_be_overridden(tmp_path):
     path = write(tmp_path, "merge.yaml", "workers:\n  - &w {name: a}\n  - {<<: *w, name: b}\n")
     assert [w.name for w in load_node(path).workers] == ["a", "b"]
