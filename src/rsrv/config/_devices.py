@@ -74,7 +74,16 @@ def _visible(env: Mapping[str, str]) -> list[str] | None:
     if visible is None:
         return None
     items = [v for v in visible.split(",") if v.strip()]
+    for i, item in enumerate(items):  # CUDA's list ends at -1 (the usual "hide every GPU")
+        if _HIDDEN.fullmatch(item.strip()):
+            items = items[:i]
+            break
     return _listed(items, "CUDA_VISIBLE_DEVICES")
+
+
+#: A CUDA_VISIBLE_DEVICES entry that ends the list, as CUDA reads it: a negative ordinal,
+#: or NoDevFiles (what some schedulers set when a job has no GPU).
+_HIDDEN = re.compile(r"-[0-9]+|NoDevFiles")
 
 
 def _counted(count: int, env: Mapping[str, str], what: str) -> list[str]:

@@ -81,6 +81,9 @@ def test_detection_precedence(fake_smi, fake_devfs):
     auto = NodeConfig()
     assert detect(auto, rest, fake_devfs) == (["5", "6", "7"], "CUDA_VISIBLE_DEVICES")
     assert detect(auto, {**rest, "CUDA_VISIBLE_DEVICES": ""})[0] == []
+    # as CUDA reads it, the list ends at -1 or NoDevFiles (it was an error)
+    for hidden, devices in (("-1", []), ("NoDevFiles", []), ("2,-1,3", ["2"])):
+        assert detect(auto, {**rest, "CUDA_VISIBLE_DEVICES": hidden})[0] == devices
     # 4. nvidia-smi on PATH.
     assert detect(auto, {"PATH": fake_smi}, fake_devfs) == (["0", "1", "2"], "nvidia-smi")
     # 5. The device files.
