@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from typing import Any, TypeVar
 
@@ -125,7 +126,31 @@ def _describe(exc: msgspec.ValidationError, raw: Any, type_: type) -> str:
 
 
 def convert(raw: Any, type_: type[_T], where: str) -> _T:
+    """``raw`` (a file's data) as ``type_``; ConfigError naming ``where`` and the key's
+    path. A number that is not finite (`.inf`, `nan`) is refused wherever it is, as
+    the environment refuses it: no setting means "for ever" by infinity."""
+    path = _non_finite(raw, "$")
+    if path is not None:
+        raise ConfigError(f"{where}: {path}: expected a finite number")
     try:
         return msgspec.convert(raw, type=type_, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{where}: {_describe(exc, raw, type_)}") from None
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The path of the first float in ``value`` that is not finite, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        segment = f"[{key}]" if isinstance(key, int) else key_segment(str(key))
+        found = _non_finite(item, path + segment)
+        if found is not None:
+            return found
+    return None

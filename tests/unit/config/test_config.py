@@ -222,6 +222,20 @@ def test_yaml_numbers_read_as_yaml_1_2_does(tmp_path):
         load_node(write(tmp_path, "node.yaml", "global: {model_poll_seconds: 1:30}\n"))
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("node.yaml", "global: {model_poll_seconds: .inf}\n"),
+        ("node.toml", "[global]\nmodel_poll_seconds = inf\n"),
+        ("node.toml", "[supervisor]\nbackoff_seconds = nan\n"),
+    ],
+)
+def test_numbers_that_are_not_finite_are_refused_as_the_environment_does(tmp_path, name, text):
+    """(A file's .inf was accepted where INFERENCE_SERVER_MODEL_POLL_SECONDS=inf is not.)"""
+    with pytest.raises(ConfigError, match=r": \$\.\w+\.\w+: expected a finite number$"):
+        load_node(write(tmp_path, name, text))
+
+
 def test_yaml_merge_keys_may_be_overridden(tmp_path):
     path = write(tmp_path, "merge.yaml", "workers:\n  - &w {name: a}\n  - {<<: *w, name: b}\n")
     assert [w.name for w in load_node(path).workers] == ["a", "b"]
