@@ -326,6 +326,10 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
             except ValueError as exc:  # (msgspec.ValidationError is one)
                 message = reword(str(exc).removesuffix(" - at `$`"))
                 raise ConfigError(f"{variable}={text!r}: {message}") from None
+            if path[-1].endswith("_file") and isinstance(value, str):
+                # relative to the working directory, as a node's variables are (the
+                # file's own paths are relative to the file)
+                value = os.path.abspath(os.path.expanduser(value))
         target = raw
         for key in path[:-1]:
             target = target.setdefault(key, {})

@@ -690,6 +690,26 @@ def test_gateway_headers_no_call_could_carry_are_refused(tmp_path, header, needl
         load_gateway(path, env={})
 
 
+def test_a_gateway_tls_file_from_the_environment_is_relative_to_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """As a node's variables are (it was resolved against the gateway file's directory)."""
+    (tmp_path / "sub").mkdir()
+    path = write(tmp_path / "sub", "gw.toml", 'endpoints = ["127.0.0.1:8101"]\n')
+    monkeypatch.chdir(tmp_path)
+    env = {"INFERENCE_GATEWAY_WORKER_CLIENT_TLS_CA_FILE": "ca.pem"}
+    config = load_gateway(path, env=env)
+    assert config.worker_client.tls_ca_file == str(tmp_path / "ca.pem")
+    written = write(
+        tmp_path / "sub",
+        "gw.toml",
+        'endpoints = ["127.0.0.1:8101"]\n[worker_client]\ntls_ca_file = "ca.pem"\n',
+    )
+    assert load_gateway(written, env={}).worker_client.tls_ca_file == str(
+        tmp_path / "sub" / "ca.pem"
+    )
+
+
 def test_a_gateway_file_turns_admin_http_off_with_none(tmp_path):
     path = write(
         tmp_path, "gateway.toml", 'endpoints = ["127.0.0.1:8101"]\n[listen]\nmetrics = "none"\n'
