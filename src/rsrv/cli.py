@@ -87,13 +87,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error("node: give at most one node file")
         return command(rest[0] if rest else None)
     if args.command == "gateway":
-        from rsrv.gateway import COMMANDS, ctl_main, gateway_main
+        from rsrv.gateway import COMMANDS, CTL_OPTIONS, ctl_main, gateway_main
 
         rest = list(args.gateway_args)
         if rest and rest[0] in COMMANDS:
             return ctl_main(rest[0], rest[1:], args)
         if len(rest) > 1:
             parser.error("gateway: give at most one gateway file")
+        given = [f"--{o.replace('_', '-')}" for o in CTL_OPTIONS if vars(args)[o] != CTL_OPTIONS[o]]
+        if given:  # (silently ignored, a mistyped command would look like it worked)
+            parser.error(
+                f"gateway: {', '.join(given)}: options of the commands ({', '.join(COMMANDS)}), "
+                "not of running a gateway"
+            )
         return gateway_main(rest[0] if rest else None)
     if args.command == "serve":
         from rsrv.worker import serve_main

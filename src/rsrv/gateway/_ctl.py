@@ -20,16 +20,32 @@ from rsrv.config import parse_env_value, split_address
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
 from rsrv.transport import open_channel
 
-__all__ = ["add_ctl_arguments", "ctl_main"]
+__all__ = ["COMMANDS", "CTL_OPTIONS", "add_ctl_arguments", "ctl_main"]
 
 SERVICE = "/rsrv.gateway.v1.GatewayControl/"
 COMMANDS = ("status", "repack", "set-replicas", "set-policy")
 
 
+#: The options of the commands that steer a running gateway, and their defaults.
+CTL_OPTIONS = {
+    "address": "127.0.0.1:8001",
+    "wait": 0.0,
+    "fill_mode": "",
+    "fill_factor": None,
+    "allow_unknown": False,
+}
+
+
 def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="127.0.0.1:8001", help="the gateway, host:port")
-    parser.add_argument("--wait", type=float, default=0.0, help="repack: seconds to wait")
-    parser.add_argument("--fill-mode", default="", help="set-replicas: run|spread|inflight|inherit")
+    parser.add_argument("--address", default=CTL_OPTIONS["address"], help="the gateway, host:port")
+    parser.add_argument(
+        "--wait", type=float, default=CTL_OPTIONS["wait"], help="repack: seconds to wait"
+    )
+    parser.add_argument(
+        "--fill-mode",
+        default=CTL_OPTIONS["fill_mode"],
+        help="set-replicas: run|spread|inflight|inherit",
+    )
     parser.add_argument("--fill-factor", type=float, help="set-replicas: rows per run / max batch")
     parser.add_argument(
         "--allow-unknown", action="store_true", help="set-replicas: a model no worker serves yet"

@@ -1,7 +1,7 @@
 """``rsrv gateway`` arguments: a set-policy boolean is one of the spelled-out forms, and
 anything else is refused (exit 2) rather than read as false; a number that is not one is
 refused naming its key; set-replicas takes N (1 or more), all or default; status and
-repack take no arguments."""
+repack take no arguments; their options never go with running a gateway."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 
 import pytest
 
+from rsrv.cli import main
 from rsrv.gateway._ctl import _request
 
 
@@ -51,3 +52,13 @@ def test_replica_counts():
         _request("set-replicas", ["m", n], options)[1].replicas for n in ("3", "all", "default")
     ]
     assert counts == [3, -1, 0]
+
+
+@pytest.mark.parametrize("option", [["--address", "10.0.0.1:8001"], ["--wait", "3"]])
+def test_a_command_option_with_a_gateway_to_run_is_refused(capsys, option):
+    """`rsrv gateway gw.toml --address ...` ran a gateway, the option silently ignored
+    (a mistyped command looked like it worked)."""
+    with pytest.raises(SystemExit) as ended:
+        main(["gateway", "gw.toml", *option])
+    assert ended.value.code == 2
+    assert f"gateway: {option[0]}: options of the commands" in capsys.readouterr().err
