@@ -94,6 +94,7 @@ _DECODERS = {"YAML": _load_yaml, "TOML": msgspec.toml.decode}
 
 
 def _decode(data: bytes, fmt: str, where: str) -> Any:
+    data = data.removeprefix(b"\xef\xbb\xbf")  # (a UTF-8 BOM: YAML skips it, TOML did not)
     try:
         raw = _DECODERS[fmt](data)
     except msgspec.DecodeError as exc:

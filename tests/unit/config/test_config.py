@@ -236,6 +236,16 @@ def test_numbers_that_are_not_finite_are_refused_as_the_environment_does(tmp_pat
         load_node(write(tmp_path, name, text))
 
 
+def test_a_utf8_bom_is_skipped_in_either_format(tmp_path):
+    """(Editors on Windows write one; TOML refused the file: "Invalid statement".)"""
+    for name in ("node.toml", "node.yaml"):
+        path = tmp_path / name
+        path.write_bytes(
+            b"\xef\xbb\xbf" + (b"port = 9001\n" if name.endswith("toml") else b"port: 9001\n")
+        )
+        assert load_node(path).port == 9001
+
+
 def test_yaml_merge_keys_may_be_overridden(tmp_path):
     path = write(tmp_path, "merge.yaml", "workers:\n  - &w {name: a}\n  - {<<: *w, name: b}\n")
     assert [w.name for w in load_node(path).workers] == ["a", "b"]
