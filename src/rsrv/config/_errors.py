@@ -68,8 +68,10 @@ def _name_keys(raw: Any, type_: type, message: str) -> str | None:
 
     msgspec does not say which mapping key an error is under. It reports
     the first error in document order, so the culprit is the first key k
-    for which the mapping cut after k reproduces the same error. Returns
-    None when the path cannot be followed.
+    for which the mapping cut after k reproduces the same error: found by
+    bisection (every cut after it reproduces it, none before it does), each
+    trial a copy of the mappings on the path alone. Returns None when the
+    path cannot be followed.
     """
     _, path = _split(message)
     tokens: list[Any] = []
@@ -86,25 +88,43 @@ def _name_keys(raw: Any, type_: type, message: str) -> str | None:
             node = node[step]
         if not isinstance(node, dict):
             return None
-        keys = list(node)
-        for cut in range(1, len(keys) + 1):
-            trial = copy.deepcopy(raw)
-            parent = trial
-            for step in tokens[: pos - 1]:
-                parent = parent[step]
-            parent[tokens[pos - 1]] = {k: node[k] for k in keys[:cut]}
-            try:
-                msgspec.convert(trial, type=type_, strict=True)
-            except msgspec.ValidationError as exc:
-                if str(exc) == message:
-                    tokens[pos] = keys[cut - 1]
-                    break
-        else:
+        culprit = _culprit(raw, type_, message, tokens[:pos], node)
+        if culprit is None:
             return None
+        tokens[pos] = culprit
     rendered = "$"
     for token in tokens:
         rendered += f"[{token}]" if isinstance(token, int) else key_segment(token)
     return rendered
+
+
+def _culprit(raw: Any, type_: type, message: str, steps: list, node: dict) -> Any:
+    """The key of ``node`` (the mapping at ``steps`` in ``raw``) the error ``message``
+    is under: the least k such that ``node`` cut after k fails with it; None if none."""
+    keys = list(node)
+
+    def reproduces(cut: int) -> bool:
+        trial = parent = copy.copy(raw)  # (the mappings on the way copied, the rest shared)
+        for step in steps[:-1]:
+            parent[step] = copy.copy(parent[step])
+            parent = parent[step]
+        parent[steps[-1]] = {k: node[k] for k in keys[:cut]}
+        try:
+            msgspec.convert(trial, type=type_, strict=True)
+        except msgspec.ValidationError as exc:
+            return str(exc) == message
+        return False
+
+    low, high = 1, len(keys)
+    if not keys or not reproduces(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if reproduces(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return keys[low - 1]
 
 
 def _describe(exc: msgspec.ValidationError, raw: Any, type_: type) -> str:
