@@ -58,7 +58,11 @@ def reword(problem: str) -> str:
 
 
 def _split(message: str) -> tuple[str, str]:
-    """msgspec's message as (problem, `$.path`)."""
+    """msgspec's message as (problem, `$.path`); a mapping key's own problem (a YAML key
+    read as a number, a date, a boolean) as the mapping's, saying so."""
+    match = re.fullmatch(r"(?s)(.*) - at `key` in `(\$[^`]*)`", message)
+    if match:
+        return f"a key: {match.group(1)} (quote the key)", match.group(2)
     match = re.fullmatch(r"(?s)(.*) - at `(\$[^`]*)`", message)
     return (match.group(1), match.group(2)) if match else (message, "$")
 

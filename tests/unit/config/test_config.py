@@ -259,6 +259,17 @@ def test_naming_the_key_of_an_error_among_thousands_takes_a_few_trials(tmp_path,
     assert len(calls) < 20
 
 
+@pytest.mark.parametrize("key", ["123", "on", "2024-01-01", "1.5"])
+def test_a_yaml_key_that_is_not_a_string_is_named_where_it_is(tmp_path, key):
+    """(Its message said `$:` and msgspec's words, "- at `key` in ...".)"""
+    path = write(tmp_path, "node.yaml", f"global:\n  scheduler:\n    models:\n      {key}: {{}}\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"\$\.global\.scheduler\.models: a key: Expected `str`, got `\w+` \(quote the key\)$",
+    ):
+        load_node(path)
+
+
 def test_yaml_merge_keys_may_be_overridden(tmp_path):
     path = write(tmp_path, "merge.yaml", "workers:\n  - &w {name: a}\n  - {<<: *w, name: b}\n")
     assert [w.name for w in load_node(path).workers] == ["a", "b"]
