@@ -18,13 +18,11 @@ import msgspec.toml
 import yaml
 
 from ._errors import ConfigError, convert
-from ._resolve import plan_node, resolve_worker
+from ._resolve import DEFAULT_NODE_NAME, plan_node, resolve_worker
 from ._schema import NodeConfig, WorkerConfig
 
 __all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker", "read_document"]
 
-#: How errors name the embedded default node file.
-DEFAULT_NODE_NAME = "<embedded default.toml>"
 
 _FORMATS = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
 

@@ -44,6 +44,9 @@ __all__ = ["NodePlan", "effective_config_dict", "plan_node", "resolve_worker"]
 #: With base_port unset, worker i of a node of two or more listens on port + 100 + i.
 _WORKER_PORT_OFFSET = 100
 
+#: How errors name the embedded default node file (no ``source``).
+DEFAULT_NODE_NAME = "<embedded default.toml>"
+
 
 @dataclass(frozen=True)
 class NodePlan:
@@ -329,7 +332,7 @@ def plan_node(
     this process's own ``CUDA_VISIBLE_DEVICES``. Raises ConfigError naming the file and
     the worker at fault.
     """
-    where = os.fspath(source) if source is not None else "<node config>"
+    where = os.fspath(source) if source is not None else DEFAULT_NODE_NAME
     base = Path(where).absolute().parent if source is not None else Path.cwd()
     backend = _backend(node, env)
     may_detect = detect or node.gpus != "auto"
@@ -406,7 +409,7 @@ def resolve_worker(
     that port collisions between workers are caught whichever worker
     starts first. Raises ConfigError.
     """
-    where = os.fspath(source) if source is not None else "<node config>"
+    where = os.fspath(source) if source is not None else DEFAULT_NODE_NAME
     workers = plan_node(node, env, source=source).workers
     names = ", ".join(w.name for w in workers)
     if name is None:

@@ -27,6 +27,7 @@ import msgspec
 import trio
 
 from rsrv.config import (
+    DEFAULT_NODE_NAME,
     GATEWAY_ENV_PREFIX,
     GPUS_VARIABLE,
     ConfigError,
@@ -146,9 +147,10 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
     return spec, config
 
 
-def check_node_ports(plan: NodePlan) -> None:
+def check_node_ports(plan: NodePlan, where: str) -> None:
     """The node's admin port (and, with two or more workers, its public port) must
-    not be a port of any worker (gRPC, metrics, REST). Raises ConfigError."""
+    not be a port of any worker (gRPC, metrics, REST). Raises ConfigError naming
+    ``where`` (the node file)."""
     taken: dict[int, str] = {}
     for worker in plan.workers:
         assert worker.endpoints.port is not None
@@ -158,15 +160,17 @@ def check_node_ports(plan: NodePlan) -> None:
         if worker.endpoints.http_port is not None:
             taken[worker.endpoints.http_port] = f"the REST port of worker {worker.name!r}"
     if plan.metrics_port in taken:
-        raise ConfigError(f"metrics_port {plan.metrics_port} is {taken[plan.metrics_port]}")
+        raise ConfigError(
+            f"{where}: metrics_port {plan.metrics_port} is {taken[plan.metrics_port]}"
+        )
     if plan.gateway:
         taken[plan.metrics_port] = "the node's metrics_port"
         if plan.port in taken:
-            raise ConfigError(f"port {plan.port} (the gateway's) is {taken[plan.port]}")
+            raise ConfigError(f"{where}: port {plan.port} (the gateway's) is {taken[plan.port]}")
         taken[plan.port] = "the gateway's port"
         if plan.gateway_metrics_port in taken:
             raise ConfigError(
-                f"gateway.metrics_port {plan.gateway_metrics_port} is "
+                f"{where}: gateway.metrics_port {plan.gateway_metrics_port} is "
                 f"{taken[plan.gateway_metrics_port]}"
             )
 
@@ -322,7 +326,7 @@ def node_main(node_file: str | None) -> int:
     try:
         node = load_node(node_file)
         plan = plan_node(node, os.environ, source=None if node_file is None else Path(node_file))
-        check_node_ports(plan)
+        check_node_ports(plan, DEFAULT_NODE_NAME if node_file is None else node_file)
         env = dict(os.environ)
         specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
         gateway_config = None

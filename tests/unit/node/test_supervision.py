@@ -675,8 +675,8 @@ def test_the_gateway_listens_on_the_nodes_host_and_dials_its_workers(
 def test_node_ports_must_not_be_a_workers(tmp_path, yaml, clash):
     path = tmp_path / "node.yaml"
     path.write_text("cpu_workers: 2\n" + yaml)
-    with pytest.raises(ConfigError, match=clash):
-        check_node_ports(plan_node(load_node(path), {"PATH": ""}, source=path))
+    with pytest.raises(ConfigError, match=f"^{path}: .*{clash}"):
+        check_node_ports(plan_node(load_node(path), {"PATH": ""}, source=path), str(path))
 
 
 async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_path):
