@@ -203,7 +203,8 @@ def encode_response(
     (after all sizes are checked) and get an empty raw entry and echoed shared-memory
     parameters. Echoes the request ``id``. The tensors are appended to the serialized
     head from their own buffers (``_framing``): one copy of each, where building and
-    serializing the message took three and 13x the time (64 MiB: 195 ms, now 10 ms).
+    serializing the message takes three (a 64 MiB output on a 2-core VM: 10 ms, against
+    195 ms through protobuf).
     """
     head = pb.ModelInferResponse(
         model_name=model_name, model_version=str(model_version), id=request.id

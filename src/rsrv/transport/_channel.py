@@ -216,11 +216,12 @@ class Channel:
                 await stream.wait_done()
                 if stream.reached_server or attempt == 2:
                     break
-                if opened is not None:
-                    opened.clear()  # (refused: the deadline may come while it reconnects)
                 # Refused unprocessed by a server that is up (GOAWAY past it, a connection
                 # rotated or idle-closed; REFUSED_STREAM): once more, on a connection that
-                # takes calls, as gRPC's transparent retry does.
+                # takes calls, as gRPC's transparent retry does. (Not sent: should the
+                # deadline come while it reconnects, the call did not reach the server.)
+                if opened is not None:
+                    opened.clear()
         finally:
             if stream is not None and not stream.done:
                 stream.cancel(StatusCode.DEADLINE_EXCEEDED)  # or an outer cancel
