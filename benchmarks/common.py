@@ -521,6 +521,14 @@ def rounds(n: int) -> str:
     return f"{n} round" + ("" if n == 1 else "s")
 
 
+def load_cell(s: dict | None, extra: str = "") -> str:
+    """A closed loop's result as a table cell: "req/s (p50 / p99[; extra])" (ms), or "-"
+    when it has none (no request completed)."""
+    if not s or s.get("p50_ms") is None:
+        return "-"
+    return f"{s['req_s']:,.0f} ({s['p50_ms']:.2f} / {s['p99_ms']:.2f}{extra})"
+
+
 def times(value: float | None, values: Sequence[float] = ()) -> str:
     """'1.23x (1.10-1.30)': a ratio and its per-round range; '-' when there is none."""
     return "-" if value is None else f"{value:.2f}x{spread(values)}"

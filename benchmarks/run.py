@@ -19,15 +19,18 @@ and prints and writes the summary. Nothing here asserts an absolute time.
 7. Fairness under overload: device-time and client throughput shares vs weights 1 : 2 : 4.
 8. Scale: 100 and 1,000 registered bundles: time to ready, RSS per model, RepositoryIndex
    and /metrics latency.
+9. Gateway: through `rsrv gateway` vs direct to one worker (tritonclient closed loops,
+   and h2load beside a C proxy), and coalescing under lpt_packing vs round_robin.
 
-Figures 1-3 compare servers side by side in interleaved rounds whose order rotates; 4 and
-6 are paired; 5 and 7 are one configuration measured on its own; 8 rotates its
+Figures 1-3 and 9 compare servers side by side in interleaved rounds whose order rotates;
+4 and 6 are paired; 5 and 7 are one configuration measured on its own; 8 rotates its
 configurations over rounds. Each figure's JSON has a ``method`` saying so, and the summary
 repeats it.
 
-Writes results/figN_*.json and results/figN_*.png (matplotlib, Agg), results/summary.md
-(and summary-full.md / summary-quick.md), server logs under results/logs/, and prints the
-summary at the end.
+Writes results/figN_*.json, results/figN_*.png (matplotlib, Agg; figures 1-3 and 6-8),
+results/summary.md and summary-full.md / summary-quick.md (summary-MODE-only-N.md for a run
+of some figures: it does not replace the whole run's), server logs under results/logs/,
+and prints the summary at the end.
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ FIGURES = {
 SUMMARY_HEADER = ["figure", "ratio (this run)", "value", "how measured"]
 
 
-def summarize(figs: dict[int, dict], quick: bool, started: float, machine: dict) -> str:
+def summarize(
+    figs: dict[int, dict], quick: bool, started: float, machine: dict, failed: list[str]
+) -> str:
+    """The summary of the figures ``figs`` (their reports); a report that fails is
+    added to ``failed`` rather than losing the others'."""
     out = [
         f"# rsrv benchmarks ({'quick' if quick else 'full'} run)",
         "",
@@ -74,7 +81,11 @@ def summarize(figs: dict[int, dict], quick: bool, started: float, machine: dict)
     ]
     rows = []
     for n, data in figs.items():
-        lines, summary = FIGURES[n].report(data)
+        try:
+            lines, summary = FIGURES[n].report(data)
+        except Exception as e:
+            failed.append(f"figure {n}'s report: {type(e).__name__}: {e}")
+            continue
         out += lines
         rows += summary
     out += ["## Summary", "", table(rows, SUMMARY_HEADER), ""]
@@ -134,17 +145,21 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t = time.time()
         try:
-            done[n] = module.run(quick)
+            data = done[n] = module.run(quick)
+            if data.get("status", "ok") != "ok":  # (a script's figure: its run failed)
+                raise RuntimeError(data["status"])
             log(f"fig {n} done in {time.time() - t:.0f} s")
         except Exception as e:  # one broken figure must not hide the others
             failed.append(f"figure {n}: {type(e).__name__}: {e}")
             log(f"fig {n} FAILED after {time.time() - t:.0f} s: {type(e).__name__}: {e}")
     machine["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
-    text = summarize(done, quick, started, machine)
+    text = summarize(done, quick, started, machine, failed)
     if failed:
         text += "\nFailed:\n" + "\n".join(f"- {f}" for f in failed) + "\n"
     (RESULTS / "summary.md").write_text(text)
-    (RESULTS / f"summary-{args.mode}.md").write_text(text)
+    # (a run of some figures does not replace the summary of a run of them all)
+    some = "" if only == set(FIGURES) else "-only-" + "-".join(map(str, sorted(only)))
+    (RESULTS / f"summary-{args.mode}{some}.md").write_text(text)
     save_json("machine", machine)
     print("\n" + text)
     return 1 if failed else 0

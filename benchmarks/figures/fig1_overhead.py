@@ -62,6 +62,7 @@ from common import (
     closed_loop,
     free_port,
     interleave,
+    load_cell,
     log,
     ratio,
     round_ratios,
@@ -106,7 +107,7 @@ def run(quick: bool) -> dict:
     rest: dict[str, str] = {}  # name -> HTTP address (REST)
     closed_rest = {}
     try:
-        servers, rest = _start(repo, quick, notes)
+        _start(repo, quick, notes, servers, rest)
         x = np.random.default_rng(0).random((1, 256), dtype=np.float32)
         checked = _check_answers(servers, x, notes)
         checked.update(_check_rest(rest, x, notes))
@@ -192,14 +193,19 @@ def run(quick: bool) -> dict:
 
 
 def _start(
-    repo: Path, quick: bool, notes: list[str]
-) -> tuple[dict[str, ServerProcess], dict[str, str]]:
-    """The servers, and the HTTP (REST) address of those that speak it."""
+    repo: Path,
+    quick: bool,
+    notes: list[str],
+    servers: dict[str, ServerProcess],
+    rest: dict[str, str],
+) -> None:
+    """Start the servers into ``servers`` (each as it starts: the caller stops them all,
+    whatever fails), and the HTTP (REST) address of those that speak it into ``rest``."""
     http_port = free_port()
-    servers = {
-        "rsrv": start_rsrv("overhead", repo, COMPILE_CACHE, endpoints={"http_port": http_port})
-    }
-    rest = {"rsrv": f"127.0.0.1:{http_port}"}
+    servers["rsrv"] = start_rsrv(
+        "overhead", repo, COMPILE_CACHE, endpoints={"http_port": http_port}
+    )
+    rest["rsrv"] = f"127.0.0.1:{http_port}"
     py, why = triton_python(quick)
     if py is not None:
         ports = [free_port() for _ in range(3)]
@@ -230,7 +236,6 @@ def _start(
             log(notes[-1])
             servers.pop("Triton").stop()
             rest.pop("Triton")
-    return servers, rest
 
 
 def triton_python(quick: bool) -> tuple[Path | None, str]:
@@ -407,12 +412,7 @@ def _table(part: dict, servers: list[str]) -> str:
     for r in part["rows"]:
         line = [r["concurrency"]]
         for n in servers:
-            s = r["servers"].get(n)
-            line.append(
-                f"{s['req_s']:,.0f} ({s['p50_ms']:.2f} / {s['p99_ms']:.2f})"
-                if s and s["p50_ms"] is not None
-                else "-"
-            )
+            line.append(load_cell(r["servers"].get(n)))
         for n in others:
             o = r["rsrv_over"].get(n, {})
             line.append(times(o.get("req_s"), o.get("rounds", [])))

@@ -17,6 +17,7 @@ from common import (
     closed_loop_reading,
     control_status,
     interleave,
+    load_cell,
     log,
     ratio,
     round_ratios,
@@ -118,11 +119,7 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             [
                 [
                     r["concurrency"],
-                    *[
-                        f"{r[k]['req_s']:,.0f} ({r[k]['p50_ms']:.2f} / {r[k]['p99_ms']:.2f}; "
-                        f"{r[k]['rows_per_dispatch']})"
-                        for k in CONFIGS
-                    ],
+                    *[load_cell(r[k], f"; {r[k]['rows_per_dispatch']}") for k in CONFIGS],
                     times(r["speedup"], r["rounds_speedup"]),
                 ]
                 for r in d["rows"]

@@ -59,7 +59,9 @@ def run(quick: bool) -> dict:
         try:
             for label in (COLD, WARM):
                 log(f"fig 6: {len(names)} bundles, {label} (round {r + 1})")
-                runs[label].append(time_to_ready(f"restart_{r}", repo, cache, names))
+                runs[label].append(
+                    time_to_ready(f"restart_{label.split()[0]}_{r}", repo, cache, names)
+                )
             runs[ONE].append(time_to_ready(f"restart_one_{r}", one, cache, ["tiny000"]))
         finally:
             shutil.rmtree(cache, ignore_errors=True)

@@ -70,12 +70,12 @@ def run(quick: bool) -> dict:
     p = QUICK if quick else FULL
     repos = {n: _repo(n) for n in p.counts}
     log("fig 8: an untimed start fills the compilation cache")
-    _start(bundles.scale(1), calls=0)
+    _start(bundles.scale(1), calls=0, label="warmup")
     got: dict[int, list[dict]] = {n: [] for n in p.counts}
     for r in range(p.rounds):
         for n in rotated(p.counts, r):
             log(f"fig 8: {n} models (round {r + 1})")
-            got[n].append(_start(repos[n], calls=p.calls))
+            got[n].append(_start(repos[n], calls=p.calls, label=f"round{r}"))
     base = statistics.median(s["rss_bytes"] for s in got[0]) if 0 in got else None
     rows = []
     for n, starts in got.items():
@@ -115,13 +115,13 @@ def _repo(n: int) -> Path:
     return empty
 
 
-def _start(repo: Path, calls: int) -> dict:
+def _start(repo: Path, calls: int, label: str) -> dict:
     """One ``rsrv serve`` of ``repo``: seconds to ready, then (``calls`` > 0) the
-    latencies, RSS and weight bytes."""
+    latencies, RSS and weight bytes. ``label`` names its log (one per start)."""
     names = sorted(q.name for q in repo.iterdir() if q.is_dir())
     metrics_port = free_port()
     server = start_rsrv(
-        f"scale_{len(names)}", repo, COMPILE_CACHE, endpoints={"metrics_port": metrics_port}
+        f"scale_{len(names)}_{label}", repo, COMPILE_CACHE, endpoints={"metrics_port": metrics_port}
     )
     try:
         ready = wait_ready(server, START_TIMEOUT, names)

@@ -51,6 +51,7 @@ from common import (
     cpu_seconds,
     free_port,
     interleave,
+    load_cell,
     log,
     ratio,
     round_ratios,
@@ -137,13 +138,12 @@ def start_trio_relay(worker: ServerProcess) -> ServerProcess:
 
 def overhead(p: Params, notes: list[str]) -> tuple[list[dict], dict | None]:
     """Parts (a) and (c), on one worker and one gateway."""
-    servers: dict[str, ServerProcess] = {}
+    servers: dict[str, ServerProcess] = {}  # (each as it starts: all stopped, whatever fails)
     try:
-        worker = start_rsrv("gw_direct", bundles.classifier(), COMPILE_CACHE)
+        worker = servers["direct"] = start_rsrv("gw_direct", bundles.classifier(), COMPILE_CACHE)
         wait_ready(worker, START_TIMEOUT, ["classifier"])
-        gateway = start_gateway("gw_front", [worker], MODES["round_robin"])
+        gateway = servers["gateway"] = start_gateway("gw_front", [worker], MODES["round_robin"])
         wait_ready(gateway, START_TIMEOUT, ["classifier"])
-        servers = {"direct": worker, "gateway": gateway}
         x = np.random.default_rng(2).random((1, 256), dtype=np.float32)
         rows = closed_loop_overhead(p, servers, x)
         try:
@@ -372,10 +372,7 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             [
                 [
                     r["concurrency"],
-                    *[
-                        f"{r[k]['req_s']:,.0f} ({r[k]['p50_ms']:.2f} / {r[k]['p99_ms']:.2f})"
-                        for k in ("direct", "gateway")
-                    ],
+                    *[load_cell(r[k]) for k in ("direct", "gateway")],
                     times(r["ratio"], r["rounds_ratio"]),
                 ]
                 for r in d["overhead"]
@@ -425,7 +422,7 @@ def report(d: dict) -> tuple[list[str], list[list]]:
             ", ".join(times(r["ratio"]) for r in d["overhead"]),
             f"interleaved, {rounds(d['rounds'])}",
         ],
-        *_h2load_rows(d.get("h2load")),
+        *_h2load_rows(d.get("h2load"), d.get("notes", [])),
         [
             "9 gateway",
             f"rows per execution, lpt_packing / round_robin ({c['clients']} clients)",
@@ -443,9 +440,6 @@ def _h2load_report(h: dict | None) -> list[str]:
     names = list(h["rows"][0]["paths"])
     proxies = names[1:]
 
-    def cell(s: dict) -> str:
-        return f"{s['req_s']:,.0f} ({s['p50_ms']:.2f} / {s['p99_ms']:.2f})"
-
     return [
         f"**c. h2load** ({h['load']}; {rounds(h['rounds'])} of about "
         f"{h['seconds_per_run']} s per path). Checked: "
@@ -456,7 +450,7 @@ def _h2load_report(h: dict | None) -> list[str]:
             [
                 [
                     r["concurrency"],
-                    *[cell(r["paths"][n]) for n in names],
+                    *[load_cell(r["paths"][n]) for n in names],
                     *[
                         times(r["paths"][n]["over_direct"], r["paths"][n]["rounds_over_direct"])
                         for n in proxies
@@ -488,9 +482,10 @@ def _h2load_report(h: dict | None) -> list[str]:
     ]
 
 
-def _h2load_rows(h: dict | None) -> list[list]:
-    if h is None:
-        return []
+def _h2load_rows(h: dict | None, notes: list[str]) -> list[list]:
+    if h is None:  # (skipped or failed: the summary says so, and why)
+        why = next((n for n in notes if n.startswith("c (h2load)")), "c (h2load): not run")
+        return [["9 gateway (h2load)", "-", why.removeprefix("c (h2load) "), "-"]]
     cs = ", ".join(str(r["concurrency"]) for r in h["rows"])
     return [
         [
