@@ -140,14 +140,13 @@ def raw_copy_seconds(request: Any) -> float:
     total = 0
     for tensor in request.inputs:
         shape = tensor.shape
-        if len(shape) > 64 or any(d < 0 for d in shape):
-            continue
-        try:
-            itemsize = DType.from_kserve(tensor.datatype).itemsize or 1
-        except ValueError:
-            continue
-        total += math.prod(shape) * itemsize
+        itemsize = _ITEMSIZE.get(tensor.datatype)
+        if itemsize is not None and len(shape) <= 64 and min(shape, default=0) >= 0:
+            total += math.prod(shape) * itemsize
     return total * RAW_COPY_BYTE_SECONDS
+
+
+_ITEMSIZE = {dtype.kserve: dtype.itemsize or 1 for dtype in DType}
 
 
 def decode_request(
