@@ -7,6 +7,9 @@ results/bundles/ (cached: a set is rebuilt only when its recipe or jax changes).
   many-models figure; one module shape, so they compile once between them.
 * ``tiny``: ``count`` small MLPs whose widths all differ, so every module is distinct and
   a cold start really compiles each one (the restart figure).
+* ``blob``: a request of any size answered with as many bytes (``blob`` UINT8[n,k] in,
+  ``out`` UINT8[n,k] back; model.py hooks, a trivial module between): the large-tensor
+  figure's, where the wire and the codec are the work.
 * ``scale``: ``count`` tiny MLPs (64 -> 32 -> 8, about 9 KiB of weights) of one shape
   with distinct weights, for the scale figure: one bundle is exported, the others are
   its modules and manifest with their own seeded weights file (what exporting each
@@ -168,6 +171,48 @@ def scale(count: int) -> Path:
     return _cached(
         f"scale{count}", {"kind": "scale", "count": count, "widths": SCALE_WIDTHS}, build
     )
+
+
+_BLOB_PY = """
+import numpy as np
+
+import rsrv
+
+
+@rsrv.preprocess(inputs=["blob"], outputs=["x"])
+def size(blob):
+    return np.full((blob.shape[0], 1), blob.shape[1], np.int32)
+
+
+@rsrv.postprocess(inputs=["y"], outputs=["out"])
+def answer(y):
+    return np.ones((len(y), int(y.max())), np.uint8)
+"""
+
+
+def blob() -> Path:
+    """A repository with the ``blob`` bundle (see the module docstring)."""
+
+    def build(repo: Path) -> None:
+        from rsrv.bundle import TensorSpec
+        from rsrv.export import Input, Output, export_jax
+
+        export_jax(
+            lambda p, x: x * p["one"],
+            {"one": np.int32(1)},
+            inputs=[Input("x", np.int32, ("n", 1))],
+            outputs=[Output("y")],
+            batch_sizes=[1],
+            client_inputs=[TensorSpec(name="blob", dtype="u8", shape="nk", dims={"k": -1})],
+            client_outputs=[TensorSpec(name="out", dtype="u8", shape="nk", dims={"k": -1})],
+            model_py=_BLOB_PY,
+            out_dir=repo / "blob",
+            description="a request of any size answered with as many bytes",
+            provenance={"source": "benchmarks/bundles.py"},
+            parity=False,
+        )
+
+    return _cached("blob", {"model_py": _BLOB_PY}, build)
 
 
 def classifier() -> Path:
