@@ -21,11 +21,13 @@ and prints and writes the summary. Nothing here asserts an absolute time.
    and /metrics latency.
 9. Gateway: through `rsrv gateway` vs direct to one worker (tritonclient closed loops,
    and h2load beside a C proxy), and coalescing under lpt_packing vs round_robin.
+10. Large tensors: 64 MiB each way, unary and streamed; the worker's CPU per answer
+    and how long its event loop is held meanwhile.
 
 Figures 1-3 and 9 compare servers side by side in interleaved rounds whose order rotates;
 4 and 6 are paired; 5 and 7 are one configuration measured on its own; 8 rotates its
-configurations over rounds. Each figure's JSON has a ``method`` saying so, and the summary
-repeats it.
+configurations over rounds; 10 is one worker, its two modes in interleaved rounds. Each
+figure's JSON has a ``method`` saying so, and the summary repeats it.
 
 Writes results/figN_*.json, results/figN_*.png (matplotlib, Agg; figures 1-3 and 6-8),
 results/summary.md and summary-full.md / summary-quick.md (summary-MODE-only-N.md for a run
