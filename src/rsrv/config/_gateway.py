@@ -20,8 +20,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rsrv.transport import CONNECTION_SPECIFIC, NOT_METADATA
+
 from ._env import parse_env_value
-from ._errors import ConfigError, convert, reword
+from ._errors import ConfigError, convert, key_segment, reword
 from ._load import read_document
 from ._schema import LoggingConfig, _doc, _Strict
 
@@ -405,22 +407,27 @@ def load_gateway(
     if client.tls_cert_file is not None and client.tls_ca_file is None:
         raise ConfigError(f"{where}: worker_client.tls_cert_file needs tls_ca_file")
     for name, value in client.headers.items():
-        # (what a gRPC call may carry as metadata: the first call would fail otherwise)
-        if not _METADATA_KEY.fullmatch(name) or name in _GRPC_OWN or name.startswith("grpc-"):
+        # (what a gRPC call may carry as metadata: every probe would fail otherwise)
+        if (
+            not _METADATA_KEY.fullmatch(name)
+            or name.encode() in _NOT_SENDABLE
+            or name.startswith("grpc-")
+        ):
             raise ConfigError(
-                f"{where}: $.worker_client.headers: {name!r} is not a metadata key a call may "
-                "carry (lower case letters, digits, '_', '.', '-'; not te, content-type, "
-                "user-agent or grpc-*)"
+                f"{where}: $.worker_client.headers{key_segment(name)}: not a metadata key a "
+                "call may carry (lower case letters, digits, '_', '.', '-'; not grpc-*, nor "
+                f"one of {', '.join(sorted(n.decode() for n in _NOT_SENDABLE))})"
             )
         if not (value.isascii() and value.isprintable()):
             raise ConfigError(
-                f"{where}: $.worker_client.headers.{name}: the value must be printable ASCII"
+                f"{where}: $.worker_client.headers{key_segment(name)}: the value must be "
+                "printable ASCII"
             )
     return config
 
 
 _METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
-_GRPC_OWN = frozenset({"te", "content-type", "user-agent"})
+_NOT_SENDABLE = NOT_METADATA | CONNECTION_SPECIFIC | {b"user-agent"}
 
 
 def _absolute_files(config: GatewayConfig, base: Path) -> GatewayConfig:

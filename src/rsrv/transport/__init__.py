@@ -26,7 +26,7 @@ from rsrv.transport._channel import (
     open_channel,
 )
 from rsrv.transport._client_stream import CallEnded, MessageTooLarge
-from rsrv.transport._connection import NOT_METADATA
+from rsrv.transport._connection import CONNECTION_SPECIFIC, NOT_METADATA
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     INFLATING_AT_ONCE,
@@ -48,6 +48,7 @@ from rsrv.transport._server import (
 
 __all__ = [
     "INFLATING_AT_ONCE",
+    "CONNECTION_SPECIFIC",
     "NOT_METADATA",
     "TLS_ERRORS",
     "CallEnded",

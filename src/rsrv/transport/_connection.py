@@ -74,7 +74,8 @@ NOT_METADATA = frozenset(
     {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
 _PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
-_CONNECTION_SPECIFIC = frozenset(
+#: Request headers HTTP/2 forbids (RFC 9113 §8.2.2): a request carrying one is reset.
+CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
 
@@ -237,7 +238,7 @@ class ServerConnection(Http2Endpoint):
                     method = value
                 continue
             regular = True
-            if name != name.lower() or name in _CONNECTION_SPECIFIC:
+            if name != name.lower() or name in CONNECTION_SPECIFIC:
                 self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
                 return
             if name == b"content-type":

@@ -711,9 +711,11 @@ def test_gateway_tls_settings_that_would_be_ignored_are_refused(tmp_path, tls, n
     ("header", "needle"),
     [
         ('rsrv-key = "k\u20acy"', "headers.rsrv-key: the value must be printable ASCII"),
-        ('Rsrv-Key = "k"', "'Rsrv-Key' is not a metadata key a call may carry"),
-        ('te = "k"', "'te' is not a metadata key"),
-        ('grpc-timeout = "1S"', "'grpc-timeout' is not a metadata key"),
+        ('Rsrv-Key = "k"', "headers.Rsrv-Key: not a metadata key a call may carry"),
+        ('te = "k"', "headers.te: not a metadata key"),
+        ('grpc-timeout = "1S"', "headers.grpc-timeout: not a metadata key"),
+        ('connection = "close"', "headers.connection: not a metadata key"),  # (reset)
+        ('"x.y" = "caf\u00e9"', 'headers\\["x.y"\\]: the value must be printable ASCII'),
     ],
 )
 def test_gateway_headers_no_call_could_carry_are_refused(tmp_path, header, needle):
