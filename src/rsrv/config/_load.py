@@ -51,19 +51,22 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
 
 # Numbers as YAML 1.2 reads them (its core schema), not PyYAML's YAML 1.1: `010` is 10
 # (1.1: octal 8), `1:30` a string (1.1: 90, base 60), `1e3` the number 1000 (1.1: a
-# string); octal is written `0o10`. Booleans stay 1.1's (`yes`, `on` are true).
+# string); octal is written `0o10`. As 1.1 allowed, `_` may separate digits (`1_000`) and
+# `0b` writes binary. Booleans stay 1.1's (`yes`, `on` are true).
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _UniqueKeyLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
     for first, resolvers in _UniqueKeyLoader.yaml_implicit_resolvers.items()
 }
 _UniqueKeyLoader.add_implicit_resolver(
-    _INT_TAG, re.compile(r"[-+]?(?:[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z"), list("-+0123456789")
+    _INT_TAG,
+    re.compile(r"[-+]?(?:0b[01_]+|0o[0-7_]+|0x[0-9a-fA-F_]+|[0-9][0-9_]*)\Z"),
+    list("-+0123456789"),
 )
 _UniqueKeyLoader.add_implicit_resolver(
     _FLOAT_TAG,
     re.compile(
-        r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?\Z"
+        r"[-+]?(?:\.[0-9][0-9_]*|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?\Z"
         r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z"
     ),
     list("-+.0123456789"),
@@ -72,9 +75,14 @@ _UniqueKeyLoader.add_implicit_resolver(
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = loader.construct_scalar(node)
-    digits = text.lstrip("+-")
-    base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
-    value = int(digits[2:] if base != 10 else digits, base)
+    digits = text.replace("_", "").lstrip("+-")
+    base = {"0b": 2, "0o": 8, "0x": 16}.get(digits[:2], 10)
+    try:  # (an explicit !!int may carry anything)
+        value = int(digits[2:] if base != 10 else digits, base)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not an integer", node.start_mark
+        ) from None
     return -value if text.startswith("-") else value
 
 

@@ -218,6 +218,11 @@ def test_yaml_numbers_read_as_yaml_1_2_does(tmp_path):
     assert worker.scheduler.max_queue_depth == 10 and worker.model_poll_seconds == 1000.0
     worker = worker_of(tmp_path, "global:\n  scheduler: {max_queue_depth: 0o10}\n")
     assert worker.scheduler.max_queue_depth == 8
+    worker = worker_of(tmp_path, "global:\n  scheduler: {max_queue_depth: 1_000}\n")
+    assert worker.scheduler.max_queue_depth == 1000  # (as 1.1 allowed)
+    assert load_node(write(tmp_path, "node.yaml", "port: !!int 0b1111101000001\n")).port == 8001
+    with pytest.raises(ConfigError, match="'1:30' is not an integer"):  # (no traceback)
+        load_node(write(tmp_path, "node.yaml", "port: !!int 1:30\n"))
     with pytest.raises(ConfigError, match="model_poll_seconds: Expected `float`, got `str`"):
         load_node(write(tmp_path, "node.yaml", "global: {model_poll_seconds: 1:30}\n"))
 
