@@ -6,6 +6,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from rsrv.config import ConfigError, join_address, load_node, plan_node
 from rsrv.node._supervisor import dialled
@@ -18,7 +19,8 @@ def status_main(node_file: str | None, timeout: float = 5.0) -> int:
     is ready, 1 when it runs but is not ready, 2 when it cannot be reached."""
     try:
         node = load_node(node_file)
-        host = dialled(plan_node(node, detect=False).host)
+        source = None if node_file is None else Path(node_file)
+        host = dialled(plan_node(node, source=source, detect=False).host)
     except ConfigError as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from rsrv.node._output import (
     standard_output,
     tag_line,
 )
+from rsrv.node._status import status_main
 from rsrv.node._supervisor import Supervisor, check_node_ports, gateway_spec, worker_spec
 
 
@@ -677,6 +678,15 @@ def test_node_ports_must_not_be_a_workers(tmp_path, yaml, clash):
     path.write_text("cpu_workers: 2\n" + yaml)
     with pytest.raises(ConfigError, match=f"^{path}: .*{clash}"):
         check_node_ports(plan_node(load_node(path), {"PATH": ""}, source=path), str(path))
+
+
+def test_node_status_names_the_node_file_in_its_errors(tmp_path, monkeypatch, capsys):
+    """(It named <node config>, then the embedded default, for the file it was given.)"""
+    path = tmp_path / "node.yaml"
+    path.write_text("port: 18001\n")
+    monkeypatch.setenv("INFERENCE_SERVER_ENDPOINTS_METRICS_PORT", "18001")
+    assert status_main(str(path)) == 2
+    assert capsys.readouterr().err.startswith(f"rsrv: {path}: ")
 
 
 async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_path):
