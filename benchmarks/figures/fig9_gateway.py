@@ -484,8 +484,9 @@ def _h2load_report(h: dict | None) -> list[str]:
 
 def _h2load_rows(h: dict | None, notes: list[str]) -> list[list]:
     if h is None:  # (skipped or failed: the summary says so, and why)
-        why = next((n for n in notes if n.startswith("c (h2load)")), "c (h2load): not run")
-        return [["9 gateway (h2load)", "-", why.removeprefix("c (h2load) "), "-"]]
+        why = next((n for n in notes if n.startswith("c (h2load) ")), "c (h2load) not run")
+        why = " ".join(why.removeprefix("c (h2load) ").split())[:200]  # (one table line)
+        return [["9 gateway (h2load)", "-", why, "-"]]
     cs = ", ".join(str(r["concurrency"]) for r in h["rows"])
     return [
         [

@@ -153,13 +153,14 @@ def convert(raw: Any, type_: type[_T], where: str) -> _T:
     """``raw`` (a file's data) as ``type_``; ConfigError naming ``where`` and the key's
     path. A number that is not finite (`.inf`, `nan`) is refused wherever it is, as
     the environment refuses it: no setting means "for ever" by infinity."""
-    path = _non_finite(raw, "$")
-    if path is not None:
-        raise ConfigError(f"{where}: {path}: expected a finite number")
     try:
-        return msgspec.convert(raw, type=type_, strict=True)
+        converted = msgspec.convert(raw, type=type_, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{where}: {_describe(exc, raw, type_)}") from None
+    path = _non_finite(raw, "$")  # (after the checks of keys and types: theirs first)
+    if path is not None:
+        raise ConfigError(f"{where}: {path}: expected a finite number")
+    return converted
 
 
 def _non_finite(value: Any, path: str) -> str | None:
@@ -167,13 +168,12 @@ def _non_finite(value: Any, path: str) -> str | None:
     if isinstance(value, float):
         return None if math.isfinite(value) else path
     if isinstance(value, dict):
-        items = value.items()
+        items = [(key_segment(str(key)), item) for key, item in value.items()]
     elif isinstance(value, list):
-        items = enumerate(value)
+        items = [(f"[{i}]", item) for i, item in enumerate(value)]
     else:
         return None
-    for key, item in items:
-        segment = f"[{key}]" if isinstance(key, int) else key_segment(str(key))
+    for segment, item in items:
         found = _non_finite(item, path + segment)
         if found is not None:
             return found
