@@ -38,6 +38,10 @@ REPOSITORY_INDEX = "/inference.GRPCInferenceService/RepositoryIndex"
 CONTROL_STATUS = "/rsrv.control.v1.ControlService/ModelControlStatus"
 _EMPTY = b""
 
+#: A worker that has not answered yet is taken as starting (a process started beside the
+#: gateway imports JAX first) for this long after its first probe; see Discovery._call.
+STARTING_SECONDS = 30.0
+
 
 class Discovery:
     """Keeps ``fleet`` current. ``before_round()`` runs first in every round (the
@@ -61,6 +65,7 @@ class Discovery:
         self.before_round = before_round
         self.rounds = 0
         self._failing: set[tuple[str, str]] = set()  # (worker, path) whose failure was logged
+        self._first_probe: dict[str, float] = {}  # worker -> when it was first probed
         self._started = 0  # rounds begun (``rounds``: completed)
         self._round_done = trio.Event()  # set as each round completes
         self._wake = trio.Event()
@@ -145,13 +150,16 @@ class Discovery:
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS): drop what is kept of it."""
         self._failing = {key for key in self._failing if key[0] != worker}
+        self._first_probe.pop(worker, None)
 
     async def _call(self, worker: WorkerLink, path: str) -> tuple[StatusCode, bytes | None]:
         """The call's status, and its response when it succeeded. A failure is logged,
         unless the worker is going away (UNAVAILABLE from a worker that has answered
         before) or has no control service: as a warning the first time, then at debug
         level until that call succeeds again (a failure that repeats every round is
-        reported once)."""
+        reported once). A worker that has never answered is starting, for
+        :data:`STARTING_SECONDS` after it was first probed: its failures are logged at
+        info level meanwhile (a mistyped endpoint is warned about after that)."""
         timeout = self.settings.probe_timeout_seconds
         # (not behind the clients' calls: a worker busy with as many as the gateway
         # sends it at once is answering, and must not look wedged)
@@ -167,6 +175,17 @@ class Discovery:
         quiet = (result.status == StatusCode.UNAVAILABLE and worker.ever_answered) or (
             result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
         )
+        if not quiet and not worker.ever_answered:
+            first = self._first_probe.setdefault(worker.name, trio.current_time())
+            if trio.current_time() - first < STARTING_SECONDS:
+                log.info(
+                    "worker %s has not answered yet (%s to %s: %s)",
+                    worker.name,
+                    result.status.name,
+                    path.rsplit("/", 1)[1],
+                    result.message,
+                )
+                return result.status, None
         if not quiet:
             (log.debug if key in self._failing else log.warning)(
                 "worker %s answered %s to %s: %s",

@@ -12,7 +12,13 @@ from purerpc.grpclib.status import StatusCode
 from support.gateway import ok, worker_link
 
 from rsrv.config import GatewayConfig
-from rsrv.gateway._discovery import CONTROL_STATUS, REPOSITORY_INDEX, SERVER_READY, Discovery
+from rsrv.gateway._discovery import (
+    CONTROL_STATUS,
+    REPOSITORY_INDEX,
+    SERVER_READY,
+    STARTING_SECONDS,
+    Discovery,
+)
 from rsrv.gateway._fleet import Fleet, WorkerLink
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
@@ -187,16 +193,25 @@ async def test_requests_cut_short_while_refreshing_leave_discovery_running(autoj
         nursery.cancel_scope.cancel()
 
 
-async def test_a_worker_that_never_answered_is_reported_once(caplog):
-    """A mistyped endpoint (connection refused from the start) is warned about once;
-    a worker that answered before and goes away is reported as not ready instead."""
+async def test_a_worker_that_never_answered_is_reported_once(caplog, autojump_clock):
+    """A mistyped endpoint (connection refused from the start) is warned about once,
+    once it has not answered for STARTING_SECONDS (before, it may be starting: a node
+    starts its gateway beside its workers, and every start logged a warning); a worker
+    that answered before and goes away is reported as not ready instead."""
     channel = ScriptedChannel(worker_answers(["m"]))
     channel.answers[SERVER_READY] = StatusCode.UNAVAILABLE
     _, _, discovery = fleet_of(channel)
-    with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+    with caplog.at_level(logging.INFO, "rsrv.gateway"):
         for _ in range(3):
             await discovery.round()
-    assert caplog.text.count("UNAVAILABLE to ServerReady") == 1
+            await trio.sleep(STARTING_SECONDS / 4)
+        assert caplog.text.count("UNAVAILABLE to ServerReady") == 3
+        assert "WARNING" not in caplog.text and "has not answered yet" in caplog.text
+        for _ in range(3):
+            await discovery.round()
+            await trio.sleep(STARTING_SECONDS / 4)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "UNAVAILABLE to ServerReady" in warnings[0].getMessage()
 
 
 async def test_a_call_that_finds_the_worker_unreachable_mid_probe_has_the_last_word():
