@@ -13,6 +13,7 @@ import pytest
 from support.bundles import X, x_input
 from support.clients import connect
 from support.serving import hook_globals, running, worker_config
+from support.waiting import wait_until
 from tritonclient.utils import InferenceServerException
 
 PRE = """
@@ -109,3 +110,30 @@ def test_slow_hooks_of_one_model_leave_another_models_hooks_their_threads(repo, 
                 assert all(f.result() == ("OK", "") for f in waiting)
         finally:
             parked["gate"].set()
+
+
+def test_a_retired_load_of_model_py_leaves_sys_modules(repo, cache_dir):
+    """Each load of a model.py is a module of its own; a reload, or a load that fails
+    after the import, kept the old one in sys.modules for good, with its globals (a
+    model.py holding an 80 MB table grew the worker by 76 MiB a reload)."""
+    import gc
+    import sys
+
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+
+    def loaded() -> list[str]:
+        gc.collect()
+        return [m for m in sys.modules if m.startswith("rsrv_bundle_post_")]
+
+    with running(config) as worker, connect(worker) as client:
+        client.load_model("post")
+        for _ in range(3):
+            client.load_model("post")  # (a reload: the same files, loaded again)
+        assert status(client, "post") == ("OK", "")
+        wait_until(lambda: len(loaded()) == 1)  # (a version retires once it is idle)
+        (repo / "post" / "model.py").write_text(POST.replace('outputs=["y"])', 'outputs=["z"])'))
+        with pytest.raises(InferenceServerException):  # fails after the import (z: no output)
+            client.load_model("post")
+        wait_until(lambda: len(loaded()) == 1)  # the serving load's alone
+        client.unload_model("post")
+        wait_until(lambda: loaded() == [])

@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import re
 import sys
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,8 +41,11 @@ def defines_bundle(name: str) -> bool:
     return name in ("weights.safetensors", "model.py") or _MODULE_RE.match(name) is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Hooks:
+    """A bundle's model.py hooks; the module they come from is in ``sys.modules`` (under a
+    name of its own per load) for as long as they are alive."""
+
     preprocess: Hook | None = None
     postprocess: Hook | None = None
     meta: Hook | None = None
@@ -316,6 +320,9 @@ def _load_hooks(model_py: Path, sig: Signature, name: str) -> Hooks:
                 raise BundleError(f"{model_py}: declares more than one @rsrv.{value.kind} hook")
             found[value.kind] = value
     hooks = Hooks(**found)
+    # The module leaves sys.modules with its load's hooks (a retired version, a load that
+    # fails after this): each reload kept the last one's globals, a large table 80 MB each.
+    weakref.finalize(hooks, sys.modules.pop, module_name, None)
     _check_hooks(model_py, hooks, sig)
     return hooks
 

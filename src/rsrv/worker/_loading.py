@@ -234,17 +234,19 @@ class ModelLoader:
         except Exception as e:  # a bad bundle must never take the worker down
             if served is not None:
                 self.executor.retire(served.key)
-            version.reason = str(e)
+            # (the text, not the exception: a log record that keeps it, with its frames,
+            # keeps what they hold, a failed load's model.py module among them)
+            reason = version.reason = str(e)
             if version.model is None:
                 version.state = LoadState.UNAVAILABLE
-                log.error("model %s version %d unavailable: %s", name, number, e)
+                log.error("model %s version %d unavailable: %s", name, number, reason)
             else:
                 log.error(
                     "reload of model %s version %d failed; its load %d keeps serving: %s",
                     name,
                     number,
                     version.model.generation,
-                    e,
+                    reason,
                 )
             return
         previous = version.model
