@@ -1,15 +1,24 @@
 """Compile StableHLO with PJRT, with a persistent executable cache on disk.
 
 The cache key covers the module bytes and everything that changes the machine code
-(jax/jaxlib version, platform and its version, device kind), so a restart, or a second
-bundle with an identical module, loads the executable instead of compiling it again.
+(jax/jaxlib version, platform and its version, device kind, ``XLA_FLAGS`` and
+``LIBTPU_INIT_ARGS``, and on the CPU the host's CPU features), so a restart, or a second
+bundle with an identical module, loads the executable instead of compiling it again,
+and a cache shared with another machine or other flags never hands over machine code
+built for them. Each entry carries the SHA-256 of its executable, checked before it is
+loaded: an entry damaged on disk (which could still load, and crash the process) is
+removed and compiled again. Entries are written atomically (a temporary file renamed
+into place; one left by a process killed while writing is removed by the next start
+after an hour). Nothing evicts entries: the cache grows with every distinct module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import platform
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,7 +31,9 @@ from jax._src.lib import xla_client
 from rsrv.runtime._backend import device
 
 log = logging.getLogger(__name__)
-_KEY_VERSION = b"rsrv-exe-1"
+_KEY_VERSION = b"rsrv-exe-2"
+_MAGIC = b"rsrv-exe-2\n"  # then the SHA-256 of the executable, then the executable
+_STALE_TMP_SECONDS = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +60,14 @@ class Compiler:
                     self._client.platform.encode(),
                     self._client.platform_version.encode(),
                     self._device.device_kind.encode(),
+                    os.environ.get("XLA_FLAGS", "").encode(),
+                    os.environ.get("LIBTPU_INIT_ARGS", "").encode(),
+                    _cpu_features() if self._client.platform == "cpu" else b"",
                 ]
             )
         ).digest()
+        if self._cache is not None:
+            _sweep(self._cache)
 
     def compile(self, source: bytes | str) -> CompileResult:
         """Compile ``source`` (StableHLO text or portable bytecode), or load it from cache."""
@@ -60,13 +76,15 @@ class Compiler:
         path = self._entry(source)
         if path is not None and path.is_file():
             try:
-                exe = self._client.deserialize_executable(path.read_bytes(), self._devices, options)
+                blob = _checked(path.read_bytes())
+                exe = self._client.deserialize_executable(blob, self._devices, options)
                 return CompileResult(exe, time.perf_counter() - start, True)
-            except Exception as e:  # a stale or truncated entry: recompile and replace it
+            except Exception as e:  # a damaged or stale entry: recompile and replace it
                 log.warning("ignoring unreadable compilation cache entry %s: %s", path, e)
         exe = self._client.compile_and_load(source, self._devices, options)
         if path is not None:
-            self._store(path, self._client.serialize_executable(exe))
+            blob = self._client.serialize_executable(exe)
+            self._store(path, _MAGIC + hashlib.sha256(blob).digest() + blob)
         return CompileResult(exe, time.perf_counter() - start, False)
 
     def _entry(self, source: bytes | str) -> Path | None:
@@ -76,13 +94,50 @@ class Compiler:
         return self._cache / f"{hashlib.sha256(self._salt + data).hexdigest()}.bin"
 
     @staticmethod
-    def _store(path: Path, blob: bytes) -> None:
+    def _store(path: Path, data: bytes) -> None:
         """Write atomically so a concurrent reader never sees a partial entry."""
+        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
-                f.write(blob)
+                f.write(data)
             os.replace(tmp, path)
         except OSError as e:  # the cache is an optimisation; never fail a load over it
             log.warning("cannot write compilation cache entry %s: %s", path, e)
+            if tmp is not None:  # (a full disk: what was written is given back)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+def _checked(data: bytes) -> bytes:
+    """The executable of a cache entry, once its checksum matches. Raises ValueError."""
+    head = len(_MAGIC)
+    blob = data[head + 32 :]
+    if data[:head] != _MAGIC or hashlib.sha256(blob).digest() != data[head : head + 32]:
+        raise ValueError("its checksum does not match (damaged, or written by another version)")
+    return blob
+
+
+def _cpu_features() -> bytes:
+    """The host CPU's feature flags (Linux), which decide the instructions XLA emits."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
+def _sweep(cache: Path) -> None:
+    """Remove temporary files of writes that never finished (their process was killed)."""
+    try:
+        stale = time.time() - _STALE_TMP_SECONDS
+        for tmp in cache.glob(".tmp-*"):
+            with contextlib.suppress(OSError):
+                if tmp.stat().st_mtime < stale:
+                    tmp.unlink()
+    except OSError:
+        pass

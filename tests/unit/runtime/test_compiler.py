@@ -1,0 +1,80 @@
+"""The compilation cache on disk: an entry is loaded only when its checksum matches,
+its key covers what changes the machine code, and a write that fails leaves nothing."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+
+import pytest
+from support import ROOT
+
+from rsrv.runtime import Compiler
+from rsrv.runtime import _compiler as compiler_module
+
+MODULE = (ROOT / "bundles" / "classifier" / "model.b1.mlir").read_bytes()
+
+
+def entries(cache) -> list:
+    return sorted((cache / "executables").glob("*.bin"))
+
+
+def test_an_entry_is_loaded_until_it_is_damaged_then_compiled_again(tmp_path, caplog):
+    """A damaged entry that still loaded could crash the worker (SIGILL), and again at
+    every restart: its checksum no longer matches, so it is compiled again, and
+    replaced."""
+    assert not Compiler(tmp_path).compile(MODULE).cached
+    assert Compiler(tmp_path).compile(MODULE).cached
+    (entry,) = entries(tmp_path)
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # (inside the executable: the length is unchanged)
+    entry.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, "rsrv.runtime"):
+        assert not Compiler(tmp_path).compile(MODULE).cached
+    assert "checksum does not match" in caplog.text
+    assert Compiler(tmp_path).compile(MODULE).cached
+
+
+def test_the_key_covers_the_xla_flags(tmp_path, monkeypatch):
+    """Machine code built under other XLA flags (another ISA) is not handed over."""
+    Compiler(tmp_path).compile(MODULE)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=SSE4_2")
+    assert not Compiler(tmp_path).compile(MODULE).cached
+    assert len(entries(tmp_path)) == 2
+
+
+def test_a_write_that_fails_leaves_no_file(tmp_path, monkeypatch, caplog):
+    """(On a full disk every load wrote another partial temporary file.) One left by a
+    process killed while writing is removed by a later start, once an hour old."""
+
+    def full(fd, mode):
+        os.close(fd)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(compiler_module.os, "fdopen", full)
+    with caplog.at_level(logging.WARNING, "rsrv.runtime"):
+        assert not Compiler(tmp_path).compile(MODULE).cached
+    assert "No space left on device" in caplog.text
+    assert list((tmp_path / "executables").iterdir()) == []
+    monkeypatch.undo()
+    old, new = tmp_path / "executables" / ".tmp-old", tmp_path / "executables" / ".tmp-new"
+    for tmp in (old, new):
+        tmp.write_bytes(b"partial")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    Compiler(tmp_path)
+    assert not old.exists() and new.exists()  # (new: perhaps another process writing it)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_without_a_usable_cache_it_still_compiles(tmp_path, cache):
+    """No cache, or a file where its directory should be: compiled every time."""
+    where = None
+    if cache:
+        where = tmp_path / "cache"
+        where.mkdir()
+        (where / "executables").write_text("not a directory")
+    assert not Compiler(where).compile(MODULE).cached
+    assert not Compiler(where).compile(MODULE).cached
