@@ -384,12 +384,16 @@ class Scheduler:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The dispatch loop: select, plan, execute, answer; one batch at a time.
 
-        Returns after :meth:`drain` once nothing is queued. If cancelled or failing,
-        the executing batch and every queued request are answered Unavailable, and
-        the scheduler admits nothing more.
+        Returns after :meth:`drain` once nothing is queued (at once when it was drained
+        before it ran: a stop during start-up). If cancelled or failing, the executing
+        batch and every queued request are answered Unavailable, and the scheduler
+        admits nothing more. RuntimeError when it is running already.
         """
-        if self._running or self._closed:
+        if self._running:
             raise RuntimeError("Scheduler.run runs once, in one task")
+        if self._closed:  # (drained, or run, already: nothing is queued, nothing will be)
+            task_status.started()
+            return
         self._running = True
         try:
             async with trio.open_nursery() as background:  # prefetches

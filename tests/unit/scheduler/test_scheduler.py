@@ -467,6 +467,18 @@ async def test_drain_answers_everything_then_refuses_new_work(autojump_clock):
     # run() returned by itself, so the nursery closed
 
 
+async def test_a_scheduler_drained_before_it_runs_returns_from_run_at_once():
+    """A worker stopped during its start-up drains the scheduler before its run task
+    starts: run raised RuntimeError, and the worker exited 1 with a traceback."""
+    sched = Scheduler(config(), FakeExecutor(cost=1.0))
+    await sched.drain()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+    with pytest.raises(Unavailable, match="shutting down"):
+        await sched.submit("a", [rows(1, 1)])
+
+
 async def test_cancelling_run_answers_queued_requests_unavailable(autojump_clock):
     ex = FakeExecutor(cost=5.0)
     sched = Scheduler(config(), ex)
