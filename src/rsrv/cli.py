@@ -100,8 +100,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 f"gateway: {', '.join(given)}: options of the commands ({', '.join(COMMANDS)}), "
                 "not of running a gateway"
             )
+        from rsrv.lifeline import hold_stop_signals
+
+        hold_stop_signals()
         return gateway_main(rest[0] if rest else None)
     if args.command == "serve":
+        from rsrv.lifeline import hold_stop_signals
+
+        hold_stop_signals()  # (before the slow imports and the start-up: see rsrv.lifeline)
         from rsrv.worker import serve_main
 
         return serve_main(args.node_file, args.worker)

@@ -10,7 +10,7 @@ from rsrv.lifeline._lifeline import (
     read_status,
     supervised,
 )
-from rsrv.lifeline._process import Server, first_error, serve_process
+from rsrv.lifeline._process import Server, first_error, hold_stop_signals, serve_process
 
 __all__ = [
     "LINK_FD_VARIABLE",
@@ -19,6 +19,7 @@ __all__ = [
     "Server",
     "SupervisorLink",
     "first_error",
+    "hold_stop_signals",
     "read_status",
     "serve_process",
     "supervised",

@@ -231,7 +231,8 @@ class Supervisor:
 
     async def _supervise(self) -> int:
         self.started_at = trio.current_time()
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # (SIGHUP: a closed terminal)
+        with trio.open_signal_receiver(*stops) as signals:
             async with trio.open_nursery() as nursery:
                 admin = join_address(self.plan.host, self.plan.metrics_port)
                 unbound: BaseException | None = None
@@ -272,7 +273,7 @@ class Supervisor:
         return 0
 
     async def _watch_signals(self, signals) -> None:
-        """The first SIGTERM / SIGINT stops the node gracefully; a second one kills every
+        """The first SIGTERM / SIGINT / SIGHUP stops the node gracefully; a second one kills every
         child at once (an impatient Ctrl-C). The same signal again within
         SAME_STOP_SECONDS is the same stop delivered twice (GNU ``timeout`` signals the
         node and then its process group), not a second one."""

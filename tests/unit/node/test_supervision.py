@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -553,6 +554,54 @@ def test_a_host_that_does_not_resolve_is_one_line_and_exit_1(monkeypatch, capsys
         error
         == f"rsrv: worker w: cannot listen: [Errno {socket.EAI_NONAME}] Name or service not known\n"
     )
+
+
+STOP_SCRIPT = """
+import logging, os, signal, sys, trio
+from rsrv.lifeline import ChildStatus, hold_stop_signals, serve_process
+logging.basicConfig(level=logging.INFO)
+
+class Server:
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        print("run", flush=True)
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def shutdown(self):
+        print("shutdown", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # (again, during the stop)
+
+hold_stop_signals()  # (what the entry point does, before its slow start)
+for _ in range(int(sys.argv[1])):
+    os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+code = serve_process("x", Server(), lambda: ChildStatus(True, 1))
+os.kill(os.getpid(), signal.SIGTERM)  # (again, as the process ends)
+print("exit", code, flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_before_the_server_runs_stops_it_gracefully(signame):
+    """Before serve_process watched them, a stop signal ended the process (SIGTERM: by
+    the signal; SIGINT: a KeyboardInterrupt traceback); SIGHUP did at any time; and the
+    same signal again, during the stop or as the process ended, ended it by that signal
+    after a graceful stop. Now: the server starts, stops gracefully, exit 0."""
+    result = subprocess.run(
+        [sys.executable, "-c", STOP_SCRIPT, "1", signame], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split()) == ["0", "exit", "run", "shutdown"]
+    assert f"received {signame} (while starting)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_second_stop_signal_before_the_server_runs_ends_the_process():
+    """(A start-up that hangs, a device that never opens, can still be ended.)"""
+    result = subprocess.run(
+        [sys.executable, "-c", STOP_SCRIPT, "2", "SIGTERM"], capture_output=True, text=True
+    )
+    assert result.returncode == -signal.SIGTERM and result.stdout == ""
 
 
 async def test_a_child_is_not_ready_while_it_starts_and_its_supervisor_going_stops_it(
