@@ -558,7 +558,8 @@ def test_log_settings(triton):
         for key, value, message in [
             ("log_colour", "blue", "unknown log setting 'log_colour'"),
             ("log_info", "yes", "log setting 'log_info' takes a bool value"),
-            ("log_format", "xml", "log_format must be 'default' or 'json'"),
+            ("log_format", "xml", "log_format is 'default', fixed at start"),
+            ("log_format", "json", "log_format is 'default', fixed at start"),  # (no effect)
         ]:
             request = service_pb2.LogSettingsRequest()
             request.settings[key].string_param = value

@@ -38,8 +38,11 @@ class LogSettings:
             raise InvalidArgument(f"log setting {key!r} takes a {expected.split('_')[0]} value")
         if key == "log_file" and value:
             raise InvalidArgument("log_file is not supported: rsrv logs to stderr")
-        if key == "log_format" and value not in ("default", "json"):
-            raise InvalidArgument("log_format must be 'default' or 'json'")
+        if key == "log_format" and value != self.values["log_format"]:
+            raise InvalidArgument(
+                f"log_format is {self.values['log_format']!r}, fixed at start "
+                "(logging.format in the node file)"
+            )
         self.values[key] = value
         self._apply()
 
