@@ -14,11 +14,13 @@ processes from worker threads that come and go.)
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import signal
 import socket
+import stat
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 
@@ -79,6 +81,12 @@ class SupervisorLink:
 
     async def run(self) -> None:
         if self.fd is None:
+            return
+        try:  # (a variable inherited from elsewhere: no socket of ours, or none at all)
+            if not stat.S_ISSOCK(os.fstat(self.fd).st_mode):
+                raise OSError(errno.ENOTSOCK, "not a socket")
+        except OSError as e:
+            log.warning("%s=%d is no supervisor link (%s): ignored", LINK_FD_VARIABLE, self.fd, e)
             return
         sock = trio.socket.from_stdlib_socket(socket.socket(fileno=self.fd))
         async with trio.SocketStream(sock) as stream, trio.open_nursery() as nursery:

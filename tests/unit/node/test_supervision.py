@@ -556,6 +556,15 @@ def test_a_host_that_does_not_resolve_is_one_line_and_exit_1(monkeypatch, capsys
     )
 
 
+@pytest.mark.parametrize("fd", ["1", "1023"])  # (a pipe or terminal; no descriptor)
+async def test_a_link_variable_that_names_no_socket_is_ignored(monkeypatch, fd, caplog):
+    """(An inherited variable crashed the process: EBADF, ENOTSOCK.)"""
+    monkeypatch.setenv(LINK_FD_VARIABLE, fd)
+    with trio.fail_after(5):
+        await SupervisorLink(lambda: ChildStatus(True, 1)).run()
+    assert f"RSRV_SUPERVISOR_FD={fd} is no supervisor link" in caplog.text
+
+
 STOP_SCRIPT = """
 import logging, os, signal, sys, trio
 from rsrv.lifeline import ChildStatus, hold_stop_signals, serve_process
