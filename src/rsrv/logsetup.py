@@ -32,7 +32,8 @@ def configure_logging(
 
 
 class _JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, worker, logger, message[, exception]."""
+    """One JSON object per line: time, level, worker, logger, message[, exception][,
+    stack]."""
 
     def __init__(self, worker: str):
         super().__init__()
@@ -48,4 +49,6 @@ class _JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry)
