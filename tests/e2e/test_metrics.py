@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -44,6 +46,10 @@ def test_health_endpoints(repo, cache_dir):
         assert get(port, "/healthz", "HEAD")[0] == 200
         assert get(port, "/nope")[0] == 404
         assert get(port, "/metrics", "POST")[0] == 405
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=5)
+        assert refused.value.headers["allow"] == "GET, HEAD"  # (RFC 9110: a 405 says which)
     with pytest.raises(OSError):  # the admin server stops with the worker
         get(port, "/healthz")
 

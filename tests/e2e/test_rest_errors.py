@@ -403,6 +403,15 @@ def test_undecodable_json_and_unknown_endpoints(worker):
     answer = request(worker, "GET", "/v2/models/classifier/infer")
     assert (answer.status, answer.headers["allow"]) == (405, "POST")
     assert "method GET is not allowed" in answer.error
+    # HEAD wherever GET is served (RFC 9110): GET's headers, no body (it was 405)
+    got, head = (
+        request(worker, "GET", "/v2/health/ready"),
+        request(worker, "HEAD", "/v2/health/ready"),
+    )
+    assert (head.status, head.body) == (200, b"")
+    assert head.headers["content-length"] == got.headers["content-length"] != "0"
+    answer = request(worker, "PUT", "/v2/health/ready")
+    assert (answer.status, answer.headers["allow"]) == (405, "GET, HEAD")
 
 
 @pytest.mark.parametrize(

@@ -189,20 +189,17 @@ class PlainApp:
             await answer_lifespan(receive, send)
         if scope["type"] != "http":
             return
+        headers = []
         if scope["method"] in ("GET", "HEAD"):
             response = self.route(scope["path"])
         else:
             response = _NOT_ALLOWED
-        await send(
-            {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": [
-                    (b"content-type", response.content_type.encode()),
-                    (b"content-length", str(len(response.body)).encode()),
-                ],
-            }
-        )
+            headers.append((b"allow", b"GET, HEAD"))  # (RFC 9110: a 405 says which)
+        headers += [
+            (b"content-type", response.content_type.encode()),
+            (b"content-length", str(len(response.body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         body = b"" if scope["method"] == "HEAD" else response.body
         await send({"type": "http.response.body", "body": body})
 

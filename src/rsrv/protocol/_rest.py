@@ -136,7 +136,7 @@ class RestService:
         # aiohttp ask for gzip on every request but inflate only what tritonclient does.
         infer = scope["path"].endswith("/infer") and 200 <= reply.status < 300
         accept = headers.get("accept-encoding", "") if infer else ""
-        await _send(send, reply, accept, self._inflating)
+        await _send(send, reply, accept, self._inflating, head=scope["method"] == "HEAD")
 
     async def _handle(self, scope, headers: dict[str, str], receive) -> Reply:
         method = scope["method"]
@@ -395,10 +395,12 @@ def _compress(body: bytes, encoding: str) -> bytes:
     return zlib.compress(body)
 
 
-async def _send(send, reply: Reply, accept: str, limiter: trio.CapacityLimiter) -> None:
+async def _send(
+    send, reply: Reply, accept: str, limiter: trio.CapacityLimiter, *, head: bool = False
+) -> None:
     """Answer ``reply``, compressed as ``accept`` asks when it names gzip or deflate: in a
     worker thread (``limiter``) above COMPRESS_ON_LOOP bytes, never holding the loop
-    for long."""
+    for long. ``head``: its headers alone (a HEAD request)."""
     body = reply.body
     headers = [(b"content-type", reply.content_type.encode()), *reply.headers]
     encoding = _accepted(accept) if accept and body else None
@@ -410,4 +412,4 @@ async def _send(send, reply: Reply, accept: str, limiter: trio.CapacityLimiter) 
         headers.append((b"content-encoding", encoding.encode()))
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": b"" if head else body})

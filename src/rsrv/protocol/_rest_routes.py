@@ -338,8 +338,10 @@ def route(method: str, path: str) -> tuple[str, str, dict[str, str]]:
                 break
         else:
             handler = methods.get(method)
+            if handler is None and method == "HEAD":  # (GET's answer, without its body)
+                handler = methods.get("GET")
             if handler is None:
-                allowed = tuple(methods)
+                allowed = tuple(methods) + (("HEAD",) if "GET" in methods else ())
                 raise NoRoute(
                     f"method {method} is not allowed on {path} (allowed: {', '.join(allowed)})",
                     405,
