@@ -1,8 +1,8 @@
 """Running a serving process (a worker, a gateway) from start to exit status.
 
 Signals, the supervisor link and the exit status are the same for every rsrv server
-process: SIGINT, SIGTERM and SIGHUP start its graceful shutdown (the same signal again
-changes nothing: GNU ``timeout`` sends it twice, a closed terminal SIGHUP then SIGTERM);
+process: SIGINT, SIGTERM and SIGHUP start its graceful shutdown (a stop signal again
+changes nothing: GNU ``timeout`` sends one twice, a closed terminal SIGHUP then SIGTERM);
 under ``rsrv node`` its status goes up the link; a port that cannot be bound is one line
 and exit status 1. From :func:`hold_stop_signals` on (the entry point calls it before
 its slow imports), a stop signal that comes before the server runs is kept for it: the
@@ -98,8 +98,9 @@ def serve_process(name: str, server: Server, status: Callable[[], ChildStatus]) 
 
 
 async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus]) -> None:
-    """Serve until SIGINT / SIGTERM (which the supervisor link also sends when the
-    supervisor is gone). Both are watched from the start: a signal stops the server
+    """Serve until a stop signal (SIGTERM is what the supervisor link also sends when
+    the supervisor is gone), or one held from before (:func:`hold_stop_signals`). They
+    are watched from the start: a signal stops the server
     gracefully (``shutdown``: what it accepted is answered), during start-up too (a
     worker listens while its models load), and the start-up is then cancelled."""
     serving = False
