@@ -20,7 +20,7 @@ from rsrv.errors import (
 )
 from rsrv.protocol._backend import InferenceBackend, ModelStatisticsSnapshot
 from rsrv.protocol._calls import call_deadline
-from rsrv.protocol._decode import plan_request, raw_copy_seconds
+from rsrv.protocol._decode import RAW_COPY_BYTE_SECONDS, plan_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
 from rsrv.protocol._framing import stream_error
 from rsrv.protocol._infer_flow import infer_counted
@@ -95,7 +95,7 @@ class InferenceService(GRPCInferenceServiceServicer):
     # -- inference ------------------------------------------------------------------------
 
     async def ModelInfer(self, message, request):
-        return await self._infer(message)
+        return await self._infer(message, request.received_bytes)
 
     async def ModelStreamInfer(self, messages, request):
         """Requests on one stream run concurrently, at most
@@ -107,10 +107,10 @@ class InferenceService(GRPCInferenceServiceServicer):
         limit = self.backend.max_message_bytes
         slots = trio.Semaphore(self.backend.max_requests_per_stream)
 
-        async def one(message):
+        async def one(message, size: int):
             try:
                 with self.backend.admission:  # each request on a stream is one call in flight
-                    response = await self._infer(message, stream=True)
+                    response = await self._infer(message, size, stream=True)
                 if len(response) > limit:  # in-band: a stream must outlive one big answer
                     raise ResourceExhausted(
                         f"response of {len(response)} bytes exceeds "
@@ -131,7 +131,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                         message = await anext(messages, None)
                         if message is None:
                             break
-                        requests.start_soon(one, message)
+                        requests.start_soon(one, message, request.received_bytes)
 
         # The transport runs this generator in a task of its own (a nursery may stay
         # open across its yields) and enforces the deadline.
@@ -141,9 +141,9 @@ class InferenceService(GRPCInferenceServiceServicer):
                 async for response in receive:
                     yield response
 
-    async def _infer(self, message, *, stream: bool = False) -> bytes:
-        """The serialized answer to ``message`` (``stream``: as a
-        ModelStreamInferResponse), encoded off the loop when it is large."""
+    async def _infer(self, message, size: int, *, stream: bool = False) -> bytes:
+        """The serialized answer to ``message`` (``size`` bytes on the wire; ``stream``:
+        as a ModelStreamInferResponse), decoded and encoded off the loop when large."""
         if not message.model_name:
             raise InvalidArgument("model_name is empty")
         backend = self.backend
@@ -167,8 +167,9 @@ class InferenceService(GRPCInferenceServiceServicer):
                 message, served.name, served.version, outputs, order, backend.shm, stream=stream
             )
 
+        # (taking raw entries out of the parsed message copies them: about the wire size)
         return await infer_counted(
-            backend, served, start, prepare, finish, raw_copy_seconds(message)
+            backend, served, start, prepare, finish, size * RAW_COPY_BYTE_SECONDS
         )
 
     async def ModelStatistics(self, message, request):

@@ -56,7 +56,8 @@ class ServerCall:
 
     Handlers see ``path`` ("/package.Service/Method"), ``metadata`` (custom headers,
     lower-case names, values as text; ``-bin`` values still base64), ``deadline`` (the
-    grpc-timeout as an absolute trio time, inf if none) and ``peer`` ("host:port").
+    grpc-timeout as an absolute trio time, inf if none), ``peer`` ("host:port") and
+    ``received_bytes`` (the size of the last request message received, inflated).
     """
 
     __slots__ = (
@@ -68,6 +69,7 @@ class ServerCall:
         "peer",
         "scope",
         "unary_request",
+        "received_bytes",
         "_reader",
         "_inbox",
         "_ended",
@@ -96,6 +98,7 @@ class ServerCall:
         self.peer: str = conn.peer
         self.scope = trio.CancelScope()  # cancelled by RST_STREAM
         self.unary_request = True  # set by the server (streams_requests)
+        self.received_bytes = 0
         self._reader: MessageReader | None = None
         self._inbox: collections.deque = collections.deque()
         self._ended = False  # the client half-closed the stream
@@ -210,6 +213,7 @@ class ServerCall:
             message = await self._reader.inflate(message, self.conn.server.inflating)
         if isinstance(message, MessageError):
             raise message
+        self.received_bytes = len(message)
         return message
 
     async def receive_single(self) -> bytes:

@@ -35,7 +35,9 @@ from rsrv.transport import (
     CallEnded,
     Channel,
     ClientLimits,
+    GrpcServer,
     MessageTooLarge,
+    Method,
     TransportLimits,
     client_tls_context,
     grpc_timeout,
@@ -101,6 +103,26 @@ async def test_metadata_and_grpc_timeout_reach_the_server():
             "x-tenant=a",
             "deadline=yes",
         ]
+
+
+async def test_a_handler_sees_the_size_of_the_message_it_was_sent():
+    """``received_bytes`` (as inflated): how the inference service tells a large request
+    without reading it."""
+    sizes = []
+
+    async def handler(message, call):
+        sizes.append(call.received_bytes)
+        return message
+
+    server = GrpcServer([Method("/t.T/Size", handler, bytes, bytes)], "127.0.0.1", 0)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve)
+        async with open_channel("127.0.0.1", port) as channel:
+            for payload in (b"", b"x" * 1000):
+                assert (await channel.unary("/t.T/Size", payload, timeout=5)).ok
+        await server.close(timeout=1)
+        nursery.cancel_scope.cancel()
+    assert sizes == [0, 1000]
 
 
 def test_grpc_timeout_values():
