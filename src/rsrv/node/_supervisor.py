@@ -273,22 +273,23 @@ class Supervisor:
         return 0
 
     async def _watch_signals(self, signals) -> None:
-        """The first SIGTERM / SIGINT / SIGHUP stops the node gracefully; a second one kills every
-        child at once (an impatient Ctrl-C). The same signal again within
-        SAME_STOP_SECONDS is the same stop delivered twice (GNU ``timeout`` signals the
-        node and then its process group), not a second one."""
-        first: tuple[int, float] | None = None
+        """The first SIGTERM / SIGINT / SIGHUP stops the node gracefully; a second one
+        kills every child at once (an impatient Ctrl-C). Another stop signal within
+        SAME_STOP_SECONDS of the first is the same stop delivered twice (GNU ``timeout``
+        signals the node and then its process group; a closing session sends SIGHUP and
+        SIGTERM), not a second one."""
+        first: float | None = None
         async for signum in signals:
             name = signal.Signals(signum).name
             if first is None:
-                first = (signum, trio.current_time())
+                first = trio.current_time()
                 log.info("received %s: stopping the node", name)
                 self._stop_requested.set()
                 continue
-            if signum == first[0] and trio.current_time() - first[1] < SAME_STOP_SECONDS:
-                log.info("received %s again at once: the same stop", name)
+            if trio.current_time() - first < SAME_STOP_SECONDS:
+                log.info("received %s at once after the first: the same stop", name)
                 continue
-            log.warning("received %s again: killing every child now", name)
+            log.warning("received %s, a second stop signal: killing every child now", name)
             self.forced = True
             for child in self.children:
                 child.kill()

@@ -768,8 +768,8 @@ async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_pat
 
 async def test_the_same_signal_twice_at_once_is_one_stop(tmp_path, autojump_clock):
     """GNU `timeout` signals the node, then its process group: two SIGTERMs a millisecond
-    apart. They are one graceful stop (the node killed every child and exited 1); the
-    same signal later, or another one, still forces it."""
+    apart; a closing session SIGHUP and SIGTERM. Each pair is one graceful stop (the node
+    killed every child and exited 1); a stop signal later still forces it."""
     path = tmp_path / "node.yaml"
     path.write_text("cpu_workers: 1\n")
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
@@ -781,6 +781,7 @@ async def test_the_same_signal_twice_at_once_is_one_stop(tmp_path, autojump_cloc
         await send.send(signal.SIGTERM)
         await trio.sleep(0.001)
         await send.send(signal.SIGTERM)
+        await send.send(signal.SIGHUP)
         await trio.testing.wait_all_tasks_blocked()
         assert supervisor._stop_requested.is_set() and not supervisor.forced
         await trio.sleep(1.0)
