@@ -10,7 +10,13 @@ from rsrv.lifeline._lifeline import (
     read_status,
     supervised,
 )
-from rsrv.lifeline._process import Server, first_error, hold_stop_signals, serve_process
+from rsrv.lifeline._process import (
+    Server,
+    first_error,
+    hold_stop_signals,
+    serve_process,
+    stop_signals,
+)
 
 __all__ = [
     "LINK_FD_VARIABLE",
@@ -22,5 +28,6 @@ __all__ = [
     "hold_stop_signals",
     "read_status",
     "serve_process",
+    "stop_signals",
     "supervised",
 ]

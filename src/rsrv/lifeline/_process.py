@@ -26,11 +26,17 @@ import trio
 from rsrv.lifeline._lifeline import ChildStatus, SupervisorLink
 from rsrv.transport import is_listen_error
 
-__all__ = ["Server", "first_error", "hold_stop_signals", "serve_process"]
+__all__ = ["Server", "first_error", "hold_stop_signals", "serve_process", "stop_signals"]
 
 log = logging.getLogger("rsrv.lifeline")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The stop signals this process heeds: not one it was started ignoring (``nohup``
+    ignores SIGHUP, and its user means it)."""
+    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
 
 
 class _Stop:
@@ -43,7 +49,7 @@ class _Stop:
 def hold_stop_signals() -> None:
     """Keep a stop signal that comes before :func:`serve_process` watches them (see the
     module docstring). Idempotent."""
-    for signum in STOP_SIGNALS:
+    for signum in stop_signals():
         signal.signal(signum, _held)
 
 
@@ -131,7 +137,7 @@ async def _serve_until_signal(server: Server, status: Callable[[], ChildStatus])
         await server.shutdown()
         nursery.cancel_scope.cancel()
 
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*stop_signals()) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(SupervisorLink(reported).run)
             nursery.start_soon(start)

@@ -41,7 +41,7 @@ from rsrv.config import (
     plan_node,
     unusable_tls,
 )
-from rsrv.lifeline import first_error
+from rsrv.lifeline import first_error, stop_signals
 from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
@@ -231,8 +231,7 @@ class Supervisor:
 
     async def _supervise(self) -> int:
         self.started_at = trio.current_time()
-        stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # (SIGHUP: a closed terminal)
-        with trio.open_signal_receiver(*stops) as signals:
+        with trio.open_signal_receiver(*stop_signals()) as signals:  # (SIGHUP: a closed terminal)
             async with trio.open_nursery() as nursery:
                 admin = join_address(self.plan.host, self.plan.metrics_port)
                 unbound: BaseException | None = None

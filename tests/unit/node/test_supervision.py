@@ -605,6 +605,20 @@ def test_a_stop_signal_before_the_server_runs_stops_it_gracefully(signame):
     assert "Traceback" not in result.stderr
 
 
+def test_a_sighup_ignored_at_start_stays_ignored():
+    """(`nohup rsrv serve` stopped on SIGHUP: the hold replaced the ignore.)"""
+    script = "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)\n" + STOP_SCRIPT
+    script = script.replace(
+        "for _ in range(int(sys.argv[1])):",
+        "os.kill(os.getpid(), signal.SIGHUP)  # (ignored)\nfor _ in range(int(sys.argv[1])):",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, "1", "SIGTERM"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert "received SIGTERM" in result.stderr and "SIGHUP" not in result.stderr
+
+
 def test_a_second_stop_signal_before_the_server_runs_ends_the_process():
     """(A start-up that hangs, a device that never opens, can still be ended.)"""
     result = subprocess.run(
