@@ -9,6 +9,11 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] in (["serve"], ["gateway"]):  # (a server: see rsrv.lifeline, first thing)
+        from rsrv.lifeline import hold_stop_signals
+
+        hold_stop_signals()
     parser = argparse.ArgumentParser(prog="rsrv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -88,9 +93,11 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return command(rest[0] if rest else None)
     if args.command == "gateway":
         from rsrv.gateway import COMMANDS, CTL_OPTIONS, ctl_main, gateway_main
+        from rsrv.lifeline import release_stop_signals
 
         rest = list(args.gateway_args)
-        if rest and rest[0] in COMMANDS:
+        if rest and rest[0] in COMMANDS:  # (a client of one: Python's own signals)
+            release_stop_signals()
             return ctl_main(rest[0], rest[1:], args)
         if len(rest) > 1:
             parser.error("gateway: give at most one gateway file")
@@ -100,14 +107,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 f"gateway: {', '.join(given)}: options of the commands ({', '.join(COMMANDS)}), "
                 "not of running a gateway"
             )
-        from rsrv.lifeline import hold_stop_signals
-
-        hold_stop_signals()
         return gateway_main(rest[0] if rest else None)
     if args.command == "serve":
-        from rsrv.lifeline import hold_stop_signals
-
-        hold_stop_signals()  # (before the slow imports and the start-up: see rsrv.lifeline)
         from rsrv.worker import serve_main
 
         return serve_main(args.node_file, args.worker)

@@ -14,6 +14,7 @@ from rsrv.lifeline._process import (
     Server,
     first_error,
     hold_stop_signals,
+    release_stop_signals,
     serve_process,
     stop_signals,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "SupervisorLink",
     "first_error",
     "hold_stop_signals",
+    "release_stop_signals",
     "read_status",
     "serve_process",
     "stop_signals",

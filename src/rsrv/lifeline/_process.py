@@ -26,7 +26,14 @@ import trio
 from rsrv.lifeline._lifeline import ChildStatus, SupervisorLink
 from rsrv.transport import is_listen_error
 
-__all__ = ["Server", "first_error", "hold_stop_signals", "serve_process", "stop_signals"]
+__all__ = [
+    "Server",
+    "first_error",
+    "hold_stop_signals",
+    "release_stop_signals",
+    "serve_process",
+    "stop_signals",
+]
 
 log = logging.getLogger("rsrv.lifeline")
 
@@ -51,6 +58,18 @@ def hold_stop_signals() -> None:
     module docstring). Idempotent."""
     for signum in stop_signals():
         signal.signal(signum, _held)
+
+
+def release_stop_signals() -> None:
+    """Python's own handling of the stop signals again (a command that turned out to be
+    no server); one held meanwhile is delivered now."""
+    early, _Stop.early = _Stop.early, None
+    for signum in stop_signals():
+        signal.signal(
+            signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        )
+    if early is not None:
+        os.kill(os.getpid(), early)
 
 
 def _held(signum: int, frame) -> None:
