@@ -37,7 +37,13 @@ from rsrv.node._output import (
     tag_line,
 )
 from rsrv.node._status import status_main
-from rsrv.node._supervisor import Supervisor, check_node_ports, gateway_spec, worker_spec
+from rsrv.node._supervisor import (
+    SAME_STOP_SECONDS,
+    Supervisor,
+    check_node_ports,
+    gateway_spec,
+    worker_spec,
+)
 
 
 def test_lines_are_tagged_and_json_stays_json():
@@ -774,6 +780,7 @@ async def test_only_a_second_signal_forces_the_stop_even_after_a_give_up(tmp_pat
         await send.send(signal.SIGTERM)  # docker stop: the first signal
         await trio.testing.wait_all_tasks_blocked()
         assert not supervisor.forced
+        await trio.sleep(SAME_STOP_SECONDS)  # (one at once would be the same stop)
         await send.send(signal.SIGINT)
         await trio.testing.wait_all_tasks_blocked()
         assert supervisor.forced
