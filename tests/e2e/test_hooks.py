@@ -127,10 +127,17 @@ def test_a_retired_load_of_model_py_leaves_sys_modules(repo, cache_dir):
 
     with running(config) as worker, connect(worker) as client:
         client.load_model("post")
+        (first,) = [sys.modules[name] for name in loaded()]
         for _ in range(3):
             client.load_model("post")  # (a reload: the same files, loaded again)
         assert status(client, "post") == ("OK", "")
         wait_until(lambda: len(loaded()) == 1)  # (a version retires once it is idle)
+        assert vars(first) == {}  # its globals dropped at once, not at a full collection
+        twice = POST + POST.replace("def post(", "def post_again(")  # (two postprocess)
+        (repo / "post" / "model.py").write_text(twice)
+        with pytest.raises(InferenceServerException, match="more than one @rsrv.postprocess"):
+            client.load_model("post")
+        wait_until(lambda: len(loaded()) == 1)
         (repo / "post" / "model.py").write_text(POST.replace('outputs=["y"])', 'outputs=["z"])'))
         with pytest.raises(InferenceServerException):  # fails after the import (z: no output)
             client.load_model("post")

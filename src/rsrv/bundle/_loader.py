@@ -317,14 +317,24 @@ def _load_hooks(model_py: Path, sig: Signature, name: str) -> Hooks:
     for value in vars(module).values():
         if isinstance(value, Hook):
             if value.kind in found and found[value.kind] is not value:
+                _forget_module(module_name)
                 raise BundleError(f"{model_py}: declares more than one @rsrv.{value.kind} hook")
             found[value.kind] = value
     hooks = Hooks(**found)
-    # The module leaves sys.modules with its load's hooks (a retired version, a load that
-    # fails after this): each reload kept the last one's globals, a large table 80 MB each.
-    weakref.finalize(hooks, sys.modules.pop, module_name, None)
+    # The module goes with its load's hooks (a retired version, a load that fails after
+    # this): each reload kept the last one's globals, a large table 80 MB each.
+    weakref.finalize(hooks, _forget_module, module_name)
     _check_hooks(model_py, hooks, sig)
     return hooks
+
+
+def _forget_module(name: str) -> None:
+    """Out of sys.modules, and its globals dropped at once: its functions and their
+    globals refer to each other, which only a full garbage collection would undo (a
+    serving worker seldom runs one, and never over what start-up built: gc.freeze)."""
+    module = sys.modules.pop(name, None)
+    if module is not None:
+        module.__dict__.clear()
 
 
 def _check_hooks(model_py: Path, hooks: Hooks, sig: Signature) -> None:
