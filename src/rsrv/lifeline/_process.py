@@ -1,8 +1,9 @@
 """Running a serving process (a worker, a gateway) from start to exit status.
 
 Signals, the supervisor link and the exit status are the same for every rsrv server
-process: SIGINT, SIGTERM and SIGHUP start its graceful shutdown (a stop signal again
-changes nothing: GNU ``timeout`` sends one twice, a closed terminal SIGHUP then SIGTERM);
+process: SIGINT, SIGTERM and SIGHUP start its graceful shutdown (a stop signal during
+that stop, or as the process exits, changes nothing: GNU ``timeout`` sends one twice, a
+closing session SIGHUP and SIGTERM; a SIGHUP ignored at start, ``nohup``, stays so);
 under ``rsrv node`` its status goes up the link; a port that cannot be bound is one line
 and exit status 1. From :func:`hold_stop_signals` on (the entry point calls it before
 its slow imports), a stop signal that comes before the server runs is kept for it: the
