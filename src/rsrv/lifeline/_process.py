@@ -42,9 +42,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def stop_signals() -> tuple[signal.Signals, ...]:
-    """The stop signals this process heeds: not one it was started ignoring (``nohup``
-    ignores SIGHUP, and its user means it)."""
-    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
+    """The stop signals this process heeds: SIGTERM, and SIGINT and SIGHUP unless it was
+    started ignoring them (``nohup`` ignores SIGHUP, a shell's background job SIGINT, and
+    Python itself leaves an ignored SIGINT ignored)."""
+    return tuple(
+        s for s in STOP_SIGNALS if s == signal.SIGTERM or signal.getsignal(s) is not signal.SIG_IGN
+    )
 
 
 class _Stop:
