@@ -614,7 +614,11 @@ def test_a_stop_signal_before_the_server_runs_stops_it_gracefully(signame):
 def test_a_sighup_ignored_at_start_stays_ignored():
     """(`nohup rsrv serve` stopped on SIGHUP: the hold replaced the ignore.) SIGTERM is
     heeded even when ignored at start: it is how a process is stopped."""
-    ignored = "import signal\nfor s in (signal.SIGHUP, signal.SIGTERM):\n    signal.signal(s, signal.SIG_IGN)\n"
+    ignored = (
+        "import signal\n"
+        "for s in (signal.SIGHUP, signal.SIGTERM):\n"
+        "    signal.signal(s, signal.SIG_IGN)\n"
+    )
     script = ignored + STOP_SCRIPT
     script = script.replace(
         "for _ in range(int(sys.argv[1])):",
