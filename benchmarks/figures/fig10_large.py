@@ -11,7 +11,9 @@ runs first on the idle worker for the baseline. Interleaved rounds: unary then s
 the order alternating; per mode, answers/s over all rounds, the worker's CPU time per
 answer (user + system, all its threads, from /proc; less the probe's calls, at what each
 cost the idle worker), and the probe's p99 and worst
-latency over all its calls. answers/s is the whole loop's, the client's own work
+latency over all its calls (the probe runs from 0.1 s before each loop to 0.1 s after
+it, so its p99 includes a little idle time; its worst does not depend on that).
+answers/s is the whole loop's, the client's own work
 (grpcio and protobuf in Python, on the same 2 cores) included: the worker's CPU per
 answer is the server's part. Not compared with another server: the figure shows what a
 large tensor costs the worker and how long it holds its loop (specs/protocol.md, Limits).
