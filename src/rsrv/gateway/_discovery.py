@@ -97,11 +97,17 @@ class Discovery:
         """A worker answered NOT_FOUND for a model the routes gave it: wake the next
         round, at most once per ``refresh_min_seconds`` (a client asking for an unknown
         model must not turn each request into a probe of the whole fleet)."""
+        self._woken_round()
+
+    def _woken_round(self) -> int:
+        """The round the last refresh woke: a new one now, unless one was woken within
+        ``refresh_min_seconds``."""
         now = trio.current_time()
         if now - self._last_refresh >= self.settings.refresh_min_seconds:
             self._last_refresh = now
             self._refresh_round = self._started + 1
             self._wake.set()
+        return self._refresh_round
 
     async def round(self) -> None:
         """One round, in the caller's task (:meth:`run`'s; tests)."""
@@ -133,13 +139,7 @@ class Discovery:
         cancelling the caller (its deadline, a reset) cancels only the wait."""
         target = self._change_round
         if self.rounds >= target:
-            now = trio.current_time()
-            if now - self._last_refresh < self.settings.refresh_min_seconds:
-                target = self._refresh_round  # (completed already: no wait)
-            else:
-                self._last_refresh = now
-                target = self._refresh_round = self._started + 1
-                self._wake.set()
+            target = self._woken_round()  # (an earlier one completed already: no wait)
         await self._round(target)
 
     async def _round(self, number: int) -> None:
