@@ -644,7 +644,7 @@ class Scheduler:
         stats = req.model.stats
         if result is not None:
             stats.requests += 1
-            stats.rows += req.rows or 1
+            stats.rows += req.rows if req.version.spec.batched else 1
         else:
             stats.failed(code or (error.code if error else "UNKNOWN"))
         self._done_with(req.version)
