@@ -105,14 +105,24 @@ def stage(wf: WeightsFile, fd: int | None = None) -> HostWeights:
     try:
         for w, off in zip(wf.weights, offsets, strict=True):
             size = w.end - w.start
-            if os.preadv(fd, [memoryview(buf[off : off + size])], wf.data_offset + w.start) != size:
-                raise ValueError(f"{wf.path}: file is shorter than its header says")
+            _read_into(fd, memoryview(buf[off : off + size]), wf.data_offset + w.start, wf.path)
             count = size // w.dtype.itemsize if w.dtype.itemsize else 0
             arrays.append(np.frombuffer(buf, w.dtype.numpy, count, off).reshape(w.shape))
     finally:
         if own:
             os.close(fd)
     return HostWeights(arrays, wf.nbytes)
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: object) -> None:
+    """Fill ``view`` from ``fd`` at ``offset``: as many reads as it takes (Linux reads at
+    most 2 GiB - 4 KiB at a time); ValueError when the file ends first."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise ValueError(f"{path}: file is shorter than its header says")
+        done += n
 
 
 def pin(host: HostWeights, device: jax.Device) -> HostWeights:

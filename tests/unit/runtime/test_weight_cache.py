@@ -243,6 +243,18 @@ def test_stage_rejects_a_truncated_file(tmp_path):
         stage(wf)
 
 
+def test_stage_reads_a_tensor_in_as_many_reads_as_the_kernel_takes(tmp_path, monkeypatch):
+    # Linux reads at most 2 GiB - 4 KiB per call: a larger tensor arrives in pieces
+    path = tmp_path / "w.safetensors"
+    tensors = {"a": np.arange(1000, dtype=np.float32), "b": np.arange(7, dtype=np.int8)}
+    wf = weights_file(path, tensors)
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: preadv(fd, [bufs[0][:999]], offset))
+    host = stage(wf)
+    for got, want in zip(host.arrays, tensors.values(), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def memories(*kinds: str) -> list:
     return [SimpleNamespace(kind=k) for k in kinds]
 
