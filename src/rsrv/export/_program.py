@@ -291,7 +291,7 @@ def _trace(
                 raise ExportError(
                     f"output {o.name!r} has dtype {aval.dtype}, which a bundle cannot hold"
                 ) from None
-        text = _strip_locations(exported.mlir_module())
+        text = _portable_text(exported.mlir_module())
         got = len(read_signature(text).inputs)
         if got != n_in + n_w:
             message = (
@@ -455,13 +455,25 @@ def _output_spec(o: Output, aval, n: int, batched: bool) -> TensorSpec:
     )
 
 
-def _strip_locations(module_text: str) -> str:
-    """The module without source locations (file paths and line numbers vary by run)."""
+def _portable_text(module_text: str) -> str:
+    """The module without source locations (file paths and line numbers vary by run)
+    and without Shardy's ``sdy.*`` attributes. jax marks custom calls (LAPACK's, for
+    ``jnp.linalg``) with sharding rules a portable artifact cannot hold; they guide
+    partitioning across devices, and a bundle runs on one."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax.extend.mlir import ir
 
+    def strip_sharding(op) -> object:
+        attributes = op.attributes
+        names = [attributes[i].name for i in range(len(attributes))]
+        for name in names:
+            if name.startswith("sdy."):
+                del attributes[name]
+        return ir.WalkResult.ADVANCE
+
     with jax_mlir.make_ir_context():
         module = ir.Module.parse(module_text)
+        module.operation.walk(strip_sharding)
         text = io.StringIO()
         module.operation.print(file=text, enable_debug_info=False)
     return text.getvalue()

@@ -495,6 +495,21 @@ def test_parity_integer_outputs_are_exact_and_settings_apply(tmp_path, caplog):
     assert any("(rtol 0, atol 0)" in r.getMessage() for r in caplog.records)
 
 
+def test_linear_algebra_exports_and_passes_the_parity_gate(tmp_path):
+    """jnp.linalg lowers to LAPACK custom calls that jax marks with Shardy sharding rules,
+    which a portable artifact cannot hold: they are dropped (a bundle runs on one device)."""
+    a = (np.eye(3) * 2 + 0.1).astype(np.float32)
+    out = export_jax(
+        lambda p, x: (jnp.linalg.solve(p["a"], x[..., None])[..., 0], x @ jnp.linalg.inv(p["a"])),
+        {"a": a},
+        inputs=[Input("x", np.float32, ("n", 3))],
+        outputs=["y", "z"],
+        batch_sizes=[1, 4],
+        out_dir=tmp_path / "m",
+    )
+    assert (out / "model.b4.mlir").read_bytes().startswith(b"ML\xefR")
+
+
 # -- provenance ----------------------------------------------------------------------------
 
 
