@@ -165,14 +165,18 @@ def test_two_cpu_workers_each_answer_on_their_own_port(tmp_path, node):
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(tmp_path, node):
+    """As the node planned it at start: an edit of the node file meanwhile (here one
+    that no longer parses) reaches no restart."""
     export_linear(tmp_path / "repo" / "lin", seed=4)
     n = node()
     before = n.wait_serving()["worker1"]
+    n.path.write_text(n.path.read_text().replace("port = ", "port = = "))
     os.kill(before["pid"], signal.SIGKILL)
     wait_until(lambda: not n.children()["worker1"]["ready"], 20, "the node to notice")
 
     after = n.wait_serving()["worker1"]
     assert after["pid"] != before["pid"] and after["restarts"] == 1
+    assert after["port"] == before["port"]
     assert after["last_exit"] == "signal SIGKILL"
     with tc.InferenceServerClient(f"127.0.0.1:{after['port']}") as client:
         assert matches(infer_y(client, "lin", X), 4, X)

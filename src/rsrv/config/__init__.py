@@ -32,7 +32,7 @@ from ._gateway import (
     load_gateway,
     split_address,
 )
-from ._load import DEFAULT_NODE_NAME, load_node, load_worker
+from ._load import DEFAULT_NODE_NAME, load_node, load_worker, read_config_bytes
 from ._resolve import NodePlan, effective_config_dict, plan_node, resolve_worker
 from ._schema import (
     MAX_WEIGHT,
@@ -89,6 +89,7 @@ __all__ = [
     "node_json_schema",
     "parse_env_value",
     "plan_node",
+    "read_config_bytes",
     "resolve_worker",
     "unusable_tls",
     "join_address",

@@ -340,12 +340,15 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         target[path[-1]] = value
 
 
-def gateway_file_sets(path: str | os.PathLike[str] | None, key: str) -> bool:
-    """Whether the gateway file at ``path`` (None: none) sets the dotted ``key``
-    (``"grpc.max_message_bytes"``). Raises ConfigError when it cannot be read."""
+def gateway_file_sets(
+    path: str | os.PathLike[str] | None, key: str, data: bytes | None = None
+) -> bool:
+    """Whether the gateway file at ``path`` (None: none; ``data``: its bytes, read
+    already) sets the dotted ``key`` (``"grpc.max_message_bytes"``). Raises ConfigError
+    when it cannot be read."""
     if path is None:
         return False
-    value: Any = read_document(Path(path))
+    value: Any = read_document(Path(path), data)
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
             return False
@@ -354,15 +357,18 @@ def gateway_file_sets(path: str | os.PathLike[str] | None, key: str) -> bool:
 
 
 def load_gateway(
-    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] = os.environ
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] = os.environ,
+    data: bytes | None = None,
 ) -> GatewayConfig:
-    """Read and check a gateway file (None: defaults only), with ``INFERENCE_GATEWAY_*``
-    overrides from ``env`` applied over it. Checks: at least one endpoint, no endpoint
+    """Read and check a gateway file (None: defaults only; ``data``: its bytes, read
+    already, see :func:`read_document`), with ``INFERENCE_GATEWAY_*`` overrides from
+    ``env`` applied over it. Checks: at least one endpoint, no endpoint
     twice, ``worker_names`` (when given) one per endpoint and unique, a per-model
     ``fill_mode`` or ``replicas`` well formed, TLS settings that go together. Raises
     ConfigError naming the file, the key or the variable."""
     where = "<gateway defaults>" if path is None else os.fspath(path)
-    raw: dict[str, Any] = {} if path is None else read_document(Path(where))
+    raw: dict[str, Any] = {} if path is None else read_document(Path(where), data)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a table at the top level")
     listen = raw.get("listen")

@@ -21,7 +21,7 @@ from ._errors import ConfigError, convert
 from ._resolve import DEFAULT_NODE_NAME, plan_node, resolve_worker
 from ._schema import NodeConfig, WorkerConfig
 
-__all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker", "read_document"]
+__all__ = ["DEFAULT_NODE_NAME", "load_node", "load_worker", "read_config_bytes", "read_document"]
 
 
 _FORMATS = {".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
@@ -116,24 +116,40 @@ def _decode(data: bytes, fmt: str, where: str) -> Any:
     return {} if raw is None else raw
 
 
-def read_document(path: Path) -> Any:
-    """A YAML (``.yaml``/``.yml``) or TOML (``.toml``) file as plain data; an empty
-    YAML file is an empty table. Raises ConfigError naming the file."""
+def _format(path: Path) -> str:
+    fmt = _FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"{os.fspath(path)}: unsupported extension; use .yaml, .yml or .toml")
+    return fmt
+
+
+def read_config_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a YAML (``.yaml``/``.yml``) or TOML (``.toml``) file. Raises
+    ConfigError naming the file (a directory, another extension, unreadable)."""
+    path = Path(path)
     where = os.fspath(path)
     if path.is_dir():
         raise ConfigError(f"{where}: is a directory; give a .yaml, .yml or .toml file")
-    fmt = _FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ConfigError(f"{where}: unsupported extension; use .yaml, .yml or .toml")
+    _format(path)
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
-    return _decode(data, fmt, where)
 
 
-def load_node(path: str | os.PathLike[str] | None = None) -> NodeConfig:
+def read_document(path: Path, data: bytes | None = None) -> Any:
+    """A YAML (``.yaml``/``.yml``) or TOML (``.toml``) file as plain data; an empty
+    YAML file is an empty table. ``data``: the file's bytes, read already (a
+    supervisor's copy); ``path`` then only names the file and gives its format. Raises
+    ConfigError naming the file."""
+    if data is None:
+        data = read_config_bytes(path)
+    return _decode(data, _format(path), os.fspath(path))
+
+
+def load_node(path: str | os.PathLike[str] | None = None, data: bytes | None = None) -> NodeConfig:
     """Read and validate a node file; None reads the embedded ``default.toml``.
+    ``data``: the file's bytes, read already (see :func:`read_document`).
 
     The format follows the extension: ``.yaml``/``.yml`` or ``.toml``.
     Values are returned as written (paths unresolved, derived ports None);
@@ -151,7 +167,7 @@ def load_node(path: str | os.PathLike[str] | None = None) -> NodeConfig:
         data = importlib.resources.files(__package__).joinpath("default.toml").read_bytes()
         where, raw = DEFAULT_NODE_NAME, _decode(data, "TOML", DEFAULT_NODE_NAME)
     else:
-        where, raw = os.fspath(path), read_document(Path(path))
+        where, raw = os.fspath(path), read_document(Path(path), data)
     node = convert(raw, NodeConfig, where)
     # Resolve every worker with no environment and no device detection: a file
     # that cannot yield a worker is rejected now rather than when its worker starts.
@@ -163,7 +179,9 @@ def load_worker(
     path: str | os.PathLike[str] | None,
     name: str | None = None,
     env: Mapping[str, str] = os.environ,
+    data: bytes | None = None,
 ) -> WorkerConfig:
-    """:func:`load_node` then :func:`resolve_worker`, with `source` set to `path`."""
-    node = load_node(path)
+    """:func:`load_node` (of ``path``, or of its bytes ``data``) then
+    :func:`resolve_worker`, with `source` set to `path`."""
+    node = load_node(path, data)
     return resolve_worker(node, name, env, source=None if path is None else Path(path))

@@ -12,7 +12,7 @@ import sys
 
 from rsrv.config import ConfigError, gateway_config_dict, load_gateway
 from rsrv.gateway._gateway import Gateway
-from rsrv.lifeline import ChildStatus, serve_process, supervised
+from rsrv.lifeline import ChildStatus, handed_down_config, serve_process, supervised
 from rsrv.logsetup import configure_logging
 
 __all__ = ["gateway_main"]
@@ -23,8 +23,8 @@ log = logging.getLogger("rsrv.gateway")
 def gateway_main(gateway_file: str | None) -> int:
     """Entry point of ``rsrv gateway [GATEWAY_FILE]``."""
     try:
-        config = load_gateway(gateway_file)
-    except ConfigError as e:
+        config = load_gateway(gateway_file, data=handed_down_config())
+    except (ConfigError, ValueError) as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
     configure_logging("gateway", config.logging.level, config.logging.format, tag=not supervised())

@@ -1,7 +1,9 @@
 """A server process's life: signals and graceful stop (``serve_process``), and its link
 to the ``rsrv node`` supervisor that started it: status reports up, and a graceful stop
-when the supervisor dies (``_lifeline``)."""
+when the supervisor dies (``_lifeline``); the configuration it hands down
+(``_handed_down``)."""
 
+from rsrv.lifeline._handed_down import CONFIG_FD_VARIABLE, HandedDownConfig, handed_down_config
 from rsrv.lifeline._lifeline import (
     LINK_FD_VARIABLE,
     LINK_GRACE_VARIABLE,
@@ -20,12 +22,15 @@ from rsrv.lifeline._process import (
 )
 
 __all__ = [
+    "CONFIG_FD_VARIABLE",
     "LINK_FD_VARIABLE",
     "LINK_GRACE_VARIABLE",
     "ChildStatus",
+    "HandedDownConfig",
     "Server",
     "SupervisorLink",
     "first_error",
+    "handed_down_config",
     "hold_stop_signals",
     "release_stop_signals",
     "read_status",

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 import trio
 
 from rsrv.config import SupervisorConfig
-from rsrv.lifeline import LINK_FD_VARIABLE, LINK_GRACE_VARIABLE, read_status
+from rsrv.lifeline import (
+    CONFIG_FD_VARIABLE,
+    LINK_FD_VARIABLE,
+    LINK_GRACE_VARIABLE,
+    HandedDownConfig,
+    read_status,
+)
 from rsrv.node._output import OutputSink, forward_lines
 
 __all__ = ["FATAL_EXIT", "Child", "ChildSpec", "ChildState", "restart_delay"]
@@ -35,7 +41,9 @@ FATAL_EXIT = 2
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """How to run one child. ``grace``: seconds from SIGTERM to SIGKILL."""
+    """How to run one child. ``grace``: seconds from SIGTERM to SIGKILL. ``config``: the
+    bytes of the configuration file named in ``argv``, as the node read them at start;
+    every process of the child reads these (see rsrv.lifeline.HandedDownConfig)."""
 
     name: str
     kind: str  # "worker" or "gateway"
@@ -44,6 +52,7 @@ class ChildSpec:
     grace: float
     port: int
     device: str | None = None
+    config: bytes | None = None
 
 
 class ChildState(enum.Enum):
@@ -197,14 +206,20 @@ class Child:
             LINK_FD_VARIABLE: str(child_end.fileno()),
             LINK_GRACE_VARIABLE: str(self.spec.grace),
         }
+        fds = [child_end.fileno()]
+        config = None
         try:
+            if self.spec.config is not None:  # (the process inherits its own descriptor)
+                config = HandedDownConfig(self.spec.config)
+                env[CONFIG_FD_VARIABLE] = str(config.fd)
+                fds.append(config.fd)
             process = await trio.lowlevel.open_process(
                 self.spec.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=env,
-                pass_fds=(child_end.fileno(),),
+                pass_fds=fds,
                 start_new_session=True,
             )
         except OSError as e:
@@ -215,6 +230,8 @@ class Child:
             raise
         finally:
             child_end.close()
+            if config is not None:
+                config.close()
         self._process, self.pid = process, process.pid
         self.state, self.ready = ChildState.STARTING, False
         self.timed_out = self.served = False

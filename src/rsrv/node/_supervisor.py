@@ -39,6 +39,7 @@ from rsrv.config import (
     load_gateway,
     load_node,
     plan_node,
+    read_config_bytes,
     unusable_tls,
 )
 from rsrv.lifeline import first_error, stop_signals
@@ -56,10 +57,15 @@ SAME_STOP_SECONDS = 0.1
 
 
 def worker_spec(
-    plan: NodePlan, worker: WorkerConfig, node_file: str | None, base_env: dict[str, str]
+    plan: NodePlan,
+    worker: WorkerConfig,
+    node_file: str | None,
+    base_env: dict[str, str],
+    node_data: bytes | None = None,
 ) -> ChildSpec:
-    """How to run ``worker`` of ``plan``: ``rsrv serve`` with the node's own file and
-    environment, plus the device it may see."""
+    """How to run ``worker`` of ``plan``: ``rsrv serve`` with the node's own file (read
+    from ``node_data``, its bytes as the node read them, when given) and environment,
+    plus the device it may see."""
     argv = [sys.executable, "-m", "rsrv.cli", "serve"]
     if node_file is not None:
         argv.append(os.path.abspath(node_file))
@@ -81,6 +87,7 @@ def worker_spec(
         grace=worker.endpoints.shutdown_grace_seconds + plan.supervisor.kill_after_seconds,
         port=worker.endpoints.port,
         device=worker.gpu,
+        config=node_data,
     )
 
 
@@ -97,12 +104,15 @@ def cuda_names(devices: list[str]) -> list[str]:
 
 def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, GatewayConfig]:
     """How to run the gateway in front of ``plan``'s workers: ``rsrv gateway`` with the
-    node's gateway file (if any), listening on the node's public port, the workers as
-    its endpoints (each at its own host and port); and the configuration it will read
-    (loaded here, so its errors stop the node before anything starts: ConfigError)."""
+    node's gateway file (if any: read here once, and its bytes handed down), listening on
+    the node's public port, the workers as its endpoints (each at its own host and
+    port); and the configuration it will read (loaded here, so its errors stop the node
+    before anything starts: ConfigError)."""
     argv = [sys.executable, "-m", "rsrv.cli", "gateway"]
+    data = None
     if plan.gateway_file is not None:
         argv.append(plan.gateway_file)
+        data = read_config_bytes(plan.gateway_file)
     endpoints = [join_address(dialled(w.endpoints.host), w.endpoints.port) for w in plan.workers]
     env = {
         **base_env,
@@ -123,13 +133,13 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         "logging.level": plan.workers[0].logging.level,
     }
     for key, value in inherited.items():
-        if not gateway_file_sets(plan.gateway_file, key):
+        if not gateway_file_sets(plan.gateway_file, key, data):
             variable = GATEWAY_ENV_PREFIX + key.replace(".", "_").upper()
             env.setdefault(variable, str(value))
     # It drains at least as long as its workers may (its own longer grace stands; so
     # does one set in the environment), and is given that long before SIGKILL.
     drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"
-    config = load_gateway(plan.gateway_file, env)
+    config = load_gateway(plan.gateway_file, env, data)
     grace = config.grpc.shutdown_grace_seconds
     workers = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
     if drain not in base_env and grace < workers:
@@ -143,6 +153,7 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         env=env,
         grace=grace + plan.supervisor.kill_after_seconds,
         port=plan.port,
+        config=data,
     )
     return spec, config
 
@@ -325,11 +336,12 @@ def check_tls(plan: NodePlan, gateway: GatewayConfig | None) -> None:
 def node_main(node_file: str | None) -> int:
     """Entry point of ``rsrv node``: plan the node, then supervise it under trio."""
     try:
-        node = load_node(node_file)
+        data = None if node_file is None else read_config_bytes(node_file)
+        node = load_node(node_file, data)
         plan = plan_node(node, os.environ, source=None if node_file is None else Path(node_file))
         check_node_ports(plan, DEFAULT_NODE_NAME if node_file is None else node_file)
         env = dict(os.environ)
-        specs = [worker_spec(plan, worker, node_file, env) for worker in plan.workers]
+        specs = [worker_spec(plan, worker, node_file, env, data) for worker in plan.workers]
         gateway_config = None
         if plan.gateway:
             gateway, gateway_config = gateway_spec(plan, env)

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from rsrv.config import ConfigError, WorkerConfig, effective_config_dict, load_worker
-from rsrv.lifeline import ChildStatus, serve_process, supervised
+from rsrv.lifeline import ChildStatus, handed_down_config, serve_process, supervised
 from rsrv.logsetup import configure_logging
 from rsrv.runtime import DeviceUnavailable, configure, open_device
 from rsrv.worker._worker import Worker
@@ -29,8 +29,8 @@ log = logging.getLogger("rsrv.worker")
 def serve_main(node_file: str | None, worker_name: str | None) -> int:
     """Entry point of ``rsrv serve``: configure, then run the worker under trio."""
     try:
-        config = load_worker(node_file, worker_name)
-    except ConfigError as e:
+        config = load_worker(node_file, worker_name, data=handed_down_config())
+    except (ConfigError, ValueError) as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2
     configure_logging(

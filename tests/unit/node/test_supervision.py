@@ -20,10 +20,12 @@ import trio
 
 from rsrv.config import ConfigError, SupervisorConfig, load_gateway, load_node, plan_node
 from rsrv.lifeline import (
+    CONFIG_FD_VARIABLE,
     LINK_FD_VARIABLE,
     LINK_GRACE_VARIABLE,
     ChildStatus,
     SupervisorLink,
+    handed_down_config,
     read_status,
 )
 from rsrv.lifeline._process import _serve_until_signal, serve_process
@@ -193,7 +195,9 @@ def test_restart_delays_double_up_to_the_limit():
     assert [restart_delay(n, policy) for n in range(1, 6)] == [0.5, 1, 2, 3, 3]
 
 
-def child(script: str, policy: SupervisorConfig, failures: list[str], grace=5.0) -> Child:
+def child(
+    script: str, policy: SupervisorConfig, failures: list[str], grace=5.0, config=None
+) -> Child:
     spec = ChildSpec(
         name="c",
         kind="worker",
@@ -201,6 +205,7 @@ def child(script: str, policy: SupervisorConfig, failures: list[str], grace=5.0)
         env=dict(os.environ),
         grace=grace,
         port=0,
+        config=config,
     )
     return Child(spec, policy, failures.append, standard_output())
 
@@ -217,6 +222,30 @@ async def test_a_crashing_child_is_restarted_until_the_limit(tmp_path):
     assert c.state is ChildState.FAILED and c.last_exit == "code 3"
     assert c.restarts_total == 2
     assert len(failures) == 1 and "exited 3 time(s) in a row" in failures[0]
+
+
+async def test_every_process_of_a_child_reads_the_configuration_handed_down(tmp_path):
+    """A restart reads the node file as the node read it at start, not as it is now."""
+    policy = SupervisorConfig(max_restarts=2, backoff_seconds=0.01, stable_seconds=60)
+    seen = tmp_path / "seen"
+    script = (
+        "from rsrv.lifeline import handed_down_config; "
+        f"open({str(seen)!r}, 'ab').write(handed_down_config() + b'|'); raise SystemExit(3)"
+    )
+    data = "port = 8001\n# 名前\n".encode() * 5000  # (larger than a pipe's buffer)
+    c = child(script, policy, [], config=data)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    with trio.fail_after(60):
+        await c.run()
+    assert seen.read_bytes() == (data + b"|") * 3  # the first start and two restarts
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # (each copy closed here)
+
+
+def test_a_configuration_descriptor_that_cannot_be_read_is_one_clear_error():
+    assert handed_down_config({}) is None
+    for text in ("9999", "x"):
+        with pytest.raises(ValueError, match=f"RSRV_SUPERVISOR_CONFIG_FD={text!r}: cannot read"):
+            handed_down_config({CONFIG_FD_VARIABLE: text})
 
 
 async def test_a_child_that_never_serves_is_stopped_and_restarted_until_the_limit(tmp_path):
@@ -678,7 +707,8 @@ def test_the_gateway_drains_as_long_as_its_workers_and_is_given_that_long(
     )
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     spec, config = gateway_spec(node_plan, {})
-    assert load_gateway(node_plan.gateway_file, spec.env) == config  # what the child reads
+    assert spec.config == gateway.read_bytes()  # handed down to every process of it
+    assert load_gateway(node_plan.gateway_file, spec.env, spec.config) == config  # (the child's)
     assert config.grpc.shutdown_grace_seconds == drain
     assert spec.grace == drain + node_plan.supervisor.kill_after_seconds
 
@@ -708,7 +738,7 @@ def test_the_gateway_inherits_its_workers_limits_and_logging_unless_told_otherwi
     )
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     spec, config = gateway_spec(node_plan, env)
-    assert load_gateway(node_plan.gateway_file, spec.env) == config  # what the child reads
+    assert load_gateway(node_plan.gateway_file, spec.env, spec.config) == config  # (the child's)
     got = (config.grpc.max_message_bytes, config.logging.level, config.logging.format)
     assert got == expected
 
@@ -744,7 +774,7 @@ def test_the_gateway_listens_on_the_nodes_host_and_dials_its_workers(
     path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{yaml}")
     node_plan = plan_node(load_node(path), {"PATH": "", **env}, source=path)
     spec, config = gateway_spec(node_plan, env)
-    assert load_gateway(node_plan.gateway_file, spec.env) == config  # what the child reads
+    assert load_gateway(node_plan.gateway_file, spec.env, spec.config) == config  # (the child's)
     assert config.listen.grpc == f"{listen}:{node_plan.port}"
     assert config.endpoints == [f"{dial}:{w.endpoints.port}" for w in node_plan.workers]
     assert config.endpoints_dns == []
