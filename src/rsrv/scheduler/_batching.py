@@ -62,6 +62,14 @@ def assemble(
     return batch
 
 
+def check_count(outputs: Sequence[np.ndarray], expected: int, model: str) -> None:
+    """Internal when the executor returned other than ``expected`` outputs."""
+    if len(outputs) != expected:
+        raise Internal(
+            f"model {model!r}: the executable returned {len(outputs)} outputs, expected {expected}"
+        )
+
+
 def split(
     outputs: Sequence[np.ndarray], counts: Sequence[int], size: int, axes: Sequence[int], model: str
 ) -> list[list[np.ndarray]]:
@@ -70,10 +78,7 @@ def split(
     Raises Internal when the executor returned the wrong number of outputs or an
     output without ``size`` rows on its batch axis.
     """
-    if len(outputs) != len(axes):
-        raise Internal(
-            f"model {model!r}: the executable returned {len(outputs)} outputs, expected {len(axes)}"
-        )
+    check_count(outputs, len(axes), model)
     for k, (out, axis) in enumerate(zip(outputs, axes, strict=True)):
         if out.ndim <= axis or out.shape[axis] != size:
             raise Internal(

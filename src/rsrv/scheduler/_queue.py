@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -146,6 +147,10 @@ class RequestQueue:
         while arrivals and arrivals[0].state is not State.QUEUED:
             arrivals.popleft()
         return arrivals[0] if arrivals else None
+
+    def any_queued(self, predicate: Callable[[Request], bool]) -> bool:
+        """Whether ``predicate`` holds for some queued request (stops at the first)."""
+        return any(r.state is State.QUEUED and predicate(r) for r in self._arrivals)
 
     def queued(self) -> list[Request]:
         """Every queued request, in arrival order."""

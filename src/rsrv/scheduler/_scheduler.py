@@ -27,7 +27,7 @@ from rsrv.errors import (
     RsrvError,
     Unavailable,
 )
-from rsrv.scheduler._batching import assemble, split
+from rsrv.scheduler._batching import assemble, check_count, split
 from rsrv.scheduler._costs import CostTable, DecayedSum
 from rsrv.scheduler._executor import Executor, Result
 from rsrv.scheduler._model import ScheduledModel, VersionCounters
@@ -126,6 +126,7 @@ class Scheduler:
         self._policy = make_policy(config.discipline, config.ema_halflife_seconds)
         self._shed = config.discipline == "edf"  # shed requests that cannot finish in time
         self._models: dict[str, ScheduledModel] = {}
+        self._holders: dict[str, int] = {}  # executor key -> versions holding it
         self._seq = itertools.count()
         self._index = itertools.count()
         self._queued = 0  # requests queued over all models
@@ -157,6 +158,7 @@ class Scheduler:
             delay = self._config.max_queue_delay_seconds
         version = Version(spec, CostTable(self._config.cost_ema_alpha), delay)
         self._delayed += delay > 0
+        self._holders[spec.key] = self._holders.get(spec.key, 0) + 1
         label = spec.version
         m = self._models.get(spec.name)
         if m is None:
@@ -480,14 +482,15 @@ class Scheduler:
                 return None
             version = taken[0].version
             spec, costs = version.spec, version.costs
-            # edf sheds the requests that cannot finish in time even alone, unless
-            # nothing else waits: then shedding saves nobody time, and the earliest runs
-            # to refresh an estimate that may be stale (shed requests never correct it).
+            # edf sheds the requests that cannot finish in time even alone, unless no
+            # other queued request could: then shedding saves nobody time, and the
+            # earliest runs to refresh an estimate that may be stale (shed requests
+            # never correct it).
             if self._shed:
                 doomed = {
                     id(r) for r in taken if _any_late((r,), now, costs, spec.size_for(r.rows))
                 }
-                if doomed and self._queued > len(doomed):  # shed, then plan again
+                if doomed and self._savable(doomed, now):  # shed, then plan again
                     for r in taken:
                         if id(r) in doomed:
                             size = spec.size_for(r.rows)
@@ -506,6 +509,16 @@ class Scheduler:
             for r in taken:
                 self._unqueue(r, State.RUNNING)
             return Batch(m, version, taken, rows, size, estimate)
+
+    def _savable(self, doomed: set[int], now: float) -> bool:
+        """Whether some queued request, of any model, outside ``doomed`` (ids) can
+        finish in time alone (edf: shedding the doomed ones then saves it time)."""
+
+        def in_time(r: Request) -> bool:
+            size = r.version.spec.size_for(r.rows)
+            return id(r) not in doomed and not _any_late((r,), now, r.version.costs, size)
+
+        return any(m.queue.live and m.queue.any_queued(in_time) for m in self._models.values())
 
     async def _execute(self, batch: Batch) -> None:
         """Run ``batch`` and answer its requests."""
@@ -532,6 +545,7 @@ class Scheduler:
                     raw, [r.rows for r in batch.requests], batch.size, spec.output_axes, spec.name
                 )
             else:
+                check_count(raw, len(spec.output_axes), spec.name)
                 outputs = [list(raw)]
         except Exception as exc:
             if isinstance(exc, RsrvError):
@@ -546,12 +560,14 @@ class Scheduler:
                 self._settle(r, error=Unavailable("scheduler stopped during execution"))
             raise
         elapsed = self._clock() - start
-        self._account(batch, elapsed, ok=error is None)
-        for i, r in enumerate(batch.requests):
-            if error is None:
-                self._settle(r, result=Result(outputs[i], waits[i], elapsed, batch.size))
-            else:  # a copy each: the waiters raise it concurrently
-                self._settle(r, error=copy.copy(error))
+        try:  # (before the answers: the last one may retire the key measured here)
+            self._account(batch, elapsed, ok=error is None)
+        finally:
+            for i, r in enumerate(batch.requests):
+                if error is None:
+                    self._settle(r, result=Result(outputs[i], waits[i], elapsed, batch.size))
+                else:  # a copy each: the waiters raise it concurrently
+                    self._settle(r, error=copy.copy(error))
 
     def _account(self, batch: Batch, elapsed: float, *, ok: bool) -> None:
         now = self._clock()
@@ -559,8 +575,14 @@ class Scheduler:
         m.stats.compute_seconds += elapsed
         m.usage.add(elapsed, now)
         if ok:  # a failed run says little about the cost
-            measured = self._measured
-            seconds = measured(batch.version.spec.key, batch.size) if measured else None
+            seconds = None
+            if self._measured is not None:
+                try:
+                    seconds = self._measured(batch.version.spec.key, batch.size)
+                except Exception:
+                    log.warning(
+                        "measured_seconds of %s failed", batch.version.spec.key, exc_info=True
+                    )
             batch.version.costs.observe(batch.size, elapsed if seconds is None else seconds)
         self._policy.completed(m, batch.estimate, elapsed, now)
         self._refresh(m)
@@ -662,13 +684,16 @@ class Scheduler:
             self._release(version)
 
     def _release(self, version: Version) -> None:
-        """Tell the executor a retired version's key is no longer needed."""
-        retire = getattr(self._executor, "retire", None)
+        """A retired version needs its key no more: tell the executor once no version
+        (of any model, registered or retired with requests left) holds the key."""
         key = version.spec.key
-        current = self._models.get(version.spec.name)
-        if retire is None or (
-            current is not None and any(v.spec.key == key for v in current.versions.values())
-        ):
+        left = self._holders[key] - 1
+        if left:
+            self._holders[key] = left
+            return
+        del self._holders[key]
+        retire = getattr(self._executor, "retire", None)
+        if retire is None:
             return
         try:
             retire(key)

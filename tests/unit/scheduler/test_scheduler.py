@@ -183,6 +183,16 @@ async def test_unbatched_model_runs_each_request_alone_at_size_zero(autojump_clo
     assert [float(o.result.outputs[0][0]) for o in outs] == [0.0, 4.0, 8.0]
     assert sched.stats("u").max_batch_size == 0
 
+    # its outputs are counted as a batched model's are
+    ex.fn = lambda m, s, xs: [xs[0], xs[0]]
+    sched = Scheduler(config(), ex)
+    sched.add_model(ModelSpec("u", (), (None,), (None,)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        with pytest.raises(Internal, match="'u': the executable returned 2 outputs, expected 1"):
+            await sched.submit("u", [np.ones((2, 2))])
+        await sched.drain()
+
 
 # -- admission -------------------------------------------------------------------------
 
@@ -359,6 +369,30 @@ async def test_replaced_model_serves_queued_requests_on_their_version(autojump_c
     assert [o.result.batch_size for o in old + new] == [2, 2, 1, 4, 4]
     assert retired == ["m@1"]
     assert sched.stats("m").costs == {4: pytest.approx(0.2 * 1.0 + 0.8 * 0.5)}
+
+
+async def test_a_key_is_retired_once_no_version_of_any_model_holds_it(autojump_clock):
+    """Versions may share an executor key (a spec naming no executable runs under its
+    model's name): the key goes once the last version holding it is done with it."""
+    ex = FakeExecutor(cost=1.0)
+    retired = []
+    ex.retire = lambda key: retired.append((key, len(ex.calls)))
+    sched = Scheduler(config(), ex)
+    sched.add_model(spec("m"))  # key "m"
+    sched.add_model(spec("a", executable="shared"))
+    sched.add_model(spec("b", executable="shared"))
+    async with trio.open_nursery() as nursery:
+        old = await queued(nursery, sched, "m", [rows(1, 1)])  # on version 1
+        sched.add_model(spec("m"))  # version 2: key "m" too
+        sched.add_model(spec("m", executable="m@3"))  # version 2 is done, 1 is not
+        sched.remove_model("a")  # b still uses "shared"
+        assert retired == []
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert old.result is not None and ex.order() == ["m"]
+    assert retired == [("m", 1)]  # once, after its last run
+    sched.remove_model("b")
+    assert retired == [("m", 1), ("shared", 1)]
 
 
 async def test_versions_side_by_side_run_on_their_label(autojump_clock):

@@ -108,6 +108,30 @@ async def test_edf_runs_a_doomed_request_when_nothing_else_waits(autojump_clock)
     assert sched.stats("m").costs[1] < 0.02
 
 
+async def test_edf_runs_the_earliest_when_every_queued_request_is_doomed(autojump_clock):
+    """Two requests of another model, due at 0.5 s, with a stale estimate of 1 s (runs
+    take 0.01 s): shedding the first would save nobody, so it runs, the estimate comes
+    down, and the second is in time too. A request without a deadline elsewhere would
+    be saved time: then the doomed are shed."""
+    for elsewhere in (False, True):
+        ex = FakeExecutor(cost=0.01)
+        sched = Scheduler(config(discipline="edf", cost_ema_alpha=1.0), ex)
+        sched.add_model(spec("m", (1,)))
+        sched.add_model(spec("other", (1,)))
+        sched.warm_costs("m", {1: 1.0})
+        async with trio.open_nursery() as nursery:
+            outs = [await queued(nursery, sched, "m", [rows(i, 1)], deadline=0.5) for i in (1, 2)]
+            if elsewhere:
+                outs.append(await queued(nursery, sched, "other", [rows(3, 1)]))
+            await nursery.start(sched.run)
+            await sched.drain()
+        errors = [type(o.error).__name__ if o.error else None for o in outs]
+        if elsewhere:
+            assert errors == ["DeadlineExceeded", "DeadlineExceeded", None]
+        else:
+            assert errors == [None, None] and sched.stats("m").costs == {1: 0.01}
+
+
 async def test_edf_learns_the_executors_measured_time_not_its_waits(autojump_clock):
     """An executor that measures its device time apart from waits (for weights to be
     copied: seconds once evicted) has its measure learned, not the wall time."""
@@ -125,6 +149,32 @@ async def test_edf_learns_the_executors_measured_time_not_its_waits(autojump_clo
         await sched.drain()
     assert sched.stats("m").costs == {1: 0.01}
     assert sched.stats("m").compute_seconds == 2.0  # (device usage is the wall time)
+
+
+async def test_a_failing_measure_is_logged_and_the_batch_answered(autojump_clock, caplog):
+    class Failing(FakeExecutor):
+        def measured_seconds(self, model: str, size: int) -> float:
+            raise KeyError(model)
+
+    sched = Scheduler(config(discipline="edf"), Failing(cost=2.0))
+    sched.add_model(spec("m", (1,)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        assert (await sched.submit("m", [rows(1, 1)])).batch_size == 1
+        await sched.drain()
+    assert sched.stats("m").costs == {1: 2.0}  # (the wall time, learned instead)
+    assert "measured_seconds of m failed" in caplog.text
+
+    # and should accounting itself fail, the batch is answered all the same
+    sched = Scheduler(config(discipline="edf"), FakeExecutor(cost=2.0))
+    sched.add_model(spec("m", (1,)))
+    sched._policy.completed = lambda *args: 1 / 0
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with trio.open_nursery() as nursery:
+            out = await queued(nursery, sched, "m", [rows(1, 1)])
+            await nursery.start(sched.run)
+    assert info.group_contains(ZeroDivisionError)
+    assert out.result is not None
 
 
 async def test_edf_serves_the_longest_prefix_that_finishes_in_time(autojump_clock):
