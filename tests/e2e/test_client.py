@@ -5,6 +5,7 @@ statuses, deadlines, and retries a call until a late server starts."""
 from __future__ import annotations
 
 import gc
+import signal
 import threading
 import time
 import uuid
@@ -196,6 +197,9 @@ async def test_a_cancelled_infers_answer_is_dropped_and_end_drains_the_stream(wo
             with trio.move_on_after(0.2) as gave_up:
                 await stream.infer("classifier", {"x": x}, request_id="gave-up")
             assert gave_up.cancelled_caught
+            for again in (stream.infer, stream.send):  # its answer could not be told apart
+                with pytest.raises(ValueError, match="'gave-up': the answer of a cancelled"):
+                    await again("classifier", {"x": x}, request_id="gave-up")
             await stream.send("classifier", {"x": x}, request_id="wanted")
         await stream.end()
         with trio.fail_after(30):
@@ -282,6 +286,28 @@ def test_sync_client(worker):
     SyncInferenceClient("127.0.0.1", worker.port).server_ready()  # dropped, never closed
     gc.collect()
     wait_until(lambda: threading.active_count() == before, 10, "the dropped client's thread")
+
+
+def test_an_interrupted_sync_call_ends_on_the_clients_loop_too(worker):
+    """Ctrl-C in a blocking call: the call is cancelled on the client's loop as well
+    (its stream reset), not left running there to hold one of the stream slots."""
+    x = np.ones((1, 256), np.float32)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    limits = ClientLimits(max_concurrent_streams=1)
+    try:
+        with SyncInferenceClient("127.0.0.1", worker.port, limits=limits) as client:
+            with held_device(worker):
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+                with pytest.raises(KeyboardInterrupt):
+                    client.infer("classifier", {"x": x})
+                assert client.server_live(timeout=5)  # the one slot is free again
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_closing_the_sync_client_ends_a_call_between_retries_with_its_error():

@@ -29,8 +29,9 @@ class InferStream:
     :meth:`infer` sends a request and returns its own answer (other answers are not
     consumed); :meth:`send` only sends, and :meth:`receive` (or ``async for``) returns
     the answers no :meth:`infer` is waiting for, in arrival order. A request without
-    an id gets a unique one (``rsrv-<n>``), since answers are matched by id; two
-    :meth:`infer` calls waiting on one id at once is a ValueError. A failed request
+    an id gets a unique one (``rsrv-<n>``), since answers are matched by id: a request
+    (:meth:`infer` or :meth:`send`) with the id of an :meth:`infer` still waiting, or of
+    a cancelled one whose answer is still to come, is a ValueError, and is not sent. A failed request
     raises :class:`InferenceServerError` (code UNKNOWN: a stream's error answer carries
     only the server's text; ``request_id`` says which); one larger than
     ``max_send_message_bytes`` fails RESOURCE_EXHAUSTED without being sent, and the
@@ -63,8 +64,16 @@ class InferStream:
         request_id: str = "",
         parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> str:
-        """Send one request (as ``InferenceClient.infer`` takes it); returns its id."""
+        """Send one request (as ``InferenceClient.infer`` takes it); returns its id.
+        ValueError for an id whose answer could not be told apart (see the class)."""
         request_id = request_id or f"rsrv-{next(_ids)}"
+        self._check_unambiguous(request_id)
+        await self._send_request(model, inputs, outputs, version, request_id, parameters)
+        return request_id
+
+    async def _send_request(
+        self, model, inputs, outputs, version: str, request_id: str, parameters
+    ) -> None:
         request = build_request(
             model,
             inputs,
@@ -74,21 +83,36 @@ class InferStream:
             parameters=parameters,
         )
         await self._send(request.SerializeToString())
-        return request_id
 
-    async def infer(self, model: str, inputs, outputs=None, **kwargs) -> InferResult:
-        """Send one request and wait for its answer (same arguments as :meth:`send`)."""
-        request_id = kwargs.pop("request_id", "") or f"rsrv-{next(_ids)}"
-        self._abandoned.discard(request_id)  # (an id used again: its answer is this one's)
+    def _check_unambiguous(self, request_id: str) -> None:
         if request_id in self._waiting:
             raise ValueError(
                 f"request id {request_id!r} is already waiting for its answer on this "
                 "stream (answers are matched by id)"
             )
+        if request_id in self._abandoned:
+            raise ValueError(
+                f"request id {request_id!r}: the answer of a cancelled infer of that id is "
+                "still to come on this stream (answers are matched by id); use another id"
+            )
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray | ShmInput],
+        outputs: Sequence[str | ShmOutput] | None = None,
+        *,
+        version: str = "",
+        request_id: str = "",
+        parameters: Mapping[str, bool | int | float | str] | None = None,
+    ) -> InferResult:
+        """Send one request and wait for its answer (same arguments as :meth:`send`)."""
+        request_id = request_id or f"rsrv-{next(_ids)}"
+        self._check_unambiguous(request_id)
         slot = self._waiting[request_id] = [trio.Event(), None]
         sent = False
         try:
-            await self.send(model, inputs, outputs, request_id=request_id, **kwargs)
+            await self._send_request(model, inputs, outputs, version, request_id, parameters)
             sent = True
             await slot[0].wait()
         except trio.Cancelled:
@@ -167,7 +191,7 @@ class InferStream:
                     break
                 request_id = answer.infer_response.id
                 slot = self._waiting.get(request_id)
-                if request_id in self._abandoned and slot is None:
+                if request_id in self._abandoned:
                     self._abandoned.discard(request_id)  # its infer was cancelled
                 elif slot is not None and slot[1] is None:
                     slot[1] = answer

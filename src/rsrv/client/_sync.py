@@ -80,12 +80,13 @@ class _Loop:
             while self._calls:
                 await self._call_ended.park()
 
-    async def call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """Run one facade call on the loop. One the client's closing cuts short (waiting
-        between retries, for a connection, for its answer) raises InferenceServerError
-        UNAVAILABLE, never trio's Cancelled into the caller's thread."""
+    async def call(self, fn: Callable[[], Awaitable[Any]], scope: trio.CancelScope) -> Any:
+        """Run one facade call on the loop, within ``scope`` (see :meth:`cancel`). One
+        the client's closing cuts short (waiting between retries, for a connection, for
+        its answer) raises InferenceServerError UNAVAILABLE, never trio's Cancelled into
+        the caller's thread."""
         if not self._stop.is_set():
-            with trio.CancelScope() as scope:
+            with scope:
                 self._calls.add(scope)
                 try:
                     return await fn()
@@ -96,9 +97,17 @@ class _Loop:
 
     def stop(self) -> None:
         """Ask the loop to close the channel and end; from any thread, without waiting."""
+        self._soon(lambda: self._stop.set())
+
+    def cancel(self, scope: trio.CancelScope) -> None:
+        """Cancel a call's ``scope`` on the loop (its stream is reset); from any thread,
+        without waiting."""
+        self._soon(scope.cancel)
+
+    def _soon(self, fn: Callable[[], object]) -> None:
         if self.token is not None:
             try:
-                self.token.run_sync_soon(self._stop.set)
+                self.token.run_sync_soon(fn)
             except trio.RunFinishedError:
                 pass
 
@@ -125,10 +134,15 @@ class SyncInferenceClient:
         if loop.token is None or not loop.thread.is_alive():
             raise RuntimeError("the client is closed")
         method = functools.partial(getattr(loop.client, name), *args, **kwargs)
+        scope = trio.CancelScope()
         try:
-            return trio.from_thread.run(loop.call, method, trio_token=loop.token)
+            return trio.from_thread.run(loop.call, method, scope, trio_token=loop.token)
         except trio.RunFinishedError:
             raise RuntimeError("the client is closed") from None
+        except BaseException as e:
+            if not isinstance(e, Exception):  # interrupted (Ctrl-C): ends on the loop too
+                loop.cancel(scope)
+            raise
 
     def close(self) -> None:
         """Close the channel and join the client's thread (idempotent)."""
