@@ -31,9 +31,9 @@ class InferStream:
     the answers no :meth:`infer` is waiting for, in arrival order. A request without
     an id gets a unique one (``rsrv-<n>``), since answers are matched by id: a request
     (:meth:`infer` or :meth:`send`) with the id of an :meth:`infer` still waiting, or of
-    a cancelled one whose answer is still to come, is a ValueError, and is not sent. A failed request
-    raises :class:`InferenceServerError` (code UNKNOWN: a stream's error answer carries
-    only the server's text; ``request_id`` says which); one larger than
+    a cancelled one whose answer is still to come, is a ValueError, and is not sent. A
+    failed request raises :class:`InferenceServerError` (code UNKNOWN: a stream's error
+    answer carries only the server's text; ``request_id`` says which); one larger than
     ``max_send_message_bytes`` fails RESOURCE_EXHAUSTED without being sent, and the
     stream goes on. The answer of an :meth:`infer` that was cancelled (its timeout,
     say) is dropped when it comes, never returned by :meth:`receive`; one cancelled
