@@ -17,7 +17,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
 from rsrv.protocol import pushback_of
-from rsrv.transport import Channel, ClientLimits, UnaryResult, open_channel
+from rsrv.transport import Channel, ClientLimits, UnaryResult, metadata_problem, open_channel
 
 __all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
 
@@ -121,8 +121,9 @@ class ChannelClient:
     closed on exit (entering it again while open raises RuntimeError); or a running
     ``channel`` it was given (owned by the caller; then host, port, tls and limits are
     unused and it needs no ``async with``). ``headers`` go with every call (e.g. a
-    restricted protocol's header); ``retry``: see :class:`RetryPolicy`. A call that
-    does not succeed raises :class:`InferenceServerError`."""
+    restricted protocol's header; ValueError for one a call cannot carry);
+    ``retry``: see :class:`RetryPolicy`. A call that does not succeed raises
+    :class:`InferenceServerError`."""
 
     service = ""
 
@@ -138,6 +139,12 @@ class ChannelClient:
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
         channel: Channel | None = None,
     ):
+        if not isinstance(port, int) or isinstance(port, bool):
+            raise TypeError(f"port must be an int, not {type(port).__name__}")
+        for name, value in (headers or {}).items():
+            problem = metadata_problem(name, value)
+            if problem is not None:
+                raise ValueError(f"headers[{name!r}]: {problem}")
         self._channel = channel
         self._open = lambda: open_channel(
             host, port, tls=tls, server_hostname=server_hostname, limits=limits

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from rsrv.transport import CONNECTION_SPECIFIC, NOT_METADATA
+from rsrv.transport import metadata_problem
 
 from ._env import parse_env_value
 from ._errors import ConfigError, convert, key_segment, reword
@@ -414,26 +414,10 @@ def load_gateway(
         raise ConfigError(f"{where}: worker_client.tls_cert_file needs tls_ca_file")
     for name, value in client.headers.items():
         # (what a gRPC call may carry as metadata: every probe would fail otherwise)
-        if (
-            not _METADATA_KEY.fullmatch(name)
-            or name.encode() in _NOT_SENDABLE
-            or name.startswith("grpc-")
-        ):
-            raise ConfigError(
-                f"{where}: $.worker_client.headers{key_segment(name)}: not a metadata key a "
-                "call may carry (lower case letters, digits, '_', '.', '-'; not grpc-*, nor "
-                f"one of {', '.join(sorted(n.decode() for n in _NOT_SENDABLE))})"
-            )
-        if not (value.isascii() and value.isprintable()):
-            raise ConfigError(
-                f"{where}: $.worker_client.headers{key_segment(name)}: the value must be "
-                "printable ASCII"
-            )
+        problem = metadata_problem(name, value)
+        if problem is not None:
+            raise ConfigError(f"{where}: $.worker_client.headers{key_segment(name)}: {problem}")
     return config
-
-
-_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
-_NOT_SENDABLE = NOT_METADATA | CONNECTION_SPECIFIC | {b"user-agent"}
 
 
 def _absolute_files(config: GatewayConfig, base: Path) -> GatewayConfig:

@@ -26,7 +26,7 @@ from rsrv.transport._channel import (
     open_channel,
 )
 from rsrv.transport._client_stream import CallEnded, MessageTooLarge
-from rsrv.transport._connection import CONNECTION_SPECIFIC, NOT_METADATA
+from rsrv.transport._connection import CONNECTION_SPECIFIC, NOT_METADATA, metadata_problem
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
     INFLATING_AT_ONCE,
@@ -69,6 +69,7 @@ __all__ = [
     "default_status",
     "grpc_timeout",
     "is_listen_error",
+    "metadata_problem",
     "listen_error",
     "methods_of",
     "open_channel",

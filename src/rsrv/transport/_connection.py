@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import TYPE_CHECKING
 
 import trio
@@ -78,6 +79,22 @@ _PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
 CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+_NOT_SENDABLE = NOT_METADATA | CONNECTION_SPECIFIC | {b"user-agent"}
+
+
+def metadata_problem(name: str, value: str) -> str | None:
+    """Why a call cannot carry the header ``name: value`` as its metadata; None if it
+    can (a gRPC metadata key, not one the transport or HTTP/2 keeps to itself, with a
+    printable ASCII value)."""
+    if not _METADATA_KEY.fullmatch(name) or name.encode() in _NOT_SENDABLE or name[:5] == "grpc-":
+        return (
+            "not a metadata key a call may carry (lower case letters, digits, '_', '.', '-'; "
+            f"not grpc-*, nor one of {', '.join(sorted(n.decode() for n in _NOT_SENDABLE))})"
+        )
+    if not (value.isascii() and value.isprintable()):
+        return "the value must be printable ASCII"
+    return None
 
 
 class ServerConnection(Http2Endpoint):

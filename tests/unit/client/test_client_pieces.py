@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 import uuid
 
 import numpy as np
@@ -55,6 +56,20 @@ async def test_a_client_whose_open_failed_can_be_entered_again():
         assert scope.cancelled_caught  # the open was cut short
         async with client:
             assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"
+
+
+@pytest.mark.parametrize(
+    ("headers", "port", "error"),
+    [
+        ({"x-user": "名"}, 8001, "headers['x-user']: the value must be printable ASCII"),
+        ({"X-User": "a"}, 8001, "headers['X-User']: not a metadata key a call may carry"),
+        ({"grpc-timeout": "1S"}, 8001, "headers['grpc-timeout']: not a metadata key"),
+        ({}, "8001", "port must be an int, not str"),
+    ],
+)
+def test_settings_no_call_could_use_are_refused_at_once(headers, port, error):
+    with pytest.raises((ValueError, TypeError), match=re.escape(error)):
+        InferenceClient("127.0.0.1", port, headers=headers)
 
 
 def test_shared_memory_reads_stay_inside_the_region():
