@@ -35,6 +35,7 @@ from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.transport import ClientLimits
 
 MODELS = [*EXAMPLES, "simple", "simple_string"]
+SIMPLE_INPUTS = {"INPUT0": np.ones((1, 16), np.int32), "INPUT1": np.ones((1, 16), np.int32)}
 
 
 @pytest.fixture(scope="module")
@@ -377,16 +378,21 @@ async def test_retry_until_a_late_server_starts(tmp_path, cache_dir):
                 async def ask():
                     ready.append(await client.server_live(timeout=60))
 
+                async def stream():  # its opening is retried too
+                    async with client.stream(timeout=60) as stream:
+                        await stream.infer("simple", SIMPLE_INPUTS)
+                    ready.append("streamed")
+
                 nursery.start_soon(ask)
-                await wait_for(lambda: retries, "a refused first attempt")
+                nursery.start_soon(stream)
+                await wait_for(lambda: len(retries) >= 2, "refused first attempts")
                 repo = make_repo(tmp_path / "repo", "simple")
                 server = ServerProcess(
                     tmp_path,
                     f'model_repo = "{repo}"\nbase_port = {port}\n\n[global]\n'
                     f'cache_dir = "{cache_dir}"\n',
                 )
-            assert ready == [True]
-            assert len(retries) >= 1
+            assert sorted(ready, key=str) == [True, "streamed"]
     finally:
         if server is not None:
             server.kill()

@@ -23,7 +23,7 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
-from rsrv.client._rpc import ChannelClient
+from rsrv.client._rpc import ChannelClient, open_stream
 from rsrv.client._streaming import InferStream
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
 from rsrv.errors import alone
@@ -152,13 +152,17 @@ class InferenceClient(ChannelClient):
     @asynccontextmanager
     async def stream(self, *, timeout: float | None = None) -> AsyncIterator[InferStream]:
         """A ModelStreamInfer stream (see :class:`InferStream`); ``timeout`` bounds the
-        whole stream. Leaving the block normally half-closes the stream and waits for
+        whole stream. Opening it is retried as a unary call is (``retry``) while the
+        server cannot be reached. Leaving the block normally half-closes the stream and waits for
         the server to end it (answers not read are dropped); a stream that ended with
         an error status raises InferenceServerError then."""
-        channel = self.channel
         try:
-            async with channel.stream(
-                SERVICE + "ModelStreamInfer", metadata=self._metadata, timeout=timeout
+            async with open_stream(
+                self.channel,
+                SERVICE + "ModelStreamInfer",
+                metadata=self._metadata,
+                timeout=timeout,
+                retry=self.retry,
             ) as call:
                 async with trio.open_nursery() as nursery:
                     stream = InferStream(call)

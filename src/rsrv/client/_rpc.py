@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import random
 import ssl
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,16 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
 from rsrv.protocol import pushback_of
-from rsrv.transport import Channel, ClientLimits, UnaryResult, metadata_problem, open_channel
+from rsrv.transport import (
+    Channel,
+    ClientLimits,
+    StreamingCall,
+    UnaryResult,
+    metadata_problem,
+    open_channel,
+)
 
-__all__ = ["ChannelClient", "RetryPolicy", "call_unary", "unary_message"]
+__all__ = ["ChannelClient", "RetryPolicy", "call_unary", "open_stream", "unary_message"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +92,38 @@ async def call_unary(
         delay = max(retry.backoff(attempt - 1), pushback or 0.0)
         if trio.current_time() + delay >= deadline:
             return result
+        await trio.sleep(delay)
+
+
+@asynccontextmanager
+async def open_stream(
+    channel: Channel,
+    path: str,
+    *,
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout: float | None = None,
+    retry: RetryPolicy = NO_RETRY,
+) -> AsyncIterator[StreamingCall]:
+    """``channel.stream`` with ``retry`` of its opening: a stream that could not reach
+    the server is opened again, as :func:`call_unary` sends a call again (once the
+    stream is open, what was sent on it may have been processed: no retry)."""
+    deadline = math.inf if timeout is None else trio.current_time() + timeout
+    attempt = 0
+    while True:
+        remaining = None if deadline == math.inf else max(deadline - trio.current_time(), 0.0)
+        async with channel.stream(path, metadata=metadata, timeout=remaining) as call:
+            attempt += 1
+            delay = None
+            if (
+                call.done
+                and not call.reached_server
+                and attempt < retry.attempts
+                and not channel.closed  # (the client was closed: no attempt can succeed)
+            ):
+                delay = retry.backoff(attempt - 1)
+            if delay is None or trio.current_time() + delay >= deadline:
+                yield call
+                return
         await trio.sleep(delay)
 
 
