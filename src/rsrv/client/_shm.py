@@ -2,7 +2,9 @@
 region that ``InferenceClient.register_system_shared_memory`` then registers.
 
 Behaves like ``tritonclient.utils.shared_memory`` (create / set / get_contents_as_numpy
-/ destroy), with one difference: a region is an object with methods. Linux only (the
+/ destroy), with two differences: a region is an object with methods, and creating one
+whose key exists is FileExistsError (tritonclient's default, ``create_only=False``,
+opens the existing object; ``SharedMemoryRegion(..., create=False)`` does). Linux only (the
 objects live under ``/dev/shm``, as the server expects). BYTES tensors are written and
 read in the length-prefixed wire format, so a BYTES input or output in shared memory is
 what ``raw_input_contents`` would hold.
