@@ -8,6 +8,7 @@ mapped over the batch axis with ``jax.vmap``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,14 @@ import jax.numpy as jnp
 from jax.tree_util import tree_unflatten
 
 from rsrv.export._errors import ExportError
-from rsrv.export._program import Input, Output, Program, export_program, flatten_weights
+from rsrv.export._program import (
+    Input,
+    Output,
+    Program,
+    as_outputs,
+    export_program,
+    flatten_weights,
+)
 
 
 def equinox_program(
@@ -46,15 +54,18 @@ def equinox_program(
         model = eqx.nn.inference_mode(model)
     params, static = eqx.partition(model, eqx.is_array)
     names, leaves, treedef = flatten_weights(params)
+    named = [o if isinstance(o, Output) else Output(o) for o in outputs]
     in_axes = tuple(i.batch_axis for i in inputs)
-    out_axes = tuple(o.batch_axis if isinstance(o, Output) else 0 for o in outputs)
+    out_axes = tuple(o.batch_axis for o in named)
     batched = vmap and any(a is not None for a in in_axes)
+
+    def one(m, *xs):  # (a tuple in output order, whatever the model returns: vmap's axes)
+        return as_outputs(m(*xs), named)
 
     def run(m, *xs):
         if not batched:
             return m(*xs)
-        axes = out_axes[0] if len(out_axes) == 1 else out_axes
-        return jax.vmap(m, in_axes=in_axes, out_axes=axes)(*xs)
+        return jax.vmap(functools.partial(one, m), in_axes=in_axes, out_axes=out_axes)(*xs)
 
     def call(ws, _state, *xs):
         return run(eqx.combine(tree_unflatten(treedef, ws), static), *xs)

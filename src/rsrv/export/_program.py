@@ -226,7 +226,7 @@ def export_program(
 
     def reference(*xs):
         with jax.enable_x64(x64):
-            result = _as_outputs(program.reference(*xs), outputs)
+            result = as_outputs(program.reference(*xs), outputs)
         return [np.asarray(r) for r in result]
 
     def verify(staging: Path) -> None:
@@ -272,7 +272,7 @@ def _trace(
         st = list(state)
         for k, value in zip(lifted, used, strict=True):
             st[k] = value
-        return _as_outputs(program.call(list(ws), st, *xs), outputs)
+        return as_outputs(program.call(list(ws), st, *xs), outputs)
 
     modules: dict[int, bytes] = {}
     out_avals: dict[int, Sequence[Any]] = {}
@@ -326,7 +326,7 @@ def _used_state(program: Program, state: list, xs, ws) -> list[int]:
     return [k for k in range(len(state)) if used[offset + k]]
 
 
-def _as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
+def as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
     if isinstance(result, Mapping):
         missing = [o.name for o in outputs if o.name not in result]
         if missing:

@@ -699,6 +699,31 @@ def test_linen_refuses_rng_streams_and_mutable_collections(models, tmp_path):
     assert listing(tmp_path) == []
 
 
+class TwoOutputs(eqx.Module):
+    """An Equinox model returning its two outputs as ``kind`` says."""
+
+    linear: eqx.nn.Linear
+    kind: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        y, z = self.linear(x), jnp.sum(x)
+        return {"tuple": (y, z), "list": [y, z], "dict": {"z": z, "y": y}}[self.kind]
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict"])
+def test_equinox_outputs_may_be_a_tuple_a_list_or_a_mapping(tmp_path, kind):
+    with f32():
+        model = TwoOutputs(eqx.nn.Linear(4, 3, key=jax.random.key(0)), kind)
+    out = export_equinox(
+        model,
+        inputs=[Input("x", np.float32, ("n", 4))],
+        outputs=["y", "z"],
+        batch_sizes=[2],
+        out_dir=tmp_path / kind,
+    )  # (the parity gate compared each output with the model's)
+    assert [o["name"] for o in manifest(out)["executable_outputs"]] == ["y", "z"]
+
+
 def test_equinox_refuses_stateful_layers(tmp_path):
     with f32():
         model, _state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="batch")
