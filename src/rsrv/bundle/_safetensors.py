@@ -8,6 +8,7 @@ staging buffer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -58,10 +59,18 @@ def read_weights_header(path: Path) -> WeightsFile:
         (n,) = struct.unpack("<Q", head)
         if n > 100 * 2**20:
             raise ValueError(f"not a safetensors file (header length {n} is implausible)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"not a safetensors file (header is not JSON: {e})") from None
+        text = f.read(n)
+    if len(text) != n:
+        raise ValueError(
+            f"not a safetensors file (its header length is {n} bytes, the file ends after "
+            f"{len(text)})"
+        )
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a safetensors file (header is not JSON: {e})") from None
+    except RecursionError:
+        raise ValueError("not a safetensors file (its header nests too deep)") from None
     size = path.stat().st_size - 8 - n
     if not isinstance(header, dict):
         raise ValueError("not a safetensors file (its header is not a JSON object)")
@@ -82,6 +91,9 @@ def read_weights_header(path: Path) -> WeightsFile:
             order = None
         if not isinstance(order, list) or not all(isinstance(x, str) for x in order):
             raise ValueError(f"metadata {ORDER_KEY!r} must be a JSON list of tensor names")
+    if len(set(order)) != len(order):
+        twice = sorted({x for x in order if order.count(x) > 1})
+        raise ValueError(f"{ORDER_KEY} names tensor {twice[0]!r} more than once")
     infos = []
     for name in order:
         if name not in header:
@@ -89,7 +101,8 @@ def read_weights_header(path: Path) -> WeightsFile:
         entry = header[name]
         if not isinstance(entry, dict):
             raise ValueError(f"tensor {name!r}: its entry is not a JSON object")
-        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        raw_dtype = entry.get("dtype")
+        dtype = _SAFETENSORS_DTYPES.get(raw_dtype) if isinstance(raw_dtype, str) else None
         if dtype is None:
             raise ValueError(f"tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
@@ -101,4 +114,8 @@ def read_weights_header(path: Path) -> WeightsFile:
         if not 0 <= start <= end <= size or end - start != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name!r} has inconsistent data_offsets {[start, end]}")
         infos.append(WeightInfo(name, dtype, shape, start, end))
+    ranges = sorted((w.start, w.end, w.name) for w in infos if w.end > w.start)
+    for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+        if start < end:
+            raise ValueError(f"tensors {first!r} and {second!r} overlap in the file")
     return WeightsFile(path, 8 + n, tuple(infos))

@@ -516,12 +516,54 @@ def raw_safetensors(path: Path, header) -> None:
             },
             "tensor 'w': data_offsets must be [start, end], not [0]",
         ),
+        (
+            {
+                "__metadata__": {"argument_order": '["w"]'},
+                "w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]},
+            },
+            "tensor 'w' has unsupported dtype ['F32']",
+        ),
+        (
+            {
+                "__metadata__": {"argument_order": '["w", "w"]'},
+                "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            },
+            "argument_order names tensor 'w' more than once",
+        ),
+        (
+            {
+                "__metadata__": {"argument_order": '["v", "w"]'},
+                "v": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            "tensors 'v' and 'w' overlap in the file",
+        ),
     ],
 )
 def test_a_malformed_weights_header_is_a_bundle_error_naming_it(tiny_bundle, header, message):
     """Not a TypeError or KeyError out of the loader (which stopped a repository scan)."""
     raw_safetensors(tiny_bundle / "weights.safetensors", header)
     assert error(tiny_bundle) == f"{tiny_bundle}/weights.safetensors: {message}"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            struct.pack("<Q", 10**6) + b"{}",
+            "its header length is 1000000 bytes, the file ends after 2",
+        ),
+        (
+            struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000,
+            "its header nests too deep",
+        ),
+    ],
+)
+def test_a_weights_file_that_is_no_safetensors_is_a_bundle_error(tiny_bundle, data, message):
+    (tiny_bundle / "weights.safetensors").write_bytes(data)
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/weights.safetensors: not a safetensors file ({message})"
+    )
 
 
 # -- model.py --------------------------------------------------------------------------------
