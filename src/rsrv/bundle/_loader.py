@@ -30,7 +30,7 @@ from rsrv.bundle._stablehlo import ArgType, ModuleSignature, read_module, read_s
 from rsrv.errors import BundleError
 
 UNBATCHED = 0  # module key of a model without a batch axis
-_MODULE_RE = re.compile(r"^model(?:\.b(\d+))?\.mlir$")
+_MODULE_RE = re.compile(r"model(?:\.b([1-9][0-9]*))?\.mlir")  # (no b01 beside b1)
 _IDENT = re.compile(r"\W")
 _import_counter = itertools.count()
 
@@ -38,7 +38,7 @@ _import_counter = itertools.count()
 def defines_bundle(name: str) -> bool:
     """Whether a file of this name defines a bundle besides its manifest: a module
     (``model.mlir``, ``model.b<N>.mlir``), ``weights.safetensors`` or ``model.py``."""
-    return name in ("weights.safetensors", "model.py") or _MODULE_RE.match(name) is not None
+    return name in ("weights.safetensors", "model.py") or _MODULE_RE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
@@ -211,7 +211,7 @@ def _with_module_extents(
 def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[int, Path]:
     present: dict[int | None, Path] = {}
     for file in path.iterdir():
-        m = _MODULE_RE.match(file.name)
+        m = _MODULE_RE.fullmatch(file.name)
         if m:
             present[int(m.group(1)) if m.group(1) else None] = file
     declared = sig.compiled_batch_sizes

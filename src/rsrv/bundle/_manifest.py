@@ -256,6 +256,8 @@ def _resolve_tensor(spec: TensorSpec, where: str, client: bool, fail) -> Tensor:
             raise fail(f"{where}.dims.{ch}", f"size must be positive or -1 (variable), got {size}")
         shape.append(size)
     for key in spec.dims:
+        if len(key) != 1:
+            raise fail(f"{where}.dims.{key}", f"a key is one letter of shape {letters!r}")
         if key not in letters:
             raise fail(
                 f"{where}.dims.{key}", f"letter {key!r} does not appear in shape {letters!r}"

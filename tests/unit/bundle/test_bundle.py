@@ -251,6 +251,11 @@ def test_orphan_dims_key(tiny_bundle):
         f"{tiny_bundle}/manifest.yaml: executable_outputs[0].dims.c: letter 'c' does not appear "
         "in shape 'nk'"
     )
+    edit(tiny_bundle, lambda d: d["executable_outputs"][0].update(dims={"k": 2, "nk": 5}))
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/manifest.yaml: executable_outputs[0].dims.nk: a key is one letter of "
+        "shape 'nk'"
+    )
 
 
 @pytest.mark.parametrize("size", [0, -2])
@@ -309,6 +314,13 @@ def test_missing_module_for_declared_batch_size(tiny_bundle):
         f"{tiny_bundle}/model.b4.mlir: missing (declared by manifest.yaml "
         "batching.compiled_batch_sizes)"
     )
+
+
+def test_a_module_named_with_leading_zeros_is_not_a_module(tiny_bundle):
+    """(model.b01.mlir would stand for batch size 1 beside model.b1.mlir, one of them
+    dropped by directory order)"""
+    (tiny_bundle / "model.b1.mlir").rename(tiny_bundle / "model.b01.mlir")
+    assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.b1.mlir: missing")
 
 
 def test_undeclared_extra_module(tiny_bundle):
