@@ -191,6 +191,8 @@ def export_program(
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ExportError(f"weight names are not unique: {', '.join(dup)}")
+    if "__metadata__" in names:  # (safetensors' own key)
+        raise ExportError("a weight cannot be named '__metadata__' (safetensors' metadata)")
     weights = [_weight_array(name, w) for name, w in zip(names, program.weights, strict=True)]
     x64 = _x64_setting(x64, inputs, names, weights)
     sizes = compiled_sizes(inputs, batch_sizes)
@@ -338,6 +340,9 @@ def as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
+_PYTHON_NUMBERS = {bool: np.bool_, int: np.int32, float: np.float32}
+
+
 def _weight_array(name: str, leaf: Any) -> np.ndarray:
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -347,8 +352,10 @@ def _weight_array(name: str, leaf: Any) -> np.ndarray:
             "the randomness an input"
         )
     try:
-        array = np.asarray(leaf)
-    except (TypeError, ValueError) as e:
+        # A Python number takes jax's default dtype (jax would trace it weakly typed; a
+        # weight has a dtype): np.asarray would make a float float64, switching x64 on.
+        array = np.asarray(leaf, _PYTHON_NUMBERS.get(type(leaf)))
+    except (TypeError, ValueError, OverflowError) as e:
         raise ExportError(f"weight {name!r} is not an array: {type(leaf).__name__} ({e})") from None
     try:
         DType.from_numpy(array.dtype)

@@ -621,6 +621,31 @@ def test_export_bytes_do_not_depend_on_the_process_x64_setting(tmp_path, monkeyp
     assert (wide / "model.b2.mlir").read_bytes() != (fresh / "model.b2.mlir").read_bytes()
 
 
+def test_python_numbers_are_weights_of_jaxs_default_dtypes(tmp_path):
+    """As jax traces them (float32, int32), not as numpy reads them (a float64 weight
+    would switch x64 on and make the output float64, failing the parity gate)."""
+    out = export_jax(
+        lambda p, x: x * p["s"] + p["i"],
+        {"s": 2.0, "i": 3},
+        inputs=[Input("x", np.float32, ("n", 3))],
+        outputs=["y"],
+        batch_sizes=[2],
+        out_dir=tmp_path / "m",
+    )
+    assert manifest(out)["executable_outputs"][0]["dtype"] == "f32"
+    with safe_open(out / "weights.safetensors", "numpy") as f:
+        assert [f.get_tensor(k).dtype for k in ("i", "s")] == [np.int32, np.float32]
+    with pytest.raises(ExportError, match="cannot be named '__metadata__'"):
+        export_jax(
+            lambda p, x: x * p["__metadata__"],
+            {"__metadata__": np.float32(2.0)},
+            inputs=[Input("x", np.float32, ("n", 3))],
+            outputs=["y"],
+            batch_sizes=[2],
+            out_dir=tmp_path / "bad",
+        )
+
+
 def test_x64_follows_64_bit_inputs_and_weights(tmp_path):
     int64_sum = functools.partial(
         export_jax,
