@@ -2,14 +2,18 @@
 
 The files are written into a hidden staging directory next to ``out_dir``
 (``.{name}-XXXX``, which repository scans ignore), checked there, and only then put in
-place of ``out_dir``: a reader sees the old bundle or the new one, and a failure or an
+place of ``out_dir`` in one step (Linux; elsewhere ``out_dir`` is missing for a moment,
+see ``_swap_in``): a reader sees the old bundle or the new one, and a failure or an
 interrupt at any point leaves the old one as it was. ``out_dir`` is replaced as a whole,
 so a directory holding anything but a bundle's own files is refused, never deleted.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -108,10 +112,16 @@ def write_bundle(
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Put ``staging`` in place of ``out_dir``: the old directory is renamed aside first
-    and put back if the new one cannot be renamed in, then deleted."""
+    """Put ``staging`` in place of ``out_dir``: in one step where the system can swap
+    two directories (Linux's ``renameat2`` with ``RENAME_EXCHANGE``), then the old one,
+    now at ``staging``, is deleted. Elsewhere the old directory is renamed aside first,
+    put back if the new one cannot be renamed in, then deleted: for that moment
+    ``out_dir`` is missing."""
     if not out_dir.exists():
         staging.rename(out_dir)
+        return
+    if _exchange(staging, out_dir):
+        shutil.rmtree(staging, ignore_errors=True)
         return
     old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-old-"))
     out_dir.rename(old)  # (onto an empty directory: allowed)
@@ -122,3 +132,21 @@ def _swap_in(staging: Path, out_dir: Path) -> None:
             old.rename(out_dir)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap paths ``a`` and ``b`` atomically; False where the system or the file system
+    cannot (then nothing happened). Raises OSError for any other failure."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # (not Linux, or a C library without it)
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(b))

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from rsrv.bundle import UNBATCHED, TensorSpec, load_bundle
 from rsrv.bundle._stablehlo import read_module, read_signature
 from rsrv.dtypes import DType
-from rsrv.export import ExportError, Input, Output, export_jax
+from rsrv.export import ExportError, Input, Output, _writer, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
 
 MAGIC = b"ML\xefR"  # StableHLO portable artifact (MLIR bytecode)
@@ -144,6 +144,18 @@ def test_reexport_replaces_the_bundle_as_a_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # nothing staged is left
 
 
+def test_reexport_swaps_the_bundle_in_one_step(tmp_path, monkeypatch):
+    """A reader never finds the directory missing (a repository scan would unload the
+    model): the two directories are exchanged, never renamed one after the other."""
+    out = export(tmp_path / "m")
+    renamed = []
+    rename = Path.rename
+    monkeypatch.setattr(Path, "rename", lambda p, to: renamed.append(p) or rename(p, to))
+    export(tmp_path / "m", batch_sizes=[4])
+    assert renamed == [] and (out / "model.b4.mlir").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
@@ -178,10 +190,12 @@ def test_an_empty_directory_is_exported_into(tmp_path):
 
 
 def test_a_failed_swap_leaves_the_old_bundle(tmp_path, monkeypatch):
-    """An interrupt while the new bundle is renamed into place puts the old one back."""
+    """Where the two directories cannot be exchanged in one step: an interrupt while the
+    new bundle is renamed into place puts the old one back."""
     out = export(tmp_path / "m")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     rename = Path.rename
+    monkeypatch.setattr(_writer, "_exchange", lambda a, b: False)
 
     def interrupted(self, target):
         if self.name.startswith(".m-") and "-old-" not in self.name:
