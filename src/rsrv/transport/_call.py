@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import trio
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.transport._endpoint import INBOX_LIMIT
 from rsrv.transport._frames import CANCEL, STREAM_CLOSED, header_block
 from rsrv.transport._messages import Compressed, MessageError, MessageReader, frame
 
@@ -130,15 +131,28 @@ class ServerCall:
         now = self.conn.last_active = trio.current_time()
         reader = self._reader
         was_partial = reader.partial
-        messages = reader.feed(data)
+        messages = self._split(data)
+        if reader.partial and (messages or not was_partial):
+            self._since = now
+        self.conn.received(self, flow)
+
+    def _split(self, data: bytes = b"") -> int:
+        """Add the messages ``data`` completes to the inbox, up to one more than
+        INBOX_LIMIT (flow control then stops); the reader keeps the rest as bytes for
+        :meth:`_refill`. Returns how many were added."""
+        messages = self._reader.feed(data, max(INBOX_LIMIT + 1 - len(self._inbox), 0))
         if messages:
             self._messages_in += len(messages)
             self._reowe()
             self._inbox.extend(messages)
             self._wake()
-        if reader.partial and (messages or not was_partial):
-            self._since = now
-        self.conn.received(self, flow)
+        return len(messages)
+
+    def _refill(self) -> None:
+        """Split out what the reader held back while the inbox was full (called as a
+        message is taken, see Http2Endpoint.take_message)."""
+        if self._reader.partial:
+            self._split()
 
     def _on_end(self) -> None:
         self._ended = True

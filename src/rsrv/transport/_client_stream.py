@@ -166,6 +166,9 @@ class ClientStream:
         if not self.done:
             self._finish(StatusCode.INTERNAL, "the server ended the stream without trailers")
 
+    def _refill(self) -> None:
+        """(Nothing held back: answers are split out as they arrive.)"""
+
     def _on_reset(self, code: int) -> None:
         if self.done:
             return

@@ -8,8 +8,8 @@ and the client's :class:`~._client.ClientConnection`; each adds what its side al
 does (the server: requests, the client preface, idleness; the client: opening streams,
 GOAWAY, the pool's bookkeeping). A stream object (``ServerCall``, ``ClientStream``)
 has ``id``, ``send_window``, ``recv_window``, ``recv_unacked`` and ``_closed``, and
-its received messages (``_inbox``, ``_reader``, ``_deferred``: see :meth:`received` and
-:meth:`take_message`), and takes ``_on_data(data, flow)``, ``_on_end()``,
+its received messages (``_inbox``, ``_reader``, ``_deferred``, ``_refill()``: see
+:meth:`received` and :meth:`take_message`), and takes ``_on_data(data, flow)``, ``_on_end()``,
 ``_on_reset(code)`` and ``_window_opened()`` from the reader.
 
 Every limit here is enforced on what the peer sends: frame size (``FrameReader``),
@@ -441,6 +441,7 @@ class Http2Endpoint:
         control held back while its inbox was full is given back once it has room."""
         message = stream._inbox.popleft()
         stream._reader.consumed(message)
+        stream._refill()
         if stream._deferred and len(stream._inbox) < INBOX_LIMIT:
             self.acknowledge(stream, stream._deferred)
             stream._deferred = 0

@@ -117,14 +117,21 @@ class MessageReader:
     def partial(self) -> bool:
         return bool(self._buf) or self._length is not None or self._skip > 0
 
-    def feed(self, data: bytes) -> list[bytes | Compressed | MessageError]:
+    def feed(self, data: bytes, room: int | None = None) -> list[bytes | Compressed | MessageError]:
+        """The messages ``data`` completes; at most ``room`` (None: no limit), the others
+        kept as bytes until a later call (``feed(b"", room)``) takes them: a stream
+        whose inbox is full holds what its client sent as sent, not as one object per
+        message (tiny messages would take several times their size)."""
         out: list[bytes | Compressed | MessageError] = []
-        if self._skip:
+        if self._skip:  # (the rest of an oversized message: nothing is buffered)
             take = min(self._skip, len(data))
             self._skip -= take
             data = data[take:]
             if self._skip:
                 return out
+        if room == 0:
+            self._buf += data
+            return out
         if not self._buf and self._length is None and len(data) >= 5:
             # The common case: the payload starts at a message boundary.
             compressed, length = _HEADER.unpack_from(data)
@@ -133,7 +140,7 @@ class MessageReader:
                 return out
         self._buf += data
         buf = self._buf
-        while True:
+        while room is None or len(out) < room:
             if self._length is None:
                 if len(buf) < 5:
                     break

@@ -25,6 +25,7 @@ from rsrv.transport import TransportLimits
 from rsrv.transport import _frames as F
 from rsrv.transport._connection import ServerConnection
 from rsrv.transport._endpoint import (
+    INBOX_LIMIT,
     MAX_CONTINUATIONS,
     MAX_HEADER_BLOCK,
     MAX_SETTINGS,
@@ -220,6 +221,23 @@ async def test_a_request_starts_a_call_and_its_data_reaches_it():
     payload = struct.pack(">?I", False, 3) + b"abc"
     client.send(F.frame(F.DATA, F.END_STREAM, 1, payload))
     assert list(call._inbox) == [b"abc"] and call._ended
+
+
+async def test_messages_beyond_a_full_inbox_stay_bytes_until_taken():
+    """A stream whose handler does not read holds what its client sends as sent: tiny
+    messages split out at once took seven times their size (an object each)."""
+    client = Client()
+    client.start()
+    client.send(client.headers(1, flags=F.END_HEADERS))
+    (call,) = client.calls
+    message = struct.pack(">?I", False, 2)
+    sent = [b"%02d" % (i % 100) for i in range(1000)]
+    client.send(F.frame(F.DATA, 0, 1, b"".join(message + m for m in sent)))
+    assert list(call._inbox) == sent[: INBOX_LIMIT + 1]
+    client.send(F.frame(F.DATA, F.END_STREAM, 1, message + b"ok"))
+    got = [await call.receive() for _ in range(1001)]
+    assert got == [*sent, b"ok"]
+    assert await call.receive() is None and call._messages_in == 1001
 
 
 async def test_continuation_padding_and_priority():
