@@ -101,6 +101,9 @@ class Channel:
         self.connections: list[ClientConnection] = []
         self.opened = 0  # connections opened so far (a server restart makes a new one)
         self._spare: ClientConnection | None = None  # uncapped calls' when the pool is full
+        self._spare_opening: trio.Event | None = None  # set once the spare being opened is
+        # (one open at a time: concurrent uncapped calls opened one each, all but the last
+        # kept by nobody until the server's idle timeout)
         self._slots = trio.Semaphore(limits.max_concurrent_streams)
         self._opening = 0
         self._changed = trio.lowlevel.ParkingLot()
@@ -289,10 +292,19 @@ class Channel:
                 return await self._open()
             if not capped:
                 spare = self._spare
-                if spare is None or not spare.available:
-                    if spare is not None:
-                        spare.close()  # (GOAWAY: what it carries finishes)
+                if spare is not None and spare.available:
+                    return spare
+                if self._spare_opening is not None:  # (one open at a time: then look again)
+                    await self._spare_opening.wait()
+                    continue
+                if spare is not None:
+                    spare.close()  # (GOAWAY: what it carries finishes)
+                self._spare_opening = opened = trio.Event()
+                try:
                     spare = self._spare = await self._open(pooled=False)
+                finally:
+                    self._spare_opening = None
+                    opened.set()
                 return spare
             if best is not None and not self._opening:
                 return best  # every connection is busy and no more may be opened

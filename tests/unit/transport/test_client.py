@@ -5,6 +5,7 @@ responses, HTTP errors)."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import socket
@@ -196,6 +197,9 @@ async def test_an_uncapped_call_does_not_queue_behind_the_capped_ones():
             for _ in range(6):  # two of them wait for room
                 nursery.start_soon(ch.unary, HOLD, b"")
             await wait_for(lambda: echo.active == 4, "four calls on two full connections")
+            async with trio.open_nursery() as probes:  # at once: one opened, not one each
+                for _ in range(2):
+                    probes.start_soon(functools.partial(ch.unary, UNARY, b"probe", capped=False))
             for _ in range(3):  # one spare connection, apart from the pool, for them all
                 probe = await ch.unary(UNARY, b"probe", timeout=5, capped=False)
                 assert probe.response == b"probe"
