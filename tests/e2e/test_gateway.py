@@ -246,13 +246,33 @@ def test_what_the_gateway_merges_and_fans_out(tmp_path, cache_dir, processes):
     requests refresh discovery at most once per refresh_min_seconds; malformed control
     bodies are INVALID_ARGUMENT."""
     export_linear(tmp_path / "repo" / "lin", seed=11)
-    workers = start_workers(tmp_path, cache_dir, 2)
+    export_linear(tmp_path / "repo0" / "lin", seed=11)
+    export_linear(tmp_path / "repo0" / "bad", seed=13)
+    (tmp_path / "repo0" / "bad" / "weights.safetensors").write_bytes(b"garbage")
+    workers = start_workers(tmp_path, cache_dir, 2, repos=[tmp_path / "repo0", tmp_path / "repo"])
     processes.extend(workers)
     gateway = start_gateway(tmp_path, workers)
     processes.append(gateway)
     with connect(gateway) as client:
         for _ in range(4):
             client.infer("lin", [x_input(X)])
+        # a model no worker serves, which w0 failed to load: w0's answer, whatever the
+        # rotation (the other worker's NOT_FOUND came back every other call)
+        for _ in range(4):
+            with raises_status("UNAVAILABLE", "weights.safetensors"):
+                client.infer("bad", [x_input(X)])
+            with raises_status("UNAVAILABLE", "weights.safetensors"):
+                client.get_model_metadata("bad")
+
+        def failovers() -> float:
+            scrape = Scrape(gateway.metrics_port)
+            return sum(s.value for s in scrape.samples("rsrv_gateway_failovers", "_total"))
+
+        before = failovers()
+        for _ in range(3):  # one worker's answer: no failover across the fleet
+            with raises_status("NOT_FOUND", "unknown model: 'nope'"):
+                client.get_model_config("nope")
+        assert failovers() == before
         executions: dict[int, int] = {}
         for worker in workers:
             with connect(worker) as direct:

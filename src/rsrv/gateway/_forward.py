@@ -206,15 +206,18 @@ class Forwarder:
             finally:
                 ticket.release()
         # No ready worker is known to serve it, even after a refresh. Served by workers
-        # that are down: UNAVAILABLE, worth retrying. Else one worker's answer (its
-        # NOT_FOUND, with the text a client of that worker would get) is the answer.
-        asked = self.any_ready()[0]  # (UNAVAILABLE "no worker is ready" when none is)
+        # that are down: UNAVAILABLE, worth retrying. Else the answer of a worker that
+        # has it in another state (loading, failed: UNAVAILABLE, as that worker would
+        # say), or of any worker (its NOT_FOUND, with the text a client of that worker
+        # would get).
+        if not self.fleet.ready:
+            raise self._none_ready()
         down = [w.name for w in self.fleet.workers if not w.ready and head.model in w.serving]
         if down:
             raise self._none_ready(
                 f"model {head.model!r} is served by no ready worker (not ready: {', '.join(down)})"
             )
-        return await self.try_in_order(path, body, metadata, deadline, [asked.name])
+        return await self.try_in_order(path, body, metadata, deadline, self.askable(head.model))
 
     async def to_model(
         self,
@@ -228,10 +231,16 @@ class Forwarder:
         """A call about ``model`` (ModelReady, ModelMetadata, ModelConfig) to a worker
         serving it (first one that has ``version``, or without one the newest version,
         READY: :meth:`of_version`), failing over like ModelInfer."""
-        names = list(await self.replicas(model)) or [w.name for w in self.any_ready()]
+        names = list(await self.replicas(model)) or self.askable(model)
         having = self.of_version(model, version)
         names = [*having, *(n for n in names if n not in having)]
         return await self.try_in_order(path, body, metadata, deadline, names)
+
+    def askable(self, model: str) -> list[str]:
+        """Who answers for ``model`` where no ready worker serves it: the ready workers
+        that have it in another state (loading, failed), else one ready worker
+        (UNAVAILABLE "no worker is ready" when none is)."""
+        return [w.name for w in self.fleet.holders(model) or self.any_ready()[:1]]
 
     def of_version(self, model: str, version: str) -> tuple[str, ...]:
         """The ready workers that answer for ``version`` of ``model`` as one server
@@ -260,6 +269,7 @@ class Forwarder:
         headers = forwarded_headers(metadata)
         last: CallResult | None = None
         last_worker: WorkerLink | None = None
+        answer: CallResult | None = None  # the failure to answer with: see below
         reached = False  # some worker may have processed it
         by_name = self.fleet.by_name
         for name in order:
@@ -287,14 +297,16 @@ class Forwarder:
                 raise Relayed(result.status, result.message)
             if result.status == StatusCode.NOT_FOUND:
                 self.discovery.stale()  # its index may be stale
+            if answer is None or result.status != StatusCode.NOT_FOUND:
+                answer = result  # (a worker's UNAVAILABLE says more than another's NOT_FOUND)
             last, last_worker = result, worker
             # (a worker's own pushback: it refused the call before processing it)
             reached |= result.reached_server and pushback_of(result.trailers) is None
-        if last is None:  # every one found down (or gone) since routing: none was called
+        if answer is None:  # every one found down (or gone) since routing: none was called
             raise self._none_ready(f"no worker is ready ({', '.join(order)} went down)")
         if not reached:
-            raise self._none_ready(last.message)
-        raise Relayed(last.status, last.message)
+            raise self._none_ready(answer.message)
+        raise Relayed(answer.status, answer.message)
 
     # -- every ready worker ---------------------------------------------------------------
 
