@@ -224,6 +224,8 @@ class GatewayControl:
                     f"unknown field {name!r}; fields: {', '.join(sorted(_POLICY_FIELDS))}"
                 )
             value = getattr(request.policy, name)
+            if isinstance(value, float) and not math.isfinite(value):  # (as in a file)
+                raise InvalidArgument(f"{name} must be a finite number, not {value}")
             if name == "default_replicas":
                 if value == -1:
                     value = "all"

@@ -38,7 +38,7 @@ def policy_factor(factor: float) -> pb.SetSchedulingPolicyRequest:
 @pytest.mark.parametrize("factor", [1e308, MAX_FILL_FACTOR * 1.01, float("inf")])
 async def test_a_fill_factor_past_the_bound_is_refused_whole(control, factor):
     before = control.scheduling.config
-    with pytest.raises(InvalidArgument, match="1000"):
+    with pytest.raises(InvalidArgument, match="1000|must be a finite number, not inf"):
         await control.set_policy(policy_factor(factor), None)
     with pytest.raises(InvalidArgument, match="fill_factor must be > 0 and <= 1000"):
         await control.set_placement(pb.SetModelPlacementRequest(name="m", fill_factor=factor), None)
@@ -46,6 +46,17 @@ async def test_a_fill_factor_past_the_bound_is_refused_whole(control, factor):
     routes(control)
     status = await control.status(pb.GetSchedulingStatusRequest(), None)
     assert [m.fill_quantum for m in status.models] == [8]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+async def test_a_number_that_is_not_finite_is_refused_as_in_a_file(control, value):
+    request = pb.SetSchedulingPolicyRequest(
+        update_mask=["rebalance_compute_seconds"],
+        policy=pb.SchedulingPolicy(rebalance_compute_seconds=value),
+    )
+    with pytest.raises(InvalidArgument, match="rebalance_compute_seconds must be a finite"):
+        await control.set_policy(request, None)
+    assert control.generation == 0
 
 
 async def test_the_largest_fill_factor_routes(control):
