@@ -380,7 +380,14 @@ async def test_retry_until_a_late_server_starts(tmp_path, cache_dir):
 
                 async def stream():  # its opening is retried too
                     async with client.stream(timeout=60) as stream:
-                        await stream.infer("simple", SIMPLE_INPUTS)
+                        while True:  # (the server listens while its models load)
+                            try:
+                                await stream.infer("simple", SIMPLE_INPUTS)
+                                break
+                            except InferenceServerError as e:
+                                if "is loading" not in e.message:
+                                    raise
+                                await trio.sleep(0.05)
                     ready.append("streamed")
 
                 nursery.start_soon(ask)

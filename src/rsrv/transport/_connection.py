@@ -68,6 +68,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rsrv.transport")
+#: Seconds a connection reads on after the server's GOAWAY (see ServerConnection._linger).
+GOAWAY_LINGER = 1.0
 
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 #: Request headers the transport keeps to itself: never a call's metadata.
@@ -138,10 +140,13 @@ class ServerConnection(Http2Endpoint):
                     if again is None:
                         break
                     self._read_scope = trio.CancelScope(deadline=again)
-                if self._read_scope.cancelled_caught and not self._goaway_sent:
-                    why = "an idle" if self._settled else "a silent (no HTTP/2 preface)"
-                    log.debug("closing %s connection from %s", why, self.peer)
-                    self._send_goaway(F.NO_ERROR)
+                if self._read_scope.cancelled_caught:
+                    if not self._goaway_sent:
+                        why = "an idle" if self._settled else "a silent (no HTTP/2 preface)"
+                        log.debug("closing %s connection from %s", why, self.peer)
+                        self._send_goaway(F.NO_ERROR)
+                    if self._settled:
+                        await self._linger()
                 # Let the writer flush what is queued (a GOAWAY, the last trailers).
                 await self._drain_writer()
                 nursery.cancel_scope.cancel()
@@ -160,13 +165,24 @@ class ServerConnection(Http2Endpoint):
         return None if self.owed else self.last_active
 
     def goaway(self) -> None:
-        """Close the connection cleanly: GOAWAY, flushed, then close. At shutdown it
-        is called once the calls on it have been answered; to make room at the
-        connection cap, on one whose calls all wait on their client. Calls still
-        running are cancelled when the connection closes.
+        """Close the connection cleanly: GOAWAY, flushed, then close (after
+        :meth:`_linger`). At shutdown it is called once the calls on it have been
+        answered; to make room at the connection cap, on one whose calls all wait on
+        their client. Calls still running are cancelled when the connection closes.
         """
-        self._send_goaway(F.NO_ERROR)
+        if not self._goaway_sent:
+            self._send_goaway(F.NO_ERROR)
         self._read_scope.cancel()
+
+    async def _linger(self) -> None:
+        """After the server's GOAWAY, read on until the client closes, for at most
+        GOAWAY_LINGER seconds: a request that crossed the GOAWAY is refused
+        (REFUSED_STREAM: never started, its client sends it again), where closing with
+        its frames unread would reset the connection (a TCP RST, which can reach the
+        client before the GOAWAY does and fail the request as if it may have run)."""
+        self._read_scope = trio.CancelScope(deadline=trio.current_time() + GOAWAY_LINGER)
+        with self._read_scope:
+            await self._reader()
 
     # -- reading ------------------------------------------------------------------------
 

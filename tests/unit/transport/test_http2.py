@@ -303,6 +303,26 @@ async def test_a_stream_opened_after_goaway_is_refused_never_started():
     assert len(client.calls) == 1
 
 
+async def test_a_request_that_crosses_an_idle_goaway_is_refused_not_reset():
+    """The server reads on after its GOAWAY: a request sent before the client saw it is
+    refused (REFUSED_STREAM: never started, to be sent again), not lost in a reset of the
+    connection (closing with its frames unread sends a TCP RST)."""
+    client = Client()
+    async with echo_server(limits=TransportLimits(idle_timeout=0.2)) as echo:
+        stream = await trio.open_tcp_stream("127.0.0.1", echo.port)
+        await stream.send_all(F.PREFACE + F.settings({}))
+        reader, frames = F.FrameReader(F.MAX_WINDOW), []
+        while goaway(frames) is None:
+            frames += reader.feed(await stream.receive_some())
+        await stream.send_all(client.headers(1))
+        while rst(frames, 1) is None:
+            data = await stream.receive_some()
+            assert data, "the connection closed"
+            frames += reader.feed(data)
+        assert rst(frames, 1) == F.REFUSED_STREAM
+        await stream.aclose()
+
+
 async def test_malformed_requests_end_their_stream_only():
     client = Client()
     client.start()
