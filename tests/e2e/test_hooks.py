@@ -9,9 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
-from support.bundles import X, x_input
-from support.clients import connect
+from support.bundles import X, make_repo, x_input
+from support.clients import connect, infer_input
 from support.serving import hook_globals, running, worker_config
 from support.waiting import wait_until
 from tritonclient.utils import InferenceServerException
@@ -90,6 +91,25 @@ def test_a_preprocess_that_makes_no_rows_is_internal(repo, cache_dir):
         assert (
             message == "model 'pre': preprocess produced 'x' with no rows (batch axis of extent 0)"
         )
+
+
+def test_a_preprocess_whose_inputs_disagree_on_rows_is_internal(tmp_path, cache_dir):
+    """One input made with 3 rows beside another passed through with 1: the hook's error,
+    not the client's (INVALID_ARGUMENT "disagree on the batch size" before)."""
+    repo = make_repo(tmp_path / "repo", "simple")
+    (repo / "simple" / "model.py").write_text(
+        "import numpy as np\nimport rsrv\n\n\n"
+        '@rsrv.preprocess(inputs=["INPUT0"], outputs=["INPUT0"])\n'
+        "def pre(a):\n    return np.repeat(a, 3, axis=0)\n"
+    )
+    a = np.ones((1, 16), np.int32)
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("simple", [infer_input("INPUT0", a), infer_input("INPUT1", a)])
+    assert (info.value.status(), info.value.message()) == (
+        "StatusCode.INTERNAL",
+        "model 'simple': preprocess made executable inputs of [1, 3] rows; they must agree",
+    )
 
 
 def test_slow_hooks_of_one_model_leave_another_models_hooks_their_threads(repo, cache_dir):

@@ -42,6 +42,7 @@ from support.clients import (
 from support.references import example_weights, patch_classifier_reference, scorer_reference
 from support.serving import hook_globals, running, worker_config
 from support.waiting import wait_until
+from tritonclient.utils import InferenceServerException
 
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as cpb
 from rsrv.worker._metrics import exposition
@@ -699,6 +700,82 @@ def test_a_meta_unloaded_while_in_its_glue_answers_and_leaves_no_counts(
         )
         assert "relay" not in worker.pipeline.statistics
         assert "relay" not in worker.pipeline.meta.stats
+        client.close()
+
+
+# strout: tiny, its y made a BYTES label by a postprocess that returns str (or, told so,
+# an element that is neither bytes nor str); chain: calls strout, keeps what it got, then
+# calls tiny, or fails after its calls when told so.
+STROUT_PY = """\
+import numpy as np
+
+import rsrv
+
+mode = {"v": "str"}
+
+
+@rsrv.postprocess(inputs=["y"], outputs=["label"])
+def label(y):
+    if mode["v"] == "none":
+        return np.array([None] * y.shape[0], object)
+    return np.array(["1,2"] * y.shape[0])
+"""
+CHAIN_PY = """\
+import rsrv
+
+seen = []
+mode = {"v": "ok"}
+
+
+@rsrv.meta(inputs=["x"], outputs=["y"])
+def chain(call, x):
+    seen.append(call("strout", {"x": x})["label"])
+    y = call("tiny", {"x": x})["y"]
+    if mode["v"] == "fail":
+        raise ValueError("glue bug")
+    return y
+"""
+
+
+def test_a_bytes_output_of_a_hook_is_what_clients_and_metas_get_and_a_failed_meta_no_compute(
+    tmp_path, tiny_template, cache_dir
+):
+    """A hook's str reach a client encoded, and a meta's call() as the same bytes (it
+    got str); an element neither bytes nor str is the hook's error (it was sent as
+    b'None'); a meta that fails after its calls counts no compute (it counted theirs)."""
+    repo = tmp_path / "repo"
+    add_tiny(repo, tiny_template, "tiny")
+    strout = add_tiny(repo, tiny_template, "strout")
+    manifest = msgspec.yaml.decode((strout / "manifest.yaml").read_bytes())
+    manifest["client_outputs"] = [{"name": "label", "dtype": "bytes", "shape": "n"}]
+    (strout / "manifest.yaml").write_bytes(msgspec.yaml.encode(manifest))
+    (strout / "model.py").write_text(STROUT_PY)
+    write_meta(repo, "chain", ["strout", "tiny"], CHAIN_PY)
+    with running(worker_config(repo, cache_dir)) as worker:
+        client = connect(worker)
+        assert infer(client, "strout", {"x": rows(1, 2)})["label"].tolist() == [b"1,2"] * 2
+        infer(client, "chain", {"x": rows(1, 2)})
+        (label,) = hook_globals(worker, "chain")["seen"]
+        assert label.dtype == object and label.tolist() == [b"1,2"] * 2
+
+        hook_globals(worker, "chain")["mode"]["v"] = "fail"
+        before = model_statuses(worker)["chain"]
+        with pytest.raises(InferenceServerException, match="glue bug"):
+            infer(client, "chain", {"x": rows(1)})
+        after = model_statuses(worker)["chain"]
+        assert (after.requests_served, after.compute_seconds) == (
+            before.requests_served,
+            before.compute_seconds,
+        )
+
+        hook_globals(worker, "strout")["mode"]["v"] = "none"
+        with pytest.raises(InferenceServerException) as info:
+            infer(client, "strout", {"x": rows(1)})
+        assert info.value.status() == "StatusCode.INTERNAL"
+        assert info.value.message() == (
+            "model 'strout': postprocess produced 'label' with element 0 a NoneType; BYTES "
+            "elements are bytes or str"
+        )
         client.close()
 
 

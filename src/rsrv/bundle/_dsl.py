@@ -20,6 +20,7 @@ its first argument to run declared sub-models.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -81,6 +82,11 @@ def _declare(kind: HookKind, inputs: Sequence[str], outputs: Sequence[str]):
     def decorate(fn: Callable[..., Any]) -> Hook:
         if not callable(fn):
             raise TypeError(f"@rsrv.{kind} decorates a function")
+        if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"@rsrv.{kind} decorates a plain function, not async def {fn.__name__!r} "
+                "(hooks run in a worker thread; a meta's call() blocks there)"
+            )
         return Hook(kind, fn, tuple(inputs), tuple(outputs))
 
     return decorate

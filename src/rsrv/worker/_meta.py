@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class MetaStats:
     requests: int = 0  # answered with outputs (counted by Pipeline.infer, once checked)
-    compute_seconds: float = 0.0  # device time of those sub-calls
+    compute_seconds: float = 0.0  # device time of those sub-calls (Pipeline.infer too)
 
 
 class MetaRunner:
@@ -49,7 +49,7 @@ class MetaRunner:
         """Run one meta request; returns its outputs and its sub-calls' device seconds."""
         hook = served.bundle.hooks.meta
         declared = served.bundle.signature.calls
-        stats = self.stats.get(served.name) or self.stats.setdefault(served.name, MetaStats())
+        self.stats.setdefault(served.name, MetaStats())
         token = trio.lowlevel.current_trio_token()
         hook_thread: list[int] = []  # ident of the thread running the hook
         compute = []  # sub-call device seconds, appended from the hook's thread via trio
@@ -96,5 +96,4 @@ class MetaRunner:
             outputs = await trio.to_thread.run_sync(run_hook, limiter=self._threads)
         finally:
             self.limiter.release()
-            stats.compute_seconds += sum(compute)
         return outputs, sum(compute)

@@ -129,6 +129,7 @@ class Pipeline:
                 stats.compute_infer.add(seconds)
             if (stats := self.meta.stats.get(name)) is not None:  # (None: unloaded since)
                 stats.requests += 1
+                stats.compute_seconds += seconds
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return (await self._run_model(served, inputs, deadline, front=False, held=held))[0]
 
@@ -171,6 +172,7 @@ class Pipeline:
             )
             exec_inputs.update(made)
             _check_made(served, served.bundle.signature.executable_inputs, made, "preprocess")
+            _check_rows_agree(served, exec_inputs)
         for stats in both:
             stats.compute_input.add(trio.current_time() - start)
 
@@ -233,14 +235,15 @@ def _check_made(
 ) -> None:
     """A hook's outputs must match the manifest exactly (dtype, rank, fixed extents); a
     BYTES one may come as numpy bytes or str (``S``, ``U``: what ``np.asarray`` makes
-    of a list of them), and is made an object array here."""
+    of a list of them) or an object array of bytes or str, and is made here what a
+    client gets: an object array of bytes."""
     for spec in specs:
         array = made.get(spec.name)
         if array is None:
             continue
-        if spec.dtype is DType.BYTES and array.dtype.kind in "SU":
-            array = made[spec.name] = array.astype(object)
         where = f"model {served.name!r}: {hook} produced {spec.name!r}"
+        if spec.dtype is DType.BYTES:
+            array = made[spec.name] = _bytes_objects(array, where)
         if array.dtype != spec.dtype.numpy:
             raise Internal(f"{where} with dtype {array.dtype}, expected {spec.dtype.value}")
         if not spec.accepts(array.shape):
@@ -252,3 +255,46 @@ def _check_made(
             and not array.shape[spec.batch_axis]
         ):
             raise Internal(f"{where} with no rows (batch axis of extent 0)")
+
+
+def _check_rows_agree(served: ServedModel, exec_inputs: Mapping[str, np.ndarray]) -> None:
+    """The executable inputs a preprocess made (and those it passed through) agree on
+    their rows: else the hook's error (Internal), not the client's."""
+    rows = {
+        exec_inputs[t.name].shape[t.batch_axis]
+        for t in served.bundle.signature.executable_inputs
+        if t.batch_axis is not None
+    }
+    if len(rows) > 1:
+        raise Internal(
+            f"model {served.name!r}: preprocess made executable inputs of {sorted(rows)} "
+            "rows; they must agree"
+        )
+
+
+def _bytes_objects(array: np.ndarray, where: str) -> np.ndarray:
+    """A BYTES tensor as a client receives it: an object array of ``bytes`` (``str``
+    encoded as UTF-8). Internal for an element that is neither; other dtypes are
+    returned as they are (the dtype check names them)."""
+    if array.dtype.kind == "U":
+        return np.char.encode(array, "utf-8").astype(object)
+    if array.dtype.kind == "S":
+        return array.astype(object)
+    if array.dtype != object:
+        return array
+    flat = array.reshape(-1)
+    if all(type(v) is bytes for v in flat):
+        return array
+    out = np.empty(array.shape, object)
+    for i, value in enumerate(flat):
+        if isinstance(value, str):
+            value = value.encode()
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            value = bytes(value)
+        else:
+            raise Internal(
+                f"{where} with element {i} a {type(value).__name__}; BYTES elements are "
+                "bytes or str"
+            )
+        out.reshape(-1)[i] = value
+    return out

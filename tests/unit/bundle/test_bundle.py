@@ -591,6 +591,20 @@ def test_model_py_syntax_error(tiny_bundle):
     assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.py: failed to import: SyntaxError: ")
 
 
+def test_an_async_hook_is_refused_at_import(tiny_bundle):
+    """(it returned an unawaited coroutine: a client got its repr as a BYTES answer)"""
+    (tiny_bundle / "model.py").write_text(
+        "import rsrv\n\n\n"
+        '@rsrv.postprocess(inputs=["y"], outputs=["y"])\n'
+        "async def post(y):\n    return y\n"
+    )
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.py: failed to import: TypeError: @rsrv.postprocess decorates a "
+        "plain function, not async def 'post' (hooks run in a worker thread; a meta's call() "
+        "blocks there)"
+    )
+
+
 def test_hook_naming_unknown_tensor(tiny_bundle):
     edit(
         tiny_bundle,
