@@ -79,7 +79,7 @@ class WeightCache:
         Models in ``protected`` (about to be used) are skipped like leased ones.
 
         Returns the evicted names. A model larger than the whole budget gets the room
-        that can be made (everything evictable) and is loaded anyway, with a warning.
+        that can be made (everything evictable); :meth:`admit` says so.
         """
         evicted = []
         if self.budget is None:
@@ -92,6 +92,11 @@ class WeightCache:
                 resident -= self.lru[name].nbytes
                 self.evict(name)
                 evicted.append(name)
+        return evicted
+
+    def _warn_if_over(self, nbytes: int) -> None:
+        """What :meth:`admit` of ``nbytes`` past the budget says (and counts)."""
+        assert self.budget is not None
         if nbytes > self.budget:
             self.counters.oversized_loads += 1
             log.warning(
@@ -108,7 +113,6 @@ class WeightCache:
                 self.budget,
                 self.resident_bytes,
             )
-        return evicted
 
     def trim(self, protected: frozenset[str] = frozenset()) -> list[str]:
         """Evict least recently used, unleased, unprotected models until the resident
@@ -135,11 +139,14 @@ class WeightCache:
         *,
         pinned: bool = False,
     ) -> Resident:
-        """Record freshly transferred weights (call :meth:`make_room` first)."""
+        """Record freshly transferred weights (call :meth:`make_room` first). Past the
+        budget (an oversized model, or models in use holding the room) it is admitted
+        all the same, with a warning; an oversized one is counted."""
         resident = Resident(arrays, nbytes)
         if pinned or self.budget is None:
             self.pinned[name] = resident
         else:
+            self._warn_if_over(nbytes)
             self.lru[name] = resident
         c = self.counters
         c.loads += 1

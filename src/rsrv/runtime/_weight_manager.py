@@ -27,8 +27,8 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import jax
@@ -65,18 +65,26 @@ class Placement:
         the bundle is replaced on disk (a rename; in-place overwrites are not safe).
         Raises FileReplaced when the file at the path is no longer the one it loaded."""
         if self.fd is None and self.file is not None:
-            fd = os.open(self.file.path, os.O_RDONLY)
-            if self.identity is not None and _identity(os.fstat(fd)) != self.identity:
-                os.close(fd)
-                raise FileReplaced(f"{self.file.path} was replaced since it loaded")
-            self.fd = fd
+            self.fd = self._open_checked()
+
+    def _open_checked(self) -> int:
+        assert self.file is not None
+        fd = os.open(self.file.path, os.O_RDONLY)
+        if self.identity is not None and _identity(os.fstat(fd)) != self.identity:
+            os.close(fd)
+            raise FileReplaced(f"{self.file.path} was replaced since it loaded")
+        return fd
 
     def reader(self) -> int | None:
-        """A descriptor of its own on the open file (None: not open), for one read in a
-        worker thread, closed by whoever took it: a residency change closing the
-        placement's file meanwhile cannot pull it from under the read (EBADF, or worse,
-        another file opened on the number since)."""
-        return None if self.fd is None else os.dup(self.fd)
+        """A descriptor of its own for one read in a worker thread, closed by whoever
+        took it: a duplicate of the open file (a residency change closing the
+        placement's file meanwhile cannot pull it from under the read: EBADF, or worse,
+        another file opened on the number since); with none open, the file at the path,
+        opened now and checked as :meth:`open` does (FileReplaced). None without a
+        weights file."""
+        if self.fd is not None:
+            return os.dup(self.fd)
+        return None if self.file is None else self._open_checked()
 
     def close(self) -> None:
         if self.fd is not None:
@@ -135,6 +143,7 @@ class WeightManager:
         # demands (leases, loads) waiting per key: those keys are about to be used, so
         # they are never evicted, and a transfer of one is never skipped
         self._waiting: defaultdict[str, int] = defaultdict(int)
+        self._expected: defaultdict[str, int] = defaultdict(int)  # see expected()
 
     # -- registration (model load / unload, off the dispatch loop) --------------------
 
@@ -149,7 +158,7 @@ class WeightManager:
         if file is not None:
             placement.identity = _identity(await trio.to_thread.run_sync(os.stat, file.path))
         if file is not None and residency == "system":
-            placement.host = await trio.to_thread.run_sync(self._stage_floor, file)
+            placement.host = await self._staged_floor(placement)
         elif residency == "unpinned":
             placement.open()
         self.placements[key] = placement
@@ -199,8 +208,7 @@ class WeightManager:
     async def _ensure(self, key: str) -> Resident:
         """``key``'s device weights, transferred first if needed. A demand: while it
         waits, ``key`` is protected from eviction and its transfer is never skipped."""
-        self._waiting[key] += 1
-        try:
+        with _counted(self._waiting, key):
             while True:
                 resident = self.cache.get(key)
                 if resident is not None:
@@ -211,10 +219,19 @@ class WeightManager:
                 await transfer.done.wait()
                 if transfer.error is not None:
                     raise transfer.error
-        finally:
-            self._waiting[key] -= 1
-            if not self._waiting[key]:
-                del self._waiting[key]
+
+    def expected(self, key: str) -> AbstractContextManager[None]:
+        """``key`` will run once the device is free (a batch of it waits for the device
+        lock): while the block runs, a prefetch does not evict it (a demand still may:
+        a run waiting for the device holds no room, §3). Nothing is transferred."""
+        return _counted(self._expected, key)
+
+    def _protected_from(self, key: str) -> frozenset[str]:
+        """What a transfer of ``key`` may not evict: the demanded models; for a
+        prefetch, also those whose runs wait for the device."""
+        if key in self._waiting or not self._expected:
+            return frozenset(self._waiting)
+        return frozenset(self._waiting).union(self._expected)
 
     def _request(self, key: str) -> _Transfer:
         """The pending transfer of ``key``, queued for the transfer task if new."""
@@ -245,8 +262,8 @@ class WeightManager:
         pinned = placement.residency == "device"
         nbytes = self.nbytes(key)
         if not pinned and self.cache.enabled:
-            protected = frozenset(self._waiting)  # about to be used: never evict them
-            if key not in protected and not self.cache.fits(nbytes, protected):
+            protected = self._protected_from(key)  # about to be used: never evict them
+            if key not in self._waiting and not self.cache.fits(nbytes, protected):
                 log.debug(
                     "prefetch of %s skipped: %d bytes do not fit beside the models in use",
                     key,
@@ -269,10 +286,18 @@ class WeightManager:
         if self.placements.get(key) is not placement:  # removed while it was copied
             free(arrays)
             return
-        if pinned and placement.residency != "device" and self.cache.enabled:
-            self.cache.make_room(nbytes, frozenset(self._waiting))  # unpinned meanwhile
-        # (a SetModelResidency while it was copied: admitted as the version is now)
-        self.cache.admit(key, arrays, nbytes, seconds, pinned=placement.residency == "device")
+        # Admitted as the version is now (a SetModelResidency while it was copied), and
+        # within the budget as it is now: models unpinned or a budget shrunk meanwhile
+        # (note_scratch) take room again, and a prefetch that no longer fits is dropped.
+        pinned = placement.residency == "device"
+        if not pinned and self.cache.enabled:
+            protected = self._protected_from(key)
+            if key not in self._waiting and not self.cache.fits(nbytes, protected):
+                log.debug("prefetch of %s dropped: the room it had is taken", key)
+                free(arrays)
+                return
+            self.cache.make_room(nbytes, protected)
+        self.cache.admit(key, arrays, nbytes, seconds, pinned=pinned)
         log.debug("weights of %s on device: %d bytes in %.4f s", key, nbytes, seconds)
 
     def _copy(
@@ -284,10 +309,20 @@ class WeightManager:
             return []
         return to_device(host or stage(file, fd), self.device)
 
-    def _stage_floor(self, file: WeightsFile, fd: int | None = None) -> HostWeights:
-        """A ``system`` model's host floor: staged (through ``fd``, the version's own
-        open file, when it has one), and placed where the route says."""
-        return place(stage(file, fd), self.staging, self.device)
+    async def _staged_floor(self, placement: Placement) -> HostWeights:
+        """A ``system`` floor for ``placement`` (which has a weights file): staged in a
+        worker thread through a descriptor of its own (:meth:`Placement.reader`: the
+        file it loaded, FileReplaced if the path holds another now), and placed where
+        the route says."""
+        assert placement.file is not None
+        fd = placement.reader()
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: place(stage(placement.file, fd), self.staging, self.device)
+            )
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     # -- control (CompactMemory, SetModelResidency) ---------------------------------------
 
@@ -377,14 +412,7 @@ class WeightManager:
         previous = placement.residency
         try:
             if residency == "system" and placement.host is None and placement.file is not None:
-                fd = placement.reader()  # (a concurrent change may close the placement's)
-                try:
-                    placement.host = await trio.to_thread.run_sync(
-                        self._stage_floor, placement.file, fd
-                    )
-                finally:
-                    if fd is not None:
-                        os.close(fd)
+                placement.host = await self._staged_floor(placement)
             elif residency == "unpinned":
                 placement.open()
             elif residency == "device":
@@ -435,3 +463,15 @@ def weight_budget(runtime, limit: int | None, max_scratch: int = 0) -> int | Non
         (1 - runtime.weight_cache_wiggle_fraction) * limit - max_scratch,
     )
     return max(0, int(pool))
+
+
+@contextmanager
+def _counted(counts: defaultdict[str, int], key: str) -> Iterator[None]:
+    """``key`` counted once more in ``counts`` while the block runs."""
+    counts[key] += 1
+    try:
+        yield
+    finally:
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]

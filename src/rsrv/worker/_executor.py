@@ -77,18 +77,21 @@ class DeviceExecutor:
         return costs
 
     async def _run(self, served: ServedModel, size: int, inputs: list[np.ndarray]):
-        async with self._device:
-            async with self.weights.lease(served.key) as weights:
-                key = (served.key, size)
-                last = self._seconds.get(key)
-                if last is not None and last < self.inline_below:
-                    outputs, self._seconds[key] = _timed(served, size, inputs, weights)
-                else:
-                    outputs, self._seconds[key] = await trio.to_thread.run_sync(
-                        _timed, served, size, inputs, weights, limiter=self._limiter
-                    )
-            self.weights.after_execution()
-            return outputs
+        key = served.key
+        # (expected while it waits for the device: a prefetch meanwhile must not evict it)
+        with self.weights.expected(key):
+            async with self._device:
+                async with self.weights.lease(key) as weights:
+                    last = self._seconds.get((key, size))
+                    if last is not None and last < self.inline_below:
+                        outputs, seconds = _timed(served, size, inputs, weights)
+                    else:
+                        outputs, seconds = await trio.to_thread.run_sync(
+                            _timed, served, size, inputs, weights, limiter=self._limiter
+                        )
+                    self._seconds[(key, size)] = seconds
+                self.weights.after_execution()
+        return outputs
 
 
 def _timed(served: ServedModel, size: int, inputs, weights) -> tuple[list[np.ndarray], float]:

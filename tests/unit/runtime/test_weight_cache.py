@@ -113,13 +113,14 @@ def test_pinned_is_never_evicted_nor_counted_in_the_budget():
 def test_oversized_model_evicts_everything_evictable_and_loads_with_a_warning(caplog):
     cache, held = cache_with(3 * W, "a", "b", "c")
     cache.lru["b"].leases = 1
-    with caplog.at_level(logging.WARNING, logger="rsrv.runtime._weight_cache"):
-        evicted = cache.make_room(4 * W)
+    evicted = cache.make_room(4 * W)
     assert evicted == ["a", "c"]  # everything evictable; the leased one stays
+    assert cache.counters.oversized_loads == 0  # (its copy may yet fail)
+    big = arrays(4 * W)
+    with caplog.at_level(logging.WARNING, logger="rsrv.runtime._weight_cache"):
+        cache.admit("big", big, 4 * W, 0.001)  # loaded anyway: the one case over the budget
     assert "exceed the whole weight cache budget" in caplog.text
     assert cache.counters.oversized_loads == 1
-    big = arrays(4 * W)
-    cache.admit("big", big, 4 * W, 0.001)  # loaded anyway: the one case over the budget
     assert cache.resident_bytes == 5 * W
     cache.lru["b"].leases = 0
     assert cache.make_room(W) == ["b", "big"]  # and it is evicted like any other
@@ -129,8 +130,9 @@ def test_oversized_model_evicts_everything_evictable_and_loads_with_a_warning(ca
 def test_over_budget_because_of_models_in_use_is_logged(caplog):
     cache, _ = cache_with(2 * W, "a", "b")
     assert not cache.fits(W, protected=frozenset({"a", "b"}))
+    assert cache.make_room(W, protected=frozenset({"a", "b"})) == []
     with caplog.at_level(logging.WARNING, logger="rsrv.runtime._weight_cache"):
-        assert cache.make_room(W, protected=frozenset({"a", "b"})) == []
+        cache.admit("c", arrays(W), W, 0.001)
     assert "held by models in use" in caplog.text
     assert cache.counters.oversized_loads == 0
 
@@ -737,6 +739,99 @@ async def test_a_residency_change_keeps_the_weights_the_version_loaded(files):
         with pytest.raises(FailedPrecondition, match="was replaced since it loaded"):
             await m.set_residency("a", "unpinned")
         assert m.placements["a"].residency == "system" and m.host_resident("a")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_device_version_made_system_refuses_a_replaced_file(files):
+    """A device floor holds no file open: device -> system reads the path, which must
+    still be the file it loaded (it staged the new bundle's weights as its own)."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 4 * W, {"a": files["a"]}, residency="device")
+        replace_by_rename(files["a"].path, 9.0)
+        with pytest.raises(FailedPrecondition, match="was replaced since it loaded"):
+            await m.set_residency("a", "system")
+        assert m.placements["a"].residency == "device"
+        nursery.cancel_scope.cancel()
+
+
+# -- the budget as it is when a copy ends ------------------------------------------------------
+
+
+async def test_a_copy_is_admitted_within_the_budget_as_it_is_when_it_ends(files):
+    """Models unpinned while a demand's copy runs take their room again; a prefetch
+    that no longer fits (the budget shrank meanwhile) is dropped, not admitted over."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, {"a": files["a"], "b": files["b"]})
+        await m.add("c", files["c"], "device")
+        async with m.lease("a"):
+            pass
+        release = held_copies(m)
+
+        async def demand():
+            async with m.lease("b"):
+                pass
+
+        nursery.start_soon(demand)
+        await wait_all_tasks_blocked()  # room made for b beside a; its copy held
+        await m.set_residency("c", "system")  # c is evictable now: a + c fill the budget
+        release.set()
+        with trio.fail_after(30):
+            while not m.cache.is_resident("b"):
+                await trio.sleep(0.001)
+        assert m.cache.resident_bytes <= m.cache.budget and list(m.cache.lru)[-1] == "b"
+
+        m.compact()
+        async with m.lease("a"):
+            pass
+        release = held_copies(m)
+        async with m.lease("a"):  # in use: the prefetch may not take its room
+            nursery.start_soon(m.prefetch, "b")
+            await wait_all_tasks_blocked()
+            m.cache.budget = W  # (note_scratch shrinking it while b is copied)
+            release.set()
+            with trio.fail_after(30):
+                while m._transfers:
+                    await trio.sleep(0.001)
+        assert list(m.cache.lru) == ["a"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_copy_counts_no_oversized_load(files, tmp_path):
+    big = weights_file(tmp_path / "big.safetensors", {"w": np.zeros(3 * W // 4, np.float32)})
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, {"big": big}, residency="unpinned")
+        os.truncate(big.path, 100)  # (read on every load: this one fails)
+        with pytest.raises(ValueError, match="shorter than its header"):
+            async with m.lease("big"):
+                pass
+        assert m.cache.counters.oversized_loads == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_prefetch_leaves_the_model_whose_batch_waits_for_the_device(files):
+    """(it evicted it: the batch then copied its weights again)"""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, files)
+        executor = DeviceExecutor(m)
+        ran = []
+        for name in "abc":
+            executor.versions[name] = SimpleNamespace(
+                key=name, compiled=SimpleNamespace(run=lambda size, x, w: ran.append(1) or [])
+            )
+        async with m.lease("a"):
+            pass
+        async with m.lease("b"):
+            pass
+        loads = m.cache.counters.loads
+        async with executor._device:  # (a warm-up of another model holds the device)
+            nursery.start_soon(executor.execute, "a", 1, [])
+            await wait_all_tasks_blocked()
+            await executor.prefetch("c")  # may evict b, not a
+        with trio.fail_after(30):
+            while not ran:
+                await trio.sleep(0.001)
+        assert m.cache.is_resident("a") and not m.cache.is_resident("b")
+        assert m.cache.counters.loads == loads + 1  # c's, and no copy of a again
         nursery.cancel_scope.cancel()
 
 
