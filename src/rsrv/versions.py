@@ -88,7 +88,8 @@ def parse_version(text: str) -> int | None:
     if text == "":
         return None
     if _DECIMAL.fullmatch(text):
-        number = int(text)
+        # (Python refuses to convert thousands of digits; 20 already exceed int64)
+        number = int(text) if len(text) <= 20 else MAX_VERSION + 1
         if number <= MAX_VERSION:
             return number
         detail = f"above the largest version {MAX_VERSION}"

@@ -74,13 +74,15 @@ def test_version_strings(text, number):
         (" 1", "not a decimal integer"),
         ("+1", "not a decimal integer"),
         (str(MAX_VERSION + 1), f"above the largest version {MAX_VERSION}"),
+        ("1" * 5000, f"above the largest version {MAX_VERSION}"),  # (int() refuses it)
     ],
 )
 def test_malformed_version_strings_get_tritons_message(text, detail):
     with pytest.raises(InvalidArgument) as info:
         parse_version(text)
+    shown = text if len(text) <= 80 else text[:80] + "..."
     assert str(info.value) == (
-        f"failed to get model version from specified version string '{text}' "
+        f"failed to get model version from specified version string '{shown}' "
         f"(details: {detail}), version should be an integral value > 0"
     )
 

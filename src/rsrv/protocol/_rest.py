@@ -167,12 +167,13 @@ class RestService:
         limit = self.max_body_bytes
         length = headers.get("content-length")
         if length is not None:
-            if not _is_count(length):
+            count = _count(length)
+            if count is None:
                 raise _HttpError(f"invalid Content-Length {length!r}", 400, "INVALID_ARGUMENT")
-            if int(length) > limit:
+            if count > limit:
                 await self._discard(receive)
                 raise _BodyTooLarge(
-                    f"request body of {int(length)} bytes is larger than the maximum "
+                    f"request body of {count} bytes is larger than the maximum "
                     f"{limit} (endpoints.max_message_bytes)"
                 )
         chunks: list[bytes] = []
@@ -305,10 +306,18 @@ async def _cancel_on_disconnect(work, receive):
     return value
 
 
-def _is_count(text: str) -> bool:
-    """A decimal count as HTTP writes one: ASCII digits, nothing else."""
+def _count(text: str) -> int | None:
+    """A decimal count as HTTP writes one (ASCII digits, nothing else), None otherwise;
+    past 19 digits, 2**63 (more than any body: Python refuses to convert a string of
+    thousands of digits)."""
     text = text.strip()
-    return text.isascii() and text.isdigit()
+    if not (text.isascii() and text.isdigit()):
+        return None
+    return int(text) if len(text) <= 19 else 1 << 63
+
+
+_INFLATE_SLICE = 1 << 16  # compressed bytes given to the inflater at a time (see _inflate)
+_MAX_MEMBERS = 1000  # of a gzip body: a client sends one
 
 
 def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
@@ -328,29 +337,38 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
         wbits = -zlib.MAX_WBITS
     parts: list[bytes] = []
     size = 0
-    data = body
-    while True:  # gzip: one member after another (RFC 1952 §2.2)
+    view = memoryview(body)
+    at = 0  # where the member being inflated starts
+    for member in range(_MAX_MEMBERS):  # gzip: one after another (RFC 1952 §2.2)
         inflater = zlib.decompressobj(wbits)
-        try:
-            part = inflater.decompress(data, limit + 1 - size)
-        except zlib.error as e:
-            raise InvalidArgument(f"cannot decompress the {encoding} request body: {e}") from None
-        size += len(part)
-        parts.append(part)
-        if size > limit:
-            raise _BodyTooLarge(
-                f"request body of more than {limit} (decompressed) bytes is larger than the "
-                f"maximum {limit} (endpoints.max_message_bytes)"
-            )
+        # The first member (usually the only one) at once; the others in slices, so that
+        # what follows one (its unused_data, a copy) is a slice's rest, not the whole
+        # rest of the body each time: many tiny members took quadratic time.
+        while not inflater.eof and at < len(view):
+            piece = view[at:] if not member else view[at : at + _INFLATE_SLICE]
+            try:
+                part = inflater.decompress(piece, limit + 1 - size)
+            except zlib.error as e:
+                raise InvalidArgument(
+                    f"cannot decompress the {encoding} request body: {e}"
+                ) from None
+            size += len(part)
+            parts.append(part)
+            if size > limit:  # (what it left unread, unconsumed_tail, too: limit + 1 made)
+                raise _BodyTooLarge(
+                    f"request body of more than {limit} (decompressed) bytes is larger than "
+                    f"the maximum {limit} (endpoints.max_message_bytes)"
+                )
+            at += len(piece) - len(inflater.unused_data)
         if not inflater.eof:
             raise InvalidArgument(f"cannot decompress the {encoding} request body: it is truncated")
-        data = inflater.unused_data
-        if not data:
+        if at == len(view):
             return parts[0] if len(parts) == 1 else b"".join(parts)
-        if encoding != "gzip" or data[:2] != b"\x1f\x8b":
+        if encoding != "gzip" or view[at : at + 2] != b"\x1f\x8b":
             raise InvalidArgument(
-                f"the {encoding} request body has {len(data)} bytes after its compressed data"
+                f"the {encoding} request body has {len(view) - at} bytes after its compressed data"
             )
+    raise InvalidArgument(f"the gzip request body has more than {_MAX_MEMBERS} members")
 
 
 def _parse_infer(call: Call):
@@ -359,10 +377,11 @@ def _parse_infer(call: Call):
     body, binary = call.body, _EMPTY
     header = call.headers.get("inference-header-content-length")
     if header is not None:
-        size = int(header) if _is_count(header) else -1
-        if not 0 <= size <= len(body):
+        size = _count(header)
+        if size is None or size > len(body):
+            shown = header if len(header) <= 40 else header[:40] + "..."
             raise InvalidArgument(
-                f"invalid Inference-Header-Content-Length {header!r}: the JSON header "
+                f"invalid Inference-Header-Content-Length {shown!r}: the JSON header "
                 f"must be a length between 0 and the body's {len(body)} bytes"
             )
         view = memoryview(body)
