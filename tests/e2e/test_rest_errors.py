@@ -279,6 +279,11 @@ RAW_CASES = {
         "input tensor 'INPUT0' for model 'simple': 'data' has 15 elements but shape "
         "[1, 16] needs 16",
     ),
+    "data far beyond its shape": (  # (made Python objects of all of it before: GBs)
+        (_simple(data0=[[]] * 10_000),),
+        "input tensor 'INPUT0' for model 'simple': 'data' has more values than shape "
+        "[1, 16] holds (16)",
+    ),
     "data out of range": (
         (_simple(data0=[2**31] * 16),),
         "input tensor 'INPUT0' for model 'simple': 'data' holds values outside the INT32 "

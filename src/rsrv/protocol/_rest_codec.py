@@ -263,6 +263,8 @@ def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
             "(binary_data_size) or in shared memory, not as JSON 'data'"
         )
     decoder, words = found
+    if dtype is not DType.BYTES:
+        _check_size(plan, raw)
     try:
         values = decoder.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
@@ -288,6 +290,21 @@ def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
             f"{list(plan.shape)} needs {plan.count}"
         )
     return values
+
+
+def _check_size(plan: InputPlan, raw: msgspec.Raw) -> None:
+    """InvalidArgument when the numeric JSON ``raw`` holds more values than ``plan``'s
+    shape, told by its commas (``leaves - 1 + empty arrays``; strings, which may hold
+    commas, are not numeric data) before any of it becomes Python objects: 60M values
+    for a shape of 16 took 5 GB, and held the loop, before the count was checked.
+    Counted only when ``raw`` is long enough to hold that many."""
+    shape = plan.shape
+    arrays = sum(math.prod(shape[:i]) for i in range(1, len(shape)))  # (nested: row-major)
+    limit = plan.count + arrays
+    if len(raw) > 32 * (limit + 1) and bytes(memoryview(raw)).count(b",") > limit:
+        raise InvalidArgument(
+            f"{plan.what}: 'data' has more values than shape {list(shape)} holds ({plan.count})"
+        )
 
 
 def _from_values(plan: InputPlan) -> np.ndarray:
