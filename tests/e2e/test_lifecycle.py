@@ -8,6 +8,7 @@ Every check goes through tritonclient over real gRPC, as a client would see it.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -70,6 +71,38 @@ def test_dynamic_mode_follows_the_repository(repo, cache_dir):
         assert not client.is_model_ready("b")
         assert matches(infer_y(client, "a", X), 0, X)
         assert index(client) == {"a": ("READY", "")}
+
+
+def test_what_the_repository_may_hold_in_dynamic_mode(repo, cache_dir):
+    """A manifest that is not UTF-8 is that model's error (it ended the worker); a
+    directory whose name is not UTF-8 is no model (RepositoryIndex failed for every
+    model); a bundle replaced by one with the same sizes and mtimes (a reproducible
+    build) is reloaded (it was never seen)."""
+    epoch = 315532800  # 1980-01-01, as reproducible archives pin it
+
+    def pin(bundle: Path) -> Path:
+        for file in bundle.iterdir():
+            os.utime(file, (epoch, epoch))
+        return bundle
+
+    pin(export_linear(repo / "a", seed=0))
+    export_linear(repo / os.fsdecode(b"caf\xe9"), seed=1)
+    with running(worker_config(repo, cache_dir, MODEL_POLL_SECONDS=POLL)) as worker:
+        with connect(worker) as client:
+            assert index(client) == {"a": ("READY", "")}
+            (repo / "bad").mkdir()
+            (repo / "bad" / "manifest.toml").write_bytes(b"\xff\xfe format_version = '2.0'\n")
+            bad = wait_until(
+                lambda: (found := index(client).get("bad")) and found[0] == "UNAVAILABLE" and found,
+                timeout=5,
+            )
+            assert "manifest.toml: cannot parse" in bad[1]
+
+            staged = pin(export_linear(repo.parent / "staged" / "a", seed=2))
+            shutil.rmtree(repo / "a")
+            os.rename(staged, repo / "a")
+            wait_until(lambda: matches(infer_y(client, "a", X), 2, X), timeout=10)
+            assert client.get_inference_statistics().model_stats
 
 
 def test_a_change_during_the_startup_load_is_picked_up(repo, cache_dir, monkeypatch):
@@ -140,6 +173,26 @@ def test_a_slow_load_delays_no_other_models_change(repo, cache_dir, tmp_path, mo
         assert matches(infer_y(client, "fast", X), 2, X)
         gate.open()
         wait_until(lambda: index(client)["slow"] == ("READY", ""), timeout=10)
+
+
+def test_a_failed_model_loaded_again_is_loading_meanwhile(repo, cache_dir, tmp_path, monkeypatch):
+    """As Triton says (the last load's UNAVAILABLE and reason were shown meanwhile)."""
+    good = export_linear(tmp_path / "staging" / "a", seed=0, import_gate=True)
+    (repo / "a").mkdir()
+    (repo / "a" / "manifest.yaml").write_text("format_version: '9.9'\n")
+    gate = ImportGate(monkeypatch, tmp_path / "gate")
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    with running(config) as worker, connect(worker) as client:
+        assert status_of(lambda: client.load_model("a")) == "StatusCode.FAILED_PRECONDITION"
+        assert index(client)["a"][0] == "UNAVAILABLE"
+        shutil.rmtree(repo / "a")
+        shutil.copytree(good, repo / "a")
+        loading = threading.Thread(target=client.load_model, args=("a",))
+        loading.start()
+        wait_until(lambda: index(client)["a"] == ("LOADING", ""), timeout=10)
+        gate.open()
+        loading.join(30)
+        assert index(client)["a"] == ("READY", "")
 
 
 async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):

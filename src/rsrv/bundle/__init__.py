@@ -25,6 +25,7 @@ from rsrv.bundle._manifest import (
 from rsrv.bundle._repository import (
     discover,
     has_manifest,
+    is_model_name,
     model_versions,
     scan,
     version_policy_of,
@@ -36,7 +37,8 @@ __all__ = [
     "BATCH_LETTER", "FORMAT_VERSION", "MANIFEST_NAMES", "ORDER_KEY", "UNBATCHED", "ArgType",
     "Batching", "Bundle", "Hook", "Hooks", "Manifest", "ModuleSignature", "Signature", "Tensor",
     "TensorSpec", "WeightInfo", "WeightsFile", "decode_manifest", "defines_bundle", "discover",
-    "find_manifest", "has_manifest", "load_bundle", "meta", "model_versions", "postprocess",
+    "find_manifest", "has_manifest", "is_model_name", "load_bundle", "meta", "model_versions",
+    "postprocess",
     "preprocess", "read_module", "read_signature", "read_weights_header", "resolve_manifest",
     "scan", "version_policy_of",
 ]  # fmt: skip

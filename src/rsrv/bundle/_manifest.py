@@ -120,8 +120,10 @@ def decode_manifest(path: Path) -> Manifest:
         return msgspec.yaml.decode(raw, type=Manifest)
     except msgspec.ValidationError as e:
         raise BundleError(f"{path}: {_msgspec_path(str(e))}") from None
-    except (msgspec.DecodeError, OSError) as e:
+    except (msgspec.DecodeError, OSError, ValueError) as e:  # (ValueError: not UTF-8)
         raise BundleError(f"{path}: cannot parse: {_one_line(str(e))}") from None
+    except RecursionError:
+        raise BundleError(f"{path}: cannot parse: nested too deeply") from None
 
 
 def resolve_manifest(manifest: Manifest, path: Path, name: str | None = None) -> Signature:

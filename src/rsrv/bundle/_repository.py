@@ -3,12 +3,15 @@ holding one bundle (version 1) or numbered version directories of bundles."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from rsrv.bundle._loader import Bundle, load_bundle
 from rsrv.bundle._manifest import MANIFEST_NAMES, decode_manifest
 from rsrv.errors import BundleError
 from rsrv.versions import VersionPolicy, version_dir_number
+
+log = logging.getLogger("rsrv.bundle")
 
 
 def has_manifest(path: Path) -> bool:
@@ -65,6 +68,22 @@ def version_policy_of(versions: dict[int, Path]) -> VersionPolicy | None:
     return None
 
 
+def is_model_name(name: str) -> bool:
+    """Whether a repository entry's name can name a model: UTF-8, as every name on the
+    wire is (a directory named in another encoding is passed over, logged once)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        if name not in _passed_over:
+            _passed_over.add(name)
+            log.warning("model repository entry %r is not UTF-8: not a model", name)
+        return False
+    return True
+
+
+_passed_over: set[str] = set()
+
+
 def discover(repo: Path) -> list[Path]:
     """Model directories in ``repo`` (holding a manifest, or version directories that
     hold one, or that cannot be read), sorted by name. BundleError when ``repo`` is not
@@ -78,6 +97,8 @@ def discover(repo: Path) -> list[Path]:
         raise BundleError(f"{repo}: cannot list the model repository: {e.strerror}") from None
     out = []
     for child in children:
+        if not is_model_name(child.name):
+            continue
         try:
             if not child.is_dir() or child.name.startswith("."):
                 continue

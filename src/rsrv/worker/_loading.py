@@ -212,6 +212,8 @@ class ModelLoader:
     ) -> None:
         """Build one version beside the load it replaces; switch only on success."""
         name, number = entry.name, version.number
+        if version.model is None:  # (a failed load tried again: LOADING, as Triton says)
+            version.state, version.reason = LoadState.LOADING, ""
         served = None
         try:
             served = await build_model(

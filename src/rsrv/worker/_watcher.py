@@ -19,16 +19,18 @@ from pathlib import Path
 
 import trio
 
-from rsrv.bundle import MANIFEST_NAMES, defines_bundle
+from rsrv.bundle import MANIFEST_NAMES, defines_bundle, is_model_name
 from rsrv.versions import version_dir_number
 
 log = logging.getLogger(__name__)
 
-Fingerprint = tuple[tuple[str, int, int], ...]
+Fingerprint = tuple[tuple[str, int, int, int, int], ...]  # name, size, mtime, inode, ctime
 
 
 def fingerprint(bundle: Path) -> Fingerprint | None:
-    """The defining files of a bundle with their sizes and mtimes; None if it is gone.
+    """The defining files of a bundle with their sizes, mtimes, inodes and ctimes (a file
+    replaced by one of the same size and mtime, as reproducible builds and ``rsync -a``
+    make, has another inode, and a rename sets its ctime); None if it is gone.
     One that cannot be read (no permission, a symbolic link loop) has a fingerprint of
     its own, saying so: a change (loading it reports the error, and keeps what it
     serves), neither gone nor the same."""
@@ -38,11 +40,14 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         )
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
-        return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
+        return tuple(
+            (p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+            for p in files
+        )
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        return (("<unreadable>", e.errno or 0, 0),)
+        return (("<unreadable>", e.errno or 0, 0, 0, 0),)
 
 
 ModelFingerprint = tuple[tuple[str, Fingerprint], ...]
@@ -82,6 +87,8 @@ def scan(repo: Path) -> dict[str, ModelFingerprint | Unreadable]:
     except FileNotFoundError:
         return out
     for child in children:
+        if not is_model_name(child.name):
+            continue
         try:
             if child.is_dir() and not child.name.startswith("."):
                 fp = model_fingerprint(child)
