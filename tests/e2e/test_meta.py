@@ -779,6 +779,30 @@ def test_a_bytes_output_of_a_hook_is_what_clients_and_metas_get_and_a_failed_met
         client.close()
 
 
+def test_a_model_reloaded_as_a_meta_lets_its_compiled_load_go(tmp_path, tiny_template, cache_dir):
+    """(its executable and weights stayed registered until the model was unloaded)"""
+    repo = tmp_path / "repo"
+    add_tiny(repo, tiny_template, "tiny")
+    add_tiny(repo, tiny_template, "m")
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    with running(config) as worker:
+        client = connect(worker)
+        client.load_model("tiny")
+        client.load_model("m")
+        compiled = worker.models.get("m").key
+        shutil.rmtree(repo / "m")
+        write_meta(repo, "m", ["tiny"], plain("tiny"))
+        client.load_model("m")
+        np.testing.assert_allclose(
+            infer(client, "m", {"x": rows(3)})["y"],
+            tiny_reference(tiny_template, rows(3)),
+            rtol=1e-6,
+        )
+        assert compiled not in worker.executor.versions
+        assert compiled not in worker.weights.placements
+        client.close()
+
+
 def test_meta_concurrency_limit(tiny_repo, cache_dir, pool):
     config = worker_config(tiny_repo, cache_dir, SCHEDULER_META_CONCURRENCY=1)
     with running(config) as worker:

@@ -272,6 +272,8 @@ class ModelLoader:
                 self.scheduler.set_weight(name, self.fair_weights[name])
             self.scheduler.warm_costs(name, costs, served.version)
             served.max_queue_delay = self.scheduler.queue_delay(name, served.version)
+        elif previous is not None and previous.compiled:  # (now a meta: the old one drains)
+            self.scheduler.remove_version(name, previous.version)
 
     def _retire(self, entry: ModelEntry, number: int, why: str) -> None:
         """Stop serving version ``number``; requests queued for it finish first."""
