@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -335,7 +336,9 @@ def test_a_meta_models_sub_models_are_served_through_the_gateway(tmp_path, cache
 def test_shared_memory_changes_reach_a_worker_that_was_away(tmp_path, cache_dir, processes):
     """A region unregistered through the gateway while a worker was unresponsive
     (SIGSTOP) is unregistered there too once it is back; one registered meanwhile is
-    registered there."""
+    registered there. Meanwhile an unknown model is NOT_FOUND at once: the refresh it
+    wakes waits for the ready workers' answers, not out the wedged one's probe timeout
+    (a 1 s deadline ran out before)."""
     export_linear(tmp_path / "repo" / "lin", seed=11)
     workers = start_workers(tmp_path, cache_dir, 2)
     processes.extend(workers)
@@ -354,6 +357,10 @@ def test_shared_memory_changes_reach_a_worker_that_was_away(tmp_path, cache_dir,
             os.kill(workers[1].process.pid, signal.SIGSTOP)
             try:
                 wait_until(lambda: ready_workers(gateway) == {"w0"}, 30, "w1 to be found away")
+                for _ in range(2):
+                    time.sleep(1.1)  # (discovery.refresh_min_seconds: a refresh each time)
+                    with raises_status("NOT_FOUND", "unknown model: 'nope'"):
+                        client.infer("nope", [x_input(X)], client_timeout=1.0)
                 client.unregister_system_shared_memory("old")
                 client.register_system_shared_memory("new", key, 32)
             finally:

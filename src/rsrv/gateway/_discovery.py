@@ -72,16 +72,23 @@ class Discovery:
         self._last_refresh = -float("inf")
         self._refresh_round = 0  # the round the last refresh woke (requests wait for it)
         self._change_round = 0  # the round that shows the last change made through the gateway
+        self._background: trio.Nursery | None = None  # run()'s: workers probed apart
+        self._apart: set[str] = set()  # the workers being probed apart (see round)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Probe every interval until cancelled; ``started()`` after the first round."""
-        await self.round()
-        task_status.started()
-        while True:
-            with trio.move_on_after(self.settings.interval_seconds):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            await self.round()
+        async with trio.open_nursery() as background:
+            self._background = background
+            try:
+                await self.round()
+                task_status.started()
+                while True:
+                    with trio.move_on_after(self.settings.interval_seconds):
+                        await self._wake.wait()
+                    self._wake = trio.Event()
+                    await self.round()
+            finally:
+                self._background = None
 
     def wake(self) -> None:
         """Run the next round now (an operator's repack, a worker found unreachable)."""
@@ -110,18 +117,38 @@ class Discovery:
         return self._refresh_round
 
     async def round(self) -> None:
-        """One round, in the caller's task (:meth:`run`'s; tests)."""
+        """One round, in the caller's task (:meth:`run`'s; tests). A worker that
+        answered before and is not ready now is probed apart, in :meth:`run`'s
+        background (a wedged one takes its whole probe timeout), so that neither this
+        round nor the next waits for it (:meth:`refresh` waits for rounds: an unknown
+        model's NOT_FOUND took that long); once it answers ready again, the routes are
+        rebuilt and :attr:`on_round` runs."""
         self._started += 1
         if self.before_round is not None:
             await self.before_round()  # membership first (DNS)
         async with trio.open_nursery() as nursery:
             for worker in self.fleet.workers:
-                nursery.start_soon(self._probe, worker)
+                if worker.name in self._apart:
+                    continue  # (still probed from an earlier round)
+                if self._background is not None and not worker.ready and worker.ever_answered:
+                    self._background.start_soon(self._probe_apart, worker)
+                else:
+                    nursery.start_soon(self._probe, worker)
         self.fleet.rebuild_routes()
         self.rounds += 1
         self.on_round()
         self._round_done.set()
         self._round_done = trio.Event()
+
+    async def _probe_apart(self, worker: WorkerLink) -> None:
+        self._apart.add(worker.name)
+        try:
+            await self._probe(worker)
+        finally:
+            self._apart.discard(worker.name)
+        if worker.ready and self.fleet.by_name.get(worker.name) is worker:  # back
+            self.fleet.rebuild_routes()
+            self.on_round()
 
     async def changes_seen(self) -> None:
         """Wait until a round has shown the last change made through the gateway
