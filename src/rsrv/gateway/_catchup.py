@@ -45,6 +45,7 @@ from rsrv.gateway._fleet import CallResult, WorkerLink
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
+from rsrv.transport import UnaryResult
 
 __all__ = ["CatchUp"]
 
@@ -80,6 +81,11 @@ class CatchUp:
         self.nursery: trio.Nursery | None = None  # where :meth:`start` runs replays
         self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
         self._unfinished: set[int] = set()  # id(worker link): a call was shed or timed out
+        self._changes = 0  # changes recorded so far (loads, unloads, regions, settings)
+        # id(worker link) -> (its instance, the changes it held all of) when last known
+        # in line: a worker away for a moment that missed nothing is left alone
+        self._in_line: dict[int, tuple[str, int]] = {}
+        self._failed: set[int] = set()  # id(worker link): a call of its pass failed
 
     def __bool__(self) -> bool:
         return bool(self.regions or self.dropped or self.loads or self.unloads or self.settings)
@@ -87,12 +93,14 @@ class CatchUp:
     def registered(self, name: str, body: bytes) -> None:
         self.regions[name] = body
         self.dropped.pop(name, None)
+        self._changes += 1
 
     def unregistered(self, name: str, results: Mapping[str, CallResult]) -> None:
         """``name`` ("" for every region the gateway registered) was unregistered; by
         worker name, ``results`` of doing so."""
         names = [name] if name else list(self.regions)
         missed = {w.name for w in self.forward.fleet.workers if not _ok(results.get(w.name))}
+        self._changes += 1
         for n in names:
             self.regions.pop(n, None)
             if missed:
@@ -107,6 +115,8 @@ class CatchUp:
         removed (now, or at their next catch-up until it is gone)."""
         if name not in self.regions:  # (a new set: a running pass holds the old one)
             self.dropped[name] = self.dropped.get(name, set()) | {w.name for w in workers}
+        for worker in workers:
+            self._in_line.pop(id(worker), None)
         self.start(workers)
 
     def forget_absent(self, known: set[str], every_worker_seen: bool) -> None:
@@ -136,12 +146,14 @@ class CatchUp:
     def loaded(self, model: str, body: bytes) -> None:
         self.loads[model] = body
         self.unloads.pop(model, None)
+        self._changes += 1
 
     def unloaded(self, model: str, body: bytes) -> None:
         self.unloads[model] = body
         self.loads.pop(model, None)
         self.settings.pop(model, None)  # a model loaded again starts with the defaults
         self._unloaded[model] = next(self._marks)
+        self._changes += 1
 
     def unload_mark(self, model: str) -> int:
         """A mark of ``model``'s last unload through the gateway, read before a setting's
@@ -163,20 +175,40 @@ class CatchUp:
             merged.MergeFromString(body)
             body = merged.SerializeToString()
         held[method] = body
+        self._changes += 1
 
     def start(self, workers: list[WorkerLink]) -> None:
         """:meth:`replay` on ``workers`` in the background (in ``nursery``), when there
-        is anything to replay."""
+        is anything to replay, but for those known in line: the same process (by its
+        ModelControlStatus ``instance``) that held every change recorded so far."""
+        workers = [w for w in workers if not self._known_in_line(w)]
         if workers and self and self.nursery is not None:
             self.nursery.start_soon(self.replay, workers)
+
+    def _known_in_line(self, worker: WorkerLink) -> bool:
+        if not self:  # nothing to bring it in line with: it is, from now on
+            self._in_line[id(worker)] = (worker.instance, self._changes)
+        return bool(worker.instance) and self._in_line.get(id(worker)) == (
+            worker.instance,
+            self._changes,
+        )
 
     def missed(
         self, results: Mapping[str, CallResult], among: list[WorkerLink] | None = None
     ) -> None:
         """A change was remembered after a fan-out whose results (by worker name) are
-        ``results``: the workers ready now (of ``among``, when given) that it did not
-        reach, or that failed it, are brought in line."""
-        workers = self.forward.fleet.ready if among is None else among
+        ``results``, sent to ``among`` (None: every ready worker): the workers ready now
+        that it did not reach, or that failed it, are brought in line. Those that did it,
+        or that it does not concern (ready, and not among), and held every change before
+        it, hold every one now."""
+        fleet = self.forward.fleet
+        for worker in fleet.workers:
+            concerned = among is None or worker in among or not worker.ready
+            if (not concerned or _ok(results.get(worker.name))) and self._in_line.get(
+                id(worker)
+            ) == (worker.instance, self._changes - 1):
+                self._in_line[id(worker)] = (worker.instance, self._changes)
+        workers = fleet.ready if among is None else among
         self.start([w for w in workers if w.ready and not _ok(results.get(w.name))])
 
     async def replay(self, workers: list[WorkerLink]) -> None:
@@ -198,14 +230,20 @@ class CatchUp:
         try:
             again = True
             while again and worker.ready and fleet.by_name.get(worker.name) is worker:
+                self._failed.discard(key)
+                held = (worker.instance, self._changes)  # (what this pass brings it to)
                 try:
                     await self._regions_on(worker)
                     await self._models_on(worker)
                 except Exception:  # a gateway bug must not take the gateway down
                     log.exception("bringing %s in line failed", worker.name)
+                    self._failed.add(key)
+                if key not in self._failed and worker.instance == held[0]:
+                    self._in_line[key] = held
                 again, self._replaying[key] = self._replaying[key], False
         finally:
             del self._replaying[key]
+            self._failed.discard(key)
             if key in self._unfinished:  # shed or timed out: again at the next round
                 self._unfinished.discard(key)
                 worker.away = True
@@ -311,12 +349,17 @@ class CatchUp:
         """The call's result; a failure is logged (UNIMPLEMENTED of ModelControlStatus
         excepted: a worker without the control service), and one the worker shed or
         timed out brings it in line again at the next round."""
+        if not worker.ready or self.forward.fleet.by_name.get(worker.name) is not worker:
+            # found not ready (or gone) during the pass: the rest waits for its return
+            self._failed.add(id(worker))
+            return UnaryResult(StatusCode.UNAVAILABLE, "not ready", reached_server=False)
         result = (await self.forward.fan_out(path, body, workers=[worker]))[worker.name]
         if result.status in _TRANSIENT:
             self._unfinished.add(id(worker))
         if result.status != StatusCode.OK and not (
             result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
         ):
+            self._failed.add(id(worker))
             method = path.rsplit("/", 1)[1]
             log.warning("%s on %s failed: %s", method, worker.name, result.message)
         return result

@@ -246,8 +246,58 @@ async def test_a_replay_stops_when_its_worker_goes_away_or_leaves_the_fleet(auto
         new = worker_link("w0", 9, ready=True)
         fake.fleet.add(new)
         nursery.start_soon(catchup.replay, [new])  # not folded into the old link's replay
-    assert fake.changes() == [("RepositoryModelLoad", "a", "w0")] * 2  # (one process here)
+    # the old link's pass stops before its load (it read the index before the worker
+    # left); the new link's loads it
+    assert fake.changes() == [("RepositoryModelLoad", "a", "w0")]
     assert not catchup._replaying
+
+
+async def test_a_worker_back_from_a_moment_away_that_missed_nothing_is_left_alone():
+    """What was done on it directly stays (a pass undid it: loads and unloads made through
+    the gateway were done again); one that restarted, or missed a change, is brought in
+    line."""
+    fake, catchup, worker = one_worker()
+    worker.instance = "first"
+    async with trio.open_nursery() as nursery:
+        catchup.nursery = nursery
+        catchup.start([worker])  # found: nothing recorded yet, so in line
+        catchup.loaded("a", load("a"))  # through the gateway, done on w0
+        fake.processes["w0"].models.add("a")
+        catchup.missed({"w0": ok(b"")})
+        catchup.unloaded("b", unload("b"))
+        catchup.missed({"w0": ok(b"")})
+        fake.processes["w0"].models = {"b"}  # an operator's change, on w0 directly
+        catchup.start([worker])  # back from a moment away
+        await trio.testing.wait_all_tasks_blocked()
+        assert fake.changes() == [] and fake.processes["w0"].models == {"b"}
+
+        worker.instance = "second"  # restarted: brought in line
+        catchup.start([worker])
+        await trio.testing.wait_all_tasks_blocked()
+        assert fake.processes["w0"].models == {"a"}
+
+        catchup.loaded("c", load("c"))  # missed: brought in line at once
+        catchup.missed({})
+        await trio.testing.wait_all_tasks_blocked()
+        assert fake.processes["w0"].models == {"a", "c"}
+
+        worker.ready = False  # away: not among the ready workers a load is sent to
+        catchup.loaded("d", load("d"))
+        catchup.missed({}, among=[])
+        worker.ready = True
+        catchup.start([worker])  # back: it missed "d"
+        await trio.testing.wait_all_tasks_blocked()
+        assert fake.processes["w0"].models == {"a", "c", "d"}
+
+
+async def test_a_pass_stops_calling_a_worker_found_not_ready(autojump_clock):
+    """(it went on, each load waiting out the request timeout)"""
+    fake, catchup, worker = one_worker("a", "b", "c", delay=1.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(catchup.replay, [worker])
+        await trio.sleep(3.5)  # the index and control status read, "a" loaded, "b" sent
+        worker.ready = False
+    assert [c[1] for c in fake.changes()] == ["a", "b"]
 
 
 async def test_a_worker_a_call_found_unreachable_is_caught_up_when_it_is_back():
