@@ -52,6 +52,7 @@ __all__ = ["CatchUp"]
 log = logging.getLogger("rsrv.gateway")
 
 _PRESENT = frozenset({"READY", "LOADING"})
+_SETTING_REQUESTS = {"LogSettings": pb.LogSettingsRequest, "TraceSetting": pb.TraceSettingRequest}
 #: Failures after which the worker is brought in line again at the next discovery round.
 _TRANSIENT = frozenset({StatusCode.RESOURCE_EXHAUSTED, StatusCode.DEADLINE_EXCEEDED})
 
@@ -74,6 +75,8 @@ class CatchUp:
         self.unloads: dict[str, bytes] = {}  # model -> its unload request
         # model -> control method (SetModelResidency, SetModelPolicy) -> its request
         self.settings: dict[str, dict[str, bytes]] = {}
+        # LogSettings, TraceSetting -> the updates made through the gateway, merged
+        self.fleet_settings: dict[str, bytes] = {}
         # model -> the mark of its last unload through the gateway (see unload_mark)
         self._unloaded: dict[str, int] = {}
         self._marks = itertools.count(1)
@@ -88,7 +91,14 @@ class CatchUp:
         self._failed: set[int] = set()  # id(worker link): a call of its pass failed
 
     def __bool__(self) -> bool:
-        return bool(self.regions or self.dropped or self.loads or self.unloads or self.settings)
+        return bool(
+            self.regions
+            or self.dropped
+            or self.loads
+            or self.unloads
+            or self.settings
+            or self.fleet_settings
+        )
 
     def registered(self, name: str, body: bytes) -> None:
         self.regions[name] = body
@@ -177,6 +187,17 @@ class CatchUp:
         held[method] = body
         self._changes += 1
 
+    def fleet_setting(self, method: str, body: bytes) -> None:
+        """A LogSettings or TraceSetting update was done: merged over the earlier ones
+        (a setting given again replaces its value; one left out keeps it)."""
+        held = self.fleet_settings.get(method)
+        if held is not None:
+            merged = _SETTING_REQUESTS[method].FromString(held)
+            merged.MergeFromString(body)
+            body = merged.SerializeToString()
+        self.fleet_settings[method] = body
+        self._changes += 1
+
     def start(self, workers: list[WorkerLink]) -> None:
         """:meth:`replay` on ``workers`` in the background (in ``nursery``), when there
         is anything to replay, but for those known in line: the same process (by its
@@ -235,6 +256,8 @@ class CatchUp:
                 try:
                     await self._regions_on(worker)
                     await self._models_on(worker)
+                    for method, body in list(self.fleet_settings.items()):
+                        await self._call(worker, INFERENCE + method, body)
                 except Exception:  # a gateway bug must not take the gateway down
                     log.exception("bringing %s in line failed", worker.name)
                     self._failed.add(key)

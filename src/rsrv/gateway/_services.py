@@ -107,7 +107,7 @@ class GatewayServices:
             "CudaSharedMemoryRegister": self.any_worker,
             "CudaSharedMemoryUnregister": self.any_worker,
             "TraceSetting": self.trace_setting,
-            "LogSettings": self.every_worker,
+            "LogSettings": self.log_settings,
         }
         control: dict[str, Callable] = {
             "ModelControlStatus": self.control_status,
@@ -134,10 +134,16 @@ class GatewayServices:
         order = [w.name for w in self.forward.any_ready()]
         return await self.forward.try_in_order(call.path, body, call.metadata, call.deadline, order)
 
+    async def log_settings(self, body: bytes, call: ServerCall) -> bytes:
+        """Done on every ready worker, as :meth:`every_worker`; an update is remembered
+        for a worker that comes back (catch-up), so that reads agree whichever worker
+        answers."""
+        return await self._fleet_setting("LogSettings", body, call)
+
     async def trace_setting(self, body: bytes, call: ServerCall) -> bytes:
         """A read is one worker's answer; an update (settings given) is made on every
-        ready worker, as LogSettings, so that reads agree whichever worker answers. A
-        worker keeps one set for itself, whatever model an update names: the name is
+        ready worker, as LogSettings (remembered for catch-up too). A worker keeps one
+        set for itself, whatever model an update names: the name is
         checked against the fleet (NOT_FOUND when no ready worker has the model,
         UNAVAILABLE when none has it ready, as a worker answers), then the update goes
         to every worker without it (one without the model would refuse it)."""
@@ -153,7 +159,16 @@ class GatewayServices:
                 raise Unavailable(f"model {name!r} is not ready on any worker")
             request.model_name = ""
             body = request.SerializeToString()
-        return await self.every_worker(body, call)
+        return await self._fleet_setting("TraceSetting", body, call)
+
+    async def _fleet_setting(self, method: str, body: bytes, call: ServerCall) -> bytes:
+        """``method``'s ``body`` done on every ready worker, remembered for catch-up
+        once one did it; the first failure is the answer, else the first response."""
+        results = await self.forward.fan_out(call.path, body, call.metadata, call.deadline)
+        if _any_ok(results):
+            self.catchup.fleet_setting(method, body)
+            self.catchup.missed(results)
+        return _first_answer(results)
 
     async def every_worker(self, body: bytes, call: ServerCall) -> bytes:
         """Done on every ready worker; the first failure is the answer, else the first

@@ -45,6 +45,7 @@ class Process:
     regions: dict[str, str] = field(default_factory=dict)  # name -> key
     residency: dict[str, int] = field(default_factory=dict)  # model -> residency floor
     weight: dict[str, float] = field(default_factory=dict)  # model -> fair-share weight
+    trace: dict[str, list[str]] = field(default_factory=dict)  # TraceSetting's settings
 
 
 class FakeWorkers:
@@ -150,6 +151,11 @@ class FakeWorkers:
             what = request.name
             if request.HasField("weight"):
                 process.weight[what] = request.weight
+        elif method == "TraceSetting":
+            request = pb.TraceSettingRequest.FromString(body)
+            for key, value in request.settings.items():
+                process.trace[key] = list(value.value)
+            what = ""
         else:
             raise AssertionError(f"unexpected {method}")
         self.sent.append((method, what, name))
@@ -288,6 +294,23 @@ async def test_a_worker_back_from_a_moment_away_that_missed_nothing_is_left_alon
         catchup.start([worker])  # back: it missed "d"
         await trio.testing.wait_all_tasks_blocked()
         assert fake.processes["w0"].models == {"a", "c", "d"}
+
+
+def trace(**settings: str) -> bytes:
+    request = pb.TraceSettingRequest()
+    for key, value in settings.items():
+        request.settings[key].value.append(value)
+    return request.SerializeToString()
+
+
+async def test_trace_settings_made_through_the_gateway_reach_a_restarted_worker():
+    """(reads, answered by one worker, disagreed: a restarted one had the defaults)"""
+    fake, catchup, worker = one_worker()
+    catchup.fleet_setting("TraceSetting", trace(trace_rate="7", trace_level="TIMESTAMPS"))
+    catchup.fleet_setting("TraceSetting", trace(trace_rate="9"))
+    fake.restart("w0")
+    await catchup.replay([worker])
+    assert fake.processes["w0"].trace == {"trace_rate": ["9"], "trace_level": ["TIMESTAMPS"]}
 
 
 async def test_a_pass_stops_calling_a_worker_found_not_ready(autojump_clock):
