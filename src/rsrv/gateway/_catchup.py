@@ -20,11 +20,14 @@ RepositoryIndex, ModelControlStatus), then:
   SetModelPolicy: the last residency, the policy fields last set) and READY or LOADING
   there, after those loads, gets them again, over what a restarted worker is configured
   with; they are forgotten when the model is unloaded through the gateway, or when no
-  worker lists it any more and no load through the gateway brings it back.
+  worker lists it any more and no load through the gateway brings it back;
+* the LogSettings and TraceSetting updates made through the gateway, merged, are sent.
 
 A change is remembered once at least one worker accepted it; a ready worker it did not
 reach, or that failed it, is brought in line once it is remembered (it may have become
-ready, or restarted, while the change was being made). Replays are the gateway's own
+ready, or restarted, while the change was being made). A worker back from a moment away
+that missed nothing (the same ``instance``, known to hold every change recorded) gets no
+pass, so that what was done on it directly meanwhile stays. Replays are the gateway's own
 calls, sent with ``worker_client.headers`` (where a restricted protocol's header must then
 be). Otherwise, what was done on a worker directly is left alone. Workers are brought in
 line concurrently, one replay at a time per worker; a replay that fails is logged, and the
