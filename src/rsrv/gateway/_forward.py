@@ -154,6 +154,15 @@ class Forwarder:
             )
         finally:
             worker.inflight -= 1
+        if (
+            result.status == StatusCode.DEADLINE_EXCEEDED
+            and self.request_timeout < remaining
+            and trio.current_time() < deadline
+        ):  # the gateway's own limit, not the client's deadline: say so
+            result.message = (
+                f"worker {worker.name} did not answer within "
+                f"worker_client.request_timeout_seconds ({self.request_timeout:g} s)"
+            )
         if result.status == StatusCode.UNAVAILABLE and not result.reached_server:
             self.fleet.mark_unreachable(worker)
             self.discovery.wake()

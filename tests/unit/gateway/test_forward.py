@@ -57,6 +57,19 @@ async def test_a_retry_pushback_only_when_no_worker_processed_it(results, pushba
     assert dict(grpc_trailers(error)).get("grpc-retry-pushback-ms") == pushback
 
 
+async def test_a_worker_past_the_gateways_request_timeout_is_named_as_such():
+    """(the client, which set no deadline, read "deadline exceeded (client timeout)")"""
+    late = UnaryResult(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded (client timeout)")
+    f = forwarder(late)
+    f.request_timeout = 1.0
+    with pytest.raises(Relayed) as info:
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, math.inf, ["w0"])
+    assert (info.value.code, str(info.value)) == (
+        "DEADLINE_EXCEEDED",
+        "worker w0 did not answer within worker_client.request_timeout_seconds (1 s)",
+    )
+
+
 async def test_no_worker_ready_carries_a_pushback():
     f = forwarder(BUSY)
     f.fleet.workers[0].ready = False
