@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import trio
 from purerpc.grpclib.status import StatusCode
@@ -217,23 +217,20 @@ class CatchUp:
             self._changes,
         )
 
-    def missed(
-        self, results: Mapping[str, CallResult], among: list[WorkerLink] | None = None
-    ) -> None:
+    def missed(self, results: Mapping[str, CallResult], exempt: Collection[str] = ()) -> None:
         """A change was remembered after a fan-out whose results (by worker name) are
-        ``results``, sent to ``among`` (None: every ready worker): the workers ready now
-        that it did not reach, or that failed it, are brought in line. Those that did it,
-        or that it does not concern (ready, and not among), and held every change before
-        it, hold every one now."""
+        ``results``: the ready workers it concerns (all but those named in ``exempt``,
+        found now not to be concerned: without the model, say) that it did not reach,
+        or that failed it, are brought in line. Those that did it, or are exempt, and
+        held every change before it, hold every one now."""
         fleet = self.forward.fleet
         for worker in fleet.workers:
-            concerned = among is None or worker in among or not worker.ready
-            if (not concerned or _ok(results.get(worker.name))) and self._in_line.get(
-                id(worker)
-            ) == (worker.instance, self._changes - 1):
+            done = worker.name in exempt or _ok(results.get(worker.name))
+            if done and self._in_line.get(id(worker)) == (worker.instance, self._changes - 1):
                 self._in_line[id(worker)] = (worker.instance, self._changes)
-        workers = fleet.ready if among is None else among
-        self.start([w for w in workers if w.ready and not _ok(results.get(w.name))])
+        self.start(
+            [w for w in fleet.ready if w.name not in exempt and not _ok(results.get(w.name))]
+        )
 
     async def replay(self, workers: list[WorkerLink]) -> None:
         """Bring each of ``workers`` in line, all at once. A worker being brought in

@@ -192,9 +192,7 @@ class GatewayServices:
             # A worker without the model (NOT_FOUND: not in its repository, or for an
             # unload not loaded there) is left out, of the answer and of catch-up.
             absent = {n for n, r in results.items() if r.status == StatusCode.NOT_FOUND}
-            self.catchup.missed(
-                results, among=[w for w in self.fleet.ready if w.name not in absent]
-            )
+            self.catchup.missed(results, exempt=absent)
             self.forward.discovery.changed()  # routes and holders see it at once
             results = {n: r for n, r in results.items() if n not in absent}
         return _first_answer(results)
@@ -426,7 +424,10 @@ class GatewayServices:
         )
         if _any_ok(results):  # remembered for a holder that restarts, or failed it
             self.catchup.set(name, call.path.rsplit("/", 1)[1], body, mark)
-            self.catchup.missed(results, among=holders)
+            # (by what the workers hold now: one back while the fan-out ran missed it)
+            self.catchup.missed(
+                results, exempt={w.name for w in self.fleet.workers if not w.knows(name)}
+            )
         return _first_answer(results)
 
     async def _holders(self, name: str) -> list[WorkerLink]:

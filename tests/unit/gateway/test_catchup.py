@@ -289,11 +289,41 @@ async def test_a_worker_back_from_a_moment_away_that_missed_nothing_is_left_alon
 
         worker.ready = False  # away: not among the ready workers a load is sent to
         catchup.loaded("d", load("d"))
-        catchup.missed({}, among=[])
+        catchup.missed({})
         worker.ready = True
         catchup.start([worker])  # back: it missed "d"
         await trio.testing.wait_all_tasks_blocked()
         assert fake.processes["w0"].models == {"a", "c", "d"}
+
+
+async def test_a_holder_back_while_a_setting_is_made_gets_it(autojump_clock):
+    """Away when the holders were chosen, back before the setting was recorded (no
+    pass then: it had missed nothing yet): it is brought in line, not counted as done."""
+    fake = FakeWorkers("w0", "w1", delay=1.0)
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    catchup = services.catchup
+    for i, worker in enumerate(fake.fleet.workers):
+        worker.instance, worker.away = f"process {i}", False
+        fake.processes[worker.name].models.add("a")
+        worker.index = (IndexRow("a", "1", "READY", ""),)
+    w1 = fake.worker("w1")
+    async with trio.open_nursery() as nursery:
+        catchup.nursery = nursery
+        catchup.start(fake.fleet.workers)  # nothing recorded: both in line
+        catchup.loaded("a", load("a"))
+        catchup.missed({"w0": ok(b""), "w1": ok(b"")})
+        fake.fleet.mark_unreachable(w1)  # a moment away (the same process)
+
+        async def back():
+            await trio.sleep(0.5)  # during the fan-out to the holders (w0)
+            w1.ready = True
+            catchup.start(fake.fleet.returned())  # (discovery's round)
+
+        nursery.start_soon(back)
+        call = client_call("SetModelResidency", CONTROL)
+        await services.model_holders(residency("a", cpb.RESIDENCY_SYSTEM), call)
+    assert fake.processes["w1"].residency == {"a": cpb.RESIDENCY_SYSTEM}
 
 
 def trace(**settings: str) -> bytes:
