@@ -122,7 +122,7 @@ class Discovery:
         background (a wedged one takes its whole probe timeout), so that neither this
         round nor the next waits for it (:meth:`refresh` waits for rounds: an unknown
         model's NOT_FOUND took that long); once it answers ready again, the routes are
-        rebuilt and :attr:`on_round` runs."""
+        rebuilt and a round runs at once."""
         self._started += 1
         if self.before_round is not None:
             await self.before_round()  # membership first (DNS)
@@ -148,7 +148,7 @@ class Discovery:
             self._apart.discard(worker.name)
         if worker.ready and self.fleet.by_name.get(worker.name) is worker:  # back
             self.fleet.rebuild_routes()
-            self.on_round()
+            self.wake()  # (a round now: its catch-up and the scheduler's tick, as usual)
 
     async def changes_seen(self) -> None:
         """Wait until a round has shown the last change made through the gateway
