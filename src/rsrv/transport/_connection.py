@@ -112,6 +112,7 @@ class ServerConnection(Http2Endpoint):
         self._preface = b""  # the client preface received so far (24 bytes in all)
         self._opened = trio.current_time()
         self._read_scope = trio.CancelScope()  # the reader's; its deadline: see _reader
+        self._lingers = True  # read on after the server's GOAWAY (see goaway)
         self.max_unsent = limits.max_unsent_bytes
         self._idle_since: float | None = self._opened  # None while a call is open
         self.owed = 0  # calls that owe the client an answer (ServerCall._reowe)
@@ -145,7 +146,7 @@ class ServerConnection(Http2Endpoint):
                         why = "an idle" if self._settled else "a silent (no HTTP/2 preface)"
                         log.debug("closing %s connection from %s", why, self.peer)
                         self._send_goaway(F.NO_ERROR)
-                    if self._settled:
+                    if self._settled and self._lingers:
                         await self._linger()
                 # Let the writer flush what is queued (a GOAWAY, the last trailers).
                 await self._drain_writer()
@@ -164,14 +165,17 @@ class ServerConnection(Http2Endpoint):
             return self._idle_since
         return None if self.owed else self.last_active
 
-    def goaway(self) -> None:
+    def goaway(self, *, linger: bool = True) -> None:
         """Close the connection cleanly: GOAWAY, flushed, then close (after
-        :meth:`_linger`). At shutdown it is called once the calls on it have been
-        answered; to make room at the connection cap, on one whose calls all wait on
-        their client. Calls still running are cancelled when the connection closes.
+        :meth:`_linger`, unless not ``linger``). At shutdown it is called once the calls
+        on it have been answered; to make room at the connection cap (without lingering:
+        a connection no longer counted must not hold its descriptor on), on one whose
+        calls all wait on their client. Calls still running are cancelled when the
+        connection closes.
         """
         if not self._goaway_sent:
             self._send_goaway(F.NO_ERROR)
+        self._lingers = linger
         self._read_scope.cancel()
 
     async def _linger(self) -> None:

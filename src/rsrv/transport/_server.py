@@ -251,9 +251,10 @@ class GrpcServer:
                 await trio.aclose_forcefully(stream)
                 continue
             if oldest is not None:
-                # (its calls, if any, wait on their client: they are cancelled; a
-                # request that crosses the GOAWAY is refused, so it may be sent again)
-                oldest.goaway()
+                # (its calls, if any, wait on their client: they are cancelled; it
+                # does not linger, no longer counted: a request that crosses the GOAWAY
+                # may be lost in the close, not refused)
+                oldest.goaway(linger=False)
             self.cap.starting += 1
             nursery.start_soon(self._serve_connection, stream)
 
