@@ -195,6 +195,25 @@ def test_a_failed_model_loaded_again_is_loading_meanwhile(repo, cache_dir, tmp_p
         assert index(client)["a"] == ("READY", "")
 
 
+def test_a_fingerprint_follows_content_not_metadata(tmp_path):
+    """A file replaced by one of the same size and mtime changes it (another inode); a
+    chmod or a hard link elsewhere does not (they change the ctime: every model reloaded)."""
+    from rsrv.worker._watcher import fingerprint
+
+    bundle = export_linear(tmp_path / "m", seed=0)
+    before = fingerprint(bundle)
+    weights = bundle / "weights.safetensors"
+    weights.chmod(0o600)
+    os.link(weights, tmp_path / "backup")
+    assert fingerprint(bundle) == before
+    stat = weights.stat()
+    copy = tmp_path / "copy"
+    copy.write_bytes(weights.read_bytes())
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.rename(copy, weights)
+    assert fingerprint(bundle) != before
+
+
 async def test_watcher_acts_only_on_a_fingerprint_seen_on_two_polls(tmp_path):
     """The debounce rule itself, poll by poll, over real files."""
     from rsrv.worker._watcher import RepositoryWatcher

@@ -1,7 +1,7 @@
 """The repository watcher of ``model_control_mode: dynamic``.
 
-Every ``model_poll_seconds`` it fingerprints each model directory: the name, size and
-mtime of the files that define each of its bundles (the directory itself, or each of its
+Every ``model_poll_seconds`` it fingerprints each model directory: the name, size,
+mtime and inode of the files that define each of its bundles (the directory itself, or each of its
 version directories). A change is acted on only when the same new fingerprint is seen
 on two consecutive polls, so a bundle that is still being written is never loaded: a new
 model is loaded, a removed one unloaded, a changed one reloaded (the worker rebuilds only
@@ -24,13 +24,14 @@ from rsrv.versions import version_dir_number
 
 log = logging.getLogger(__name__)
 
-Fingerprint = tuple[tuple[str, int, int, int, int], ...]  # name, size, mtime, inode, ctime
+Fingerprint = tuple[tuple[str, int, int, int], ...]  # name, size, mtime, inode
 
 
 def fingerprint(bundle: Path) -> Fingerprint | None:
-    """The defining files of a bundle with their sizes, mtimes, inodes and ctimes (a file
-    replaced by one of the same size and mtime, as reproducible builds and ``rsync -a``
-    make, has another inode, and a rename sets its ctime); None if it is gone.
+    """The defining files of a bundle with their sizes, mtimes and inodes (a file replaced
+    by one of the same size and mtime, as reproducible builds and ``rsync -a`` make, has
+    another inode; not the ctime, which a ``chmod`` or a hard link elsewhere changes);
+    None if it is gone.
     One that cannot be read (no permission, a symbolic link loop) has a fingerprint of
     its own, saying so: a change (loading it reports the error, and keeps what it
     serves), neither gone nor the same."""
@@ -41,13 +42,12 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
         return tuple(
-            (p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-            for p in files
+            (p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in files
         )
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        return (("<unreadable>", e.errno or 0, 0, 0, 0),)
+        return (("<unreadable>", e.errno or 0, 0, 0),)
 
 
 ModelFingerprint = tuple[tuple[str, Fingerprint], ...]
