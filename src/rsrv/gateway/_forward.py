@@ -24,7 +24,7 @@ from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._peek import InferHead
 from rsrv.protocol import pushback_of
-from rsrv.transport import UnaryResult
+from rsrv.transport import DEADLINE_MESSAGE, UnaryResult
 
 __all__ = [
     "CONTROL",
@@ -156,8 +156,8 @@ class Forwarder:
             worker.inflight -= 1
         if (
             result.status == StatusCode.DEADLINE_EXCEEDED
+            and result.message == DEADLINE_MESSAGE  # (the channel's timeout, not the worker's)
             and self.request_timeout < remaining
-            and trio.current_time() < deadline
         ):  # the gateway's own limit, not the client's deadline: say so
             result.message = (
                 f"worker {worker.name} did not answer within "

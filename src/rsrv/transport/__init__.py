@@ -25,7 +25,7 @@ from rsrv.transport._channel import (
     grpc_timeout,
     open_channel,
 )
-from rsrv.transport._client_stream import CallEnded, MessageTooLarge
+from rsrv.transport._client_stream import DEADLINE_MESSAGE, CallEnded, MessageTooLarge
 from rsrv.transport._connection import CONNECTION_SPECIFIC, NOT_METADATA, metadata_problem
 from rsrv.transport._messages import MessageError
 from rsrv.transport._server import (
@@ -47,6 +47,7 @@ from rsrv.transport._server import (
 )
 
 __all__ = [
+    "DEADLINE_MESSAGE",
     "INFLATING_AT_ONCE",
     "CONNECTION_SPECIFIC",
     "NOT_METADATA",

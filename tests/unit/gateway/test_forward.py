@@ -68,6 +68,11 @@ async def test_a_worker_past_the_gateways_request_timeout_is_named_as_such():
         "DEADLINE_EXCEEDED",
         "worker w0 did not answer within worker_client.request_timeout_seconds (1 s)",
     )
+    # the worker's own DEADLINE_EXCEEDED (its queue's timeout, say) stays as it is
+    f = forwarder(UnaryResult(StatusCode.DEADLINE_EXCEEDED, "waited 30.000s in the queue"))
+    f.request_timeout = 1.0
+    with pytest.raises(Relayed, match="waited 30.000s in the queue"):
+        await f.try_in_order(INFERENCE + "ModelInfer", b"", {}, math.inf, ["w0"])
 
 
 async def test_no_worker_ready_carries_a_pushback():
