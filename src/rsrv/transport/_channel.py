@@ -27,7 +27,7 @@ import math
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from purerpc.grpclib.status import StatusCode
@@ -76,6 +76,15 @@ class _Unreachable(Exception):
     """No connection to the server could be had (the call never left)."""
 
 
+@dataclass(eq=False, slots=True)
+class _Opening:
+    """An open under way that other calls wait for: ``done`` once it ended, with the
+    ``error`` it failed with, if it failed."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    error: str | None = None
+
+
 class Channel:
     """Calls to one gRPC endpoint over pooled HTTP/2 connections (see the module doc).
 
@@ -101,9 +110,9 @@ class Channel:
         self.connections: list[ClientConnection] = []
         self.opened = 0  # connections opened so far (a server restart makes a new one)
         self._spare: ClientConnection | None = None  # uncapped calls' when the pool is full
-        self._spare_opening: trio.Event | None = None  # set once the spare being opened is
-        # (one open at a time: concurrent uncapped calls opened one each, all but the last
-        # kept by nobody until the server's idle timeout)
+        # the open of the spare under way (one at a time: concurrent uncapped calls
+        # opened one each, all but the last kept by nobody until the idle timeout)
+        self._spare_opening: _Opening | None = None
         self._slots = trio.Semaphore(limits.max_concurrent_streams)
         self._opening = 0
         self._changed = trio.lowlevel.ParkingLot()
@@ -294,17 +303,23 @@ class Channel:
                 spare = self._spare
                 if spare is not None and spare.available:
                     return spare
-                if self._spare_opening is not None:  # (one open at a time: then look again)
-                    await self._spare_opening.wait()
+                opening = self._spare_opening
+                if opening is not None:  # (one open at a time: its failure is everyone's)
+                    await opening.done.wait()
+                    if opening.error is not None:
+                        raise _Unreachable(opening.error)
                     continue
                 if spare is not None:
                     spare.close()  # (GOAWAY: what it carries finishes)
-                self._spare_opening = opened = trio.Event()
+                self._spare_opening = opening = _Opening()
                 try:
                     spare = self._spare = await self._open(pooled=False)
+                except _Unreachable as e:
+                    opening.error = str(e)
+                    raise
                 finally:
                     self._spare_opening = None
-                    opened.set()
+                    opening.done.set()
                 return spare
             if best is not None and not self._opening:
                 return best  # every connection is busy and no more may be opened

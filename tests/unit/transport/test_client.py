@@ -30,6 +30,7 @@ from support.echo import (
     wait_for,
 )
 from support.rawh2 import RawH2
+from support.rawserver import raw_server
 
 from rsrv.transport import (
     TLS_ERRORS,
@@ -206,6 +207,36 @@ async def test_an_uncapped_call_does_not_queue_behind_the_capped_ones():
             assert (len(ch.connections), ch.opened, len(echo.server.connections)) == (2, 2, 3)
             assert echo.active == 4  # the waiting calls did not take the spare
             echo.release.set()
+
+
+async def test_uncapped_calls_waiting_for_the_spare_share_its_failure():
+    """(each waiter opened one more after it failed: the k-th waited k connect timeouts)"""
+
+    async def handler(peer):
+        if peer.index == 0:
+            await peer.send(F.settings({F.MAX_CONCURRENT_STREAMS: 1}))
+            await peer.until(F.HEADERS)  # the capped call: held, unanswered
+        await trio.sleep(30)  # later connections never get SETTINGS
+
+    limits = ClientLimits(max_connections=1, streams_per_connection=1, connect_timeout=1.0)
+    ended = []
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port, limits=limits) as channel:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.unary, "/x.Y/Z", b"held")  # fills the pool
+                await trio.sleep(0.3)
+                start = trio.current_time()
+
+                async def probe():
+                    result = await channel.unary("/x.Y/Z", b"p", timeout=20, capped=False)
+                    ended.append((trio.current_time() - start, result.status))
+
+                async with trio.open_nursery() as probes:
+                    for _ in range(4):
+                        probes.start_soon(probe)
+                nursery.cancel_scope.cancel()
+    assert [status for _, status in ended] == [StatusCode.UNAVAILABLE] * 4
+    assert max(seconds for seconds, _ in ended) < 2
 
 
 async def test_pool_spreads_streams_over_a_few_connections():
