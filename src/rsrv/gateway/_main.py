@@ -23,7 +23,7 @@ log = logging.getLogger("rsrv.gateway")
 def gateway_main(gateway_file: str | None) -> int:
     """Entry point of ``rsrv gateway [GATEWAY_FILE]``."""
     try:
-        config = load_gateway(gateway_file, data=handed_down_config())
+        config = load_gateway(gateway_file, data=handed_down_config(gateway_file))
     except (ConfigError, ValueError) as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,13 @@ to the ``rsrv node`` supervisor that started it: status reports up, and a gracef
 when the supervisor dies (``_lifeline``); the configuration it hands down
 (``_handed_down``)."""
 
-from rsrv.lifeline._handed_down import CONFIG_FD_VARIABLE, HandedDownConfig, handed_down_config
+from rsrv.lifeline._handed_down import (
+    CONFIG_FD_VARIABLE,
+    CONFIG_PATH_VARIABLE,
+    ConfigCopy,
+    HandedDownConfig,
+    handed_down_config,
+)
 from rsrv.lifeline._lifeline import (
     LINK_FD_VARIABLE,
     LINK_GRACE_VARIABLE,
@@ -23,9 +29,11 @@ from rsrv.lifeline._process import (
 
 __all__ = [
     "CONFIG_FD_VARIABLE",
+    "CONFIG_PATH_VARIABLE",
     "LINK_FD_VARIABLE",
     "LINK_GRACE_VARIABLE",
     "ChildStatus",
+    "ConfigCopy",
     "HandedDownConfig",
     "Server",
     "SupervisorLink",

@@ -22,9 +22,9 @@ import trio
 
 from rsrv.config import SupervisorConfig
 from rsrv.lifeline import (
-    CONFIG_FD_VARIABLE,
     LINK_FD_VARIABLE,
     LINK_GRACE_VARIABLE,
+    ConfigCopy,
     HandedDownConfig,
     read_status,
 )
@@ -42,8 +42,8 @@ FATAL_EXIT = 2
 @dataclass(frozen=True)
 class ChildSpec:
     """How to run one child. ``grace``: seconds from SIGTERM to SIGKILL. ``config``: the
-    bytes of the configuration file named in ``argv``, as the node read them at start;
-    every process of the child reads these (see rsrv.lifeline.HandedDownConfig)."""
+    configuration file named in ``argv``, as the node read it at start; every process of
+    the child reads these bytes (see rsrv.lifeline.HandedDownConfig)."""
 
     name: str
     kind: str  # "worker" or "gateway"
@@ -52,7 +52,7 @@ class ChildSpec:
     grace: float
     port: int
     device: str | None = None
-    config: bytes | None = None
+    config: ConfigCopy | None = None
 
 
 class ChildState(enum.Enum):
@@ -211,7 +211,7 @@ class Child:
         try:
             if self.spec.config is not None:  # (the process inherits its own descriptor)
                 config = HandedDownConfig(self.spec.config)
-                env[CONFIG_FD_VARIABLE] = str(config.fd)
+                env.update(config.variables)
                 fds.append(config.fd)
             process = await trio.lowlevel.open_process(
                 self.spec.argv,

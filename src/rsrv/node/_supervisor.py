@@ -42,7 +42,7 @@ from rsrv.config import (
     read_config_bytes,
     unusable_tls,
 )
-from rsrv.lifeline import first_error, stop_signals
+from rsrv.lifeline import ConfigCopy, first_error, stop_signals
 from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
@@ -87,7 +87,9 @@ def worker_spec(
         grace=worker.endpoints.shutdown_grace_seconds + plan.supervisor.kill_after_seconds,
         port=worker.endpoints.port,
         device=worker.gpu,
-        config=node_data,
+        config=None
+        if node_file is None or node_data is None
+        else ConfigCopy(os.path.abspath(node_file), node_data),
     )
 
 
@@ -153,7 +155,7 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         env=env,
         grace=grace + plan.supervisor.kill_after_seconds,
         port=plan.port,
-        config=data,
+        config=None if data is None else ConfigCopy(plan.gateway_file, data),
     )
     return spec, config
 

@@ -29,7 +29,7 @@ log = logging.getLogger("rsrv.worker")
 def serve_main(node_file: str | None, worker_name: str | None) -> int:
     """Entry point of ``rsrv serve``: configure, then run the worker under trio."""
     try:
-        config = load_worker(node_file, worker_name, data=handed_down_config())
+        config = load_worker(node_file, worker_name, data=handed_down_config(node_file))
     except (ConfigError, ValueError) as e:
         print(f"rsrv: {e}", file=sys.stderr)
         return 2

@@ -21,9 +21,11 @@ import trio
 from rsrv.config import ConfigError, SupervisorConfig, load_gateway, load_node, plan_node
 from rsrv.lifeline import (
     CONFIG_FD_VARIABLE,
+    CONFIG_PATH_VARIABLE,
     LINK_FD_VARIABLE,
     LINK_GRACE_VARIABLE,
     ChildStatus,
+    ConfigCopy,
     SupervisorLink,
     handed_down_config,
     read_status,
@@ -229,11 +231,13 @@ async def test_every_process_of_a_child_reads_the_configuration_handed_down(tmp_
     policy = SupervisorConfig(max_restarts=2, backoff_seconds=0.01, stable_seconds=60)
     seen = tmp_path / "seen"
     script = (
-        "from rsrv.lifeline import handed_down_config; "
-        f"open({str(seen)!r}, 'ab').write(handed_down_config() + b'|'); raise SystemExit(3)"
+        "import os; from rsrv.lifeline import handed_down_config; "
+        f"data = handed_down_config({str(tmp_path / 'node.toml')!r}); "
+        "assert not any(k.startswith('RSRV_SUPERVISOR_CONFIG') for k in os.environ); "
+        f"open({str(seen)!r}, 'ab').write(data + b'|'); raise SystemExit(3)"
     )
     data = "port = 8001\n# 名前\n".encode() * 5000  # (larger than a pipe's buffer)
-    c = child(script, policy, [], config=data)
+    c = child(script, policy, [], config=ConfigCopy(str(tmp_path / "node.toml"), data))
     descriptors = len(os.listdir("/proc/self/fd"))
     with trio.fail_after(60):
         await c.run()
@@ -241,11 +245,18 @@ async def test_every_process_of_a_child_reads_the_configuration_handed_down(tmp_
     assert len(os.listdir("/proc/self/fd")) == descriptors  # (each copy closed here)
 
 
-def test_a_configuration_descriptor_that_cannot_be_read_is_one_clear_error():
-    assert handed_down_config({}) is None
+def test_a_configuration_handed_down_is_for_its_file_and_read_once(tmp_path):
+    """Another file named (a child started by hand with the variables inherited) is read
+    from disk; the variables go once read (what the child starts reads its own files); a
+    descriptor that cannot be read is one clear error."""
+    path = str(tmp_path / "node.toml")
+    assert handed_down_config(path, {}) is None
+    env = {CONFIG_FD_VARIABLE: "9999", CONFIG_PATH_VARIABLE: path}
+    assert handed_down_config(str(tmp_path / "other.toml"), env) is None and env == {}
     for text in ("9999", "x"):
+        env = {CONFIG_FD_VARIABLE: text, CONFIG_PATH_VARIABLE: path}
         with pytest.raises(ValueError, match=f"RSRV_SUPERVISOR_CONFIG_FD={text!r}: cannot read"):
-            handed_down_config({CONFIG_FD_VARIABLE: text})
+            handed_down_config(path, env)
 
 
 async def test_a_child_that_never_serves_is_stopped_and_restarted_until_the_limit(tmp_path):
@@ -707,8 +718,10 @@ def test_the_gateway_drains_as_long_as_its_workers_and_is_given_that_long(
     )
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     spec, config = gateway_spec(node_plan, {})
-    assert spec.config == gateway.read_bytes()  # handed down to every process of it
-    assert load_gateway(node_plan.gateway_file, spec.env, spec.config) == config  # (the child's)
+    assert spec.config == (str(gateway), gateway.read_bytes())  # to every process of it
+    assert (
+        load_gateway(node_plan.gateway_file, spec.env, spec.config.data) == config
+    )  # (the child's)
     assert config.grpc.shutdown_grace_seconds == drain
     assert spec.grace == drain + node_plan.supervisor.kill_after_seconds
 
@@ -738,7 +751,9 @@ def test_the_gateway_inherits_its_workers_limits_and_logging_unless_told_otherwi
     )
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     spec, config = gateway_spec(node_plan, env)
-    assert load_gateway(node_plan.gateway_file, spec.env, spec.config) == config  # (the child's)
+    assert (
+        load_gateway(node_plan.gateway_file, spec.env, spec.config.data) == config
+    )  # (the child's)
     got = (config.grpc.max_message_bytes, config.logging.level, config.logging.format)
     assert got == expected
 
@@ -774,7 +789,9 @@ def test_the_gateway_listens_on_the_nodes_host_and_dials_its_workers(
     path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{yaml}")
     node_plan = plan_node(load_node(path), {"PATH": "", **env}, source=path)
     spec, config = gateway_spec(node_plan, env)
-    assert load_gateway(node_plan.gateway_file, spec.env, spec.config) == config  # (the child's)
+    assert (
+        load_gateway(node_plan.gateway_file, spec.env, spec.config.data) == config
+    )  # (the child's)
     assert config.listen.grpc == f"{listen}:{node_plan.port}"
     assert config.endpoints == [f"{dial}:{w.endpoints.port}" for w in node_plan.workers]
     assert config.endpoints_dns == []
