@@ -41,9 +41,7 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         )
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
-        return tuple(
-            (p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in files
-        )
+        return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in files)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
