@@ -89,6 +89,8 @@ def metadata_problem(name: str, value: str) -> str | None:
     """Why a call cannot carry the header ``name: value`` as its metadata; None if it
     can (a gRPC metadata key, not one the transport or HTTP/2 keeps to itself, with a
     printable ASCII value)."""
+    if not isinstance(name, str) or not isinstance(value, str):
+        return f"a header is a str and its value a str, not {type(value).__name__}"
     if not _METADATA_KEY.fullmatch(name) or name.encode() in _NOT_SENDABLE or name[:5] == "grpc-":
         return (
             "not a metadata key a call may carry (lower case letters, digits, '_', '.', '-'; "
