@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from ._errors import ConfigError, reword
 from ._schema import SECTIONS, GlobalConfig, NodeConfig
 
 __all__ = [
+    "is_service_link",
     "CPU_WORKERS_VARIABLE",
     "ENV_PREFIX",
     "GPUS_VARIABLE",
@@ -43,6 +45,23 @@ GPUS_VARIABLE = ENV_PREFIX + "GPUS"
 #: The worker count of a cpu node without a ``workers`` list (``cpu_workers``).
 CPU_WORKERS_VARIABLE = ENV_PREFIX + "CPU_WORKERS"
 #: Variables that shape the node rather than a worker's settings.
+_SERVICE_LINK = re.compile(
+    r".*_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)"
+)
+_LINK_ADDRESS = re.compile(r"(tcp|udp|sctp)://\S+:\d+")
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """Whether ``name=value`` is one of the variables Kubernetes gives every container for
+    each Service of its namespace (``<SERVICE>_SERVICE_HOST``, ``_SERVICE_PORT[_<NAME>]``,
+    ``_PORT=tcp://...``, ``_PORT_<N>_TCP[_PROTO|_PORT|_ADDR]``): a Service named
+    ``inference-server...`` gives ``INFERENCE_SERVER_...`` ones, which are no setting and
+    must not stop the server as unknown ones."""
+    return bool(_SERVICE_LINK.fullmatch(name)) or (
+        name.endswith("_PORT") and bool(_LINK_ADDRESS.fullmatch(value))
+    )
+
+
 _NODE_VARIABLES = frozenset({GPUS_VARIABLE, CPU_WORKERS_VARIABLE})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -167,6 +186,8 @@ def apply_env(settings: dict[str, Any], env: Mapping[str, str]) -> tuple[str, ..
         text = env[var]
         if var in _NODE_VARIABLES:
             continue  # read when the node is planned (_resolve.plan_node)
+        if var not in table and is_service_link(var, text):
+            continue
         if var not in table:
             close = difflib.get_close_matches(var, [*table, *_NODE_VARIABLES], n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""

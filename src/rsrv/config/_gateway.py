@@ -22,7 +22,7 @@ import msgspec
 
 from rsrv.transport import metadata_problem
 
-from ._env import parse_env_value
+from ._env import is_service_link, parse_env_value
 from ._errors import ConfigError, convert, key_segment, reword
 from ._load import read_document
 from ._schema import LoggingConfig, _doc, _Strict
@@ -313,6 +313,8 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     table = _variables()
     for variable in sorted(k for k in env if k.startswith(GATEWAY_ENV_PREFIX)):
         text = env[variable]
+        if variable not in table and is_service_link(variable, text):
+            continue
         if variable not in table:
             close = difflib.get_close_matches(variable, table, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""

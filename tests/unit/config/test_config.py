@@ -433,6 +433,31 @@ def test_env_unknown_variable_named(tmp_path):
         worker_of(tmp_path, "", env={"INFERENCE_SERVER_ENDPOINTS_RESTRICTED": ""})
 
 
+# What Kubernetes sets in every container for a Service of its namespace named
+# "inference-server-predictor" (a KServe InferenceService "inference-server") or
+# "inference-gateway": no settings (they stopped the server as unknown variables).
+SERVICE_LINKS = {
+    "{}_PORT": "tcp://10.96.0.12:80",
+    "{}_PORT_80_TCP": "tcp://10.96.0.12:80",
+    "{}_PORT_80_TCP_PROTO": "tcp",
+    "{}_PORT_80_TCP_PORT": "80",
+    "{}_PORT_80_TCP_ADDR": "10.96.0.12",
+    "{}_SERVICE_HOST": "10.96.0.12",
+    "{}_SERVICE_PORT": "80",
+    "{}_SERVICE_PORT_HTTP": "80",
+}
+
+
+def test_kubernetes_service_variables_are_no_settings(tmp_path):
+    env = {k.format("INFERENCE_SERVER_PREDICTOR"): v for k, v in SERVICE_LINKS.items()}
+    assert worker_of(tmp_path, "", env=env) == worker_of(tmp_path, "", env={})
+    env = {k.format("INFERENCE_GATEWAY"): v for k, v in SERVICE_LINKS.items()}
+    endpoints = {"INFERENCE_GATEWAY_ENDPOINTS": "127.0.0.1:8101"}
+    assert load_gateway(None, {**env, **endpoints}) == load_gateway(None, endpoints)
+    with pytest.raises(ConfigError, match="INFERENCE_SERVER_METRIC_PORT: unknown"):
+        worker_of(tmp_path, "", env={"INFERENCE_SERVER_METRIC_PORT": "8002"})  # (a typo)
+
+
 @pytest.mark.parametrize(
     ("var", "value"),
     [
