@@ -87,17 +87,18 @@ async def infer(channel):
     )
 
 
-def test_workers_join_and_leave_with_dns(tmp_path, cache_dir):
+def test_workers_join_and_leave_with_dns(tmp_path, cache_dir, caplog):
     export_linear(tmp_path / "repo" / "lin", seed=4)
     port = free_port_on_both()
+    caplog.set_level("WARNING", logger="rsrv.gateway")
     with (
         running(worker_on(tmp_path, "127.0.0.1", port, cache_dir)),
         running(worker_on(tmp_path, "127.0.0.2", port, cache_dir)),
     ):
-        trio.run(gateway_follows_dns, port)
+        trio.run(gateway_follows_dns, port, caplog)
 
 
-async def gateway_follows_dns(port: int) -> None:
+async def gateway_follows_dns(port: int, caplog) -> None:
     resolver = Resolver({"workers.test": ["127.0.0.1"], "other.test": []})
     trio.socket.set_custom_hostname_resolver(resolver)
     config = load_gateway(
@@ -129,6 +130,13 @@ async def gateway_follows_dns(port: int) -> None:
             # A name that fails keeps its own workers, not the other name's.
             resolver.names.update({"workers.test": "fail", "other.test": []})
             await wait_for({one}, {one})
+            rounds = gateway.discovery.rounds
+            with trio.fail_after(30):
+                while gateway.discovery.rounds < rounds + 3:
+                    await trio.sleep(0.05)
+            # warned about once, not every round (8 names, every 2 s: 14,000 an hour)
+            failed = [r for r in caplog.records if "cannot resolve workers.test" in r.message]
+            assert len(failed) == 1
             # A name that does not answer holds no round up; a dual-stack name is taken
             # by its IPv4 addresses (each pod has one in each family), whichever comes first.
             resolver.names.update({"workers.test": "hang", "other.test": ["::1", "127.0.0.2"]})

@@ -83,6 +83,7 @@ class Gateway:
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._resolved: dict[str, dict[str, tuple[str, int]]] = {}  # by endpoints_dns entry
+        self._unresolved: set[str] = set()  # endpoints_dns entries failing to resolve now
         host, port = split_address(config.listen.grpc)
         self.health = HealthService.beside(lambda: self.ready, config.grpc.max_connections)
         try:
@@ -198,16 +199,24 @@ class Gateway:
             host, port = split_address(entry)
             infos = None
             limit = self.config.discovery.probe_timeout_seconds
+            failure = None
             with trio.move_on_after(limit) as timer:
                 try:
                     infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
                 except OSError as e:
-                    log.warning("cannot resolve %s: %s (keeping its workers)", entry, e)
+                    failure = f"cannot resolve {entry}: {e}"
             if timer.cancelled_caught:
-                log.warning("resolving %s took over %g s (keeping its workers)", entry, limit)
-            if infos is None:
+                failure = f"resolving {entry} took over {limit:g} s"
+            if infos is None:  # (once per streak of failures: not every round)
+                (log.debug if entry in self._unresolved else log.warning)(
+                    "%s (keeping its workers)", failure
+                )
+                self._unresolved.add(entry)
                 found.update(self._resolved.get(entry, {}))
                 continue
+            if entry in self._unresolved:
+                self._unresolved.discard(entry)
+                log.info("%s resolves again", entry)
             families = {info[0] for info in infos}
             family = trio.socket.AF_INET if trio.socket.AF_INET in families else None
             resolved = self._resolved[entry] = {}
