@@ -143,7 +143,8 @@ def test_the_gateway_resolves_every_worker_port_of_the_headless_service(tmp_path
     service = named("Service", "rsrv-workers")
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
-    name = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+    # (no cluster domain: the pod's DNS search list adds whichever the cluster has)
+    name = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
     grpc_ports = {p["port"] for p in service["spec"]["ports"] if p["name"].endswith("-grpc")}
     resolved = [split_address(a) for a in gateway.endpoints_dns]
     assert {host for host, _ in resolved} == {name}
