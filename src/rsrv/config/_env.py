@@ -44,24 +44,39 @@ ENV_PREFIX = "INFERENCE_SERVER_"
 GPUS_VARIABLE = ENV_PREFIX + "GPUS"
 #: The worker count of a cpu node without a ``workers`` list (``cpu_workers``).
 CPU_WORKERS_VARIABLE = ENV_PREFIX + "CPU_WORKERS"
-#: Variables that shape the node rather than a worker's settings.
-_SERVICE_LINK = re.compile(
-    r".*_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)"
+# The variables Kubernetes gives a container for each Service of its namespace, after
+# the Service's name S: S_SERVICE_HOST, S_SERVICE_PORT[_<PORT NAME>], S_PORT (an address),
+# and S_PORT_<N>_<PROTOCOL> (an address), with _PROTO, _PORT, _ADDR after it.
+_LINK_SUFFIX = re.compile(
+    r"SERVICE_HOST|SERVICE_PORT(_\w+)?|(?P<address>PORT(_\d+_(TCP|UDP|SCTP))?)"
+    r"|PORT_\d+_(TCP|UDP|SCTP)_(PROTO|PORT|ADDR)"
 )
-_LINK_ADDRESS = re.compile(r"(tcp|udp|sctp)://\S+:\d+")
+_LINK_ADDRESS = re.compile(r"(tcp|udp|sctp)://(?P<host>\S+):\d+")
 
 
-def is_service_link(name: str, value: str) -> bool:
+def is_service_link(name: str, value: str, env: Mapping[str, str]) -> bool:
     """Whether ``name=value`` is one of the variables Kubernetes gives every container for
-    each Service of its namespace (``<SERVICE>_SERVICE_HOST``, ``_SERVICE_PORT[_<NAME>]``,
-    ``_PORT=tcp://...``, ``_PORT_<N>_TCP[_PROTO|_PORT|_ADDR]``): a Service named
-    ``inference-server...`` gives ``INFERENCE_SERVER_...`` ones, which are no setting and
-    must not stop the server as unknown ones."""
-    return bool(_SERVICE_LINK.fullmatch(name)) or (
-        name.endswith("_PORT") and bool(_LINK_ADDRESS.fullmatch(value))
-    )
+    each Service of its namespace: a Service named ``inference-server...`` gives
+    ``INFERENCE_SERVER_...`` ones, which are no settings and must not stop the server.
+    Told by ``env`` holding the Service's ``S_SERVICE_HOST`` and ``S_SERVICE_PORT`` (set
+    together with the others), and an address value (``S_PORT=tcp://...``) naming that
+    host: a variable an operator sets, a typo included, is not one."""
+    for i, char in enumerate(name):
+        if char != "_" or (suffix := _LINK_SUFFIX.fullmatch(name, i + 1)) is None:
+            continue
+        service = name[:i]
+        host = env.get(f"{service}_SERVICE_HOST")
+        if host is None or f"{service}_SERVICE_PORT" not in env:
+            continue
+        if suffix["address"] is None:
+            return True
+        address = _LINK_ADDRESS.fullmatch(value)
+        if address is not None and address["host"].strip("[]") == host.strip("[]"):
+            return True
+    return False
 
 
+#: Variables that shape the node rather than a worker's settings.
 _NODE_VARIABLES = frozenset({GPUS_VARIABLE, CPU_WORKERS_VARIABLE})
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -186,7 +201,7 @@ def apply_env(settings: dict[str, Any], env: Mapping[str, str]) -> tuple[str, ..
         text = env[var]
         if var in _NODE_VARIABLES:
             continue  # read when the node is planned (_resolve.plan_node)
-        if var not in table and is_service_link(var, text):
+        if is_service_link(var, text, env):
             continue
         if var not in table:
             close = difflib.get_close_matches(var, [*table, *_NODE_VARIABLES], n=3)

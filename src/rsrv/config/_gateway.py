@@ -313,7 +313,7 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     table = _variables()
     for variable in sorted(k for k in env if k.startswith(GATEWAY_ENV_PREFIX)):
         text = env[variable]
-        if variable not in table and is_service_link(variable, text):
+        if is_service_link(variable, text, env):
             continue
         if variable not in table:
             close = difflib.get_close_matches(variable, table, n=3)

@@ -456,6 +456,14 @@ def test_kubernetes_service_variables_are_no_settings(tmp_path):
     assert load_gateway(None, {**env, **endpoints}) == load_gateway(None, endpoints)
     with pytest.raises(ConfigError, match="INFERENCE_SERVER_METRIC_PORT: unknown"):
         worker_of(tmp_path, "", env={"INFERENCE_SERVER_METRIC_PORT": "8002"})  # (a typo)
+    with pytest.raises(ConfigError, match="INFERENCE_GATEWAY_LISTEN_PORT: unknown"):
+        load_gateway(None, {**endpoints, "INFERENCE_GATEWAY_LISTEN_PORT": "tcp://0.0.0.0:9"})
+    # A Service named "inference-server-endpoints" gives a real variable's name: its
+    # address is no setting, a port set in the pod's spec is
+    env = {k.format("INFERENCE_SERVER_ENDPOINTS"): v for k, v in SERVICE_LINKS.items()}
+    assert worker_of(tmp_path, "", env=env) == worker_of(tmp_path, "", env={})
+    env["INFERENCE_SERVER_ENDPOINTS_PORT"] = "9100"
+    assert worker_of(tmp_path, "", env=env).endpoints.port == 9100
 
 
 @pytest.mark.parametrize(
