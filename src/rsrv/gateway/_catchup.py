@@ -347,6 +347,7 @@ class CatchUp:
             log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
             if await self._call(worker, INFERENCE + "RepositoryModelLoad", body) is not None:
                 present.add(model)
+                self.forward.discovery.changed()  # (who holds it: a setting must see it)
             if self.loads.get(model) is not body:  # unloaded meanwhile: look again
                 self.start([worker])
         for model, body in list(self.unloads.items()):
@@ -354,6 +355,7 @@ class CatchUp:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
                 if await self._call(worker, INFERENCE + "RepositoryModelUnload", body) is not None:
                     present.discard(model)
+                    self.forward.discovery.changed()
                 if self.unloads.get(model) is not body:  # loaded meanwhile: look again
                     self.start([worker])
         for model, held in list(self.settings.items()):

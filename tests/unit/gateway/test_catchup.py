@@ -326,6 +326,46 @@ async def test_a_holder_back_while_a_setting_is_made_gets_it(autojump_clock):
     assert fake.processes["w1"].residency == {"a": cpb.RESIDENCY_SYSTEM}
 
 
+async def test_a_setting_right_after_a_replayed_load_reaches_that_worker():
+    """A replay loads a model on a worker; a setting made before the next discovery round
+    waits for it (the index read before the replay has no such model there: the worker
+    was left out, and counted as having nothing to do)."""
+    fake = FakeWorkers("w0", "w1")
+    fake.ready("w0", "w1")
+    services = services_of(fake)
+    catchup = services.catchup
+    w0, w1 = fake.fleet.workers
+
+    def index_of(worker):
+        models = fake.processes[worker.name].models
+        return tuple(IndexRow(m, "1", "READY", "") for m in sorted(models))
+
+    async def round_if_changed():  # (a discovery round: the indexes as they are now)
+        if fake.discovery.changes:
+            fake.discovery.changes = 0
+            for worker in fake.fleet.workers:
+                worker.index = index_of(worker)
+
+    fake.discovery.changes_seen = round_if_changed
+    for i, worker in enumerate(fake.fleet.workers):
+        worker.instance, worker.away = f"process {i}", False
+    async with trio.open_nursery() as nursery:
+        catchup.nursery = nursery
+        catchup.start([w0, w1])  # nothing recorded: both in line
+        w1.ready = False  # away while "a" is loaded through the gateway
+        fake.processes["w0"].models.add("a")
+        catchup.loaded("a", load("a"))
+        catchup.missed({"w0": ok(b"")})
+        w0.index = index_of(w0)
+        w1.ready = True  # back: its replay loads "a"
+        catchup.start([w1])
+        await trio.testing.wait_all_tasks_blocked()
+        assert "a" in fake.processes["w1"].models and not w1.index
+        call = client_call("SetModelResidency", CONTROL)
+        await services.model_holders(residency("a", cpb.RESIDENCY_SYSTEM), call)
+    assert fake.processes["w1"].residency == {"a": cpb.RESIDENCY_SYSTEM}
+
+
 def trace(**settings: str) -> bytes:
     request = pb.TraceSettingRequest()
     for key, value in settings.items():
