@@ -1,14 +1,15 @@
 """The repository watcher of ``model_control_mode: dynamic``.
 
 Every ``model_poll_seconds`` it fingerprints each model directory: the name, size,
-mtime and inode of the files that define each of its bundles (the directory itself, or each of its
-version directories). A change is acted on only when the same new fingerprint is seen
-on two consecutive polls, so a bundle that is still being written is never loaded: a new
-model is loaded, a removed one unloaded, a changed one reloaded (the worker rebuilds only
-the versions whose own fingerprint changed, loads added ones beside them and retires
-removed ones). Each model's change runs as a task of its own: a slow load (a long
-compile, a slow ``model.py``) delays no other model's change and no poll; the loader's
-per-model lock keeps one model's changes in the order they were seen.
+mtime, inode and ctime of the files that define each of its bundles (the directory
+itself, or each of its version directories). A change is acted on only when the same
+new fingerprint is seen on two consecutive polls, so a bundle that is still being
+written is never loaded: a new model is loaded, a removed one unloaded, a changed one
+reloaded (the worker rebuilds only the versions whose own fingerprint changed, loads
+added ones beside them and retires removed ones). Each model's change runs as a task of
+its own: a slow load (a long compile, a slow ``model.py``) delays no other model's
+change and no poll; the loader's per-model lock keeps one model's changes in the order
+they were seen.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from rsrv.versions import version_dir_number
 
 log = logging.getLogger(__name__)
 
-Fingerprint = tuple[tuple[str, int, int, int], ...]  # name, size, mtime, inode
+Fingerprint = tuple[tuple[str, int, int, int, int], ...]  # name, size, mtime, inode, ctime
 
 
 def fingerprint(bundle: Path) -> Fingerprint | None:
-    """The defining files of a bundle with their sizes, mtimes and inodes (a file replaced
-    by one of the same size and mtime, as reproducible builds and ``rsync -a`` make, has
-    another inode; not the ctime, which a ``chmod`` or a hard link elsewhere changes);
-    None if it is gone.
+    """The defining files of a bundle with their sizes, mtimes, inodes and ctimes: a file
+    replaced by one of the same size and mtime, as reproducible builds and ``cp -p``
+    make, has another inode, or reuses the freed one with a new ctime (which a ``chmod``
+    or a hard link elsewhere changes too: a reload then, served by the compilation
+    cache, rather than new weights missed); None if it is gone.
     One that cannot be read (no permission, a symbolic link loop) has a fingerprint of
     its own, saying so: a change (loading it reports the error, and keeps what it
     serves), neither gone nor the same."""
@@ -41,11 +43,14 @@ def fingerprint(bundle: Path) -> Fingerprint | None:
         )
         if not any(p.name in MANIFEST_NAMES for p in files):
             return None
-        return tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino) for p in files)
+        return tuple(
+            (p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+            for p in files
+        )
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        return (("<unreadable>", e.errno or 0, 0, 0),)
+        return (("<unreadable>", e.errno or 0, 0, 0, 0),)
 
 
 ModelFingerprint = tuple[tuple[str, Fingerprint], ...]
