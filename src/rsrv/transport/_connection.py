@@ -177,7 +177,7 @@ class ServerConnection(Http2Endpoint):
         """
         if not self._goaway_sent:
             self._send_goaway(F.NO_ERROR)
-        self._lingers = linger
+        self._lingers = self._lingers and linger  # (once told not to, it never does)
         self._read_scope.cancel()
 
     async def _linger(self) -> None:
