@@ -88,9 +88,9 @@ class CatchUp:
         self._replaying: dict[int, bool] = {}  # id(worker link) -> replay again once done
         self._unfinished: set[int] = set()  # id(worker link): a call was shed or timed out
         self._changes = 0  # changes recorded so far (loads, unloads, regions, settings)
-        # id(worker link) -> (its instance, the changes it held all of) when last known
-        # in line: a worker away for a moment that missed nothing is left alone
-        self._in_line: dict[int, tuple[str, int]] = {}
+        # worker name -> (its instance, the changes it held all of) when last known in
+        # line: a worker away for a moment that missed nothing is left alone
+        self._in_line: dict[str, tuple[str, int]] = {}
         self._failed: set[int] = set()  # id(worker link): a call of its pass failed
 
     def __bool__(self) -> bool:
@@ -129,7 +129,7 @@ class CatchUp:
         if name not in self.regions:  # (a new set: a running pass holds the old one)
             self.dropped[name] = self.dropped.get(name, set()) | {w.name for w in workers}
         for worker in workers:
-            self._in_line.pop(id(worker), None)
+            self._in_line.pop(worker.name, None)
         self.start(workers)
 
     def forget_absent(self, known: set[str], every_worker_seen: bool) -> None:
@@ -148,7 +148,8 @@ class CatchUp:
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` left the fleet (DNS; a pod that returns comes as a new process):
-        no region is waiting to be removed from it any more."""
+        no region is waiting to be removed from it any more, nor is it known in line."""
+        self._in_line.pop(worker, None)
         for name, away in list(self.dropped.items()):
             if worker in away:
                 if len(away) == 1:
@@ -211,8 +212,8 @@ class CatchUp:
 
     def _known_in_line(self, worker: WorkerLink) -> bool:
         if not self:  # nothing to bring it in line with: it is, from now on
-            self._in_line[id(worker)] = (worker.instance, self._changes)
-        return bool(worker.instance) and self._in_line.get(id(worker)) == (
+            self._in_line[worker.name] = (worker.instance, self._changes)
+        return bool(worker.instance) and self._in_line.get(worker.name) == (
             worker.instance,
             self._changes,
         )
@@ -226,8 +227,8 @@ class CatchUp:
         fleet = self.forward.fleet
         for worker in fleet.workers:
             done = worker.name in exempt or _ok(results.get(worker.name))
-            if done and self._in_line.get(id(worker)) == (worker.instance, self._changes - 1):
-                self._in_line[id(worker)] = (worker.instance, self._changes)
+            if done and self._in_line.get(worker.name) == (worker.instance, self._changes - 1):
+                self._in_line[worker.name] = (worker.instance, self._changes)
         self.start(
             [w for w in fleet.ready if w.name not in exempt and not _ok(results.get(w.name))]
         )
@@ -262,7 +263,7 @@ class CatchUp:
                     log.exception("bringing %s in line failed", worker.name)
                     self._failed.add(key)
                 if key not in self._failed and worker.instance == held[0]:
-                    self._in_line[key] = held
+                    self._in_line[worker.name] = held
                 again, self._replaying[key] = self._replaying[key], False
         finally:
             del self._replaying[key]
