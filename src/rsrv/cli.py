@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import rsrv
+
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
@@ -14,7 +16,12 @@ def main(argv: list[str] | None = None) -> int:
         from rsrv.lifeline import hold_stop_signals
 
         hold_stop_signals()
-    parser = argparse.ArgumentParser(prog="rsrv", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rsrv",
+        description="rsrv: serve compiled models (StableHLO on PJRT) over KServe V2 / Triton "
+        "gRPC: a worker, a node of workers, a gateway; check and export bundles.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {rsrv.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run a worker: gRPC KServe V2 on the node's port")

@@ -248,7 +248,8 @@ class GatewayControl:
         if name not in s.fleet.routes and not request.allow_unknown_model:
             raise NotFound(
                 f"model {name!r} is not served by any ready worker "
-                "(allow_unknown_model places it ahead of time)"
+                "(allow_unknown_model, or --allow-unknown on the command line, places it ahead "
+                "of time)"
             )
         current = s.config.models.get(name, ModelPlacementConfig())
         replicas, mode, factor = current.replicas, current.fill_mode, current.fill_factor
