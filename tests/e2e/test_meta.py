@@ -987,6 +987,8 @@ def test_explicit_mode_readiness_and_residency(cache_dir):
         assert loaded(client) == {"region_pipeline": ("UNAVAILABLE", waiting)}
         code, message = failure(lambda: infer(client, "region_pipeline", {"image": image}))
         assert code == "StatusCode.UNAVAILABLE" and waiting in message
+        # ModelControlStatus says so too (it said READY)
+        assert model_statuses(worker)["region_pipeline"].state == "UNAVAILABLE"
 
         client.load_model("region_scorer")
         assert loaded(client) == {
@@ -995,6 +997,7 @@ def test_explicit_mode_readiness_and_residency(cache_dir):
         client.load_model("patch_classifier")
         assert client.is_model_ready("region_pipeline")
         assert loaded(client) == {"region_pipeline": ("READY", "")}
+        assert model_statuses(worker)["region_pipeline"].state == "READY"
         expected = pipeline_reference(image)
         out = infer(client, "region_pipeline", {"image": image})
         np.testing.assert_array_equal(out["regions"], expected["regions"])

@@ -168,7 +168,8 @@ def _meta(worker: Worker, served: ServedModel) -> ModelControl:
     cache = worker.weights.cache
     return ModelControl(
         name=served.name,
-        state=_READY,
+        # (as its RepositoryIndex row says: a meta waiting for the models it calls is not)
+        state=_READY if worker.model_ready(served.name) else "UNAVAILABLE",
         kind="meta",
         residency=min((s.residency for s in subs), key=FLOORS.index) if subs else "",
         device_resident=bool(subs) and all(cache.is_resident(s.key) for s in subs),
