@@ -333,6 +333,15 @@ RAW_CASES = {
         ({"inputs": [tensor(**X, binary=1024)], "parameters": {"timeout": -5}}, ONE_ROW),
         "invalid value -5 for 'timeout' parameter",
     ),
+    "timeout past int64": (
+        ({"inputs": [tensor(**X, binary=1024)], "parameters": {"timeout": 2**63}}, ONE_ROW),
+        "invalid value for 'timeout' parameter for the request: 9223372036854775808 is "
+        "outside the int64 range",
+    ),
+    "priority past uint64": (
+        ({"inputs": [tensor(**X, binary=1024)], "parameters": {"priority": 2**64}}, ONE_ROW),
+        "invalid value for 'priority', expected value < 2^64, got 18446744073709551616",
+    ),
     "priority of the wrong type": (
         ({"inputs": [tensor(**X, binary=1024)], "parameters": {"priority": "high"}}, ONE_ROW),
         "invalid value type for 'priority' parameter, expected an integer >= 0",

@@ -112,9 +112,17 @@ _JSON_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
+#: Integers the protobuf parameter kinds hold (what the gRPC wire could carry).
+_RANGES = {
+    "int64_param": (-(1 << 63), (1 << 63) - 1, "int64"),
+    "uint64_param": (0, (1 << 64) - 1, "uint64"),
+}
+
+
 def json_param(params: Mapping[str, Any], key: str, kind: str, what: str) -> Any:
     """The value of JSON parameter ``key`` (None if absent or null), which must be the
-    JSON type of protobuf kind ``kind`` (a boolean is never a number)."""
+    JSON type of protobuf kind ``kind`` (a boolean is never a number), an integer in its
+    range."""
     value = params.get(key)
     if value is None:
         return None
@@ -122,6 +130,12 @@ def json_param(params: Mapping[str, Any], key: str, kind: str, what: str) -> Any
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise InvalidArgument(
             f"invalid value type for '{key}' parameter for {what}, expected {words}"
+        )
+    bounds = _RANGES.get(kind)
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise InvalidArgument(
+            f"invalid value for '{key}' parameter for {what}: {value} is outside the "
+            f"{bounds[2]} range [{bounds[0]}, {bounds[1]}]"
         )
     return value
 
@@ -188,7 +202,10 @@ def request_priority(request: Any) -> int:
 
 
 def priority_of(value: int) -> int:
-    """A signed ``priority`` value, any wire: it must be >= 0."""
+    """A signed ``priority`` value, any wire: it must be >= 0 (and a uint64: a JSON
+    integer may be larger than any the gRPC wire carries)."""
     if value < 0:
         raise InvalidArgument("invalid value for 'priority', expected value >= 0")
+    if value >= 1 << 64:
+        raise InvalidArgument(f"invalid value for 'priority', expected value < 2^64, got {value}")
     return value
