@@ -30,7 +30,7 @@ from support import ROOT
 from support.bundles import X, export_linear, matches, x_input
 from support.health import check
 from support.metrics import Scrape
-from support.serving import free_ports
+from support.serving import free_base_port, free_ports
 from support.waiting import wait_until
 
 from rsrv.config import load_node, plan_node
@@ -164,6 +164,9 @@ def local_node_file(workdir: Path, repo: Path, cache: Path) -> tuple[Path, dict[
     text = (DOCKER / "node.toml").read_text()
     keys = ("port", "metrics_port", "metrics_base_port")
     ports = dict(zip((*keys, "gateway_metrics"), free_ports(4), strict=True))
+    # (the workers' ports follow a base: 8001 + 100 + i for gRPC, 8201 + i for metrics)
+    ports["port"] = free_base_port((0, 100, 101))
+    ports["metrics_base_port"] = free_base_port((0, 1))
     for key in keys:
         # the first one: the top-level key ([gateway] has a metrics_port of its own)
         text, n = re.subn(rf"(?m)^{key} = \d+", f"{key} = {ports[key]}", text, count=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import socket
 import subprocess
@@ -183,6 +184,26 @@ def free_ports(count: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def free_base_port(offsets: tuple[int, ...]) -> int:
+    """A port ``p`` such that ``p + o`` is free for every offset ``o`` (a node's derived
+    ports: a base and the workers after it), below the kernel's ephemeral range, where
+    no client connection takes one of them meanwhile (what ``free_ports`` gives is in
+    that range: a port after it, not held, may be a connection's by then)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(1000):
+        base = rng.randrange(10000, low - max(offsets) - 1)
+        with contextlib.ExitStack() as held:
+            try:
+                for offset in offsets:
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no free ports at {offsets} below {low}")
 
 
 class ServerProcess:
