@@ -24,6 +24,7 @@ Lifetime guarantees:
 
 from __future__ import annotations
 
+import errno
 import math
 import ssl
 import urllib.parse
@@ -54,6 +55,12 @@ async def connect(
     verifying ``server_hostname`` or ``host``). Raises OSError, ``ssl.SSLError`` or
     ``trio.BrokenResourceError`` when the server cannot be reached."""
     sock = await trio.open_tcp_stream(host, port)
+    if sock.socket.getsockname() == sock.socket.getpeername():
+        # TCP's simultaneous open: a connection to a local port nothing listens on can
+        # be given that very port and connect to itself, holding the port the server
+        # restarting there needs ("Address already in use"): refused, as it really is.
+        await sock.aclose()
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "connected to itself: nothing listens")
     set_keepalive(sock.socket)  # (a server gone without a FIN: noticed, not waited on)
     if tls is None:
         return sock

@@ -47,7 +47,7 @@ from rsrv.transport import (
     server_tls_context,
 )
 from rsrv.transport import _frames as F
-from rsrv.transport._client import ClientConnection, _parse_headers
+from rsrv.transport._client import ClientConnection, _parse_headers, connect
 
 MIB = 1 << 20
 
@@ -237,6 +237,24 @@ async def test_uncapped_calls_waiting_for_the_spare_share_its_failure():
                 nursery.cancel_scope.cancel()
     assert [status for _, status in ended] == [StatusCode.UNAVAILABLE] * 4
     assert max(seconds for seconds, _ in ended) < 2
+
+
+async def test_a_connection_to_itself_is_refused(monkeypatch):
+    """A connection to a local port nothing listens on may be given that very port (TCP's
+    simultaneous open): it then holds the port a server restarting there needs, and
+    talks to itself. It is closed as the refusal it is."""
+    own = socket.socket()
+    own.bind(("127.0.0.1", 0))
+    port = own.getsockname()[1]
+    own.connect(("127.0.0.1", port))  # (connected to itself)
+
+    async def open_tcp_stream(host, port):
+        return trio.SocketStream(trio.socket.from_stdlib_socket(own))
+
+    monkeypatch.setattr(trio, "open_tcp_stream", open_tcp_stream)
+    with pytest.raises(ConnectionRefusedError, match="connected to itself"):
+        await connect("127.0.0.1", port, None, None)
+    assert own.fileno() == -1  # closed: the port is free
 
 
 async def test_pool_spreads_streams_over_a_few_connections():
