@@ -332,6 +332,8 @@ class Scheduler:
     ) -> Request:
         now = self._clock()
         if self._draining or self._closed:
+            if (known := self._models.get(model)) is not None:  # (counted, as rejections are)
+                known.stats.failed("UNAVAILABLE")
             raise Unavailable("server is shutting down")
         if isinstance(label, PinnedVersion) and self._models.get(model) is not label.model:
             raise NotFound(f"model {model!r} was unloaded")

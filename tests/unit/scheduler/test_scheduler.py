@@ -499,6 +499,7 @@ async def test_drain_answers_everything_then_refuses_new_work(autojump_clock):
         assert all(o.done and o.result is not None for o in outs)
         with pytest.raises(Unavailable, match="shutting down"):
             await sched.submit("a", [rows(1, 1)])
+        assert sched.stats("a").failures == {"UNAVAILABLE": 1}  # (counted, as rejections are)
     # run() returned by itself, so the nursery closed
 
 
