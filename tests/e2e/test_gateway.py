@@ -89,9 +89,14 @@ def start_workers(
         repo = repos[i] if repos is not None else root / "repo"
         text = WORKER.format(repo=repo, cache=cache, discipline=discipline, delay=delay, mode=mode)
         workers.append(ServerProcess(workdir, text))
-    for worker in workers:
-        with connect(worker) as client:
-            worker.wait_ready(client)
+    try:
+        for worker in workers:
+            with connect(worker) as client:
+                worker.wait_ready(client)
+    except BaseException:  # (not yet the test's to kill: none may outlive it)
+        for worker in workers:
+            worker.kill()
+        raise
     return workers
 
 
@@ -113,7 +118,11 @@ def start_gateway(root: Path, workers: list, scheduling: str = "") -> ServerProc
         except OSError:
             return False
 
-    wait_until(every_worker_ready, 60, "the gateway to see every worker", interval=0.1)
+    try:
+        wait_until(every_worker_ready, 60, "the gateway to see every worker", interval=0.1)
+    except BaseException:
+        gateway.kill()
+        raise
     return gateway
 
 
