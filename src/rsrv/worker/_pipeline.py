@@ -286,6 +286,7 @@ def _bytes_objects(array: np.ndarray, where: str) -> np.ndarray:
     if all(type(v) is bytes for v in flat):
         return array
     out = np.empty(array.shape, object)
+    out_flat = out.reshape(-1)  # (a view: filling it fills out)
     for i, value in enumerate(flat):
         if isinstance(value, str):
             value = value.encode()
@@ -296,5 +297,5 @@ def _bytes_objects(array: np.ndarray, where: str) -> np.ndarray:
                 f"{where} with element {i} a {type(value).__name__}; BYTES elements are "
                 "bytes or str"
             )
-        out.reshape(-1)[i] = value
+        out_flat[i] = value
     return out
