@@ -44,7 +44,10 @@ class VersionPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     all: Annotated[bool, Meta(description="Serve every version.")] = False
     specific: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
-        Meta(description="Serve exactly these versions (those that exist)."),
+        Meta(
+            description="Serve exactly these versions (those that exist).",
+            extra_json_schema={"minItems": 1},  # (__post_init__ says so for the loader)
+        ),
     ] = None
 
     def __post_init__(self) -> None:

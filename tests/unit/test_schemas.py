@@ -93,3 +93,37 @@ def test_example_manifests_validate_against_the_schema(repo_root, manifest_schem
         assert not errors, f"{where}: {errors}"
     bad = dict(docs[0][1], max_batch=8)
     assert not validator.is_valid(bad)
+
+
+@pytest.mark.parametrize(
+    ("schema", "refused", "accepted"),
+    [
+        ("gateway", {"endpoints": ["a"]}, {"endpoints": ["a:1", "[::1]:8001"]}),
+        ("gateway", {"endpoints": ["a:1"], "listen": {"grpc": "x"}}, {"endpoints": ["a:1"]}),
+        ("node", {"gpus": [-1]}, {"gpus": [0, "3", " cuda:1 ", "GPU-ab12", "MIG-x/1"]}),
+        ("node", {"gpus": ["cuda:x"]}, {"gpus": 2}),
+        (
+            "node",
+            {"global": {"scheduler": {"models": {"m": {"version_policy": {"specific": []}}}}}},
+            {"global": {"scheduler": {"models": {"m": {"version_policy": {"specific": [2]}}}}}},
+        ),
+    ],
+)
+def test_schemas_refuse_what_the_loaders_refuse(repo_root, tmp_path, schema, refused, accepted):
+    """Where a rule fits a JSON Schema, the committed schema says it: an editor
+    validating a file against it accepted each `refused` file, which the loader refuses."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from rsrv.config import ConfigError, load_gateway, load_node
+
+    document = json.loads((repo_root / "specs" / f"{schema}.schema.json").read_text())
+    validator = jsonschema.validators.validator_for(document)(document)
+    load = load_gateway if schema == "gateway" else load_node
+    for doc, valid in ((refused, False), (accepted, True)):
+        assert validator.is_valid(doc) is valid, doc
+        path = tmp_path / "file.yaml"
+        path.write_text(json.dumps(doc))  # (JSON is YAML)
+        if valid:
+            load(path, env={}) if schema == "gateway" else load(path)
+        else:
+            with pytest.raises(ConfigError):
+                load(path, env={}) if schema == "gateway" else load(path)

@@ -26,12 +26,11 @@ from collections.abc import Mapping, Sequence
 
 from ._env import GPUS_VARIABLE
 from ._errors import ConfigError
-from ._schema import NodeConfig
+from ._schema import DEVICE_ORDINAL, DEVICE_UUID, NodeConfig
 
 __all__ = ["assign_devices", "detect_devices", "file_devices", "parse_device"]
 
-_ORDINAL = re.compile(r"(?:cuda:)?(\d+)")
-_UUID = re.compile(r"(?:GPU|MIG)-[0-9A-Za-z/.-]+")
+_ORDINAL, _UUID = re.compile(DEVICE_ORDINAL), re.compile(DEVICE_UUID)
 _DEVFS = re.compile(r"nvidia(\d+)")
 
 

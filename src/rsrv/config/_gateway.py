@@ -41,17 +41,24 @@ __all__ = [
 ]
 
 GATEWAY_ENV_PREFIX = "INFERENCE_GATEWAY_"
-_ADDRESS = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:\[\]\s]+):(?P<port>\d{1,5})")
-Address = Annotated[str, msgspec.Meta(description="host:port, [v6 address]:port")]
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]\s]+):(\d{1,5})")  # (host, port)
+Address = Annotated[
+    str,
+    msgspec.Meta(
+        description="host:port, [v6 address]:port",
+        # (the schema's, in ECMAScript's syntax; the loader says "'x' is not host:port")
+        extra_json_schema={"pattern": f"^{_ADDRESS.pattern}$"},
+    ),
+]
 
 
 def split_address(text: str) -> tuple[str, int]:
     """``"host:port"`` (``"[::1]:8001"`` for IPv6) as (host, port); ValueError if not.
     Port 0 (listen on a free port) is allowed here; endpoints must name a port."""
     match = _ADDRESS.fullmatch(text)
-    if match is None or not 0 <= int(match["port"]) <= 65535:
+    if match is None or not 0 <= int(match[2]) <= 65535:
         raise ValueError(f"{text!r} is not host:port")
-    return match["host"].strip("[]"), int(match["port"])
+    return match[1].strip("[]"), int(match[2])
 
 
 def join_address(host: str, port: int) -> str:

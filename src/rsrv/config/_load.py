@@ -48,6 +48,20 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
                 )
         return super().construct_mapping(node, deep)
 
+    def construct_object(self, node, deep=False):
+        """PyYAML's, with what its constructors raise on an explicit tag they cannot
+        read (``!!bool maybe``: KeyError, ``!!timestamp x``: AttributeError) made a
+        ConstructorError at the node, as every other YAML error is."""
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, KeyError, AttributeError, TypeError, OverflowError):
+            tag = node.tag.removeprefix("tag:yaml.org,2002:")
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} cannot be read as !!{tag}", node.start_mark
+            ) from None
+
 
 # Numbers as YAML 1.2 reads them (its core schema), not PyYAML's YAML 1.1: `010` is 10
 # (1.1: octal 8), `1:30` a string (1.1: 90, base 60), `1e3` the number 1000 (1.1: a
@@ -86,7 +100,20 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     return -value if text.startswith("-") else value
 
 
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    word = text.replace("_", "").lower()
+    special = {".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(word)
+    try:  # (an explicit !!float may carry anything; YAML 1.2 has no base 60)
+        return float(special or word)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a number", node.start_mark
+        ) from None
+
+
 _UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
+_UniqueKeyLoader.add_constructor(_FLOAT_TAG, _construct_float)
 
 
 def _load_yaml(data: bytes) -> Any:

@@ -165,7 +165,7 @@ def _derived_port(
         return None
     port = base + index
     if port > 65535:
-        raise ConfigError(f"{where}: {what} {base} + worker index {index} exceeds 65535")
+        raise ConfigError(f"{where}: {what} + worker index {index} exceeds 65535")
     return port
 
 
@@ -206,14 +206,25 @@ def _resolve_one(
     merged = convert(settings, GlobalConfig, here)
 
     endpoints = merged.endpoints
-    port = _derived_port(endpoints.port, base_port, index, "base_port", here)
+    derived = f"base_port {base_port}"
+    if node.base_port is None:  # (the message names what the file says)
+        derived = f"port {node.port} + {base_port - node.port} (base_port unset)"
+    port = _derived_port(endpoints.port, base_port, index, derived, here)
     metrics_port = _derived_port(
-        endpoints.metrics_port, node.metrics_base_port, index, "metrics_base_port", here
+        endpoints.metrics_port,
+        node.metrics_base_port,
+        index,
+        f"metrics_base_port {node.metrics_base_port}",
+        here,
     )
     if metrics_port == port:
         raise ConfigError(f"{here}: metrics port and gRPC port are both {port}")
     http_port = _derived_port(
-        endpoints.http_port, node.http_base_port, index, "http_base_port", here
+        endpoints.http_port,
+        node.http_base_port,
+        index,
+        f"http_base_port {node.http_base_port}",
+        here,
     )
     if http_port is not None and http_port in (port, metrics_port):
         other = "gRPC" if http_port == port else "metrics"

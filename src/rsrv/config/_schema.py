@@ -39,6 +39,16 @@ HOST_PATTERN = r"^\S+$"
 Host = Annotated[str, Meta(min_length=1, pattern=HOST_PATTERN)]
 #: A path: not empty (an empty one would silently mean the working directory).
 PathText = Annotated[str, Meta(min_length=1)]
+#: A device in a ``gpus`` list, as text: an ordinal (``3``, ``cuda:3``) or a UUID.
+DEVICE_ORDINAL, DEVICE_UUID = r"(?:cuda:)?(\d+)", r"(?:GPU|MIG)-[0-9A-Za-z/.-]+"
+# (the JSON Schema says what the loader checks, which names the item at fault itself)
+_Device = (
+    Annotated[int, Meta(extra_json_schema={"minimum": 0})]
+    | Annotated[
+        str,
+        Meta(extra_json_schema={"pattern": rf"^\s*(?:{DEVICE_ORDINAL}|{DEVICE_UUID})\s*$"}),
+    ]
+)
 
 #: Fair-share weights a model may have. Bounded so that a model's virtual time stays
 #: finite and comparable: a weight of inf would starve every other model, and a
@@ -519,7 +529,7 @@ class NodeConfig(_Strict):
         ),
     ] = None
     gpus: Annotated[
-        Literal["auto"] | Annotated[int, Meta(ge=0)] | list[int | str],
+        Literal["auto"] | Annotated[int, Meta(ge=0)] | list[_Device],
         _doc(
             "Devices the node uses (backend cuda): auto (detected: INFERENCE_SERVER_GPUS, "
             "CUDA_VISIBLE_DEVICES, nvidia-smi, /dev/nvidia*), a count (the first n of the "

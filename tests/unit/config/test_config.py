@@ -225,6 +225,24 @@ def test_yaml_numbers_read_as_yaml_1_2_does(tmp_path):
         load_node(write(tmp_path, "node.yaml", "port: !!int 1:30\n"))
     with pytest.raises(ConfigError, match="model_poll_seconds: Expected `float`, got `str`"):
         load_node(write(tmp_path, "node.yaml", "global: {model_poll_seconds: 1:30}\n"))
+    with pytest.raises(ConfigError, match="'1:30' is not a number"):
+        load_node(write(tmp_path, "node.yaml", "global: {model_poll_seconds: !!float 1:30}\n"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("port: !!bool maybe\n", "'maybe' cannot be read as !!bool"),  # (was KeyError)
+        ("port: !!timestamp foo\n", "'foo' cannot be read as !!timestamp"),  # (AttributeError)
+        ("port: !!float abc\n", "'abc' is not a number"),  # (ValueError, no file named)
+    ],
+)
+def test_explicit_yaml_tags_that_cannot_be_read_are_errors_naming_the_file(
+    tmp_path, text, message
+):
+    path = write(tmp_path, "node.yaml", text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: invalid YAML: {message}"):
+        load_node(path)
 
 
 @pytest.mark.parametrize(
@@ -669,7 +687,11 @@ def test_a_pin_on_a_worker_the_machine_decides_is_checked_on_the_machine(tmp_pat
             "global: {endpoints: {metrics_port: 9000}}\nworkers: [{name: a}, {name: b}]",
             "both use metrics port 9000",
         ),
-        ("base_port: 65535\nworkers: [{name: a}, {name: b}]", "exceeds 65535"),
+        ("base_port: 65535\nworkers: [{name: a}, {name: b}]", "base_port 65535 + worker index 1"),
+        (  # (base_port unset: the message named a base_port 65600 the file never set)
+            "port: 65500\ncpu_workers: 2",
+            "port 65500 + 100 (base_port unset) + worker index 0 exceeds 65535",
+        ),
     ],
 )
 def test_port_collisions_rejected(tmp_path, yaml, message):
