@@ -237,9 +237,7 @@ def test_yaml_numbers_read_as_yaml_1_2_does(tmp_path):
         ("port: !!float abc\n", "'abc' is not a number"),  # (ValueError, no file named)
     ],
 )
-def test_explicit_yaml_tags_that_cannot_be_read_are_errors_naming_the_file(
-    tmp_path, text, message
-):
+def test_explicit_yaml_tags_that_cannot_be_read_are_errors_naming_the_file(tmp_path, text, message):
     path = write(tmp_path, "node.yaml", text)
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: invalid YAML: {message}"):
         load_node(path)
