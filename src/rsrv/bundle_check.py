@@ -66,6 +66,9 @@ def _expand(dirs: list[Path]) -> list[tuple[Path, str | None | BundleError]]:
     error of a model directory whose layout is wrong)."""
     out: list[tuple[Path, str | None | BundleError]] = []
     for d in dirs:
+        if not d.exists():  # (a typo in a CI job's path must not pass as nothing to check)
+            out.append((d, BundleError(f"{d}: no such file or directory")))
+            continue
         try:
             is_bundle = find_manifest(d) is not None
         except BundleError:
@@ -77,8 +80,8 @@ def _expand(dirs: list[Path]) -> list[tuple[Path, str | None | BundleError]]:
         if versions:  # a model directory of versions
             out.extend(versions)
             continue
-        for model in discover(d):
-            out.extend(_versions(model) or [(model, None)])
+        found = [entry for model in discover(d) for entry in _versions(model) or [(model, None)]]
+        out.extend(found or [(d, BundleError(f"{d}: no bundle, model or repository here"))])
     return out
 
 

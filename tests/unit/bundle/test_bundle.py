@@ -996,6 +996,18 @@ def test_check_broken(tiny_bundle):
     assert out.getvalue().endswith("1 ok, 0 failed\n")
 
 
+def test_check_fails_a_path_with_nothing_to_check(tmp_path):
+    """A mistyped path, or an empty directory, passed as "0 ok, 0 failed" (exit 0)."""
+    missing, empty = tmp_path / "bundels", tmp_path / "empty"
+    empty.mkdir()
+    out = io.StringIO()
+    assert check_main([missing, empty], out=out) == 1
+    text = out.getvalue()
+    assert f"FAIL bundels\n  {missing}: no such file or directory\n" in text
+    assert f"FAIL empty\n  {empty}: no bundle, model or repository here\n" in text
+    assert text.endswith("0 ok, 2 failed\n")
+
+
 def _rsrv_command() -> list[str]:
     script = Path(sys.executable).parent / "rsrv"
     found = script if script.is_file() else shutil.which("rsrv")
