@@ -74,12 +74,14 @@ class Compiler:
         start = time.perf_counter()
         options = xla_client.CompileOptions()
         path = self._entry(source)
-        if path is not None and path.is_file():
+        if path is not None:
             try:
                 blob = _checked(path)
                 exe = self._client.deserialize_executable(blob, self._devices, options)
                 return CompileResult(exe, time.perf_counter() - start, True)
-            except Exception as e:  # a damaged or stale entry: recompile and replace it
+            except FileNotFoundError:  # a miss
+                pass
+            except Exception as e:  # damaged, stale or unreadable: recompile (and replace)
                 log.warning("ignoring unreadable compilation cache entry %s: %s", path, e)
         exe = self._client.compile_and_load(source, self._devices, options)
         if path is not None:
@@ -115,9 +117,11 @@ def _checked(path: Path) -> bytes:
     past its head in one sized read, not sliced out of the whole: a 256 MiB entry loads
     in 0.28-0.32 s against 0.44-0.48 s, 3 interleaved rounds). Raises ValueError, or
     OSError."""
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb") as f:
         head = f.read(len(_MAGIC) + 32)
-        blob = f.read(os.fstat(f.fileno()).st_size - len(head))  # (one read, sized)
+        # (buffered: read(n) reads until it has n bytes, and Linux reads at most
+        # 2 GiB - 4 KiB at a time; beyond its buffer it reads into the result directly)
+        blob = f.read(os.fstat(f.fileno()).st_size - len(head))
     if head[: len(_MAGIC)] != _MAGIC or hashlib.sha256(blob).digest() != head[len(_MAGIC) :]:
         raise ValueError("its checksum does not match (damaged, or written by another version)")
     return blob

@@ -81,16 +81,18 @@ class DeviceExecutor:
         # (expected while it waits for the device: a prefetch meanwhile must not evict it)
         with self.weights.expected(key):
             async with self._device:
-                async with self.weights.lease(key) as weights:
-                    last = self._seconds.get((key, size))
-                    if last is not None and last < self.inline_below:
-                        outputs, seconds = _timed(served, size, inputs, weights)
-                    else:
-                        outputs, seconds = await trio.to_thread.run_sync(
-                            _timed, served, size, inputs, weights, limiter=self._limiter
-                        )
-                    self._seconds[(key, size)] = seconds
-                self.weights.after_execution()
+                try:
+                    async with self.weights.lease(key) as weights:
+                        last = self._seconds.get((key, size))
+                        if last is not None and last < self.inline_below:
+                            outputs, seconds = _timed(served, size, inputs, weights)
+                        else:
+                            outputs, seconds = await trio.to_thread.run_sync(
+                                _timed, served, size, inputs, weights, limiter=self._limiter
+                            )
+                        self._seconds[(key, size)] = seconds
+                finally:  # (a failed run counts too: its weights were loaded all the same)
+                    self.weights.after_execution()
         return outputs
 
 

@@ -3,7 +3,9 @@ its key covers what changes the machine code, and a write that fails leaves noth
 
 from __future__ import annotations
 
+import builtins
 import errno
+import hashlib
 import logging
 import os
 import time
@@ -78,3 +80,38 @@ def test_without_a_usable_cache_it_still_compiles(tmp_path, cache):
         (where / "executables").write_text("not a directory")
     assert not Compiler(where).compile(MODULE).cached
     assert not Compiler(where).compile(MODULE).cached
+
+
+def test_a_cache_the_worker_may_not_read_costs_only_the_compilation(tmp_path, monkeypatch, caplog):
+    """A cache directory the worker may not enter (another uid's volume, mode 0700):
+    looking for an entry raised PermissionError, and every model failed to load."""
+    executables = tmp_path / "executables"
+    stat, real_open = os.stat, builtins.open
+
+    def refused(path) -> None:
+        if str(path).startswith(str(executables) + os.sep):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: refused(path) or stat(path, *a, **k))
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: refused(f) or real_open(f, *a, **k))
+    with caplog.at_level(logging.WARNING, "rsrv.runtime"):
+        assert not Compiler(tmp_path).compile(MODULE).cached
+    assert "Permission denied" in caplog.text
+
+
+@pytest.mark.slow  # (9 s on 2 cores, 2.3 GB of memory: hashing and reading 2 GiB)
+def test_an_entry_over_2_gib_loads(tmp_path):
+    """Linux reads at most 2 GiB - 4 KiB at a time: an entry of more, read in one
+    unbuffered read, came back short, failed its checksum and was compiled (and
+    written) again at every start."""
+    size = (1 << 31) + 64
+    entry = tmp_path / "entry.bin"
+    digest = hashlib.sha256()
+    zeros = bytes(1 << 24)
+    for _ in range(size >> 24):
+        digest.update(zeros)
+    digest.update(bytes(size % (1 << 24)))
+    with open(entry, "wb") as f:
+        f.write(compiler_module._MAGIC + digest.digest())
+        f.truncate(f.tell() + size)  # (sparse)
+    assert len(compiler_module._checked(entry)) == size

@@ -593,6 +593,25 @@ async def test_lock_before_lease_keeps_concurrent_runs_within_the_budget(files, 
         nursery.cancel_scope.cancel()
 
 
+async def test_a_failed_execution_counts_towards_auto_compaction(files):
+    """weights.md §6: the check runs after each execution; it ran only after those that
+    returned, so a model whose runs fail never had its loads compacted."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, 2 * W, {"a": files["a"]})
+        m.compaction_interval = 1
+        executor = DeviceExecutor(m)
+
+        def fail(size, inputs, weights):
+            raise RuntimeError("the run failed")
+
+        executor.versions["a"] = SimpleNamespace(key="a", compiled=SimpleNamespace(run=fail))
+        with pytest.raises(RuntimeError, match="the run failed"):
+            await executor.execute("a", 1, [])
+        assert (m.cache.counters.loads, m.compactions) == (1, 1)
+        assert not m.cache.lru  # (compacted)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_failed_transfer_fails_its_lease_and_a_later_one_retries(files):
     async with trio.open_nursery() as nursery:
         m = await manager(nursery, 2 * W, {"a": files["a"]}, residency="unpinned")
