@@ -105,6 +105,22 @@ def test_missing_input(triton):
         triton.infer("simple", [infer_input("INPUT0", np.zeros((1, 16), np.int32))])
 
 
+@pytest.mark.parametrize("model", ["simple", "simple_string"])
+def test_inputs_that_disagree_on_rows(triton, model):
+    """A request has one row count. A model with a preprocess (simple_string) ran it and
+    blamed it: INTERNAL "preprocess made executable inputs of [1, 2] rows"."""
+    dtype = np.int32 if model == "simple" else np.object_
+    a, b = np.ones((1, 16), dtype), np.ones((2, 16), dtype)
+    if model == "simple_string":
+        a, b = a.astype(bytes).astype(object), b.astype(bytes).astype(object)
+    with raises_status(
+        "INVALID_ARGUMENT",
+        f"input 'INPUT1' batch size does not match other inputs for '{model}' "
+        "(2 rows along its batch axis; 'INPUT0' has 1)",
+    ):
+        triton.infer(model, [infer_input("INPUT0", a), infer_input("INPUT1", b)])
+
+
 def test_undeclared_input(triton):
     with raises_status(
         "INVALID_ARGUMENT",

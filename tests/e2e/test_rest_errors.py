@@ -146,6 +146,16 @@ def test_missing_input(client):
         client.infer("simple", [http_input("INPUT0", np.zeros((1, 16), np.int32))])
 
 
+def test_inputs_that_disagree_on_rows(client):
+    a, b = np.ones((1, 16), np.int32), np.ones((2, 16), np.int32)
+    with raises_http(
+        400,
+        "input 'INPUT1' batch size does not match other inputs for 'simple' "
+        "(2 rows along its batch axis; 'INPUT0' has 1)",
+    ):
+        client.infer("simple", [http_input("INPUT0", a), http_input("INPUT1", b)])
+
+
 def test_undeclared_input(client):
     with raises_http(
         400,

@@ -51,7 +51,7 @@ from rsrv.protocol._tensors import (
     Decoding,
     InputPlan,
     check_data_size,
-    check_missing,
+    check_inputs,
     check_shm_input,
     narrow,
     plan_input,
@@ -214,7 +214,7 @@ def plan_request(
             f"request for model '{model}' has {n_raw} raw_input_contents entries but "
             f"{raw_used} inputs not in shared memory; expected one entry per such input"
         )
-    check_missing(model, specs, seen)
+    check_inputs(model, specs, plans)
     return Decoding(plans, shm, _from_typed)
 
 

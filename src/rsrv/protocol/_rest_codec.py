@@ -63,7 +63,7 @@ from rsrv.protocol._tensors import (
     Decoding,
     InputPlan,
     check_data_size,
-    check_missing,
+    check_inputs,
     check_shm_input,
     narrow,
     plan_input,
@@ -230,7 +230,7 @@ def decode_rest_inputs(
             f"the JSON header but its inputs' binary_data_size add up to {offset}; "
             "expected one binary part per input sent as binary data, in input order"
         )
-    check_missing(model, specs, seen)
+    check_inputs(model, specs, plans)
     return Decoding(plans, shm, _from_values).materialize()
 
 

@@ -5,7 +5,7 @@ A wire adapter walks the request's inputs and, for each, calls :func:`plan_input
 (names, datatype, rank, fixed axes, negative dims, size from the shape alone), then
 checks the data source it found (:func:`check_data_size` for bytes in the request,
 :func:`check_shm_input` for a shared-memory region, its own count check for typed
-values), then :func:`check_missing`; only once every input has passed does it call
+values), then :func:`check_inputs`; only once every input has passed does it call
 :func:`materialize`, so nothing sized by the request is allocated for a request that
 fails. Every failure is InvalidArgument naming the tensor, except the shared-memory
 statuses of ``_parameters`` (NotFound, FailedPrecondition).
@@ -41,7 +41,7 @@ __all__ = [
     "Decoding",
     "InputPlan",
     "check_data_size",
-    "check_missing",
+    "check_inputs",
     "check_shm_input",
     "materialize",
     "narrow",
@@ -229,13 +229,30 @@ def check_shm_input(
     plan.shm = target
 
 
-def check_missing(model: str, specs: Sequence[Tensor], seen: set[str]) -> None:
+def check_inputs(model: str, specs: Sequence[Tensor], plans: Sequence[InputPlan]) -> None:
+    """InvalidArgument unless ``plans`` (each input planned, once) hold every input
+    of ``specs`` and agree on the request's rows: one extent along their batch axes
+    (Triton's words first; the batch axis is the spec's)."""
+    seen = {plan.spec.name for plan in plans}
     missing = [s.name for s in specs if s.name not in seen]
     if missing:
         raise InvalidArgument(
             f"model '{model}' expects input tensor(s) "
             f"{', '.join(repr(m) for m in missing)}, missing from the request"
         )
+    first = None
+    for plan in plans:
+        axis = plan.spec.batch_axis
+        if axis is None:
+            continue
+        if first is None:
+            first = plan
+        elif plan.shape[axis] != first.shape[first.spec.batch_axis]:
+            raise InvalidArgument(
+                f"input '{plan.spec.name}' batch size does not match other inputs for "
+                f"'{model}' ({plan.shape[axis]} rows along its batch axis; "
+                f"'{first.spec.name}' has {first.shape[first.spec.batch_axis]})"
+            )
 
 
 def materialize(
