@@ -601,10 +601,20 @@ def test_oversized_response_fails_only_that_call(tmp_path, cache_dir):
     config = worker_config(tmp_path / "repo", cache_dir, ENDPOINTS_MAX_MESSAGE_BYTES=2 * MIB)
     channel_args = [("grpc.max_receive_message_length", 64 * MIB)]
     with running(config) as w, connect(w, channel_args=channel_args) as triton:
+        big = [infer_input("x", np.ones((4, 4), np.float32))]
         with raises_status("RESOURCE_EXHAUSTED", "exceeds the maximum", f"{2 * MIB}"):
-            triton.infer("expand", [infer_input("x", np.ones((4, 4), np.float32))])
+            triton.infer("expand", big)
         y = triton.infer("expand", [infer_input("x", np.ones((1, 4), np.float32))])
         assert y.as_numpy("y").shape == (1, MIB // 4)
+        answers = queue.Queue()
+        triton.start_stream(callback=lambda result, error: answers.put(error))
+        triton.async_stream_infer("expand", big)
+        error = answers.get(timeout=60)
+        triton.stop_stream()
+        assert "exceeds the maximum" in error.message()
+        # counted as the failures the clients received (both counted as successes before)
+        stats = stats_of(triton, "expand").inference_stats
+        assert (stats.success.count, stats.fail.count) == (1, 2)
 
 
 async def test_oversized_message_keeps_the_connection(small):

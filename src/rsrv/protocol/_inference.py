@@ -104,19 +104,13 @@ class InferenceService(GRPCInferenceServiceServicer):
         and a failed request never ends the stream. The stream's grpc-timeout bounds the
         whole stream (DEADLINE_EXCEEDED when it expires) and every request on it."""
         send, receive = trio.open_memory_channel(0)
-        limit = self.backend.max_message_bytes
         slots = trio.Semaphore(self.backend.max_requests_per_stream)
 
         async def one(message, size: int):
             try:
                 with self.backend.admission:  # each request on a stream is one call in flight
                     response = await self._infer(message, size, stream=True)
-                if len(response) > limit:  # in-band: a stream must outlive one big answer
-                    raise ResourceExhausted(
-                        f"response of {len(response)} bytes exceeds "
-                        f"the maximum {limit} (endpoints.max_message_bytes)"
-                    )
-            except Exception as e:
+            except Exception as e:  # (in-band: a stream outlives a failed request)
                 response = stream_error(grpc_status(e)[1], message.model_name, message.id)
             try:
                 await send.send(response)
@@ -163,9 +157,16 @@ class InferenceService(GRPCInferenceServiceServicer):
             return inputs, None if deadline == float("inf") else deadline
 
         def finish(outputs):
-            return encode_response(
+            response = encode_response(
                 message, served.name, served.version, outputs, order, backend.shm, stream=stream
             )
+            limit = backend.max_message_bytes
+            if len(response) > limit:  # (here, not in the transport: counted as failed)
+                raise ResourceExhausted(
+                    f"response of {len(response)} bytes exceeds the maximum {limit} "
+                    "(endpoints.max_message_bytes)"
+                )
+            return response
 
         # (taking raw entries out of the parsed message copies them: about the wire size)
         return await infer_counted(
