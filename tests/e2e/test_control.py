@@ -6,6 +6,7 @@ SetModelResidency, SetModelPolicy and CompactMemory through our own ControlClien
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,11 +25,13 @@ from support.bundles import (
     export_linear,
     infer_y,
     linear_params,
+    make_repo,
     matches,
     x_input,
 )
 from support.clients import connect, index, server_error, status_of
-from support.serving import running, worker_config
+from support.serving import hook_globals, running, worker_config
+from support.waiting import wait_until
 
 from rsrv.client import ControlClient
 from rsrv.config import ModelSchedConfig
@@ -134,6 +137,30 @@ def test_explicit_mode_loads_and_unloads_only_on_request(repo, cache_dir):
         stats = client.get_inference_statistics("a").model_stats[0]
         assert (stats.inference_stats.success.count, stats.execution_count) == (0, 0)
         assert matches(infer_y(client, "a", X), 5, X)
+
+
+def test_a_request_that_outlives_its_models_unload_is_not_counted_in_the_next_load(
+    tmp_path, cache_dir
+):
+    """protocol.md §2: an unloaded model's counters are dropped, so a later load starts
+    from zero. A request held in its preprocess across an unload and a new load was
+    counted (as failed) in the new load's statistics."""
+    repo = make_repo(tmp_path / "repo", "slow")
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    with running(config) as worker, connect(worker) as client:
+        client.load_model("slow")
+        active = hook_globals(worker, "slow")["ACTIVE"]
+        done = queue.Queue()
+        held = [tc.InferInput("x", [1, 4], "FP32")]
+        held[0].set_data_from_numpy(np.full((1, 4), 2.0, np.float32))  # (2 s in preprocess)
+        client.async_infer("slow", held, lambda result, error: done.put(error))
+        wait_until(lambda: active[0] == 1, what="the request to be in its preprocess")
+        client.unload_model("slow")
+        client.load_model("slow")
+        error = done.get(timeout=60)
+        assert error is not None and error.status() == "StatusCode.NOT_FOUND"
+        stats = client.get_inference_statistics("slow").model_stats[0].inference_stats
+        assert (stats.success.count, stats.fail.count) == (0, 0)
 
 
 async def test_a_load_whose_client_gives_up_still_finishes(repo, cache_dir, monkeypatch):
@@ -384,10 +411,9 @@ async def test_set_model_residency_needs_explicit_mode(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
     async with serving(config) as (worker, _):
         async with ControlClient("127.0.0.1", worker.port) as control:
-            with server_error(StatusCode.FAILED_PRECONDITION, "explicit"):
-                await control.set_residency("a", "device")
-            with server_error(StatusCode.NOT_FOUND):
-                await control.set_residency("nope", "device")
+            for name in ("a", "nope"):  # (the mode first, as the repository RPCs: was NOT_FOUND)
+                with server_error(StatusCode.FAILED_PRECONDITION, "explicit"):
+                    await control.set_residency(name, "device")
 
 
 async def test_unknown_models_are_not_found_for_every_control_rpc(repo, cache_dir):

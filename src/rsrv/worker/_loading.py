@@ -252,6 +252,7 @@ class ModelLoader:
                 )
             return
         previous = version.model
+        self.pipeline.serving(served)
         spec = served.spec().with_policy(sched) if served.compiled else None
         served.max_batch_size = spec.max_rows if spec else 0
         served.version_policy = entry.policy

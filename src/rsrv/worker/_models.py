@@ -55,6 +55,10 @@ class ServedModel:
     max_batch_size: int = 0
     version_policy: VersionPolicy = DEFAULT_POLICY
     max_queue_delay: float = 0.0
+    # The counters its requests are recorded in (its name's, its version's), set when it
+    # starts serving: a request that outlives its model's unload or its version's
+    # retirement is recorded in counters no longer reported, never in a later load's.
+    statistics: tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:

@@ -66,20 +66,19 @@ class Pipeline:
             stats = self.version_statistics[name, version] = RequestStatistics()
         return stats
 
-    def _both(self, served: ServedModel) -> tuple[RequestStatistics, ...]:
-        """The name's statistics, and the version's while it is served (a request that
-        outlives its version's retirement is counted for the name only, one that outlives
-        its model's unload for nothing: its counters were forgotten)."""
-        entry = self.models.entries.get(served.name)
-        if entry is None:
-            return ()
-        if int(served.version) not in entry.versions:
-            return (self.stats(served.name),)
-        return self.stats(served.name), self.version_stats(served.name, served.version)
+    def serving(self, served: ServedModel) -> None:
+        """``served`` starts serving: its requests count in its name's statistics and its
+        version's, as they are now (a reload of the version keeps counting in them; they
+        are dropped, and no longer reported, when the version retires or the model
+        unloads, so a request that outlives either is not counted in a later load's)."""
+        served.statistics = (
+            self.stats(served.name),
+            self.version_stats(served.name, served.version),
+        )
 
     def record(self, served: ServedModel, ok: bool, seconds: float, status: str, rows: int):
         """Count one request of ``served`` (``status`` as the client receives it)."""
-        for stats in self._both(served):
+        for stats in served.statistics:
             stats.record(ok, seconds, status, rows)
 
     def drop(self, name: str, version: str) -> None:
@@ -125,7 +124,7 @@ class Pipeline:
                 )
             outputs, seconds = await self.meta.run(served, inputs, deadline)
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
-            for stats in self._both(served):  # the device time of its sub-calls
+            for stats in served.statistics:  # the device time of its sub-calls
                 stats.compute_infer.add(seconds)
             if (stats := self.meta.stats.get(name)) is not None:  # (None: unloaded since)
                 stats.requests += 1
@@ -160,7 +159,7 @@ class Pipeline:
             with self.hold(served) as held:
                 return await self._run_model(served, inputs, deadline, front=front, held=held)
         name = served.name
-        both = self._both(served)
+        both = served.statistics
         hooks = served.bundle.hooks
         start = trio.current_time()
         exec_inputs = dict(inputs)

@@ -407,11 +407,11 @@ class Worker:
     async def set_residency(self, name: str, residency: str) -> str:
         """SetModelResidency (explicit mode): change the floor of every served version of
         a model; for a meta model, of every model it calls. Returns the floor set."""
-        served = self.models.get(name)
-        self._require_explicit(
+        self._require_explicit(  # (first, as the repository RPCs: whatever the model)
             "SetModelResidency",
             "; residency then comes from scheduler.models.<name>.residency",
         )
+        served = self.models.get(name)
         # Under the load locks of the models changed: a load or unload of one of them
         # comes before or after, whole (a reload would miss the floor, an unload forget it
         # too early). (A meta reloaded with other calls meanwhile: locked again.)
