@@ -11,6 +11,7 @@ machine.
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -19,14 +20,15 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from support.bundles import make_repo
 from support.clients import connect, infer_input, raises_status
-from support.serving import running, url, worker_config
+from support.serving import hook_globals, running, url, worker_config
+from support.waiting import wait_until
 from tritonclient import utils
 from tritonclient.grpc import service_pb2
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    return make_repo(tmp_path_factory.mktemp("shm") / "repo", "simple", "simple_string")
+    return make_repo(tmp_path_factory.mktemp("shm") / "repo", "simple", "simple_string", "slow")
 
 
 @pytest.fixture
@@ -384,6 +386,32 @@ def test_shared_memory_with_raw_and_output_offsets(triton, simple_region):
     shm.set_shared_memory_region(handle, [np.full(16, 100, np.int32)])  # new data, same region
     result = triton.infer("simple", [shm_input, raw_input], outputs=[raw])
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 105))
+
+
+def test_a_request_uses_its_region_as_registered_whatever_becomes_of_the_name(
+    worker, triton, regions
+):
+    """The region unregistered, and its name registered for another client's object,
+    while a request using it runs: the request reads and writes the object its client
+    registered, as in Triton (which defers the unregister). Its output went to the
+    other object, answered OK."""
+    mine, other = regions("mine", 64), regions("other", 64)
+    triton.register_system_shared_memory("r", shm_key(mine), 64)
+    shm.set_shared_memory_region(mine, [np.full((1, 4), 1.0, np.float32)])  # (1 s in slow)
+    x = grpcclient.InferInput("x", [1, 4], "FP32")
+    x.set_shared_memory("r", 16)
+    y = grpcclient.InferRequestedOutput("y")
+    y.set_shared_memory("r", 16, offset=32)
+    active = hook_globals(worker, "slow")["ACTIVE"]
+    with ThreadPoolExecutor(1) as pool, connect(worker) as client:
+        answer = pool.submit(client.infer, "slow", [x], outputs=[y])
+        wait_until(lambda: active[0] == 1, what="the request to be in its preprocess")
+        triton.unregister_system_shared_memory("r")
+        triton.register_system_shared_memory("r", shm_key(other), 64)
+        answer.result(timeout=60)
+    got = shm.get_contents_as_numpy(mine, np.float32, [1, 4], offset=32)
+    np.testing.assert_array_equal(got, np.full((1, 4), 2.0))
+    assert not shm.get_contents_as_numpy(other, np.uint8, [64]).any()
 
 
 def test_shared_memory_with_typed_contents(worker, simple_region):

@@ -85,7 +85,7 @@ def requested_outputs(
         what = check_output(model, name, produced, seen, "classification" in output.parameters)
         target = shm_target(output, what)
         if target is not None and shm is not None:
-            check_region(shm, target, what)
+            target = check_region(shm, target, what)
         result.append((name, target))
     return result
 
@@ -180,7 +180,7 @@ def write_output(shm: SharedMemoryRegistry, out: StagedOutput) -> int:
     """Write a staged output into its region; returns the bytes written."""
     target = out.target
     try:
-        return shm.write(target.region, target.offset, out.data)
+        return shm.write(target.registered, target.offset, out.data)
     except RsrvError as e:
         raise with_context(e, out.what) from None
 

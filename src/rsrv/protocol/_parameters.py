@@ -19,12 +19,13 @@ The checks are the same on both wires: the protobuf accessors (``shm_target``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, RsrvError
-from rsrv.protocol._shm import DISABLED_MESSAGE, SharedMemoryRegistry
+from rsrv.protocol._shm import DISABLED_MESSAGE, Registration, SharedMemoryRegistry
 
 __all__ = [
     "Getter",
@@ -45,11 +46,20 @@ Getter = Callable[[str, str], Any]
 
 @dataclass(frozen=True, slots=True)
 class ShmTarget:
-    """A tensor's place in a registered system shared memory region."""
+    """A tensor's place in a registered system shared memory region; ``registration``
+    the region as it was registered when checked (:func:`check_region`), which the
+    request then reads or writes whatever becomes of the name."""
 
     region: str
     byte_size: int
     offset: int = 0
+    registration: Registration | None = None
+
+    @property
+    def registered(self) -> str | Registration:
+        """What the registry's ``read`` and ``write`` take: the registration when
+        checked, else the name (looked up then)."""
+        return self.region if self.registration is None else self.registration
 
 
 def _param(params: Any, key: str, kind: str, what: str) -> Any:
@@ -152,12 +162,15 @@ def with_context(e: RsrvError, what: str) -> RsrvError:
     return type(e)(f"{e} ({what})")
 
 
-def check_region(shm: SharedMemoryRegistry | None, target: ShmTarget, what: str) -> None:
+def check_region(shm: SharedMemoryRegistry | None, target: ShmTarget, what: str) -> ShmTarget:
+    """``target`` with its region's registration, once its window is known to lie in
+    it; FailedPrecondition (disabled), NotFound or InvalidArgument naming ``what``."""
     found = registry(shm, target, what)
     try:
-        found.check(target.region, target.offset, target.byte_size)
+        registration = found.check(target.region, target.offset, target.byte_size)
     except RsrvError as e:
         raise with_context(e, what) from None
+    return dataclasses.replace(target, registration=registration)
 
 
 def request_deadline(request: Any, now: float) -> float | None:

@@ -372,7 +372,7 @@ def rest_outputs(
             flag = json_param(params, "binary_data", "bool_param", what)
             binary = binary_default if flag is None else flag
         if target is not None and shm is not None:
-            check_region(shm, target, what)
+            target = check_region(shm, target, what)
         if target is None and not binary:
             as_values.add(output.name)
         order.append((output.name, target))

@@ -51,6 +51,14 @@ object shrunk below the registered window   INVALID_ARGUMENT      ... is now N b
 No descriptor is held between requests, and at most ``max_regions`` regions may be
 registered at once (RESOURCE_EXHAUSTED beyond: endpoints.max_shm_regions).
 
+A request uses each region as it was registered when the request was checked
+(:meth:`SharedMemoryRegistry.check` returns that registration, which ``read`` and
+``write`` take instead of a name): unregistering the region meanwhile, or registering
+its name again for another object, changes nothing for the request, whose outputs are
+written where its client registered them, as Triton, which defers an unregister until
+the requests using the region are done. (Looked up by name again at the end, an output
+went to whatever object held the name then: another client's, answered OK.)
+
 Thread safety: every method may be called from any thread; unregistering a region while
 a copy from it is under way lets that copy finish.
 """
@@ -76,6 +84,7 @@ __all__ = [
     "DISABLED_MESSAGE",
     "AlreadyExists",
     "RegionInfo",
+    "Registration",
     "SharedMemoryRegistry",
 ]
 
@@ -101,8 +110,9 @@ class RegionInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class _Region:
-    """A registered window and the identity of the object it lies in."""
+class Registration:
+    """A registered window and the identity of the object it lies in (no descriptor:
+    keeping one after its region is unregistered costs nothing)."""
 
     info: RegionInfo
     path: str
@@ -138,7 +148,7 @@ class SharedMemoryRegistry:
         self.max_regions = max_regions
         self._root = root
         self._lock = threading.Lock()
-        self._regions: dict[str, _Region] = {}
+        self._regions: dict[str, Registration] = {}
 
     # --- registration -------------------------------------------------------------------
 
@@ -180,7 +190,8 @@ class SharedMemoryRegistry:
                 f"offset {offset} + byte_size {byte_size} exceeds the size {st.st_size} "
                 f"of shared memory object '{key}'"
             )
-        region = _Region(RegionInfo(name, key, offset, byte_size), path, (st.st_dev, st.st_ino))
+        info = RegionInfo(name, key, offset, byte_size)
+        region = Registration(info, path, (st.st_dev, st.st_ino))
         with self._lock:
             if name in self._regions:
                 raise AlreadyExists(f"shared memory region '{name}' already in manager")
@@ -216,16 +227,15 @@ class SharedMemoryRegistry:
 
     # --- data ---------------------------------------------------------------------------
 
-    def check(self, name: str, offset: int, byte_size: int) -> RegionInfo:
-        """Validate that ``[offset, offset + byte_size)`` lies in region ``name``."""
-        with self._lock:
-            region = self._lookup(name)
-        _check_bounds(region.info, offset, byte_size)
-        return region.info
+    def check(self, name: str, offset: int, byte_size: int) -> Registration:
+        """The registration of region ``name`` (for ``read`` and ``write`` to use),
+        once ``[offset, offset + byte_size)`` is known to lie in it."""
+        return self._region(name, offset, byte_size)
 
-    def read(self, name: str, offset: int, byte_size: int) -> bytearray:
-        """A copy of ``byte_size`` bytes at ``offset`` in region ``name``."""
-        region = self._region(name, offset, byte_size)
+    def read(self, region: str | Registration, offset: int, byte_size: int) -> bytearray:
+        """A copy of ``byte_size`` bytes at ``offset`` in ``region`` (a name: as
+        registered now; a registration: as it was when checked)."""
+        region = self._region(region, offset, byte_size)
         out = bytearray(byte_size)
         with self._open(region, offset + byte_size) as fd:
             view = memoryview(out)
@@ -238,13 +248,14 @@ class SharedMemoryRegistry:
                 done += n
         return out
 
-    def write(self, name: str, offset: int, data) -> int:
-        """Copy the bytes-like ``data`` to ``offset`` in region ``name``; returns its size."""
+    def write(self, region: str | Registration, offset: int, data) -> int:
+        """Copy the bytes-like ``data`` to ``offset`` in ``region`` (as in ``read``);
+        returns its size."""
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")  # C-contiguous data only, as bytes-like objects are
         size = view.nbytes
-        region = self._region(name, offset, size)
+        region = self._region(region, offset, size)
         with self._open(region, offset + size) as fd:
             start = region.info.offset + offset
             done = 0
@@ -252,14 +263,15 @@ class SharedMemoryRegistry:
                 done += os.pwrite(fd, view[done:], start + done)
         return size
 
-    def _region(self, name: str, offset: int, byte_size: int) -> _Region:
-        with self._lock:
-            region = self._lookup(name)
+    def _region(self, region: str | Registration, offset: int, byte_size: int) -> Registration:
+        if isinstance(region, str):
+            with self._lock:
+                region = self._lookup(region)
         _check_bounds(region.info, offset, byte_size)
         return region
 
     @contextmanager
-    def _open(self, region: _Region, needed: int) -> Iterator[int]:
+    def _open(self, region: Registration, needed: int) -> Iterator[int]:
         """The region's object, opened, once it is known to be the registered one and
         to hold the window's first ``needed`` bytes."""
         info = region.info
@@ -283,7 +295,7 @@ class SharedMemoryRegistry:
         finally:
             os.close(fd)
 
-    def _lookup(self, name: str) -> _Region:
+    def _lookup(self, name: str) -> Registration:
         if not self.enabled:
             raise FailedPrecondition(
                 f"cannot use shared memory region '{name}': {DISABLED_MESSAGE}"
@@ -298,7 +310,7 @@ class SharedMemoryRegistry:
             return len(self._regions)
 
 
-def _shrunk(region: _Region, size: int) -> InvalidArgument:
+def _shrunk(region: Registration, size: int) -> InvalidArgument:
     info = region.info
     return InvalidArgument(
         f"shared memory object '{info.key}' of region '{info.name}' is now {size} bytes, "

@@ -225,8 +225,7 @@ def check_shm_input(
     check_data_size(
         plan, target.byte_size, f"shared_memory_byte_size of region '{target.region}'", limit
     )
-    check_region(shm, target, plan.what)
-    plan.shm = target
+    plan.shm = check_region(shm, target, plan.what)
 
 
 def check_inputs(model: str, specs: Sequence[Tensor], plans: Sequence[InputPlan]) -> None:
@@ -265,7 +264,7 @@ def materialize(
         target = plan.shm
         found = registry(shm, target, plan.what)
         try:
-            data = found.read(target.region, target.offset, target.byte_size)
+            data = found.read(target.registered, target.offset, target.byte_size)
         except RsrvError as e:  # e.g. unregistered since validation
             raise with_context(e, plan.what) from None
         array = _from_buffer(plan, data)

@@ -205,7 +205,7 @@ def test_read_write_bounds(registry, posix_shm):
         registry.read("r", -1, 4)
     with raises(InvalidArgument, "'r'", "exceeds"):
         registry.check("r", 0, 33)
-    assert registry.check("r", 0, 32) == RegionInfo("r", obj.name, 16, 32)
+    assert registry.check("r", 0, 32).info == RegionInfo("r", obj.name, 16, 32)
 
 
 def test_disabled(posix_shm):
