@@ -86,6 +86,8 @@ def test_metrics_count_what_was_sent(repo, cache_dir):
     port, config = with_metrics(repo, cache_dir, RUNTIME_WEIGHT_CACHE_BYTES=WEIGHT_BYTES + 8)
     rng = np.random.default_rng(0)
     with running(config) as worker, connect(worker) as client:
+        # (metrics.md: a served model's request series are there from its load, at zero)
+        assert Scrape(port).total("rsrv_requests", model="b", status="OK") == 0
         infer_y(client, "a", X[:1])  # a is now the resident model
         before = Scrape(port)
 
