@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from support.bundles import WEIGHT_BYTES, ImportGate, X, export_linear, infer_y, matches, x_input
 from support.clients import connect, failure, infer_input
-from support.metrics import Scrape, get
+from support.metrics import Scrape, get, get_absolute
 from support.procfs import listening_ports
 from support.serving import free_port, running, worker_config
 from support.waiting import wait_until
@@ -45,6 +45,7 @@ def test_health_endpoints(repo, cache_dir):
         assert get(port, "/readyz")[0::2] == (200, "ready\n")
         assert get(port, "/healthz", "HEAD")[0] == 200
         assert get(port, "/nope")[0] == 404
+        assert get_absolute(port, "/healthz") == (200, b"ok\n")  # (RFC 9112 §3.2.2: was 404)
         assert get(port, "/metrics", "POST")[0] == 405
         request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:

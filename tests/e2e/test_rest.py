@@ -21,6 +21,7 @@ import tritonclient.http.aio as aioclient
 import tritonclient.utils.shared_memory as shm
 from support.bundles import make_repo
 from support.clients import connect, infer_input
+from support.metrics import get_absolute
 from support.procfs import accepted_connections
 from support.rest import (
     http_connect,
@@ -209,6 +210,7 @@ def test_aio_client(worker):
 
 def test_plain_json_as_curl_sends_it(worker):
     assert request(worker, "GET", "/v2/health/live").json() == {"live": True}
+    assert get_absolute(worker.http_port, "/v2/health/live") == (200, b'{"live":true}')
     assert request(worker, "GET", "/v2/health/ready").json() == {"ready": True}
     assert request(worker, "GET", "/v2/models/simple/ready").status == 200
     assert request(worker, "GET", "/v2/models/nope/ready").status == 400

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.request
 
@@ -17,6 +18,18 @@ def get(port: int, path: str, method: str = "GET") -> tuple[int, str, str]:
             return response.status, response.headers["content-type"], response.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["content-type"], e.read().decode()
+
+
+def get_absolute(port: int, path: str) -> tuple[int, bytes]:
+    """(status, body) of a GET of 127.0.0.1:``port`` whose request target is in absolute
+    form (``GET http://127.0.0.1:port/path``, as a client sends it to a proxy)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", f"http://127.0.0.1:{port}{path}")
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
 
 
 class Scrape:

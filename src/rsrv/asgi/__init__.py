@@ -11,6 +11,7 @@ from rsrv.asgi._app import (
     admin_app,
     answer_lifespan,
     json_response,
+    request_path,
     serve_http,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "admin_app",
     "answer_lifespan",
     "json_response",
+    "request_path",
     "serve_http",
 ]

@@ -10,10 +10,13 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
+import hypercorn.protocol
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.events import Body, Data, EndBody, EndData
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -28,6 +31,7 @@ __all__ = [
     "admin_app",
     "answer_lifespan",
     "json_response",
+    "request_path",
     "serve_http",
 ]
 
@@ -136,6 +140,38 @@ class _ClosingTCPServer(TCPServer):
 _SEND_PIECE = 64 * 1024
 
 
+class _BoundedH2Protocol(H2Protocol):
+    """hypercorn's HTTP/2 connection (0.17), whose answers wait for the client's
+    flow-control window at most ``rsrv_send_timeout`` seconds per piece, and not at all
+    once the connection is closed.
+
+    hypercorn's own waits without a bound, in the answering task (the bytes it hands
+    over never reach :meth:`_ClosingTCPServer._send_data` meanwhile): a client that
+    opened no window held its connection, answering and so beyond the cap's reach, for
+    as long as it stayed; and for good once it closed, the wait then never ending. (64
+    of them took an admin port for good: every probe refused.)"""
+
+    async def stream_send(self, event) -> None:
+        if not isinstance(event, (Body, Data, EndBody, EndData)):
+            await super().stream_send(event)
+            return
+        timeout = self.config.rsrv_send_timeout
+        with trio.move_on_after(timeout) as scope:  # (each piece: at most a buffer's worth)
+            await super().stream_send(event)
+        if scope.cancelled_caught:
+            self.config.errorlog.info(
+                "closed an HTTP/2 connection whose client took none of its answer for %g s",
+                timeout,
+            )
+            await self.send(Closed())
+
+    async def handle(self, event) -> None:
+        await super().handle(event)
+        if isinstance(event, Closed):  # (an answer waiting for window space: stop it)
+            for buffer in list(self.stream_buffers.values()):
+                await buffer.close()
+
+
 def _waiting_since(conn: _ClosingTCPServer) -> float | None:
     return conn._rsrv_waiting_since
 
@@ -143,6 +179,7 @@ def _waiting_since(conn: _ClosingTCPServer) -> float | None:
 # What serve() starts per connection. (On a hypercorn whose connection has no
 # ``_read_data``, the override above is never called; the cap still applies.)
 hypercorn.trio.run.TCPServer = _ClosingTCPServer
+hypercorn.protocol.H2Protocol = _BoundedH2Protocol  # (what a connection switches to)
 
 
 class Response(NamedTuple):
@@ -177,6 +214,18 @@ async def answer_lifespan(receive, send) -> None:
 _NOT_ALLOWED = Response(405, b"method not allowed\n")
 
 
+def request_path(scope) -> str:
+    """The path of an ASGI ``http`` scope, also for a request target in absolute form
+    (``GET http://host/healthz``, which RFC 9112 §3.2.2 says a server must accept, and
+    hypercorn passes on whole)."""
+    path = scope["path"]
+    if path.startswith("/") or "://" not in path:
+        return path
+    rest = path.partition("://")[2]
+    slash = rest.find("/")
+    return rest[slash:] if slash >= 0 else "/"
+
+
 class PlainApp:
     """Answers GET and HEAD with ``route(path)``, computed when asked; other methods
     get 405. ``route`` returns a :class:`Response` (``NOT_FOUND`` for unknown paths)."""
@@ -191,7 +240,7 @@ class PlainApp:
             return
         headers = []
         if scope["method"] in ("GET", "HEAD"):
-            response = self.route(scope["path"])
+            response = self.route(request_path(scope))
         else:
             response = _NOT_ALLOWED
             headers.append((b"allow", b"GET, HEAD"))  # (RFC 9110: a 405 says which)

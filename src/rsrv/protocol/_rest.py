@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import trio
 
-from rsrv.asgi import answer_lifespan
+from rsrv.asgi import answer_lifespan, request_path
 from rsrv.errors import InvalidArgument, ResourceExhausted, RsrvError, Unavailable
 from rsrv.protocol._calls import Admission, Restriction
 from rsrv.protocol._infer_flow import infer_counted
@@ -123,8 +123,9 @@ class RestService:
             name.decode("latin-1").lower(): value.decode("latin-1")
             for name, value in scope["headers"]
         }
+        path = request_path(scope)
         try:
-            reply = await self._handle(scope, headers, receive)
+            reply = await self._handle(scope["method"], path, headers, receive)
         except _Disconnected:
             return
         except Exception as e:
@@ -134,14 +135,13 @@ class RestService:
                 reply.headers.append((b"allow", ", ".join(e.allowed).encode()))
         # Only inference responses are compressed (as Triton does): clients such as
         # aiohttp ask for gzip on every request but inflate only what tritonclient does.
-        infer = scope["path"].endswith("/infer") and 200 <= reply.status < 300
+        infer = path.endswith("/infer") and 200 <= reply.status < 300
         accept = headers.get("accept-encoding", "") if infer else ""
         await _send(send, reply, accept, self._inflating, head=scope["method"] == "HEAD")
 
-    async def _handle(self, scope, headers: dict[str, str], receive) -> Reply:
-        method = scope["method"]
+    async def _handle(self, method: str, path: str, headers: dict[str, str], receive) -> Reply:
         try:
-            name, group, params = route(method, scope["path"])
+            name, group, params = route(method, path)
             restriction = self._restricted.get(group)
             if restriction is not None:
                 try:
@@ -155,7 +155,7 @@ class RestService:
         body = b""
         if method == "POST":
             body = await self._body(headers, receive)
-        call = Call(method, scope["path"], params, headers, body)
+        call = Call(method, path, params, headers, body)
         if name in _PROBES:  # never refused at the in-flight cap nor while draining
             return await getattr(self.routes, name)(call)
         with self.admission:

@@ -8,6 +8,9 @@ import errno
 import socket
 import time
 
+import h2.config
+import h2.connection
+import h2.settings
 import pytest
 import trio
 
@@ -34,7 +37,7 @@ def read_slowly(port: int, pause: float) -> int:
     return got
 
 
-async def serving(nursery: trio.Nursery, stop: trio.Event, send_timeout: float) -> int:
+async def serving(nursery: trio.Nursery, stop: trio.Event, send_timeout: float, **options) -> int:
     binds = await nursery.start(
         lambda task_status: serve_http(
             APP,
@@ -44,9 +47,54 @@ async def serving(nursery: trio.Nursery, stop: trio.Event, send_timeout: float) 
             send_timeout=send_timeout,
             shutdown_trigger=stop.wait,
             task_status=task_status,
+            **options,
         )
     )
     return int(binds[0].rsplit(":", 1)[1])
+
+
+def h2_without_window(port: int) -> socket.socket:
+    """A connection asking for an answer over HTTP/2 (prior knowledge) with a stream
+    window of 0: it lets none of the answer through."""
+    s = socket.create_connection(("127.0.0.1", port))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    headers = [(":method", "GET"), (":path", "/x"), (":scheme", "http"), (":authority", "x")]
+    conn.send_headers(1, headers, end_stream=True)
+    s.sendall(conn.data_to_send())
+    return s
+
+
+def answered(port: int) -> bool:
+    """Whether a plain GET gets its answer (not refused at the connection cap)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"HEAD /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        try:
+            return s.recv(100).startswith(b"HTTP/1.1 200")
+        except ConnectionResetError:
+            return False
+
+
+@pytest.mark.parametrize("leaves", [True, False])
+async def test_an_http2_client_that_opens_no_window_is_closed(leaves):
+    """hypercorn's HTTP/2 answer waited for window space without a bound: such a client
+    held its connection (answering: beyond the cap's reach) while it stayed, and for good
+    once it left. With a cap of 1, the port then refused every other client."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = await serving(nursery, stop, send_timeout=0.5, max_connections=1)
+        with h2_without_window(port) as s:
+            await trio.sleep(0.2)
+            if not leaves:
+                s.settimeout(5)
+                with trio.fail_after(5):  # closed after the 0.5 s send timeout
+                    while await trio.to_thread.run_sync(s.recv, 1 << 16):
+                        pass
+        with trio.fail_after(10):
+            while not await trio.to_thread.run_sync(answered, port):
+                await trio.sleep(0.1)
+        stop.set()
 
 
 async def test_a_client_reading_slowly_gets_its_whole_answer():
