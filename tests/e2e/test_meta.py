@@ -650,7 +650,7 @@ async def test_cancelling_a_meta_request_cancels_its_sub_call():
     assert request.cancelled_caught
     assert sub_call == ["cancelled"]  # cancelled, not run to the end of its 5 s
     assert seen == ["Cancelled"]
-    assert runner.stats["m"].requests == 0 and runner.limiter.borrowed_tokens == 0
+    assert not runner.stats and runner.limiter.borrowed_tokens == 0  # (nothing counted)
 
 
 # -- the glue's threads ------------------------------------------------------------------------
@@ -679,11 +679,14 @@ def test_glue_runs_off_the_dispatch_loop(tiny_repo, tiny_template, cache_dir, po
         client.close()
 
 
+@pytest.mark.parametrize("reload", [False, True])
 def test_a_meta_unloaded_while_in_its_glue_answers_and_leaves_no_counts(
-    tiny_repo, tiny_template, cache_dir, pool
+    tiny_repo, tiny_template, cache_dir, pool, reload
 ):
     """The request the meta accepted is answered (it was INTERNAL, KeyError), and the
-    unloaded meta's statistics stay forgotten (the request's count brought them back)."""
+    unloaded meta's statistics stay forgotten (the request's count brought them back),
+    or, loaded again meanwhile, the new load's count only its own requests (the old one
+    was counted in them)."""
     config = worker_config(tiny_repo, cache_dir, MODEL_CONTROL_MODE="explicit")
     with running(config) as worker:
         client = connect(worker)
@@ -694,12 +697,20 @@ def test_a_meta_unloaded_while_in_its_glue_answers_and_leaves_no_counts(
         m = pool.submit(infer, client, "relay", {"x": rows(4)})
         assert relay["parked"].wait(10)
         client.unload_model("relay")
+        if reload:  # (and a request of the new load, so that it has counters)
+            client.load_model("relay")
+            infer(client, "relay", {"x": rows(1)})
         relay["release"].set()
         np.testing.assert_allclose(
             m.result(10)["y"], tiny_reference(tiny_template, rows(4)), rtol=1e-6
         )
-        assert "relay" not in worker.pipeline.statistics
-        assert "relay" not in worker.pipeline.meta.stats
+        if reload:
+            stats = client.get_inference_statistics("relay").model_stats[0].inference_stats
+            assert (stats.success.count, stats.fail.count) == (1, 0)
+            assert model_status(worker, "relay").requests_served == 1
+        else:
+            assert "relay" not in worker.pipeline.statistics
+            assert "relay" not in worker.pipeline.meta.stats
         client.close()
 
 

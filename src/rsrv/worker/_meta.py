@@ -49,7 +49,6 @@ class MetaRunner:
         """Run one meta request; returns its outputs and its sub-calls' device seconds."""
         hook = served.bundle.hooks.meta
         declared = served.bundle.signature.calls
-        self.stats.setdefault(served.name, MetaStats())
         token = trio.lowlevel.current_trio_token()
         hook_thread: list[int] = []  # ident of the thread running the hook
         compute = []  # sub-call device seconds, appended from the hook's thread via trio

@@ -59,6 +59,7 @@ class ServedModel:
     # starts serving: a request that outlives its model's unload or its version's
     # retirement is recorded in counters no longer reported, never in a later load's.
     statistics: tuple[Any, ...] = ()
+    meta_statistics: Any = None  # (a meta model's: its requests and their device time)
 
     @property
     def name(self) -> str:

@@ -23,7 +23,7 @@ from rsrv.errors import (
     Unavailable,
 )
 from rsrv.scheduler import PinnedVersion, Scheduler
-from rsrv.worker._meta import MetaRunner
+from rsrv.worker._meta import MetaRunner, MetaStats
 from rsrv.worker._models import ModelSet, ServedModel
 from rsrv.worker._statistics import RequestStatistics
 
@@ -75,6 +75,8 @@ class Pipeline:
             self.stats(served.name),
             self.version_stats(served.name, served.version),
         )
+        if served.bundle.kind == "meta":
+            served.meta_statistics = self.meta.stats.setdefault(served.name, MetaStats())
 
     def record(self, served: ServedModel, ok: bool, seconds: float, status: str, rows: int):
         """Count one request of ``served`` (``status`` as the client receives it)."""
@@ -126,9 +128,8 @@ class Pipeline:
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
             for stats in served.statistics:  # the device time of its sub-calls
                 stats.compute_infer.add(seconds)
-            if (stats := self.meta.stats.get(name)) is not None:  # (None: unloaded since)
-                stats.requests += 1
-                stats.compute_seconds += seconds
+            served.meta_statistics.requests += 1
+            served.meta_statistics.compute_seconds += seconds
             return {t.name: outputs[t.name] for t in served.bundle.signature.client_outputs}
         return (await self._run_model(served, inputs, deadline, front=False, held=held))[0]
 
