@@ -141,9 +141,9 @@ _SEND_PIECE = 64 * 1024
 
 
 class _BoundedH2Protocol(H2Protocol):
-    """hypercorn's HTTP/2 connection (0.17), whose answers wait for the client's
-    flow-control window at most ``rsrv_send_timeout`` seconds per piece, and not at all
-    once the connection is closed.
+    """hypercorn's HTTP/2 connection (0.17), closed when an answer waiting for the
+    client's flow-control window makes no progress for ``rsrv_send_timeout`` seconds
+    (not one frame of it sent), and whose answers stop waiting once it is closed.
 
     hypercorn's own waits without a bound, in the answering task (the bytes it hands
     over never reach :meth:`_ClosingTCPServer._send_data` meanwhile): a client that
@@ -151,19 +151,38 @@ class _BoundedH2Protocol(H2Protocol):
     as long as it stayed; and for good once it closed, the wait then never ending. (64
     of them took an admin port for good: every probe refused.)"""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # stream id -> the deadline of its answer's wait, pushed back at each frame sent
+        self._rsrv_waits: dict[int, trio.CancelScope] = {}
+
     async def stream_send(self, event) -> None:
         if not isinstance(event, (Body, Data, EndBody, EndData)):
             await super().stream_send(event)
             return
         timeout = self.config.rsrv_send_timeout
-        with trio.move_on_after(timeout) as scope:  # (each piece: at most a buffer's worth)
-            await super().stream_send(event)
+        scope = self._rsrv_waits[event.stream_id] = trio.CancelScope()
+        scope.deadline = trio.current_time() + timeout
+        try:
+            with scope:
+                await super().stream_send(event)
+        finally:
+            if self._rsrv_waits.get(event.stream_id) is scope:
+                del self._rsrv_waits[event.stream_id]
         if scope.cancelled_caught:
             self.config.errorlog.info(
                 "closed an HTTP/2 connection whose client took none of its answer for %g s",
                 timeout,
             )
             await self.send(Closed())
+
+    async def _send_data(self, stream_id: int) -> None:
+        buffer = self.stream_buffers.get(stream_id)
+        held = len(buffer.buffer) if buffer is not None else 0
+        await super()._send_data(stream_id)
+        scope = self._rsrv_waits.get(stream_id)
+        if scope is not None and (buffer is None or len(buffer.buffer) < held):  # (progress)
+            scope.deadline = trio.current_time() + self.config.rsrv_send_timeout
 
     async def handle(self, event) -> None:
         await super().handle(event)

@@ -263,8 +263,7 @@ def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
             "(binary_data_size) or in shared memory, not as JSON 'data'"
         )
     decoder, words = found
-    if dtype is not DType.BYTES:
-        _check_size(plan, raw)
+    _check_size(plan, raw)
     try:
         values = decoder.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
@@ -293,15 +292,25 @@ def _values(plan: InputPlan, raw: msgspec.Raw) -> list:
 
 
 def _check_size(plan: InputPlan, raw: msgspec.Raw) -> None:
-    """InvalidArgument when the numeric JSON ``raw`` holds more values than ``plan``'s
-    shape, told by its commas (``leaves - 1 + empty arrays``; strings, which may hold
-    commas, are not numeric data) before any of it becomes Python objects: 60M values
-    for a shape of 16 took 5 GB, and held the loop, before the count was checked.
-    Counted only when ``raw`` is long enough to hold that many."""
+    """InvalidArgument when the JSON ``raw`` holds more values than ``plan``'s shape,
+    told before any of it becomes Python objects (60M values for a shape of 16 took
+    5 GB, and held the loop, before the count was checked): numbers by their commas
+    (``leaves - 1 + empty arrays``), strings (BYTES) by their quotes (two a string,
+    escaped ones aside; a string ending in an escaped backslash, ``"a\\"``, counts as
+    one quote: at most half of them are missed). Counted only when ``raw`` is long
+    enough to hold that many."""
     shape = plan.shape
-    arrays = sum(math.prod(shape[:i]) for i in range(1, len(shape)))  # (nested: row-major)
-    limit = plan.count + arrays
-    if len(raw) > 32 * (limit + 1) and bytes(memoryview(raw)).count(b",") > limit:
+    if plan.spec.dtype is DType.BYTES:
+        if len(raw) <= 3 * (plan.count + 1):
+            return
+        data = bytes(memoryview(raw))
+        found = (data.count(b'"') - data.count(b'\\"')) // 2
+    else:
+        arrays = sum(math.prod(shape[:i]) for i in range(1, len(shape)))  # (nested)
+        if len(raw) <= 32 * (plan.count + arrays + 1):
+            return
+        found = bytes(memoryview(raw)).count(b",") - arrays
+    if found > plan.count:
         raise InvalidArgument(
             f"{plan.what}: 'data' has more values than shape {list(shape)} holds ({plan.count})"
         )

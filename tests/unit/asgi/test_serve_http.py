@@ -10,6 +10,7 @@ import time
 
 import h2.config
 import h2.connection
+import h2.events
 import h2.settings
 import pytest
 import trio
@@ -64,6 +65,39 @@ def h2_without_window(port: int) -> socket.socket:
     conn.send_headers(1, headers, end_stream=True)
     s.sendall(conn.data_to_send())
     return s
+
+
+def read_h2_slowly(port: int, pause: float) -> int:
+    """GET the answer over HTTP/2, giving back each frame's window only after
+    ``pause``; the bytes received until the answer ends or the server closes."""
+    got = 0
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        headers = [(":method", "GET"), (":path", "/x"), (":scheme", "http"), (":authority", "x")]
+        conn.send_headers(1, headers, end_stream=True)
+        s.sendall(conn.data_to_send())
+        while data := s.recv(1 << 16):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    got += len(event.data)
+                    time.sleep(pause)
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, h2.events.StreamEnded):
+                    return got
+            s.sendall(conn.data_to_send())
+    return got
+
+
+async def test_an_http2_client_reading_slowly_gets_its_whole_answer():
+    """A frame every few ms, for longer than the 0.5 s send timeout in all: progress all
+    along (a timeout on the whole answer cut such a reader off)."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = await serving(nursery, stop, send_timeout=0.5)
+        got = await trio.to_thread.run_sync(read_h2_slowly, port, 0.003)
+        stop.set()
+    assert got == SIZE
 
 
 def answered(port: int) -> bool:
