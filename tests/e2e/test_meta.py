@@ -30,6 +30,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import load_file
 from support import BUNDLES
+from support.bundles import make_repo
 from support.clients import (
     connect,
     control,
@@ -892,6 +893,36 @@ async def _default_thread_tokens() -> float:
 
 
 # -- load-time rules ---------------------------------------------------------------------------
+
+
+# mismatch: calls simple_string (a preprocess hook) with inputs of 1 and 2 rows
+MISMATCH_PY = """\
+import numpy as np
+
+import rsrv
+
+
+@rsrv.meta(inputs=["x"], outputs=["y"])
+def mismatch(call, x):
+    words = np.full((1, 16), b"a", dtype=object)
+    call("simple_string", {"INPUT0": words, "INPUT1": np.concatenate([words, words])})
+    return x[:, :2]
+"""
+
+
+def test_a_call_whose_inputs_disagree_on_rows_is_the_glues_error(tmp_path, cache_dir):
+    """As a client's request: INVALID_ARGUMENT in Triton's words (the called model's
+    preprocess ran, and was blamed: INTERNAL)."""
+    repo = make_repo(tmp_path / "repo", "simple_string")
+    write_meta(repo, "mismatch", ["simple_string"], MISMATCH_PY)
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        with pytest.raises(InferenceServerException) as info:
+            infer(client, "mismatch", {"x": rows(1)})
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert (
+        "call to 'simple_string': input 'INPUT1' batch size does not match other inputs for "
+        "'simple_string' (2 rows along its batch axis; 'INPUT0' has 1)" in info.value.message()
+    )
 
 
 def test_load_time_rules(tmp_path, tiny_template, cache_dir):

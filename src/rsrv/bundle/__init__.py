@@ -21,6 +21,7 @@ from rsrv.bundle._manifest import (
     TensorSpec,
     decode_manifest,
     resolve_manifest,
+    rows_mismatch,
 )
 from rsrv.bundle._repository import (
     discover,
@@ -40,5 +41,5 @@ __all__ = [
     "find_manifest", "has_manifest", "is_model_name", "load_bundle", "meta", "model_versions",
     "postprocess",
     "preprocess", "read_module", "read_signature", "read_weights_header", "resolve_manifest",
-    "scan", "version_policy_of",
+    "rows_mismatch", "scan", "version_policy_of",
 ]  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -89,6 +90,25 @@ class Tensor:
             for i, d in enumerate(self.shape)
         )
         return f"{self.name}: {self.dtype.value}[{dims}]"
+
+
+def rows_mismatch(model: str, inputs: Iterable[tuple[Tensor, Sequence[int]]]) -> str | None:
+    """Triton's words when ``inputs`` (each spec with the shape it came with) disagree on
+    their rows, the extents along their batch axes (a request has one row count; the
+    shapes are known to have each spec's rank); None when they agree."""
+    first: tuple[str, int] | None = None
+    for spec, shape in inputs:
+        if spec.batch_axis is None:
+            continue
+        rows = shape[spec.batch_axis]
+        if first is None:
+            first = spec.name, rows
+        elif rows != first[1]:
+            return (
+                f"input '{spec.name}' batch size does not match other inputs for '{model}' "
+                f"({rows} rows along its batch axis; '{first[0]}' has {first[1]})"
+            )
+    return None
 
 
 @dataclass(frozen=True, slots=True)

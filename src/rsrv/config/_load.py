@@ -32,6 +32,10 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: 
     let the last win silently, where TOML refuses it)."""
 
     def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):  # (`!!map x`: a raw ValueError)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"expected a mapping, found {node.id}", node.start_mark
+            )
         seen = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":

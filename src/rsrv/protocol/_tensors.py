@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rsrv.bundle import Tensor
+from rsrv.bundle import Tensor, rows_mismatch
 from rsrv.dtypes import DType
 from rsrv.errors import InvalidArgument, RsrvError
 from rsrv.protocol._bytes import deserialize_bytes
@@ -239,19 +239,9 @@ def check_inputs(model: str, specs: Sequence[Tensor], plans: Sequence[InputPlan]
             f"model '{model}' expects input tensor(s) "
             f"{', '.join(repr(m) for m in missing)}, missing from the request"
         )
-    first = None
-    for plan in plans:
-        axis = plan.spec.batch_axis
-        if axis is None:
-            continue
-        if first is None:
-            first = plan
-        elif plan.shape[axis] != first.shape[first.spec.batch_axis]:
-            raise InvalidArgument(
-                f"input '{plan.spec.name}' batch size does not match other inputs for "
-                f"'{model}' ({plan.shape[axis]} rows along its batch axis; "
-                f"'{first.spec.name}' has {first.shape[first.spec.batch_axis]})"
-            )
+    mismatch = rows_mismatch(model, ((plan.spec, plan.shape) for plan in plans))
+    if mismatch is not None:
+        raise InvalidArgument(mismatch)
 
 
 def materialize(

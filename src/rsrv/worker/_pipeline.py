@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 import trio
 
-from rsrv.bundle import Tensor
+from rsrv.bundle import Tensor, rows_mismatch
 from rsrv.dtypes import DType
 from rsrv.errors import (
     FailedPrecondition,
@@ -142,7 +142,7 @@ class Pipeline:
             served = self.models.get(name)
             if served.bundle.kind == "meta":
                 raise FailedPrecondition(f"meta models may not call other meta models ({name!r})")
-            check_inputs(served.bundle.signature.client_inputs, inputs, f"call to {name!r}")
+            check_inputs(name, served.bundle.signature.client_inputs, inputs)
             return await self._run_model(served, inputs, deadline, front=True)
         except NotFound as e:  # unloaded since the meta request started
             raise Unavailable(f"call to {name!r}: {e}") from None
@@ -205,8 +205,10 @@ class Pipeline:
         return client, result.compute_seconds
 
 
-def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], where: str):
-    """Tensors handed over in-process (a meta's call) must match the specs exactly."""
+def check_inputs(model: str, specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray]):
+    """Tensors handed over in-process (a meta's call to ``model``) must match its specs
+    exactly, and agree on their rows, as a client's request must."""
+    where = f"call to {model!r}"
     names = {t.name for t in specs}
     extra = sorted(set(tensors) - names)
     missing = sorted(names - set(tensors))
@@ -228,6 +230,9 @@ def check_inputs(specs: tuple[Tensor, ...], tensors: Mapping[str, np.ndarray], w
             )
         if spec.batch_axis is not None and array.shape[spec.batch_axis] == 0:
             raise InvalidArgument(f"{where}: input {spec.name!r} has no rows (batch axis is 0)")
+    mismatch = rows_mismatch(model, ((spec, tensors[spec.name].shape) for spec in specs))
+    if mismatch is not None:
+        raise InvalidArgument(f"{where}: {mismatch}")
 
 
 def _check_made(

@@ -235,6 +235,8 @@ def test_yaml_numbers_read_as_yaml_1_2_does(tmp_path):
         ("port: !!bool maybe\n", "'maybe' cannot be read as !!bool"),  # (was KeyError)
         ("port: !!timestamp foo\n", "'foo' cannot be read as !!timestamp"),  # (AttributeError)
         ("port: !!float abc\n", "'abc' is not a number"),  # (ValueError, no file named)
+        ("endpoints: !!map x\n", "expected a mapping, found scalar"),  # (ValueError)
+        ("scheduler: !!map [1]\n", "expected a mapping, found sequence"),  # (TypeError)
     ],
 )
 def test_explicit_yaml_tags_that_cannot_be_read_are_errors_naming_the_file(tmp_path, text, message):
