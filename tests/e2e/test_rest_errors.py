@@ -17,8 +17,10 @@ import threading
 import time
 import zlib
 
+import msgspec
 import numpy as np
 import pytest
+import trio
 import tritonclient.http as httpclient
 from support.bundles import make_repo
 from support.rest import (
@@ -31,6 +33,8 @@ from support.rest import (
 )
 from support.serving import held_device, hook_globals, running, sched_stats, worker_config
 from support.waiting import wait_until
+
+from rsrv.protocol import _rest as rest_module
 
 MIB = 1 << 20
 
@@ -810,6 +814,29 @@ def test_an_inference_request_that_cannot_be_parsed_counts_as_the_models_failure
     )
     assert answer.status == 400
     assert fails(client, "classifier") == before + 2
+
+
+@pytest.mark.parametrize(
+    ("path", "owner", "parse"),
+    [
+        ("/v2/models/classifier/infer", rest_module, "parse_rest_request"),
+        ("/v2/repository/index", msgspec.json, "decode"),  # (every other route's parse)
+    ],
+)
+def test_a_large_json_body_is_parsed_off_the_event_loop(worker, monkeypatch, path, owner, parse):
+    """12M request parameters (157 MB) were parsed on the loop: every call of the
+    worker, health probes included, waited 7 s. A small body is parsed in place."""
+    real, on_loop = getattr(owner, parse), []
+
+    def spy(*args, **kwargs):
+        on_loop.append(trio.lowlevel.in_trio_run())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, parse, spy)
+    members = ", ".join(f'"k{i}": 1' for i in range(100_000))  # (1.2 MB)
+    for body in ("{}", "{" + members + "}"):
+        request(worker, "POST", path, body.encode())
+    assert on_loop == [True, False]
 
 
 @pytest.mark.parametrize("path", ["/v2/nosuch", "/v2/health/live"])

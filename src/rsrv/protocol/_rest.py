@@ -43,6 +43,7 @@ from rsrv.protocol._calls import Admission, Restriction
 from rsrv.protocol._infer_flow import infer_counted
 from rsrv.protocol._inference import InferenceService
 from rsrv.protocol._rest_codec import (
+    JSON_PARSE_BYTE_SECONDS,
     decode_rest_inputs,
     encode_rest_response,
     parse_rest_request,
@@ -259,7 +260,9 @@ class RestService:
             )
             return header_json, b"".join([header_json, *parts]) if parts else None
 
-        header_json, body = await infer_counted(backend, served, start, prepare, finish)
+        header_json, body = await infer_counted(
+            backend, served, start, prepare, finish, _json_length(call) * JSON_PARSE_BYTE_SECONDS
+        )
         if body is None:
             return Reply(200, header_json)
         return Reply(
@@ -369,6 +372,14 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
                 f"the {encoding} request body has {len(view) - at} bytes after its compressed data"
             )
     raise InvalidArgument(f"the gzip request body has more than {_MAX_MEMBERS} members")
+
+
+def _json_length(call: Call) -> int:
+    """The bytes of ``call``'s JSON header: its body before the binary data, when
+    ``Inference-Header-Content-Length`` is a length within it, else all of it."""
+    header = call.headers.get("inference-header-content-length")
+    size = None if header is None else _count(header)
+    return len(call.body) if size is None else min(size, len(call.body))
 
 
 def _parse_infer(call: Call):

@@ -70,6 +70,7 @@ from rsrv.protocol._tensors import (
 )
 
 __all__ = [
+    "JSON_PARSE_BYTE_SECONDS",
     "RestRequest",
     "decode_rest_inputs",
     "rest_decode_seconds",
@@ -80,6 +81,11 @@ __all__ = [
     "rest_outputs",
     "rest_priority",
 ]
+
+#: JSON parsed into Python objects, at worst (an object of many small members: 0.64 s
+#: for 26 MB here); a body expected to take longer than OFFLOAD_SECONDS is parsed in a
+#: worker thread (12M parameters, 157 MB, held the loop 7 s).
+JSON_PARSE_BYTE_SECONDS = 2.5e-8
 
 Param = bool | int | float | str
 

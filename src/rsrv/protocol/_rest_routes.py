@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+import trio
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from rsrv.errors import InvalidArgument, RsrvError
+from rsrv.protocol._infer_flow import OFFLOAD_SECONDS
 from rsrv.protocol._inference import InferenceService
-from rsrv.protocol._rest_codec import json_error_text
+from rsrv.protocol._rest_codec import JSON_PARSE_BYTE_SECONDS, json_error_text
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = ["ROUTES", "Call", "Reply", "json_reply", "message_dict", "route"]
+
+T = TypeVar("T")
 
 _INT64 = {
     FieldDescriptor.TYPE_INT64,
@@ -93,12 +97,13 @@ def _numbers(message, out: dict) -> None:
                 out[fd.name] = int(out[fd.name])
 
 
-def _json_body(call: Call, what: str) -> dict:
-    """The body as a JSON object ({} when empty); InvalidArgument otherwise."""
+async def _json_body(call: Call, what: str) -> dict:
+    """The body as a JSON object ({} when empty), parsed in a worker thread when large;
+    InvalidArgument otherwise."""
     if not call.body.strip():
         return {}
     try:
-        value = msgspec.json.decode(call.body)
+        value = await _off_loop(len(call.body), msgspec.json.decode, call.body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         # (a string not UTF-8; JSON nested past the decoder's depth)
         raise InvalidArgument(
@@ -107,6 +112,40 @@ def _json_body(call: Call, what: str) -> dict:
     if not isinstance(value, dict):
         raise InvalidArgument(f"the {what} request body must be a JSON object")
     return value
+
+
+async def _off_loop(size: int, parse: Callable[..., T], *args) -> T:
+    """``parse(*args)``, in a worker thread when parsing ``size`` bytes of JSON is
+    expected to take longer than OFFLOAD_SECONDS (the loop serves every call meanwhile)."""
+    if size * JSON_PARSE_BYTE_SECONDS > OFFLOAD_SECONDS:
+        return await trio.to_thread.run_sync(parse, *args)
+    return parse(*args)
+
+
+def _load_request(model: str, params: dict) -> pb.RepositoryModelLoadRequest:
+    """RepositoryModelLoad of ``model`` with the REST load's ``parameters`` (a ``file:``
+    one's base64 decoded)."""
+    request = pb.RepositoryModelLoadRequest(model_name=model)
+    for key, value in params.items():
+        slot = request.parameters[key]
+        if key.startswith("file:") and isinstance(value, str):
+            try:
+                slot.bytes_param = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidArgument(
+                    f"load parameter '{key}' must be base64 (the file's contents)"
+                ) from None
+        elif isinstance(value, bool):
+            slot.bool_param = value
+        elif isinstance(value, int):
+            slot.int64_param = value
+        elif isinstance(value, str):
+            slot.string_param = value
+        else:
+            raise InvalidArgument(
+                f"load parameter '{key}' must be a string, an integer or a boolean"
+            )
+    return request
 
 
 def _typed(value: Any, kind: type, key: str, what: str):
@@ -162,7 +201,7 @@ class RestRoutes:
     # -- repository -----------------------------------------------------------------------
 
     async def index(self, call: Call) -> Reply:
-        ready = _typed(_json_body(call, "index").get("ready"), bool, "ready", "index")
+        ready = _typed((await _json_body(call, "index")).get("ready"), bool, "ready", "index")
         response = await self.grpc.RepositoryIndex(
             pb.RepositoryIndexRequest(ready=bool(ready)), None
         )
@@ -170,32 +209,14 @@ class RestRoutes:
 
     async def load(self, call: Call) -> Reply:
         """``{"parameters": {"config": "<json>", "file:<path>": "<base64>", ...}}``."""
-        params = _typed(_json_body(call, "load").get("parameters"), dict, "parameters", "load")
-        request = pb.RepositoryModelLoadRequest(model_name=call.params["m"])
-        for key, value in (params or {}).items():
-            slot = request.parameters[key]
-            if key.startswith("file:") and isinstance(value, str):
-                try:
-                    slot.bytes_param = base64.b64decode(value, validate=True)
-                except (binascii.Error, ValueError):
-                    raise InvalidArgument(
-                        f"load parameter '{key}' must be base64 (the file's contents)"
-                    ) from None
-            elif isinstance(value, bool):
-                slot.bool_param = value
-            elif isinstance(value, int):
-                slot.int64_param = value
-            elif isinstance(value, str):
-                slot.string_param = value
-            else:
-                raise InvalidArgument(
-                    f"load parameter '{key}' must be a string, an integer or a boolean"
-                )
+        body = await _json_body(call, "load")
+        params = _typed(body.get("parameters"), dict, "parameters", "load")
+        request = await _off_loop(len(call.body), _load_request, call.params["m"], params or {})
         await self.grpc.RepositoryModelLoad(request, None)
         return Reply(200)
 
     async def unload(self, call: Call) -> Reply:
-        _json_body(call, "unload")  # well formed; its parameters (unload_dependents) ignored
+        await _json_body(call, "unload")  # well formed; its parameters (unload_dependents) ignored
         request = pb.RepositoryModelUnloadRequest(model_name=call.params["m"])
         await self.grpc.RepositoryModelUnload(request, None)
         return Reply(200)
@@ -208,7 +229,7 @@ class RestRoutes:
         return json_reply([message_dict(r) for r in response.regions.values()])
 
     async def shm_register(self, call: Call) -> Reply:
-        body = _json_body(call, "register")
+        body = await _json_body(call, "register")
         what = "register"
         key = _typed(body.get("key"), str, "key", what)
         byte_size = _typed(body.get("byte_size"), int, "byte_size", what)
@@ -249,7 +270,7 @@ class RestRoutes:
         """GET: the settings; POST ``{key: value | [values] | null}`` (null: default)."""
         request = pb.TraceSettingRequest(model_name=call.params.get("m", ""))
         if call.method == "POST":
-            for key, value in _json_body(call, "trace setting").items():
+            for key, value in (await _json_body(call, "trace setting")).items():
                 values = [] if value is None else value if isinstance(value, list) else [value]
                 request.settings[key].value.extend(str(v) for v in values)
         response = await self.grpc.TraceSetting(request, None)
@@ -264,7 +285,7 @@ class RestRoutes:
         """GET: the settings; POST ``{key: value}`` (booleans, an integer level, strings)."""
         if call.method == "POST":
             request = pb.LogSettingsRequest()
-            for key, value in _json_body(call, "log settings").items():
+            for key, value in (await _json_body(call, "log settings")).items():
                 slot = request.settings[key]
                 if isinstance(value, bool):
                     slot.bool_param = value
