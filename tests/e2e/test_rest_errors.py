@@ -298,6 +298,11 @@ RAW_CASES = {
         "input tensor 'INPUT0' for model 'simple': 'data' has more values than shape "
         "[1, 16] holds (16)",
     ),
+    "BYTES data far beyond its shape": (  # (strings counted by their quotes: were not)
+        (_simple(data0=["a\\"] * 10_000, data1=["b"] * 16, datatype="BYTES"),),
+        "input tensor 'INPUT0' for model 'simple_string': 'data' has more values than "
+        "shape [1, 16] holds (16)",
+    ),
     "data out of range": (
         (_simple(data0=[2**31] * 16),),
         "input tensor 'INPUT0' for model 'simple': 'data' holds values outside the INT32 "
