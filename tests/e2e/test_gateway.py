@@ -12,6 +12,7 @@ fields; shared memory and explicit-mode loads catch up on a worker that was away
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -34,6 +35,8 @@ from support.waiting import wait_until
 from rsrv.client import ControlClient, InferenceClient, RetryPolicy
 from rsrv.client._rpc import call_unary
 from rsrv.client._tensors import build_request
+from rsrv.config import load_gateway
+from rsrv.gateway import Gateway
 from rsrv.gateway._forward import INFERENCE
 from rsrv.protocol import PUSHBACK
 from rsrv.transport import open_channel
@@ -630,6 +633,35 @@ def test_lpt_packing_places_replicas_and_fills_runs(tmp_path, cache_dir, process
     assert json.loads(one.stdout)["configured_replicas"] == 1
     bad = run_rsrv("gateway", "set-policy", "mode=round_robin", "--address", gateway.url)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_the_gateway_restricts_its_own_control_service(tmp_path, cache_dir, processes, caplog):
+    """grpc.restricted covers the gateway's GatewayControl (gateway-control): it was open
+    to every client, whose repacks the gateway backed with worker_client.headers; left
+    open beside worker_client.headers, the gateway warns."""
+    export_linear(tmp_path / "repo" / "m", seed=5)
+    workers = start_workers(tmp_path, cache_dir, 1)
+    processes.extend(workers)
+    restricted = (
+        '[[grpc.restricted]]\nprotocols = ["gateway-control"]\nheader = "admin-key"\n'
+        'value = "sekrit"'
+    )
+    gateway = start_gateway(tmp_path, workers, restricted)
+    processes.append(gateway)
+    refused = run_rsrv("gateway", "status", "--address", gateway.url)
+    assert refused.returncode == 1
+    assert "This protocol is restricted, expecting header 'admin-key'" in refused.stderr
+    header = ["--header", "admin-key=sekrit"]
+    status = run_rsrv("gateway", "status", "--address", gateway.url, *header)
+    assert status.returncode == 0 and json.loads(status.stdout)["mode"] == "round_robin"
+    with connect(gateway) as client:  # (other protocols stay open)
+        assert matches(client.infer("m", [x_input(X)]).as_numpy("y"), 5, X)
+
+    open_control = tmp_path / "open.toml"
+    open_control.write_text('endpoints = ["127.0.0.1:1"]\n[worker_client.headers]\nkey = "k"\n')
+    with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+        Gateway(load_gateway(open_control, env={}))
+    assert "grpc.restricted leaves gateway-control open" in caplog.text
 
 
 def row_totals(workers: list, model: str) -> tuple[int, int]:

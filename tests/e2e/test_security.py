@@ -24,7 +24,7 @@ from support.serving import free_port, node_config, run_rsrv, running
 
 from rsrv.client import ControlClient
 from rsrv.config import ConfigError
-from rsrv.worker import restrictions_of
+from rsrv.protocol import restrictions_of
 
 RESTRICTED = "This protocol is restricted, expecting header 'admin-key'"
 KEY = {"admin-key": "s3cret"}
@@ -122,16 +122,16 @@ value_file = "secret"
     )
     config = node_config(tmp_path, text)
     monkeypatch.setenv("RSRV_TEST_SECRET", "from-env")
-    a, b = restrictions_of(config.endpoints)
+    a, b = restrictions_of(config.endpoints.restricted, "endpoints.restricted")
     assert (a.protocols, a.header, a.value) == ({"control"}, "a", "from-env")
     assert (b.protocols, b.header, b.value) == ({"model-repository"}, "b", "from-file")
     monkeypatch.delenv("RSRV_TEST_SECRET")
     with raises(ConfigError, "RSRV_TEST_SECRET is not set"):
-        restrictions_of(config.endpoints)
+        restrictions_of(config.endpoints.restricted, "endpoints.restricted")
     # a value no gRPC client could send (it was accepted, and then no key matched)
     monkeypatch.setenv("RSRV_TEST_SECRET", "clé-s3cret")
     with raises(ConfigError, "restricted[0]: the header value must be printable ASCII"):
-        restrictions_of(config.endpoints)
+        restrictions_of(config.endpoints.restricted, "endpoints.restricted")
 
 
 def test_a_header_grpc_keeps_to_itself_cannot_carry_a_key(tmp_path, node):
@@ -146,7 +146,7 @@ value = "x"
 """,
     )
     with raises(ConfigError, "restricted[0].header: 'te' is a header gRPC itself sets"):
-        restrictions_of(node_config(tmp_path, text).endpoints)
+        restrictions_of(node_config(tmp_path, text).endpoints.restricted, "endpoints.restricted")
 
 
 @pytest.mark.parametrize(

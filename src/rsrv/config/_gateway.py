@@ -25,7 +25,8 @@ from rsrv.transport import metadata_problem
 from ._env import is_service_link, parse_env_value
 from ._errors import ConfigError, convert, key_segment, reword
 from ._load import read_document
-from ._schema import LoggingConfig, _doc, _Strict
+from ._resolve import checked_restrictions
+from ._schema import LoggingConfig, RestrictedConfig, _doc, _Strict
 
 MAX_FILL_FACTOR = 1000.0  # a run of 1,000 batches: far past any use, and Q stays an int
 
@@ -104,6 +105,13 @@ class GrpcConfig(_Strict):
     tls_cert_file: Annotated[str | None, _doc("PEM certificate chain: serve TLS.")] = None
     tls_key_file: Annotated[str | None, _doc("PEM private key of tls_cert_file.")] = None
     tls_client_ca_file: Annotated[str | None, _doc("PEM CA: require client certificates.")] = None
+    restricted: Annotated[
+        list[RestrictedConfig],
+        _doc(
+            "Protocols that need a header at the gateway (as a worker's "
+            "endpoints.restricted; gateway-control is its own control service)."
+        ),
+    ] = []
 
 
 class WorkerClientConfig(_Strict):
@@ -410,7 +418,12 @@ def load_gateway(
             f"{where}: worker_names must name each of the {len(config.endpoints)} endpoints "
             f"once; got {names}"
         )
-    config = _absolute_files(config, Path.cwd() if path is None else Path(where).absolute().parent)
+    base = Path.cwd() if path is None else Path(where).absolute().parent
+    config = _absolute_files(config, base)
+    restricted = checked_restrictions(config.grpc.restricted, where, "grpc.restricted", base)
+    config = msgspec.structs.replace(
+        config, grpc=msgspec.structs.replace(config.grpc, restricted=restricted)
+    )
     grpc = config.grpc
     if (grpc.tls_cert_file is None) != (grpc.tls_key_file is None):
         raise ConfigError(f"{where}: grpc.tls_cert_file and tls_key_file go together")
@@ -447,10 +460,14 @@ def _absolute_files(config: GatewayConfig, base: Path) -> GatewayConfig:
 
 def gateway_config_dict(config: GatewayConfig) -> dict[str, Any]:
     """``config`` as plain JSON data, for the startup log: the values of
-    ``worker_client.headers`` (a restricted protocol's key) are shown as ``"***"``."""
+    ``worker_client.headers`` and of ``grpc.restricted`` (a restricted protocol's key)
+    are shown as ``"***"``."""
     data = msgspec.json.decode(msgspec.json.encode(config))
     headers = data["worker_client"]["headers"]
     data["worker_client"]["headers"] = dict.fromkeys(headers, "***")
+    for block in data["grpc"]["restricted"]:
+        if block["value"] is not None:
+            block["value"] = "***"
     return data
 
 

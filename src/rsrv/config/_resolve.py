@@ -34,6 +34,7 @@ from ._schema import (
     EndpointsConfig,
     GlobalConfig,
     NodeConfig,
+    RestrictedConfig,
     SupervisorConfig,
     WorkerConfig,
     WorkerEntry,
@@ -271,24 +272,33 @@ def _resolve_security(
         raise ConfigError(
             f"{here}: endpoints.tls_client_ca_file needs tls_cert_file and tls_key_file"
         )
+    restricted = checked_restrictions(endpoints.restricted, here, "endpoints.restricted", base)
+    return msgspec.structs.replace(endpoints, restricted=restricted, **tls)
+
+
+def checked_restrictions(
+    blocks: Sequence[RestrictedConfig], where: str, key: str, base: Path
+) -> list[RestrictedConfig]:
+    """``blocks`` (setting ``key`` of ``where``, for messages) once each gives one value
+    and restricts protocols no other block does, a ``value_file`` made absolute
+    (relative to ``base``). Raises ConfigError."""
     restricted = []
     owner: dict[str, int] = {}
-    for i, block in enumerate(endpoints.restricted):
-        at = f"{here}: endpoints.restricted[{i}]"
+    for i, block in enumerate(blocks):
+        at = f"{where}: {key}[{i}]"
         sources = [k for k in ("value", "value_env", "value_file") if getattr(block, k) is not None]
         if len(sources) != 1:
             raise ConfigError(f"{at}: give exactly one of value, value_env, value_file")
         for protocol in block.protocols:
             if protocol in owner:
                 raise ConfigError(
-                    f"{at}: protocol {protocol!r} is already restricted by "
-                    f"endpoints.restricted[{owner[protocol]}]"
+                    f"{at}: protocol {protocol!r} is already restricted by {key}[{owner[protocol]}]"
                 )
             owner[protocol] = i
         if block.value_file is not None:
             block = msgspec.structs.replace(block, value_file=_absolute(block.value_file, base))
         restricted.append(block)
-    return msgspec.structs.replace(endpoints, restricted=restricted, **tls)
+    return restricted
 
 
 def _check_ports(workers: list[WorkerConfig], where: str) -> None:

@@ -73,6 +73,7 @@ Protocol = Literal[
     "trace",
     "logging",
     "control",
+    "gateway-control",
 ]
 LogFormat = Literal["text", "json"]
 

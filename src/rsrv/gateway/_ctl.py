@@ -18,7 +18,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.config import parse_env_value, split_address
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
-from rsrv.transport import open_channel
+from rsrv.transport import metadata_problem, open_channel
 
 __all__ = ["COMMANDS", "CTL_OPTIONS", "add_ctl_arguments", "ctl_main"]
 
@@ -33,6 +33,7 @@ CTL_OPTIONS = {
     "fill_mode": "",
     "fill_factor": None,
     "allow_unknown": False,
+    "header": [],
 }
 
 
@@ -49,6 +50,13 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fill-factor", type=float, help="set-replicas: rows per run / max batch")
     parser.add_argument(
         "--allow-unknown", action="store_true", help="set-replicas: a model no worker serves yet"
+    )
+    parser.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a header on the call (repeatable): the key of a restricted gateway-control",
     )
 
 
@@ -122,19 +130,34 @@ def _typed(message, key: str, value: str):
     return value
 
 
-async def _call(host: str, port: int, method: str, request, response_type):
+def _headers(items: list[str]) -> list[tuple[str, str]]:
+    """``--header NAME=VALUE`` items as call metadata; ValueError naming a bad one."""
+    headers = []
+    for item in items:
+        name, sep, value = item.partition("=")
+        problem = "expected NAME=VALUE" if not sep else metadata_problem(name, value)
+        if problem is not None:
+            raise ValueError(f"--header {item!r}: {problem}")
+        headers.append((name, value))
+    return headers
+
+
+async def _call(host: str, port: int, method: str, request, headers):
     async with open_channel(host, port) as channel:
-        return await channel.unary(SERVICE + method, request.SerializeToString(), timeout=130)
+        return await channel.unary(
+            SERVICE + method, request.SerializeToString(), metadata=headers, timeout=130
+        )
 
 
 def ctl_main(command: str, args: list[str], options: argparse.Namespace) -> int:
     try:
         host, port = split_address(options.address)
         method, request, response_type = _request(command, args, options)
+        headers = _headers(options.header)
     except ValueError as e:
         print(f"rsrv gateway {command}: {e}", file=sys.stderr)
         return 2
-    result = trio.run(_call, host, port, method, request, response_type)
+    result = trio.run(_call, host, port, method, request, headers)
     if result.status != StatusCode.OK:
         print(f"rsrv gateway {command}: {result.status.name}: {result.message}", file=sys.stderr)
         return 2 if not result.reached_server else 1

@@ -28,7 +28,14 @@ from rsrv.gateway._fleet import Fleet, WorkerLink, is_local_host
 from rsrv.gateway._forward import CONTROL, Forwarder
 from rsrv.gateway._scheduling import Scheduling
 from rsrv.gateway._services import GatewayServices
-from rsrv.protocol import Admission, HealthService, grpc_status, grpc_trailers, guard
+from rsrv.protocol import (
+    Admission,
+    HealthService,
+    grpc_status,
+    grpc_trailers,
+    guard,
+    restrictions_of,
+)
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 from rsrv.transport import (
     TLS_ERRORS,
@@ -86,6 +93,15 @@ class Gateway:
         self._unresolved: set[str] = set()  # endpoints_dns entries failing to resolve now
         host, port = split_address(config.listen.grpc)
         self.health = HealthService.beside(lambda: self.ready, config.grpc.max_connections)
+        restrictions = restrictions_of(config.grpc.restricted, "grpc.restricted")
+        if config.worker_client.headers and not any(
+            "gateway-control" in r.protocols for r in restrictions
+        ):
+            log.warning(
+                "grpc.restricted leaves gateway-control open: any client of the gateway may "
+                "steer its placement (set-replicas, set-policy, repack), and a repack's "
+                "CompactMemory goes to the workers with worker_client.headers"
+            )
         try:
             self.server = GrpcServer.configured(
                 guard(
@@ -97,6 +113,7 @@ class Gateway:
                         *self.health.methods(),
                     ],
                     self.admission,
+                    restrictions,
                 ),
                 host,
                 port,

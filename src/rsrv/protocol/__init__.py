@@ -30,6 +30,7 @@ from rsrv.protocol._logs import LogSettings
 from rsrv.protocol._model_config import load_parameters, model_config
 from rsrv.protocol._parameters import ShmTarget, request_deadline, request_priority
 from rsrv.protocol._rest import RestService
+from rsrv.protocol._restrictions import restrictions_of
 from rsrv.protocol._shm import DISABLED_MESSAGE, AlreadyExists, RegionInfo, SharedMemoryRegistry
 from rsrv.protocol._status import (
     HTTP_STATUS,
@@ -78,6 +79,7 @@ __all__ = [
     "grpc_status",
     "grpc_trailers",
     "guard",
+    "restrictions_of",
     "http_status",
     "pushback_of",
     "load_parameters",

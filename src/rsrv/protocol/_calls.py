@@ -65,6 +65,13 @@ PROTOCOLS: Mapping[str, tuple[str, ...]] = {
         "SetModelPolicy",
         "CompactMemory",
     ),
+    # (a gateway's own: rsrv.gateway.v1.GatewayControl)
+    "gateway-control": (
+        "GetSchedulingStatus",
+        "SetSchedulingPolicy",
+        "SetModelPlacement",
+        "Repack",
+    ),
 }
 _GROUP_OF = {rpc: group for group, rpcs in PROTOCOLS.items() for rpc in rpcs}
 

@@ -2,7 +2,6 @@
 
 from rsrv.worker._main import serve_main
 from rsrv.worker._models import LoadState, ModelSet, ServedModel
-from rsrv.worker._restrictions import restrictions_of
 from rsrv.worker._worker import Worker
 
-__all__ = ["LoadState", "ModelSet", "ServedModel", "Worker", "restrictions_of", "serve_main"]
+__all__ = ["LoadState", "ModelSet", "ServedModel", "Worker", "serve_main"]

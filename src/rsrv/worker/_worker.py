@@ -29,6 +29,7 @@ from rsrv.protocol import (
     grpc_status,
     grpc_trailers,
     guard,
+    restrictions_of,
 )
 from rsrv.runtime import (
     AllocatorStats,
@@ -54,7 +55,6 @@ from rsrv.worker._models import (
     ServedModel,
 )
 from rsrv.worker._pipeline import Pipeline
-from rsrv.worker._restrictions import restrictions_of
 
 log = logging.getLogger(__name__)
 MAX_NAME_BYTES = 255  # a directory name (NAME_MAX)
@@ -125,7 +125,7 @@ class Worker:
         self.max_message_bytes = config.endpoints.max_message_bytes
         self.max_requests_per_stream = config.endpoints.max_requests_per_stream
         self.admission = Admission(config.endpoints.max_concurrent_requests)
-        self.restrictions = restrictions_of(config.endpoints)
+        self.restrictions = restrictions_of(config.endpoints.restricted, "endpoints.restricted")
         self.port: int | None = None
         self.http_port: int | None = None  # the REST port bound, once serving
         self.rest_stop = trio.Event()  # set: the REST port closes gracefully

@@ -754,6 +754,38 @@ def test_the_gateway_logs_its_configuration_without_the_workers_key(tmp_path):
     assert "s3cret" not in str(data)
 
 
+def test_the_gateway_restricts_protocols_as_a_worker_does(tmp_path):
+    """grpc.restricted: the worker's blocks, a value_file relative to the gateway file,
+    the value kept out of the log; the same checks."""
+    (tmp_path / "conf").mkdir()
+    path = write(
+        tmp_path,
+        "conf/gateway.toml",
+        """
+        endpoints = ["127.0.0.1:8101"]
+        [[grpc.restricted]]
+        protocols = ["gateway-control"]
+        header = "admin-key"
+        value = "s3cret"
+        [[grpc.restricted]]
+        protocols = ["model-repository"]
+        header = "repo-key"
+        value_file = "key.txt"
+        """,
+    )
+    config = load_gateway(path, env={})
+    blocks = config.grpc.restricted
+    assert [b.protocols for b in blocks] == [["gateway-control"], ["model-repository"]]
+    assert blocks[1].value_file == str(tmp_path / "conf" / "key.txt")
+    assert "s3cret" not in str(gateway_config_dict(config))
+    twice = path.read_text().replace('["model-repository"]', '["gateway-control"]')
+    with pytest.raises(ConfigError, match=r"grpc.restricted\[1\]: protocol 'gateway-control'"):
+        load_gateway(write(tmp_path, "twice.toml", twice), env={})
+    none = path.read_text().replace('value = "s3cret"', "")
+    with pytest.raises(ConfigError, match=r"grpc.restricted\[0\]: give exactly one of value"):
+        load_gateway(write(tmp_path, "none.toml", none), env={})
+
+
 @pytest.mark.parametrize(
     ("tls", "needle"),
     [

@@ -1,24 +1,28 @@
-"""The restricted protocols of a worker, their header values read at startup."""
+"""Restricted protocols as a server enforces them: the blocks of a worker's
+``endpoints.restricted`` or a gateway's ``grpc.restricted``, their header values read
+at startup."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
-from rsrv.config import ConfigError, EndpointsConfig
-from rsrv.protocol import Restriction
+from rsrv.config import ConfigError, RestrictedConfig
+from rsrv.protocol._calls import Restriction
 from rsrv.transport import NOT_METADATA
 
 __all__ = ["restrictions_of"]
 
 
-def restrictions_of(endpoints: EndpointsConfig) -> list[Restriction]:
-    """The restricted protocols of ``endpoints``, their values read from the file, the
-    environment or a file. Raises ConfigError when a value cannot be read, is empty or is
-    not printable ASCII, or when the header is one gRPC keeps to itself."""
+def restrictions_of(blocks: Sequence[RestrictedConfig], key: str) -> list[Restriction]:
+    """The restrictions of ``blocks`` (the setting ``key``, for messages), their values
+    read from the file, the environment or a file. Raises ConfigError when a value
+    cannot be read, is empty or is not printable ASCII, or when the header is one gRPC
+    keeps to itself."""
     out = []
-    for i, block in enumerate(endpoints.restricted):
-        where = f"endpoints.restricted[{i}]"
+    for i, block in enumerate(blocks):
+        where = f"{key}[{i}]"
         if block.value_env is not None:
             value = os.environ.get(block.value_env)
             if value is None:
