@@ -14,6 +14,7 @@ import pathlib
 import queue
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from support.bundles import X, export_linear, infer_y, matches, x_input
@@ -579,3 +580,16 @@ allow_file_overrides = true
             client.load_model("g", files=files)
         assert not (tmp_path / "escape").exists() and not (repo / "escape").exists()
         assert list(outside.iterdir()) == []
+
+        # Loads writing the same file at once each write their own temporary file (one
+        # name per process: all but one failed INTERNAL, FileExistsError naming the
+        # repository's path); a file that cannot be written is named as the client did.
+        big = {"file:1/extra.bin": bytes(64 << 20), **files}
+        with ThreadPoolExecutor(3) as pool:
+            loads = [pool.submit(client.load_model, "f", files=big) for _ in range(3)]
+            assert [load.result() for load in loads] == [None] * 3
+        assert not [p for p in (repo / "f" / "1").iterdir() if p.name.startswith(".")]
+        (repo / "f" / "1" / "sub").mkdir()
+        with raises_status("INVALID_ARGUMENT", "cannot write file:1/sub: Is a directory") as e:
+            client.load_model("f", files={"file:1/sub": b"x"})
+        assert str(repo) not in e.value.message()

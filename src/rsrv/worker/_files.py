@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -38,8 +39,14 @@ def write(repo: Path, name: str, files: Mapping[str, bytes], allowed: bool) -> l
     root = Path(os.path.realpath(repo))
     written = []
     for path, (directories, filename) in parts.items():
-        directory = _directory(root, [name, *directories])
-        written.append(_replace(directory, filename, files[path]))
+        try:
+            directory = _directory(root, [name, *directories])
+            written.append(_replace(directory, filename, files[path]))
+        except OSError as e:  # (naming the file as the client did: the repository's path
+            # is the server's business)
+            raise InvalidArgument(
+                f"failed to load {name!r}: cannot write file:{path}: {e.strerror or e}"
+            ) from None
     return written
 
 
@@ -87,14 +94,14 @@ def _directory(root: Path, names: list[str]) -> Path:
 
 def _replace(directory: Path, filename: str, data: bytes) -> Path:
     target = directory / filename
-    temporary = directory / f".{filename}.rsrv-{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(temporary, flags, 0o644)
+    # (a name of its own: two loads writing the same file at once each have theirs)
+    fd, temporary = tempfile.mkstemp(prefix=f".{filename}.", suffix=".rsrv-tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.replace(temporary, target)  # renames over a symlink, never through it
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        Path(temporary).unlink(missing_ok=True)
         raise
     return target
