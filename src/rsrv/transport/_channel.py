@@ -296,13 +296,23 @@ class Channel:
                     best = conn
             if best is not None and (best.load < limits.streams_per_connection or not capped):
                 return best
-            live = sum(not c.draining for c in self.connections)  # (GOAWAY: finishing)
-            if live + self._opening < limits.max_connections:
-                return await self._open()
-            if not capped:
+            live = [c for c in self.connections if not c.draining]  # (GOAWAY: finishing)
+            # A server whose SETTINGS allow no stream now (MAX_CONCURRENT_STREAMS 0): its
+            # calls wait for them to change (RFC 9113 §5.1.2; as gRPC clients queue them)
+            # rather than open a stream it refuses, or a connection after another.
+            refusing = any(c.peer_max_streams == 0 for c in live)
+            if len(live) + self._opening < limits.max_connections and not refusing:
+                conn = await self._open()
+                if conn.available:
+                    return conn
+                continue
+            if not capped and not refusing:
                 spare = self._spare
                 if spare is not None and spare.available:
                     return spare
+                if spare is not None and not spare.draining and spare.peer_max_streams == 0:
+                    await self._changed.park()
+                    continue
                 opening = self._spare_opening
                 if opening is not None:  # (one open at a time: its failure is everyone's)
                     await opening.done.wait()
@@ -320,7 +330,9 @@ class Channel:
                 finally:
                     self._spare_opening = None
                     opening.done.set()
-                return spare
+                if spare.available:
+                    return spare
+                continue
             if best is not None and not self._opening:
                 return best  # every connection is busy and no more may be opened
             await self._changed.park()  # for the connection being opened, or a free stream

@@ -98,6 +98,8 @@ class ClientConnection(Http2Endpoint):
     opened on it now; ``on_change()`` is called whenever that may have changed (a stream
     ended, SETTINGS, GOAWAY, the connection ended)."""
 
+    peer_may_push = 0  # (a server announcing push would push to a client that refused it)
+
     def __init__(
         self,
         stream: trio.abc.Stream,

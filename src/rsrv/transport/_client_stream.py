@@ -134,6 +134,7 @@ class ClientStream:
             return
         else:
             self.trailers = metadata
+        self._end_sending()
         if grpc is not None:
             code = _status_of(grpc)
             if code == StatusCode.OK and self._reader.partial:
@@ -164,7 +165,17 @@ class ClientStream:
 
     def _on_end(self) -> None:
         if not self.done:
+            self._end_sending()
             self._finish(StatusCode.INTERNAL, "the server ended the stream without trailers")
+
+    def _end_sending(self) -> None:
+        """The server ended the stream while ours is open (a call answered before its
+        request was all sent, a stream refused at once): RST_STREAM NO_ERROR, as
+        grpc-go sends, so the stream closes on both sides (RFC 9113 §8.1); left open,
+        it counted against the server's MAX_CONCURRENT_STREAMS while forgotten here."""
+        if not self.half_closed or self._sending:
+            self.conn.reset_stream(self.id, F.NO_ERROR)
+            self.conn.flush()
 
     def _refill(self) -> None:
         """(Nothing held back: answers are split out as they arrive.)"""

@@ -121,6 +121,10 @@ class Http2Endpoint:
 
     # -- hooks of each side -----------------------------------------------------------
 
+    #: The largest SETTINGS_ENABLE_PUSH the peer may send: 1 from a client; a server
+    #: sending 1 is a PROTOCOL_ERROR (RFC 9113 §6.5.2).
+    peer_may_push = 1
+
     def _headers_complete(self, sid: int, flags: int, block: bytes) -> None:
         raise NotImplementedError
 
@@ -332,7 +336,7 @@ class Http2Endpoint:
                 if not F.DEFAULT_FRAME <= value <= MAX_FRAME:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value}")
                 self.peer_max_frame = value
-            elif key == F.ENABLE_PUSH and value > 1:
+            elif key == F.ENABLE_PUSH and value > self.peer_may_push:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, f"ENABLE_PUSH {value}")
             elif key == F.MAX_CONCURRENT_STREAMS:
                 self._on_peer_max_streams(value)

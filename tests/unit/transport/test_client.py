@@ -711,7 +711,10 @@ async def test_trailers_only_http_errors_and_missing_trailers():
     assert (a.status, a.message) == (StatusCode.PERMISSION_DENIED, "no way")
     assert b.status is StatusCode.UNAVAILABLE and "HTTP 503" in b.message
     assert c.status is StatusCode.INTERNAL and "without trailers" in c.message
-    assert frames == []  # nothing to reset: every stream ended on the server's side
+    # ended on the server's side while open on ours (no END_STREAM sent): each reset
+    # (NO_ERROR), so that it stops counting against the server's stream limit
+    no_error = struct.pack(">I", F.NO_ERROR)
+    assert frames == [(F.RST_STREAM, 0, s.id, no_error) for s in (a, b, c)]
 
 
 async def test_nothing_is_written_to_a_connection_once_its_socket_is_closed(monkeypatch):

@@ -191,3 +191,63 @@ async def test_client_sockets_keep_alive():
         assert (await channel.unary(UNARY, b"x", timeout=2)).ok
         sock = channel.connections[0].stream.socket
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+
+
+async def test_a_server_that_allows_no_stream_gets_none_until_it_allows_one():
+    """MAX_CONCURRENT_STREAMS 0 (RFC 9113 §5.1.2: a client must not exceed it): the
+    call was sent anyway, refused, sent again on a second connection and failed
+    UNAVAILABLE (reached_server False: a gateway takes such a worker out of its routes).
+    It waits, on one connection, until the server's SETTINGS allow a stream, or for
+    its deadline."""
+    headers, connections, allow = [], [], trio.Event()
+
+    async def handler(peer):
+        connections.append(peer.index)
+        await peer.send(F.settings({F.MAX_CONCURRENT_STREAMS: 0}))
+        async with trio.open_nursery() as nursery:
+
+            async def allow_later():
+                await allow.wait()
+                await peer.send(F.settings({F.MAX_CONCURRENT_STREAMS: 4}))
+
+            nursery.start_soon(allow_later)
+            while True:
+                kind, _, sid, _ = await peer.frame()
+                if kind == F.HEADERS:
+                    headers.append(sid)
+                    await peer.send(peer.answer(sid, b"ok"))
+
+    async with raw_server(handler) as (port, _):
+        limits = ClientLimits(max_connections=2)
+        async with open_channel("127.0.0.1", port, limits=limits) as channel:
+            result = await channel.unary(UNARY, b"x", timeout=0.5)
+            assert result.status is StatusCode.DEADLINE_EXCEEDED and not headers
+            assert connections == [0]  # (not a connection after another)
+            results = []
+            async with trio.open_nursery() as nursery:
+
+                async def call():
+                    results.append(await channel.unary(UNARY, b"y", timeout=10))
+
+                nursery.start_soon(call)
+                await trio.sleep(0.2)
+                assert not headers
+                allow.set()
+    assert headers == [1] and results[0].status is StatusCode.OK
+
+
+async def test_a_server_announcing_push_is_a_protocol_error():
+    """RFC 9113 §6.5.2: a client MUST treat SETTINGS_ENABLE_PUSH 1 from a server as a
+    connection error (it was accepted: only values above 1 were refused)."""
+    goaway = []
+
+    async def handler(peer):
+        await peer.send(F.settings({F.ENABLE_PUSH: 1}))
+        kind, _, _, payload = await peer.until(F.GOAWAY)
+        goaway.append(struct.unpack(">II", payload[:8])[1])
+
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port) as channel:
+            result = await channel.unary(UNARY, b"x", timeout=5)
+    assert result.status is StatusCode.UNAVAILABLE and not result.reached_server
+    assert goaway == [F.PROTOCOL_ERROR]
