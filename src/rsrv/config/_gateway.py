@@ -324,6 +324,19 @@ def _variables() -> dict[str, tuple[tuple[str, ...], Any]]:
     return table
 
 
+def _headers_of(variable: str, text: str) -> dict[str, str]:
+    """``name=value[,name=value...]`` as headers (a comma before ``name=`` separates;
+    any other belongs to the value). Raises ConfigError naming the variable."""
+    headers = {}
+    for item in re.split(r",(?=\s*[0-9a-z_.-]+=)", text):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            # (not the text: it holds a key)
+            raise ConfigError(f"{variable}: expected name=value[,name=value...]")
+        headers[name.strip()] = value
+    return headers
+
+
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     table = _variables()
     for variable in sorted(k for k in env if k.startswith(GATEWAY_ENV_PREFIX)):
@@ -337,6 +350,8 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         path, tp = table[variable]
         if tp is list:
             value: Any = [item.strip() for item in text.split(",") if item.strip()]
+        elif path == ("worker_client", "headers"):  # (a key kept out of the file)
+            value = _headers_of(variable, text)
         else:
             try:
                 value = parse_env_value(text, tp)

@@ -754,6 +754,21 @@ def test_the_gateway_logs_its_configuration_without_the_workers_key(tmp_path):
     assert "s3cret" not in str(data)
 
 
+def test_the_gateway_takes_its_workers_headers_from_the_environment(tmp_path):
+    """A worker's key from a Kubernetes Secret, not the file (the variable was refused:
+    "cannot be set from the environment")."""
+    path = write(tmp_path, "gateway.toml", 'endpoints = ["127.0.0.1:8101"]\n')
+    variable = "INFERENCE_GATEWAY_WORKER_CLIENT_HEADERS"
+    env = {variable: "admin-key=s3c,ret, repo-key=k=v"}
+    config = load_gateway(path, env=env)
+    assert config.worker_client.headers == {"admin-key": "s3c,ret", "repo-key": "k=v"}
+    with pytest.raises(ConfigError, match=rf"^{variable}: expected name=value") as info:
+        load_gateway(path, env={variable: "s3cret"})
+    assert "s3cret" not in str(info.value)
+    with pytest.raises(ConfigError, match="worker_client.headers.Bad: not a metadata key"):
+        load_gateway(path, env={variable: "Bad=1"})
+
+
 def test_the_gateway_restricts_protocols_as_a_worker_does(tmp_path):
     """grpc.restricted: the worker's blocks, a value_file relative to the gateway file,
     the value kept out of the log; the same checks."""
