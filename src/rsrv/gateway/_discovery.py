@@ -26,6 +26,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.config import GatewayConfig
 from rsrv.gateway._fleet import Fleet, IndexRow, WorkerLink
+from rsrv.protocol import RESTRICTED_MESSAGE
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
 
@@ -198,10 +199,12 @@ class Discovery:
             self._failing.discard(key)
             return result.status, result.response
         # A worker that answered before and is now unreachable is going away (the
-        # "not ready" warning says so); one that never answered is warned about.
-        quiet = (result.status == StatusCode.UNAVAILABLE and worker.ever_answered) or (
-            result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS
-        )
+        # "not ready" warning says so); one that never answered is warned about; so is
+        # one refusing the gateway's own call for its restricted protocol's header.
+        restricted = result.message.startswith(RESTRICTED_MESSAGE)
+        quiet = (
+            result.status == StatusCode.UNAVAILABLE and worker.ever_answered and not restricted
+        ) or (result.status == StatusCode.UNIMPLEMENTED and path == CONTROL_STATUS)
         if not quiet and not worker.ever_answered:
             first = self._first_probe.setdefault(worker.name, trio.current_time())
             if trio.current_time() - first < STARTING_SECONDS:
@@ -215,11 +218,12 @@ class Discovery:
                 return result.status, None
         if not quiet:
             (log.debug if key in self._failing else log.warning)(
-                "worker %s answered %s to %s: %s",
+                "worker %s answered %s to %s: %s%s",
                 worker.name,
                 result.status.name,
                 path.rsplit("/", 1)[1],
                 result.message,
+                " (the gateway's calls carry worker_client.headers)" if restricted else "",
             )
             self._failing.add(key)
         return result.status, None

@@ -47,6 +47,7 @@ from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
 from rsrv.node._output import OutputSink, SinkStream, standard_output
+from rsrv.protocol import restrictions_of
 from rsrv.transport import TLS_ERRORS, client_tls, server_tls
 
 __all__ = ["Supervisor", "node_main"]
@@ -104,6 +105,25 @@ def cuda_names(devices: list[str]) -> list[str]:
     return [f"cuda:{d}" if d.isdigit() else d for d in devices]
 
 
+def _worker_keys(plan: NodePlan) -> dict[str, str]:
+    """The headers of the workers' restricted protocols, with their values (read as the
+    workers read them); a header whose value differs between workers is left out, with
+    a warning (set worker_client.headers in a gateway file then). Raises ConfigError."""
+    keys: dict[str, set[str]] = {}
+    for worker in plan.workers:
+        key = f"worker {worker.name!r}: endpoints.restricted"
+        for restriction in restrictions_of(worker.endpoints.restricted, key):
+            keys.setdefault(restriction.header, set()).add(restriction.value)
+    for header in [h for h, values in keys.items() if len(values) > 1]:
+        log.warning(
+            "the workers' restricted protocols give header %r different values: the "
+            "gateway sends it to none (set worker_client.headers in the gateway file)",
+            header,
+        )
+        del keys[header]
+    return {header: values.pop() for header, values in keys.items()}
+
+
 def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, GatewayConfig]:
     """How to run the gateway in front of ``plan``'s workers: ``rsrv gateway`` with the
     node's gateway file (if any: read here once, and its bytes handed down), listening on
@@ -138,6 +158,16 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         if not gateway_file_sets(plan.gateway_file, key, data):
             variable = GATEWAY_ENV_PREFIX + key.replace(".", "_").upper()
             env.setdefault(variable, str(value))
+    # Its own calls (probes, catch-up) carry the workers' restricted-protocol keys:
+    # RepositoryIndex, say, is model-repository's, and without the key no worker looked
+    # ready. Unless its file or the environment gives it headers.
+    headers = f"{GATEWAY_ENV_PREFIX}WORKER_CLIENT_HEADERS"
+    if headers not in base_env and not gateway_file_sets(
+        plan.gateway_file, "worker_client.headers", data
+    ):
+        keys = _worker_keys(plan)
+        if keys:
+            env[headers] = ",".join(f"{name}={value}" for name, value in keys.items())
     # It drains at least as long as its workers may (its own longer grace stands; so
     # does one set in the environment), and is given that long before SIGKILL.
     drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"

@@ -19,7 +19,14 @@ from rsrv.protocol._backend import (
     ModelStatisticsSnapshot,
     ServedModelView,
 )
-from rsrv.protocol._calls import PROTOCOLS, Admission, Restriction, call_deadline, guard
+from rsrv.protocol._calls import (
+    PROTOCOLS,
+    RESTRICTED_MESSAGE,
+    Admission,
+    Restriction,
+    call_deadline,
+    guard,
+)
 from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
 from rsrv.protocol._decode import DEFAULT_MAX_TENSOR_BYTES, decode_request
 from rsrv.protocol._encode import encode_response, requested_outputs, tensor_metadata
@@ -51,6 +58,7 @@ __all__ = [
     "HEALTH_SERVICES",
     "MAX_MESSAGE_CHARS",
     "PUSHBACK",
+    "RESTRICTED_MESSAGE",
     "PROTOCOLS",
     "RESIDENCY",
     "Admission",

@@ -28,6 +28,7 @@ from rsrv.transport import Method
 
 __all__ = [
     "PROTOCOLS",
+    "RESTRICTED_MESSAGE",
     "UNADMITTED",
     "Admission",
     "Restriction",
@@ -86,6 +87,10 @@ def protocol_of(path: str) -> str | None:
     return _GROUP_OF.get(path.rsplit("/", 1)[-1])
 
 
+#: How a call refused for its missing header begins (Triton's words).
+RESTRICTED_MESSAGE = "This protocol is restricted"
+
+
 @dataclass(frozen=True, slots=True)
 class Restriction:
     """Calls of ``protocols`` need header ``header`` (lower case) equal to ``value``."""
@@ -97,7 +102,7 @@ class Restriction:
     def check(self, metadata: Mapping[str, str]) -> None:
         sent = metadata.get(self.header)
         if sent is None or not hmac.compare_digest(sent.encode(), self.value.encode()):
-            raise Unavailable(f"This protocol is restricted, expecting header '{self.header}'")
+            raise Unavailable(f"{RESTRICTED_MESSAGE}, expecting header '{self.header}'")
 
 
 class Admission:

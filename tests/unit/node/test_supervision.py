@@ -758,6 +758,47 @@ def test_the_gateway_inherits_its_workers_limits_and_logging_unless_told_otherwi
     assert got == expected
 
 
+RESTRICTED = (
+    "global:\n  endpoints:\n    restricted:\n"
+    "      - {protocols: [model-repository, control], header: admin-key, value: k1}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("yaml", "gateway_file", "env", "headers"),
+    [
+        (RESTRICTED, "", {}, {"admin-key": "k1"}),  # its probes carry the workers' keys
+        (RESTRICTED, '[worker_client.headers]\nadmin-key = "mine"\n', {}, {"admin-key": "mine"}),
+        (
+            RESTRICTED,
+            "",
+            {"INFERENCE_GATEWAY_WORKER_CLIENT_HEADERS": "admin-key=env"},
+            {"admin-key": "env"},
+        ),
+        (  # two values for one header: none sent (a warning says so)
+            RESTRICTED + "workers:\n  - {name: a}\n  - {name: b, endpoints: {restricted: "
+            "[{protocols: [control], header: admin-key, value: k2}]}}\n",
+            "",
+            {},
+            {},
+        ),
+    ],
+)
+def test_the_gateway_of_a_node_calls_its_workers_with_their_keys(
+    tmp_path, yaml, gateway_file, env, headers
+):
+    """A node restricting model-repository: the gateway's RepositoryIndex probes were
+    refused, no worker ever looked ready, and nothing said why."""
+    gateway = tmp_path / "gateway.toml"
+    gateway.write_text(gateway_file)
+    path = tmp_path / "node.yaml"
+    path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{yaml}")
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    spec, config = gateway_spec(node_plan, env)
+    assert load_gateway(node_plan.gateway_file, {**spec.env, **env}, spec.config.data) == config
+    assert config.worker_client.headers == headers
+
+
 def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path):
     """The gateway routes to a worker that is still loading its models (it serves what
     it has), so the gateway's readiness alone does not make the node ready."""
