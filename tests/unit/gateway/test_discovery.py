@@ -109,6 +109,27 @@ async def test_a_worker_without_the_control_service_is_routed_by_its_index(caplo
     assert not caplog.records  # expected of a worker that is not rsrv: not a warning
 
 
+async def test_a_worker_refusing_the_gateways_call_for_its_key_is_warned_about(caplog):
+    """Its RepositoryIndex refused for a restricted protocol's missing header: the worker
+    never looked ready, and nothing said why (taken for a worker going away)."""
+
+    class Restricted(ScriptedChannel):
+        async def unary(self, path, body, **kwargs):
+            if path == REPOSITORY_INDEX:
+                message = "This protocol is restricted, expecting header 'admin-key'"
+                return UnaryResult(StatusCode.UNAVAILABLE, message)
+            return await super().unary(path, body, **kwargs)
+
+    fleet, worker, discovery = fleet_of(Restricted(worker_answers(["lin"])))
+    with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+        await discovery.round()
+    assert not worker.ready
+    assert (
+        "worker w0 answered UNAVAILABLE to RepositoryIndex: This protocol is restricted, "
+        "expecting header 'admin-key' (the gateway's calls carry worker_client.headers)"
+    ) in caplog.text
+
+
 async def test_a_failed_control_call_keeps_what_is_known_of_a_ready_worker(caplog):
     channel = ScriptedChannel(worker_answers(["meta"], subs=["part"]))
     fleet, worker, discovery = fleet_of(channel)
