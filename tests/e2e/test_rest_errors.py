@@ -298,8 +298,13 @@ RAW_CASES = {
         "input tensor 'INPUT0' for model 'simple': 'data' has more values than shape "
         "[1, 16] holds (16)",
     ),
+    "BYTES data element count": (  # (small: the exact count, not "more values than")
+        (_simple(data0=["a"] * 17, data1=["b"] * 16, datatype="BYTES"),),
+        "input tensor 'INPUT0' for model 'simple_string': 'data' has 17 elements but shape "
+        "[1, 16] needs 16",
+    ),
     "BYTES data far beyond its shape": (  # (strings counted by their quotes: were not)
-        (_simple(data0=["a\\"] * 10_000, data1=["b"] * 16, datatype="BYTES"),),
+        (_simple(data0=["a\\"] * 20_000, data1=["b"] * 16, datatype="BYTES"),),
         "input tensor 'INPUT0' for model 'simple_string': 'data' has more values than "
         "shape [1, 16] holds (16)",
     ),

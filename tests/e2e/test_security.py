@@ -157,6 +157,10 @@ value = "x"
         ('protocols = []\nheader = "k"\nvalue = "x"', "length >= 1"),
         ('protocols = ["inference", "everything"]\nheader = "k"\nvalue = "x"', "everything"),
         ('protocols = ["control"]\nheader = "Admin Key"\nvalue = "x"', "header"),
+        (  # (accepted, guarding nothing)
+            'protocols = ["gateway-control"]\nheader = "k"\nvalue = "x"',
+            "gateway-control is a gateway's own protocol",
+        ),
     ],
 )
 def test_bad_restricted_blocks(tmp_path, node, block, needle):

@@ -593,3 +593,6 @@ allow_file_overrides = true
         with raises_status("INVALID_ARGUMENT", "cannot write file:1/sub: Is a directory") as e:
             client.load_model("f", files={"file:1/sub": b"x"})
         assert str(repo) not in e.value.message()
+        long = "m" * 250  # (a name the check accepts: its temporary file's too, now)
+        client.load_model("f", files={f"file:1/{long}": b"x"})
+        assert (repo / "f" / "1" / long).read_bytes() == b"x"

@@ -273,6 +273,12 @@ def _resolve_security(
             f"{here}: endpoints.tls_client_ca_file needs tls_cert_file and tls_key_file"
         )
     restricted = checked_restrictions(endpoints.restricted, here, "endpoints.restricted", base)
+    for i, block in enumerate(restricted):
+        if "gateway-control" in block.protocols:  # (it would guard nothing here)
+            raise ConfigError(
+                f"{here}: endpoints.restricted[{i}]: gateway-control is a gateway's own "
+                "protocol: restrict it in the gateway file's grpc.restricted"
+            )
     return msgspec.structs.replace(endpoints, restricted=restricted, **tls)
 
 

@@ -12,8 +12,8 @@ new file, never half of one).
 from __future__ import annotations
 
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -94,14 +94,16 @@ def _directory(root: Path, names: list[str]) -> Path:
 
 def _replace(directory: Path, filename: str, data: bytes) -> Path:
     target = directory / filename
-    # (a name of its own: two loads writing the same file at once each have theirs)
-    fd, temporary = tempfile.mkstemp(prefix=f".{filename}.", suffix=".rsrv-tmp", dir=directory)
+    # (a name of its own, of bounded length: two loads writing the same file at once
+    # each have theirs; the umask applies to the mode, as to any file the server makes)
+    temporary = directory / f".rsrv-{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(temporary, flags, 0o644)
     try:
-        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as out:
             out.write(data)
         os.replace(temporary, target)  # renames over a symlink, never through it
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
     return target
