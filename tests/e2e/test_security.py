@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 import trio
-import trustme
 from purerpc.grpclib.status import StatusCode
 from support.assertions import raises
 from support.bundles import make_repo
 from support.clients import connect, infer_input, raises_status, server_error
+from support.pki import write_pki
 from support.serving import free_port, node_config, run_rsrv, running
 
 from rsrv.client import ControlClient
@@ -189,23 +189,7 @@ def test_effective_configuration_hides_the_value(tmp_path, node):
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = ca.issue_cert("client@rsrv.test")
-    files = {
-        "ca": root / "ca.pem",
-        "cert": root / "server.pem",
-        "key": root / "server.key",
-        "client_cert": root / "client.pem",
-        "client_key": root / "client.key",
-    }
-    ca.cert_pem.write_to_path(files["ca"])
-    server.cert_chain_pems[0].write_to_path(files["cert"])
-    server.private_key_pem.write_to_path(files["key"])
-    client.cert_chain_pems[0].write_to_path(files["client_cert"])
-    client.private_key_pem.write_to_path(files["client_key"])
-    return files
+    return write_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

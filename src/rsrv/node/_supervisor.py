@@ -147,13 +147,20 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         f"{GATEWAY_ENV_PREFIX}ENDPOINTS_DNS": "",  # the node's workers, and only they
         f"{GATEWAY_ENV_PREFIX}WORKER_NAMES": ",".join(w.name for w in plan.workers),
     }
-    # The gateway accepts what its workers accept, and logs as they do, unless its file
-    # or the environment says otherwise.
+    # The gateway accepts what its workers accept, logs as they do, and serves TLS
+    # (client certificates too) as they do: the node's port is its, and TLS set for the
+    # node must not leave that port in the clear. Unless its file or the environment
+    # says otherwise.
+    first = plan.workers[0].endpoints
     inherited = {
         "grpc.max_message_bytes": max(w.endpoints.max_message_bytes for w in plan.workers),
         "logging.format": plan.workers[0].logging.format,
         "logging.level": plan.workers[0].logging.level,
     }
+    if not gateway_file_sets(plan.gateway_file, "grpc.tls_cert_file", data):
+        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            if getattr(first, key) is not None:
+                inherited[f"grpc.{key}"] = getattr(first, key)
     for key, value in inherited.items():
         if not gateway_file_sets(plan.gateway_file, key, data):
             variable = GATEWAY_ENV_PREFIX + key.replace(".", "_").upper()
@@ -363,6 +370,30 @@ def check_tls(plan: NodePlan, gateway: GatewayConfig | None) -> None:
             client_tls(gateway.worker_client)
         except TLS_ERRORS as e:
             raise unusable_tls(gateway.tls_files(), e, "gateway") from None
+        _check_gateway_dials(plan, gateway)
+
+
+def _check_gateway_dials(plan: NodePlan, gateway: GatewayConfig) -> None:
+    """ConfigError when the gateway could not call a worker that serves TLS (no
+    ``worker_client.tls_ca_file``) or asks for client certificates (no
+    ``tls_cert_file``): no worker would ever look ready to it, each probe failing in
+    its handshake."""
+    client = gateway.worker_client
+    for worker in plan.workers:
+        endpoints = worker.endpoints
+        needs, key = None, None
+        if endpoints.tls_cert_file is not None and client.tls_ca_file is None:
+            needs, key = "serves TLS", "worker_client.tls_ca_file (the CA that signed it)"
+        elif endpoints.tls_client_ca_file is not None and client.tls_cert_file is None:
+            needs, key = (
+                "asks for client certificates",
+                "worker_client.tls_cert_file and tls_key_file (signed by its client CA)",
+            )
+        if needs is not None:
+            raise ConfigError(
+                f"worker {worker.name!r} {needs}, which its gateway cannot call: set {key} "
+                "in the gateway file (gateway.file in the node file)"
+            )
 
 
 def node_main(node_file: str | None) -> int:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import trio
+from support.pki import write_pki
 
 from rsrv.config import ConfigError, SupervisorConfig, load_gateway, load_node, plan_node
 from rsrv.lifeline import (
@@ -45,6 +46,7 @@ from rsrv.node._supervisor import (
     SAME_STOP_SECONDS,
     Supervisor,
     check_node_ports,
+    check_tls,
     gateway_spec,
     worker_spec,
 )
@@ -756,6 +758,45 @@ def test_the_gateway_inherits_its_workers_limits_and_logging_unless_told_otherwi
     )  # (the child's)
     got = (config.grpc.max_message_bytes, config.logging.level, config.logging.format)
     assert got == expected
+
+
+def test_a_node_serving_tls_serves_it_on_its_gateways_port_and_needs_a_ca_to_dial(tmp_path):
+    """TLS set for the node's workers left the node's own port, the gateway's, in the
+    clear; and a gateway without the CA never reached a worker (every probe failing in
+    its handshake): the node now refuses to start, saying what to set."""
+    pki = write_pki(tmp_path)
+    tls = (
+        f"global: {{endpoints: {{tls_cert_file: {pki['cert']}, tls_key_file: {pki['key']}, "
+        f"tls_client_ca_file: {pki['ca']}}}}}\n"
+    )
+    gateway = tmp_path / "gateway.toml"
+    path = tmp_path / "node.yaml"
+    path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{tls}")
+    for worker_client, needs in (
+        ("", "serves TLS, which its gateway cannot call: set worker_client.tls_ca_file"),
+        (
+            f'tls_ca_file = "{pki["ca"]}"',
+            "asks for client certificates, which its gateway cannot call",
+        ),
+    ):
+        gateway.write_text(f"[worker_client]\n{worker_client}\n")
+        node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+        spec, config = gateway_spec(node_plan, {})
+        grpc = config.grpc
+        assert (grpc.tls_cert_file, grpc.tls_key_file, grpc.tls_client_ca_file) == (
+            str(pki["cert"]),
+            str(pki["key"]),
+            str(pki["ca"]),
+        )
+        with pytest.raises(ConfigError, match=f"worker 'worker0' {needs}"):
+            check_tls(node_plan, config)
+    client = f'"{pki["client_cert"]}"', f'"{pki["client_key"]}"'
+    gateway.write_text(
+        f'[worker_client]\ntls_ca_file = "{pki["ca"]}"\n'
+        f"tls_cert_file = {client[0]}\ntls_key_file = {client[1]}\n"
+    )
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    check_tls(node_plan, gateway_spec(node_plan, {})[1])
 
 
 RESTRICTED = (
