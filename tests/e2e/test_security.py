@@ -310,3 +310,32 @@ def test_a_tls_file_that_cannot_be_used_is_a_configuration_error(tmp_path, node,
     assert "Traceback" not in result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("rsrv: a TLS file cannot be used (endpoints.tls_cert_file = ")
+
+
+async def test_the_gateway_command_line_calls_a_tls_gateway(tmp_path, pki):
+    """`rsrv gateway status` spoke plain HTTP/2 only: a gateway serving TLS (a node's,
+    when its workers do) could not be steered from the command line."""
+    from rsrv.config import load_gateway
+    from rsrv.gateway import Gateway
+
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f'endpoints = ["127.0.0.1:{free_port()}"]\n'
+        f'[listen]\ngrpc = "127.0.0.1:0"\nmetrics = "none"\n'
+        f'[grpc]\ntls_cert_file = "{pki["cert"]}"\ntls_key_file = "{pki["key"]}"\n'
+    )
+    gateway = Gateway(load_gateway(path, env={}))
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(gateway.run)
+        address = ["--address", f"127.0.0.1:{port}"]
+        plain = await trio.to_thread.run_sync(lambda: run_rsrv("gateway", "status", *address))
+        assert plain.returncode == 2
+        secure = [*address, "--tls-ca-file", str(pki["ca"])]
+        status = await trio.to_thread.run_sync(lambda: run_rsrv("gateway", "status", *secure))
+        assert status.returncode == 0, status.stderr
+        assert '"mode": "round_robin"' in status.stdout
+        alone = [*secure, "--tls-cert-file", str(pki["client_cert"])]
+        refused = await trio.to_thread.run_sync(lambda: run_rsrv("gateway", "status", *alone))
+        assert refused.returncode == 2
+        assert "--tls-cert-file and --tls-key-file go together" in refused.stderr
+        nursery.cancel_scope.cancel()

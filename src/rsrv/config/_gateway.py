@@ -325,16 +325,37 @@ def _variables() -> dict[str, tuple[tuple[str, ...], Any]]:
 
 
 def _headers_of(variable: str, text: str) -> dict[str, str]:
-    """``name=value[,name=value...]`` as headers (a comma before ``name=`` separates;
-    any other belongs to the value). Raises ConfigError naming the variable."""
-    headers = {}
-    for item in re.split(r",(?=\s*[0-9a-z_.-]+=)", text):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            # (not the text: it holds a key)
-            raise ConfigError(f"{variable}: expected name=value[,name=value...]")
-        headers[name.strip()] = value
-    return headers
+    """A JSON object of strings, or ``name=value[,name=value...]`` (a comma before
+    ``name=`` separates; any other belongs to the value), as headers. Raises
+    ConfigError naming the variable, never showing the text (it holds keys)."""
+    if text.lstrip().startswith("{"):
+        try:
+            headers = msgspec.json.decode(text, type=dict[str, str])
+        except msgspec.DecodeError:  # (ValidationError is one)
+            raise ConfigError(f"{variable}: expected a JSON object of strings") from None
+        items = list(headers.items())
+    else:
+        items = [item.partition("=")[::2] for item in re.split(r",(?=\s*[0-9a-z_.-]+=)", text)]
+        items = [(name.strip(), value) for name, value in items]
+    for i, (name, value) in enumerate(items):
+        if metadata_problem(name, value) is not None or not value:
+            raise ConfigError(
+                f"{variable}: item {i + 1} is not a header a call may carry "
+                "(name=value: a lower-case metadata key, a printable ASCII value)"
+            )
+    return dict(items)
+
+
+def _restricted_of(variable: str, text: str) -> list:
+    """A JSON list of ``grpc.restricted`` tables (checked as the file's are, after).
+    Raises ConfigError naming the variable, never showing the text."""
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        raise ConfigError(f"{variable}: expected a JSON list of tables") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"{variable}: expected a JSON list of tables")
+    return value
 
 
 def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
@@ -352,6 +373,8 @@ def _apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
             value: Any = [item.strip() for item in text.split(",") if item.strip()]
         elif path == ("worker_client", "headers"):  # (a key kept out of the file)
             value = _headers_of(variable, text)
+        elif path == ("grpc", "restricted"):  # (as the file's: a JSON list of tables)
+            value = _restricted_of(variable, text)
         else:
             try:
                 value = parse_env_value(text, tp)

@@ -10,6 +10,7 @@ bad address, a value of the wrong type).
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 
 import trio
@@ -18,7 +19,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.config import parse_env_value, split_address
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
-from rsrv.transport import metadata_problem, open_channel
+from rsrv.transport import TLS_ERRORS, client_tls_context, metadata_problem, open_channel
 
 __all__ = ["COMMANDS", "CTL_OPTIONS", "add_ctl_arguments", "ctl_main"]
 
@@ -34,6 +35,9 @@ CTL_OPTIONS = {
     "fill_factor": None,
     "allow_unknown": False,
     "header": [],
+    "tls_ca_file": None,
+    "tls_cert_file": None,
+    "tls_key_file": None,
 }
 
 
@@ -58,6 +62,9 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="a header on the call (repeatable): the key of a restricted gateway-control",
     )
+    parser.add_argument("--tls-ca-file", help="call over TLS: the CA of the gateway's certificate")
+    parser.add_argument("--tls-cert-file", help="with --tls-key-file: a client certificate")
+    parser.add_argument("--tls-key-file", help="the key of --tls-cert-file")
 
 
 def _request(command: str, args: list[str], options: argparse.Namespace):
@@ -142,8 +149,23 @@ def _headers(items: list[str]) -> list[tuple[str, str]]:
     return headers
 
 
-async def _call(host: str, port: int, method: str, request, headers):
-    async with open_channel(host, port) as channel:
+def _tls(options: argparse.Namespace) -> ssl.SSLContext | None:
+    """The TLS context of ``--tls-*`` (None: plain); ValueError naming what is wrong."""
+    ca, cert, key = options.tls_ca_file, options.tls_cert_file, options.tls_key_file
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if ca is None:
+        if cert is not None:
+            raise ValueError("--tls-cert-file needs --tls-ca-file")
+        return None
+    try:
+        return client_tls_context(ca, cert, key)
+    except TLS_ERRORS as e:
+        raise ValueError(f"cannot use the TLS files: {getattr(e, 'strerror', None) or e}") from None
+
+
+async def _call(host: str, port: int, method: str, request, headers, tls):
+    async with open_channel(host, port, tls=tls) as channel:
         return await channel.unary(
             SERVICE + method, request.SerializeToString(), metadata=headers, timeout=130
         )
@@ -154,10 +176,11 @@ def ctl_main(command: str, args: list[str], options: argparse.Namespace) -> int:
         host, port = split_address(options.address)
         method, request, response_type = _request(command, args, options)
         headers = _headers(options.header)
+        tls = _tls(options)
     except ValueError as e:
         print(f"rsrv gateway {command}: {e}", file=sys.stderr)
         return 2
-    result = trio.run(_call, host, port, method, request, headers)
+    result = trio.run(_call, host, port, method, request, headers, tls)
     if result.status != StatusCode.OK:
         print(f"rsrv gateway {command}: {result.status.name}: {result.message}", file=sys.stderr)
         return 2 if not result.reached_server else 1

@@ -17,6 +17,7 @@ invalid configuration.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -47,7 +48,7 @@ from rsrv.logsetup import configure_logging
 from rsrv.node._admin import serve_node_admin
 from rsrv.node._children import Child, ChildSpec
 from rsrv.node._output import OutputSink, SinkStream, standard_output
-from rsrv.protocol import restrictions_of
+from rsrv.protocol import Restriction, restrictions_of
 from rsrv.transport import TLS_ERRORS, client_tls, server_tls
 
 __all__ = ["Supervisor", "node_main"]
@@ -105,15 +106,13 @@ def cuda_names(devices: list[str]) -> list[str]:
     return [f"cuda:{d}" if d.isdigit() else d for d in devices]
 
 
-def _worker_keys(plan: NodePlan) -> dict[str, str]:
-    """The headers of the workers' restricted protocols, with their values (read as the
-    workers read them); a header whose value differs between workers is left out, with
-    a warning (set worker_client.headers in a gateway file then). Raises ConfigError."""
+def _worker_keys(restrictions: list[Restriction]) -> dict[str, str]:
+    """The headers of the workers' ``restrictions``, with their values; a header whose
+    value differs between workers is left out, with a warning (set
+    worker_client.headers in a gateway file then)."""
     keys: dict[str, set[str]] = {}
-    for worker in plan.workers:
-        key = f"worker {worker.name!r}: endpoints.restricted"
-        for restriction in restrictions_of(worker.endpoints.restricted, key):
-            keys.setdefault(restriction.header, set()).add(restriction.value)
+    for restriction in restrictions:
+        keys.setdefault(restriction.header, set()).add(restriction.value)
     for header in [h for h, values in keys.items() if len(values) > 1]:
         log.warning(
             "the workers' restricted protocols give header %r different values: the "
@@ -122,6 +121,53 @@ def _worker_keys(plan: NodePlan) -> dict[str, str]:
         )
         del keys[header]
     return {header: values.pop() for header, values in keys.items()}
+
+
+def _gateway_restrictions(by_worker: dict[str, list[Restriction]]) -> list[dict]:
+    """The gateway's ``grpc.restricted``: the workers' blocks when every worker has the
+    same (it answers health and metadata itself, which they restrict), its own control
+    service under their control key; else that control key alone, if they share one.
+    Holding their control key, the gateway must not leave its own control service open:
+    a client's repack would send the workers a CompactMemory under that key."""
+    lists = {frozenset((r.protocols, r.header, r.value) for r in rs) for rs in by_worker.values()}
+    blocks = []
+    if len(lists) == 1:
+        (same,) = lists
+        for protocols, header, value in sorted(same, key=lambda block: sorted(block[0])):
+            named = sorted(protocols) + (["gateway-control"] if "control" in protocols else [])
+            blocks.append({"protocols": named, "header": header, "value": value})
+        return blocks
+    every = [r for rs in by_worker.values() for r in rs]
+    control = {(r.header, r.value) for r in every if "control" in r.protocols}
+    if len(control) == 1:
+        ((header, value),) = control
+        blocks.append({"protocols": ["gateway-control"], "header": header, "value": value})
+    return blocks
+
+
+_TLS_KEYS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+
+
+def _inherited_tls(plan: NodePlan, base_env: dict[str, str], data: bytes | None) -> dict:
+    """The gateway's ``grpc.tls_*``, as its workers serve TLS: the node's port is the
+    gateway's, and TLS set for the node must not leave it in the clear. Empty when
+    its file or the environment gives it TLS settings of its own. Raises ConfigError when
+    the workers serve TLS differently."""
+    for key in _TLS_KEYS:
+        if _given(plan, base_env, data, f"grpc.{key}", f"{GATEWAY_ENV_PREFIX}GRPC_{key.upper()}"):
+            return {}
+    served = {tuple(getattr(w.endpoints, key) for key in _TLS_KEYS) for w in plan.workers}
+    if len(served) > 1:
+        raise ConfigError(
+            "the workers serve TLS differently, so their gateway cannot serve it as they "
+            "do: give it its own (grpc.tls_cert_file and tls_key_file in the gateway file)"
+        )
+    (values,) = served
+    return {
+        f"grpc.{key}": value
+        for key, value in zip(_TLS_KEYS, values, strict=True)
+        if value is not None
+    }
 
 
 def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, GatewayConfig]:
@@ -148,37 +194,45 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         f"{GATEWAY_ENV_PREFIX}WORKER_NAMES": ",".join(w.name for w in plan.workers),
     }
     # The gateway accepts what its workers accept, logs as they do, and serves TLS
-    # (client certificates too) as they do: the node's port is its, and TLS set for the
-    # node must not leave that port in the clear. Unless its file or the environment
-    # says otherwise.
-    first = plan.workers[0].endpoints
+    # (client certificates too) as they do, unless its file or the environment says
+    # otherwise.
     inherited = {
         "grpc.max_message_bytes": max(w.endpoints.max_message_bytes for w in plan.workers),
         "logging.format": plan.workers[0].logging.format,
         "logging.level": plan.workers[0].logging.level,
+        **_inherited_tls(plan, base_env, data),
     }
-    if not gateway_file_sets(plan.gateway_file, "grpc.tls_cert_file", data):
-        for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
-            if getattr(first, key) is not None:
-                inherited[f"grpc.{key}"] = getattr(first, key)
     for key, value in inherited.items():
         if not gateway_file_sets(plan.gateway_file, key, data):
             variable = GATEWAY_ENV_PREFIX + key.replace(".", "_").upper()
             env.setdefault(variable, str(value))
+    by_worker = {
+        w.name: restrictions_of(w.endpoints.restricted, f"worker {w.name!r}: endpoints.restricted")
+        for w in plan.workers
+    }
     # Its own calls (probes, catch-up) carry the workers' restricted-protocol keys:
     # RepositoryIndex, say, is model-repository's, and without the key no worker looked
-    # ready. Unless its file or the environment gives it headers.
+    # ready. (JSON: a key may hold any character.)
     headers = f"{GATEWAY_ENV_PREFIX}WORKER_CLIENT_HEADERS"
-    if headers not in base_env and not gateway_file_sets(
-        plan.gateway_file, "worker_client.headers", data
-    ):
-        keys = _worker_keys(plan)
-        if keys:
-            env[headers] = ",".join(f"{name}={value}" for name, value in keys.items())
+    keys = _worker_keys([r for rs in by_worker.values() for r in rs])
+    if keys and not _given(plan, base_env, data, "worker_client.headers", headers):
+        env[headers] = json.dumps(keys)
+    own = f"{GATEWAY_ENV_PREFIX}GRPC_RESTRICTED"
+    if not _given(plan, base_env, data, "grpc.restricted", own):
+        blocks = _gateway_restrictions(by_worker)
+        if blocks:
+            env[own] = json.dumps(blocks)
     # It drains at least as long as its workers may (its own longer grace stands; so
     # does one set in the environment), and is given that long before SIGKILL.
     drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"
     config = load_gateway(plan.gateway_file, env, data)
+    if config.grpc.tls_client_ca_file is None and any(
+        w.endpoints.tls_client_ca_file is not None for w in plan.workers
+    ):
+        log.warning(
+            "the workers ask clients for certificates, the gateway (TLS settings of its own) "
+            "does not: set grpc.tls_client_ca_file in the gateway file for the node's port"
+        )
     grace = config.grpc.shutdown_grace_seconds
     workers = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
     if drain not in base_env and grace < workers:
@@ -195,6 +249,11 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
         config=None if data is None else ConfigCopy(plan.gateway_file, data),
     )
     return spec, config
+
+
+def _given(plan: NodePlan, env: dict[str, str], data: bytes | None, key: str, variable: str):
+    """Whether the gateway's file (its bytes ``data``) or the environment sets ``key``."""
+    return variable in env or gateway_file_sets(plan.gateway_file, key, data)
 
 
 def check_node_ports(plan: NodePlan, where: str) -> None:

@@ -762,11 +762,18 @@ def test_the_gateway_takes_its_workers_headers_from_the_environment(tmp_path):
     env = {variable: "admin-key=s3c,ret, repo-key=k=v"}
     config = load_gateway(path, env=env)
     assert config.worker_client.headers == {"admin-key": "s3c,ret", "repo-key": "k=v"}
-    with pytest.raises(ConfigError, match=rf"^{variable}: expected name=value") as info:
-        load_gateway(path, env={variable: "s3cret"})
-    assert "s3cret" not in str(info.value)
-    with pytest.raises(ConfigError, match="worker_client.headers.Bad: not a metadata key"):
-        load_gateway(path, env={variable: "Bad=1"})
+    for text in ("s3cret", "S3cretKeyBase64==", "Bad=1", "admin-key=s3c,te=Q7"):
+        with pytest.raises(ConfigError, match=rf"^{variable}: item \d is not a header") as info:
+            load_gateway(path, env={variable: text})
+        assert "s3c" not in str(info.value) and "S3c" not in str(info.value)
+    # JSON, which holds any value unambiguously (what rsrv node hands its gateway)
+    config = load_gateway(path, env={variable: '{"admin-key": "s3c,te=Q7"}'})
+    assert config.worker_client.headers == {"admin-key": "s3c,te=Q7"}
+    restricted = '[{"protocols": ["gateway-control"], "header": "k", "value": "s3c"}]'
+    config = load_gateway(path, env={"INFERENCE_GATEWAY_GRPC_RESTRICTED": restricted})
+    assert [(b.protocols, b.header, b.value) for b in config.grpc.restricted] == [
+        (["gateway-control"], "k", "s3c")
+    ]
 
 
 def test_the_gateway_restricts_protocols_as_a_worker_does(tmp_path):

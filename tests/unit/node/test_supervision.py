@@ -797,18 +797,36 @@ def test_a_node_serving_tls_serves_it_on_its_gateways_port_and_needs_a_ca_to_dia
     )
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
     check_tls(node_plan, gateway_spec(node_plan, {})[1])
+    # TLS settings of its own, from the environment or its file: none inherited
+    own = {
+        "INFERENCE_GATEWAY_GRPC_TLS_CERT_FILE": str(pki["cert"]),
+        "INFERENCE_GATEWAY_GRPC_TLS_KEY_FILE": str(pki["key"]),
+    }
+    assert gateway_spec(node_plan, own)[1].grpc.tls_client_ca_file is None
+    gateway.write_text(gateway.read_text() + f'[grpc]\ntls_key_file = "{pki["key"]}"\n')
+    with pytest.raises(ConfigError, match="grpc.tls_cert_file and tls_key_file go together"):
+        gateway_spec(node_plan, {})
+    # workers serving TLS differently: which would the gateway serve?
+    path.write_text(
+        f"gateway: {{file: {gateway}}}\n{tls}"
+        "workers: [{name: a}, {name: b, endpoints: {tls_client_ca_file: null}}]\n"
+    )
+    gateway.write_text(f'[worker_client]\ntls_ca_file = "{pki["ca"]}"\n')
+    node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    with pytest.raises(ConfigError, match="the workers serve TLS differently"):
+        gateway_spec(node_plan, {})
 
 
 RESTRICTED = (
     "global:\n  endpoints:\n    restricted:\n"
-    "      - {protocols: [model-repository, control], header: admin-key, value: k1}\n"
+    "      - {protocols: [model-repository, control], header: admin-key, value: 'k1,te=Q'}\n"
 )
 
 
 @pytest.mark.parametrize(
     ("yaml", "gateway_file", "env", "headers"),
     [
-        (RESTRICTED, "", {}, {"admin-key": "k1"}),  # its probes carry the workers' keys
+        (RESTRICTED, "", {}, {"admin-key": "k1,te=Q"}),  # its calls carry the workers' keys
         (RESTRICTED, '[worker_client.headers]\nadmin-key = "mine"\n', {}, {"admin-key": "mine"}),
         (
             RESTRICTED,
@@ -838,6 +856,12 @@ def test_the_gateway_of_a_node_calls_its_workers_with_their_keys(
     spec, config = gateway_spec(node_plan, env)
     assert load_gateway(node_plan.gateway_file, {**spec.env, **env}, spec.config.data) == config
     assert config.worker_client.headers == headers
+    # restricting as they do (it answers health and metadata itself), its own control
+    # service under their control key (open, a client's repack sent the workers a
+    # CompactMemory under it); none when the workers restrict differently
+    blocks = [(b.protocols, b.header, b.value) for b in config.grpc.restricted]
+    protocols = ["control", "model-repository", "gateway-control"]
+    assert blocks == ([] if not headers else [(protocols, "admin-key", "k1,te=Q")])
 
 
 def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path):
