@@ -134,18 +134,20 @@ value_file = "secret"
         restrictions_of(config.endpoints.restricted, "endpoints.restricted")
 
 
-def test_a_header_grpc_keeps_to_itself_cannot_carry_a_key(tmp_path, node):
-    """`te` is never a call's metadata: every gRPC call would have been refused."""
+@pytest.mark.parametrize("header", ["te", "user-agent"])
+def test_a_header_grpc_keeps_to_itself_cannot_carry_a_key(tmp_path, node, header):
+    """`te` is never a call's metadata: every gRPC call would have been refused; gRPC
+    clients set `user-agent` themselves (a node's gateway could not send the key)."""
     text = node(
         tmp_path,
-        restricted="""
+        restricted=f"""
 [[global.endpoints.restricted]]
 protocols = ["control"]
-header = "te"
+header = "{header}"
 value = "x"
 """,
     )
-    with raises(ConfigError, "restricted[0].header: 'te' is a header gRPC itself sets"):
+    with raises(ConfigError, f"restricted[0].header: '{header}' is a header gRPC itself sets"):
         restrictions_of(node_config(tmp_path, text).endpoints.restricted, "endpoints.restricted")
 
 

@@ -140,11 +140,11 @@ def _typed(message, key: str, value: str):
 def _headers(items: list[str]) -> list[tuple[str, str]]:
     """``--header NAME=VALUE`` items as call metadata; ValueError naming a bad one."""
     headers = []
-    for item in items:
+    for n, item in enumerate(items, 1):
         name, sep, value = item.partition("=")
         problem = "expected NAME=VALUE" if not sep else metadata_problem(name, value)
-        if problem is not None:
-            raise ValueError(f"--header {item!r}: {problem}")
+        if problem is not None:  # (the item, never: its value is a key)
+            raise ValueError(f"--header #{n}: {problem}")
         headers.append((name, value))
     return headers
 

@@ -106,29 +106,43 @@ def cuda_names(devices: list[str]) -> list[str]:
     return [f"cuda:{d}" if d.isdigit() else d for d in devices]
 
 
-def _worker_keys(restrictions: list[Restriction]) -> dict[str, str]:
-    """The headers of the workers' ``restrictions``, with their values; a header whose
-    value differs between workers is left out, with a warning (set
-    worker_client.headers in a gateway file then)."""
+#: The protocols of the gateway's own calls to its workers: probes (ServerReady,
+#: RepositoryIndex, ModelControlStatus), catch-up (loads, shared memory, settings), the
+#: CompactMemory after a repack.
+_GATEWAY_CALLS = frozenset(
+    {"health", "model-repository", "control", "shared-memory", "logging", "trace"}
+)
+
+
+def _worker_keys(by_worker: dict[str, list[Restriction]]) -> dict[str, str]:
+    """The headers the gateway's own calls must carry, with their values: those of the
+    workers' restrictions of a protocol it calls itself (a key only clients hold, say
+    inference's, is not the gateway's). Raises ConfigError when one header would need
+    two values (two workers, or two of a worker's protocols the gateway calls, under one
+    header with different values): no headers the gateway could send would do."""
     keys: dict[str, set[str]] = {}
-    for restriction in restrictions:
-        keys.setdefault(restriction.header, set()).add(restriction.value)
-    for header in [h for h, values in keys.items() if len(values) > 1]:
-        log.warning(
-            "the workers' restricted protocols give header %r different values: the "
-            "gateway sends it to none (set worker_client.headers in the gateway file)",
-            header,
-        )
-        del keys[header]
+    for restrictions in by_worker.values():
+        for r in restrictions:
+            if r.protocols & _GATEWAY_CALLS:
+                keys.setdefault(r.header, set()).add(r.value)
+    for header, values in keys.items():
+        if len(values) > 1:
+            raise ConfigError(
+                f"the workers restrict protocols the gateway calls itself ("
+                f"{', '.join(sorted(_GATEWAY_CALLS))}) under header {header!r} with "
+                "different values: the gateway can send it with one value only; give them "
+                "one key for those protocols"
+            )
     return {header: values.pop() for header, values in keys.items()}
 
 
 def _gateway_restrictions(by_worker: dict[str, list[Restriction]]) -> list[dict]:
     """The gateway's ``grpc.restricted``: the workers' blocks when every worker has the
-    same (it answers health and metadata itself, which they restrict), its own control
-    service under their control key; else that control key alone, if they share one.
-    Holding their control key, the gateway must not leave its own control service open:
-    a client's repack would send the workers a CompactMemory under that key."""
+    same (it answers ServerLive and ServerReady itself, which they may restrict), its own
+    control service under their control key; else that control key alone. Holding their
+    control key, the gateway must not leave its own control service open: a client's
+    repack would send the workers a CompactMemory under that key. Raises ConfigError when
+    the workers restrict control under different keys (no one key for gateway-control)."""
     lists = {frozenset((r.protocols, r.header, r.value) for r in rs) for rs in by_worker.values()}
     blocks = []
     if len(lists) == 1:
@@ -139,10 +153,29 @@ def _gateway_restrictions(by_worker: dict[str, list[Restriction]]) -> list[dict]
         return blocks
     every = [r for rs in by_worker.values() for r in rs]
     control = {(r.header, r.value) for r in every if "control" in r.protocols}
-    if len(control) == 1:
+    if len(control) > 1:
+        raise ConfigError(
+            "the workers restrict control under different keys, so the node cannot restrict "
+            "its gateway's own control service (gateway-control) as they do: give it one in "
+            "the gateway file (grpc.restricted)"
+        )
+    if control:
         ((header, value),) = control
         blocks.append({"protocols": ["gateway-control"], "header": header, "value": value})
     return blocks
+
+
+def gateway_warnings(plan: NodePlan, config: GatewayConfig) -> list[str]:
+    """What the node says of its gateway's configuration once its logging is set up."""
+    warnings = []
+    if config.grpc.tls_client_ca_file is None and any(
+        w.endpoints.tls_client_ca_file is not None for w in plan.workers
+    ):
+        warnings.append(
+            "the workers ask clients for certificates, the gateway (TLS settings of its own) "
+            "does not: set grpc.tls_client_ca_file in the gateway file for the node's port"
+        )
+    return warnings
 
 
 _TLS_KEYS = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")
@@ -214,9 +247,10 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
     # RepositoryIndex, say, is model-repository's, and without the key no worker looked
     # ready. (JSON: a key may hold any character.)
     headers = f"{GATEWAY_ENV_PREFIX}WORKER_CLIENT_HEADERS"
-    keys = _worker_keys([r for rs in by_worker.values() for r in rs])
-    if keys and not _given(plan, base_env, data, "worker_client.headers", headers):
-        env[headers] = json.dumps(keys)
+    if not _given(plan, base_env, data, "worker_client.headers", headers):
+        keys = _worker_keys(by_worker)
+        if keys:
+            env[headers] = json.dumps(keys)
     own = f"{GATEWAY_ENV_PREFIX}GRPC_RESTRICTED"
     if not _given(plan, base_env, data, "grpc.restricted", own):
         blocks = _gateway_restrictions(by_worker)
@@ -226,13 +260,6 @@ def gateway_spec(plan: NodePlan, base_env: dict[str, str]) -> tuple[ChildSpec, G
     # does one set in the environment), and is given that long before SIGKILL.
     drain = f"{GATEWAY_ENV_PREFIX}GRPC_SHUTDOWN_GRACE_SECONDS"
     config = load_gateway(plan.gateway_file, env, data)
-    if config.grpc.tls_client_ca_file is None and any(
-        w.endpoints.tls_client_ca_file is not None for w in plan.workers
-    ):
-        log.warning(
-            "the workers ask clients for certificates, the gateway (TLS settings of its own) "
-            "does not: set grpc.tls_client_ca_file in the gateway file for the node's port"
-        )
     grace = config.grpc.shutdown_grace_seconds
     workers = max(w.endpoints.shutdown_grace_seconds for w in plan.workers)
     if drain not in base_env and grace < workers:
@@ -478,6 +505,8 @@ def node_main(node_file: str | None) -> int:
     configure_logging(
         "node", logging_config.level, logging_config.format, stream=SinkStream(output[1])
     )
+    for warning in [] if gateway_config is None else gateway_warnings(plan, gateway_config):
+        log.warning("%s", warning)
     if plan.device_source:
         log.info("devices: %s (from %s)", ", ".join(plan.devices) or "none", plan.device_source)
     for spec in specs:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rsrv.config import ConfigError, RestrictedConfig
 from rsrv.protocol._calls import Restriction
-from rsrv.transport import NOT_METADATA
+from rsrv.transport import NOT_METADATA, metadata_problem
 
 __all__ = ["restrictions_of"]
 
@@ -43,7 +43,7 @@ def restrictions_of(blocks: Sequence[RestrictedConfig], key: str) -> list[Restri
                 f"{where}: the header value must be printable ASCII (all gRPC metadata may "
                 "carry; no client could send another)"
             )
-        if block.header.encode() in NOT_METADATA:
+        if block.header.encode() in NOT_METADATA or metadata_problem(block.header, value):
             raise ConfigError(
                 f"{where}.header: {block.header!r} is a header gRPC itself sets, never a "
                 "call's metadata: choose another name"

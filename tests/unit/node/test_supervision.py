@@ -48,6 +48,7 @@ from rsrv.node._supervisor import (
     check_node_ports,
     check_tls,
     gateway_spec,
+    gateway_warnings,
     worker_spec,
 )
 
@@ -802,7 +803,9 @@ def test_a_node_serving_tls_serves_it_on_its_gateways_port_and_needs_a_ca_to_dia
         "INFERENCE_GATEWAY_GRPC_TLS_CERT_FILE": str(pki["cert"]),
         "INFERENCE_GATEWAY_GRPC_TLS_KEY_FILE": str(pki["key"]),
     }
-    assert gateway_spec(node_plan, own)[1].grpc.tls_client_ca_file is None
+    config = gateway_spec(node_plan, own)[1]
+    assert config.grpc.tls_client_ca_file is None  # (and the node says so, once it logs)
+    assert "the workers ask clients for certificates" in gateway_warnings(node_plan, config)[0]
     gateway.write_text(gateway.read_text() + f'[grpc]\ntls_key_file = "{pki["key"]}"\n')
     with pytest.raises(ConfigError, match="grpc.tls_cert_file and tls_key_file go together"):
         gateway_spec(node_plan, {})
@@ -834,12 +837,30 @@ RESTRICTED = (
             {"INFERENCE_GATEWAY_WORKER_CLIENT_HEADERS": "admin-key=env"},
             {"admin-key": "env"},
         ),
-        (  # two values for one header: none sent (a warning says so)
+        (  # two values for one header the gateway sends: no value would do
             RESTRICTED + "workers:\n  - {name: a}\n  - {name: b, endpoints: {restricted: "
             "[{protocols: [control], header: admin-key, value: k2}]}}\n",
             "",
             {},
+            "under header 'admin-key' with different values",
+        ),
+        (  # control under two keys: which would the gateway's own control service take?
+            "workers:\n  - {name: a, endpoints: {restricted: [{protocols: [control], header: "
+            "x-a, value: ka}]}}\n  - {name: b, endpoints: {restricted: [{protocols: [control],"
+            " header: x-b, value: kb}]}}\n",
+            "",
             {},
+            "the workers restrict control under different keys",
+        ),
+        (  # a key only clients hold (inference's) beside the gateway's, on one header
+            RESTRICTED.replace(
+                "admin-key, value: 'k1,te=Q'}",
+                "admin-key, value: 'k1,te=Q'}\n"
+                "      - {protocols: [inference], header: admin-key, value: user}",
+            ),
+            "",
+            {},
+            {"admin-key": "k1,te=Q"},
         ),
     ],
 )
@@ -853,15 +874,18 @@ def test_the_gateway_of_a_node_calls_its_workers_with_their_keys(
     path = tmp_path / "node.yaml"
     path.write_text(f"cpu_workers: 2\ngateway: {{file: {gateway}}}\n{yaml}")
     node_plan = plan_node(load_node(path), {"PATH": ""}, source=path)
+    if isinstance(headers, str):
+        with pytest.raises(ConfigError, match=headers):
+            gateway_spec(node_plan, env)
+        return
     spec, config = gateway_spec(node_plan, env)
     assert load_gateway(node_plan.gateway_file, {**spec.env, **env}, spec.config.data) == config
     assert config.worker_client.headers == headers
-    # restricting as they do (it answers health and metadata itself), its own control
-    # service under their control key (open, a client's repack sent the workers a
-    # CompactMemory under it); none when the workers restrict differently
+    # restricting as they do (it answers ServerLive and ServerReady itself), its own
+    # control service under their control key (open, a client's repack sent the workers a
+    # CompactMemory under it)
     blocks = [(b.protocols, b.header, b.value) for b in config.grpc.restricted]
-    protocols = ["control", "model-repository", "gateway-control"]
-    assert blocks == ([] if not headers else [(protocols, "admin-key", "k1,te=Q")])
+    assert (["control", "model-repository", "gateway-control"], "admin-key", "k1,te=Q") in blocks
 
 
 def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path):
