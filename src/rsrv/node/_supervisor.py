@@ -114,26 +114,40 @@ _GATEWAY_CALLS = frozenset(
 )
 
 
+#: Those without which the gateway cannot see a worker at all (ServerReady, RepositoryIndex).
+_GATEWAY_SIGHT = frozenset({"health", "model-repository"})
+
+
 def _worker_keys(by_worker: dict[str, list[Restriction]]) -> dict[str, str]:
     """The headers the gateway's own calls must carry, with their values: those of the
     workers' restrictions of a protocol it calls itself (a key only clients hold, say
-    inference's, is not the gateway's). Raises ConfigError when one header would need
-    two values (two workers, or two of a worker's protocols the gateway calls, under one
-    header with different values): no headers the gateway could send would do."""
-    keys: dict[str, set[str]] = {}
-    for restrictions in by_worker.values():
+    inference's, is not the gateway's). A header needing two values is left out, but
+    for the one of the protocols it sees the workers by (their key wins), which two
+    values stop the node (ConfigError): it would never see them ready. Calls left
+    without their key are warned about (:func:`gateway_warnings`)."""
+    keys: dict[str, dict[str, set[str]]] = {}  # header -> value -> "worker: protocols"
+    sight: dict[str, set[str]] = {}  # header -> values of _GATEWAY_SIGHT protocols
+    for name, restrictions in by_worker.items():
         for r in restrictions:
             if r.protocols & _GATEWAY_CALLS:
-                keys.setdefault(r.header, set()).add(r.value)
+                where = f"{name}: {', '.join(sorted(r.protocols))}"
+                keys.setdefault(r.header, {}).setdefault(r.value, set()).add(where)
+            if r.protocols & _GATEWAY_SIGHT:
+                sight.setdefault(r.header, set()).add(r.value)
+    chosen = {}
     for header, values in keys.items():
-        if len(values) > 1:
+        seen = sight.get(header, set())
+        if len(seen) > 1:
+            places = "; ".join(sorted(w for v in seen for w in values[v]))
             raise ConfigError(
-                f"the workers restrict protocols the gateway calls itself ("
-                f"{', '.join(sorted(_GATEWAY_CALLS))}) under header {header!r} with "
-                "different values: the gateway can send it with one value only; give them "
-                "one key for those protocols"
+                f"the workers restrict the protocols their gateway sees them by (health, "
+                f"model-repository) under header {header!r} with different values ({places}): "
+                "it would never see them all ready; give them one key (or the gateway its "
+                "own worker_client.headers in its file, for the workers it should see)"
             )
-    return {header: values.pop() for header, values in keys.items()}
+        if seen or len(values) == 1:
+            (chosen[header],) = seen or values
+    return chosen
 
 
 def _gateway_restrictions(by_worker: dict[str, list[Restriction]]) -> list[dict]:
@@ -166,8 +180,21 @@ def _gateway_restrictions(by_worker: dict[str, list[Restriction]]) -> list[dict]
 
 
 def gateway_warnings(plan: NodePlan, config: GatewayConfig) -> list[str]:
-    """What the node says of its gateway's configuration once its logging is set up."""
+    """What the node says of its gateway's configuration once its logging is set up:
+    its own calls a worker will refuse for their key, mutual TLS it drops."""
     warnings = []
+    headers = config.worker_client.headers
+    for worker in plan.workers:
+        key = f"worker {worker.name!r}: endpoints.restricted"
+        for r in restrictions_of(worker.endpoints.restricted, key):
+            called = r.protocols & _GATEWAY_CALLS
+            if called and headers.get(r.header) != r.value:
+                warnings.append(
+                    f"worker {worker.name} will refuse its gateway's own "
+                    f"{', '.join(sorted(called))} calls (header {r.header!r}: "
+                    f"{'another value' if r.header in headers else 'not sent'}); set "
+                    "worker_client.headers in the gateway file to give it the key"
+                )
     if config.grpc.tls_client_ca_file is None and any(
         w.endpoints.tls_client_ca_file is not None for w in plan.workers
     ):

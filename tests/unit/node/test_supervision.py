@@ -837,12 +837,27 @@ RESTRICTED = (
             {"INFERENCE_GATEWAY_WORKER_CLIENT_HEADERS": "admin-key=env"},
             {"admin-key": "env"},
         ),
-        (  # two values for one header the gateway sends: no value would do
+        (  # control under two keys: gateway-control can take neither (the file gives it)
             RESTRICTED + "workers:\n  - {name: a}\n  - {name: b, endpoints: {restricted: "
             "[{protocols: [control], header: admin-key, value: k2}]}}\n",
             "",
             {},
-            "under header 'admin-key' with different values",
+            "the workers restrict control under different keys",
+        ),
+        (  # the gateway would never see both workers ready: no one header value would do
+            RESTRICTED + "workers:\n  - {name: a}\n  - {name: b, endpoints: {restricted: "
+            "[{protocols: [model-repository], header: admin-key, value: k2}]}}\n",
+            "",
+            {},
+            "the protocols their gateway sees them by .* under header 'admin-key'",
+        ),
+        (  # keys of its other calls differing (shared memory, control): left out, warned
+            "global:\n  endpoints:\n    restricted:\n"
+            "      - {protocols: [shared-memory], header: x-key, value: shm}\n"
+            "      - {protocols: [control], header: x-key, value: admin}\n",
+            '[[grpc.restricted]]\nprotocols = ["gateway-control"]\nheader = "gk"\nvalue = "g"\n',
+            {},
+            {},
         ),
         (  # control under two keys: which would the gateway's own control service take?
             "workers:\n  - {name: a, endpoints: {restricted: [{protocols: [control], header: "
@@ -885,7 +900,12 @@ def test_the_gateway_of_a_node_calls_its_workers_with_their_keys(
     # control service under their control key (open, a client's repack sent the workers a
     # CompactMemory under it)
     blocks = [(b.protocols, b.header, b.value) for b in config.grpc.restricted]
-    assert (["control", "model-repository", "gateway-control"], "admin-key", "k1,te=Q") in blocks
+    if headers:
+        expected = (["control", "model-repository", "gateway-control"], "admin-key", "k1,te=Q")
+        assert expected in blocks
+    else:  # (its calls the workers will refuse, said once the node logs)
+        warnings = gateway_warnings(node_plan, config)
+        assert "worker worker0 will refuse its gateway's own shared-memory calls" in warnings[0]
 
 
 def test_the_node_is_ready_only_with_a_worker_ready_behind_its_gateway(tmp_path):
