@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from rsrv.config import ConfigError, join_address, load_node, plan_node
-from rsrv.node._supervisor import dialled
+from rsrv.node._specs import dialled
 
 __all__ = ["status_main"]
 

@@ -41,16 +41,9 @@ from rsrv.node._output import (
     standard_output,
     tag_line,
 )
+from rsrv.node._specs import check_tls, gateway_spec, gateway_warnings, worker_spec
 from rsrv.node._status import status_main
-from rsrv.node._supervisor import (
-    SAME_STOP_SECONDS,
-    Supervisor,
-    check_node_ports,
-    check_tls,
-    gateway_spec,
-    gateway_warnings,
-    worker_spec,
-)
+from rsrv.node._supervisor import SAME_STOP_SECONDS, Supervisor, check_node_ports
 
 
 def test_lines_are_tagged_and_json_stays_json():
