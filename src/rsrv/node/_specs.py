@@ -11,7 +11,6 @@ own calls, and their restrictions at its front door (specs/node.md).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 
@@ -36,8 +35,6 @@ from rsrv.protocol import Restriction, restrictions_of
 from rsrv.transport import TLS_ERRORS, client_tls, server_tls
 
 __all__ = ["check_tls", "dialled", "gateway_spec", "gateway_warnings", "worker_spec"]
-
-log = logging.getLogger("rsrv.node")
 
 
 def worker_spec(
