@@ -25,13 +25,21 @@ from rsrv.protocol._calls import call_deadline
 from rsrv.protocol._status import grpc_status
 from rsrv.protocol._tensors import BYTES_ELEMENT_SECONDS, COPY_BYTE_SECONDS
 
-__all__ = ["OFFLOAD_SECONDS", "Prepared", "encode_seconds", "infer_counted"]
+__all__ = ["OFFLOAD_SECONDS", "Prepared", "encode_seconds", "infer_counted", "off_loop"]
 
 T = TypeVar("T")
 
 #: Work expected to take longer than this leaves the event loop for a worker thread (a
 #: hop there and back costs 0.1-0.2 ms on a small VM).
 OFFLOAD_SECONDS = 1e-3
+
+
+async def off_loop(seconds: float, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)``: in a worker thread when expected to take ``seconds`` longer than
+    :data:`OFFLOAD_SECONDS`, else here (no checkpoint then)."""
+    if seconds > OFFLOAD_SECONDS:
+        return await trio.to_thread.run_sync(fn, *args)
+    return fn(*args)
 
 
 def encode_seconds(outputs: Mapping[str, np.ndarray]) -> float:
@@ -78,19 +86,10 @@ async def infer_counted(
     else CANCELLED). Exceptions propagate unchanged."""
     try:
         with backend.hold(served) as held:  # (no checkpoint since the version was chosen)
-            if prepare_seconds > OFFLOAD_SECONDS:
-                prepared, deadline = await trio.to_thread.run_sync(prepare, trio.current_time())
-            else:
-                prepared, deadline = prepare(trio.current_time())
-            if prepared.seconds > OFFLOAD_SECONDS:
-                inputs = await trio.to_thread.run_sync(prepared.materialize)
-            else:
-                inputs = prepared.materialize()
+            prepared, deadline = await off_loop(prepare_seconds, prepare, trio.current_time())
+            inputs = await off_loop(prepared.seconds, prepared.materialize)
             outputs = await backend.infer(served, inputs, deadline, held)
-        if encode_seconds(outputs) > OFFLOAD_SECONDS:
-            response = await trio.to_thread.run_sync(finish, outputs)
-        else:
-            response = finish(outputs)
+        response = await off_loop(encode_seconds(outputs), finish, outputs)
     except Exception as e:  # counted under the status the client receives
         backend.record(served, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
         raise

@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
-import trio
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from rsrv.errors import InvalidArgument, RsrvError
-from rsrv.protocol._infer_flow import OFFLOAD_SECONDS
+from rsrv.protocol._infer_flow import off_loop
 from rsrv.protocol._inference import InferenceService
 from rsrv.protocol._rest_codec import JSON_PARSE_BYTE_SECONDS, json_error_text
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = ["ROUTES", "Call", "Reply", "json_reply", "message_dict", "route"]
-
-T = TypeVar("T")
 
 _INT64 = {
     FieldDescriptor.TYPE_INT64,
@@ -103,7 +100,8 @@ async def _json_body(call: Call, what: str) -> dict:
     if not call.body.strip():
         return {}
     try:
-        value = await _off_loop(len(call.body), msgspec.json.decode, call.body)
+        seconds = len(call.body) * JSON_PARSE_BYTE_SECONDS
+        value = await off_loop(seconds, msgspec.json.decode, call.body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
         # (a string not UTF-8; JSON nested past the decoder's depth)
         raise InvalidArgument(
@@ -112,14 +110,6 @@ async def _json_body(call: Call, what: str) -> dict:
     if not isinstance(value, dict):
         raise InvalidArgument(f"the {what} request body must be a JSON object")
     return value
-
-
-async def _off_loop(size: int, parse: Callable[..., T], *args) -> T:
-    """``parse(*args)``, in a worker thread when parsing ``size`` bytes of JSON is
-    expected to take longer than OFFLOAD_SECONDS (the loop serves every call meanwhile)."""
-    if size * JSON_PARSE_BYTE_SECONDS > OFFLOAD_SECONDS:
-        return await trio.to_thread.run_sync(parse, *args)
-    return parse(*args)
 
 
 def _load_request(model: str, params: dict) -> pb.RepositoryModelLoadRequest:
@@ -211,7 +201,8 @@ class RestRoutes:
         """``{"parameters": {"config": "<json>", "file:<path>": "<base64>", ...}}``."""
         body = await _json_body(call, "load")
         params = _typed(body.get("parameters"), dict, "parameters", "load")
-        request = await _off_loop(len(call.body), _load_request, call.params["m"], params or {})
+        seconds = len(call.body) * JSON_PARSE_BYTE_SECONDS  # (base64: as long as the body)
+        request = await off_loop(seconds, _load_request, call.params["m"], params or {})
         await self.grpc.RepositoryModelLoad(request, None)
         return Reply(200)
 
