@@ -176,30 +176,25 @@ class CatchUp:
         not kept either, to be safe)."""
         return self._unloaded.get(model, self._forgotten)
 
-    def set(self, model: str, method: str, body: bytes, mark: int) -> None:
+    def set(self, model: str, method: str, body: bytes, mark: int) -> bool:
         """``method`` (SetModelResidency or SetModelPolicy) was done on ``model``, whose
-        :meth:`unload_mark` was ``mark`` when it was sent (another now: it is not
-        kept). A policy keeps the fields an earlier request set and this one leaves
-        unset."""
+        :meth:`unload_mark` was ``mark`` when it was sent (another now: it is not kept;
+        returns whether it was). A policy keeps the fields an earlier request set and
+        this one leaves unset."""
         if self.unload_mark(model) != mark:
-            return
+            return False
         held = self.settings.setdefault(model, {})
-        if method == "SetModelPolicy" and method in held:
-            merged = control_pb.SetModelPolicyRequest.FromString(held[method])
-            merged.MergeFromString(body)
-            body = merged.SerializeToString()
+        if method == "SetModelPolicy":
+            body = _merged(control_pb.SetModelPolicyRequest, held.get(method), body)
         held[method] = body
         self._changes += 1
+        return True
 
     def fleet_setting(self, method: str, body: bytes) -> None:
         """A LogSettings or TraceSetting update was done: merged over the earlier ones
         (a setting given again replaces its value; one left out keeps it)."""
         held = self.fleet_settings.get(method)
-        if held is not None:
-            merged = _SETTING_REQUESTS[method].FromString(held)
-            merged.MergeFromString(body)
-            body = merged.SerializeToString()
-        self.fleet_settings[method] = body
+        self.fleet_settings[method] = _merged(_SETTING_REQUESTS[method], held, body)
         self._changes += 1
 
     def start(self, workers: list[WorkerLink]) -> None:
@@ -389,3 +384,13 @@ class CatchUp:
             method = path.rsplit("/", 1)[1]
             log.warning("%s on %s failed: %s", method, worker.name, result.message)
         return result
+
+
+def _merged(kind, held: bytes | None, body: bytes) -> bytes:
+    """``body`` (a ``kind`` message) merged over ``held``: a field set again replaces
+    its value, one left out keeps it."""
+    if held is None:
+        return body
+    merged = kind.FromString(held)
+    merged.MergeFromString(body)
+    return merged.SerializeToString()

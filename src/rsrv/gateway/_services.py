@@ -135,9 +135,11 @@ class GatewayServices:
         return await self.forward.try_in_order(call.path, body, call.metadata, call.deadline, order)
 
     async def log_settings(self, body: bytes, call: ServerCall) -> bytes:
-        """Done on every ready worker, as :meth:`every_worker`; an update is remembered
-        for a worker that comes back (catch-up), so that reads agree whichever worker
-        answers."""
+        """Done on every ready worker, as :meth:`every_worker`; an update (settings
+        given) is remembered for a worker that comes back (catch-up), so that reads
+        agree whichever worker answers. A read changes nothing to remember."""
+        if not _parse(pb.LogSettingsRequest, body).settings:
+            return await self.every_worker(body, call)
         return await self._fleet_setting("LogSettings", body, call)
 
     async def trace_setting(self, body: bytes, call: ServerCall) -> bytes:
@@ -422,8 +424,8 @@ class GatewayServices:
         results = await self.forward.fan_out(
             call.path, body, call.metadata, call.deadline, workers=holders
         )
-        if _any_ok(results):  # remembered for a holder that restarts, or failed it
-            self.catchup.set(name, call.path.rsplit("/", 1)[1], body, mark)
+        # remembered for a holder that restarts, or failed it (not when unloaded meanwhile)
+        if _any_ok(results) and self.catchup.set(name, call.path.rsplit("/", 1)[1], body, mark):
             # (by what the workers hold now: one back while the fan-out ran missed it)
             self.catchup.missed(
                 results, exempt={w.name for w in self.fleet.workers if not w.knows(name)}

@@ -90,7 +90,8 @@ def metadata_problem(name: str, value: str) -> str | None:
     can (a gRPC metadata key, not one the transport or HTTP/2 keeps to itself, with a
     printable ASCII value)."""
     if not isinstance(name, str) or not isinstance(value, str):
-        return f"a header is a str and its value a str, not {type(value).__name__}"
+        wrong = value if isinstance(name, str) else name
+        return f"a header is a str and its value a str, not {type(wrong).__name__}"
     if not _METADATA_KEY.fullmatch(name) or name.encode() in _NOT_SENDABLE or name[:5] == "grpc-":
         return (
             "not a metadata key a call may carry (lower case letters, digits, '_', '.', '-'; "

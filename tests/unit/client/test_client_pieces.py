@@ -66,6 +66,7 @@ async def test_a_client_whose_open_failed_can_be_entered_again():
         ({"grpc-timeout": "1S"}, 8001, "headers['grpc-timeout']: not a metadata key"),
         ({}, "8001", "port must be an int, not str"),
         ({"x-k": b"v"}, 8001, "headers['x-k']: a header is a str and its value a str, not bytes"),
+        ({b"x-k": "v"}, 8001, "a header is a str and its value a str, not bytes"),  # (said str)
     ],
 )
 def test_settings_no_call_could_use_are_refused_at_once(headers, port, error):

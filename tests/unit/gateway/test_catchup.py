@@ -156,6 +156,8 @@ class FakeWorkers:
             for key, value in request.settings.items():
                 process.trace[key] = list(value.value)
             what = ""
+        elif method == "LogSettings":
+            what = ""
         else:
             raise AssertionError(f"unexpected {method}")
         self.sent.append((method, what, name))
@@ -381,6 +383,40 @@ async def test_trace_settings_made_through_the_gateway_reach_a_restarted_worker(
     fake.restart("w0")
     await catchup.replay([worker])
     assert fake.processes["w0"].trace == {"trace_rate": ["9"], "trace_level": ["TIMESTAMPS"]}
+
+
+async def test_a_log_settings_read_is_not_a_change_to_catch_up():
+    """A read (no settings) was recorded as an update: every later pass replayed it,
+    and a worker back that had missed nothing looked out of line for good."""
+    fake = FakeWorkers("w0")
+    fake.ready("w0")
+    services = services_of(fake)
+    read = pb.LogSettingsRequest().SerializeToString()
+    await services.log_settings(read, client_call("LogSettings"))
+    assert not services.catchup and "LogSettings" not in services.catchup.fleet_settings
+    update = pb.LogSettingsRequest()
+    update.settings["log_verbose_level"].uint32_param = 1
+    await services.log_settings(update.SerializeToString(), client_call("LogSettings"))
+    assert services.catchup.fleet_settings["LogSettings"] == update.SerializeToString()
+
+
+async def test_a_setting_not_kept_marks_no_worker_in_line():
+    """A residency set while its model was unloaded is not kept (no change recorded);
+    the workers that did it were still moved in line past the last recorded change,
+    which w0 had missed (the unload), so a catch-up pass skipped it."""
+    fake = FakeWorkers("w0")
+    fake.ready("w0")
+    services = services_of(fake)
+    catchup, (w0,) = services.catchup, fake.fleet.workers
+    w0.instance, w0.index = "process 0", (IndexRow("a", "1", "READY", ""),)
+    assert catchup._known_in_line(w0)  # (nothing recorded yet)
+    catchup.loaded("a", load("a"))
+    catchup.missed({"w0": ok(b"")})  # w0 holds every change: the load
+    fake.during[("SetModelResidency", "a")] = lambda: catchup.unloaded("a", unload("a"))
+    call = client_call("SetModelResidency", CONTROL)
+    await services.model_holders(residency("a", cpb.RESIDENCY_SYSTEM), call)
+    assert "a" not in catchup.settings  # (the unload came between)
+    assert not catchup._known_in_line(w0)  # it missed the unload
 
 
 async def test_a_pass_stops_calling_a_worker_found_not_ready(autojump_clock):
