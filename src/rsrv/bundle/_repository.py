@@ -97,10 +97,10 @@ def discover(repo: Path) -> list[Path]:
         raise BundleError(f"{repo}: cannot list the model repository: {e.strerror}") from None
     out = []
     for child in children:
-        if not is_model_name(child.name):
+        if child.name.startswith(".") or not is_model_name(child.name):  # (hidden: no warning)
             continue
         try:
-            if not child.is_dir() or child.name.startswith("."):
+            if not child.is_dir():
                 continue
             if has_manifest(child) or any(
                 version_dir_number(v.name) is not None and v.is_dir() and has_manifest(v)

@@ -90,10 +90,10 @@ def scan(repo: Path) -> dict[str, ModelFingerprint | Unreadable]:
     except FileNotFoundError:
         return out
     for child in children:
-        if not is_model_name(child.name):
+        if child.name.startswith(".") or not is_model_name(child.name):  # (hidden: no warning)
             continue
         try:
-            if child.is_dir() and not child.name.startswith("."):
+            if child.is_dir():
                 fp = model_fingerprint(child)
                 if fp is not None:
                     out[child.name] = fp
