@@ -41,6 +41,7 @@ class ScheduledModel:
     stats: StatsRecorder = field(default_factory=StatsRecorder)
     tag: float = 0.0  # fair: virtual start time (device seconds per unit weight)
     idle_since: float = 0.0  # fair: when it last stopped being backlogged
+    running: bool = False  # fair: one of its batches is executing (it is not idle)
 
     def next_size(self) -> tuple[Version, int] | None:
         """Version and compiled size of the batch this model would run now.

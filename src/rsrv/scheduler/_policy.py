@@ -110,7 +110,9 @@ class Fair(Policy):
     it would run. A dispatch advances the system virtual time V to S and charges
     S += seconds / w. A model that becomes backlogged restarts at
     S = V + max(0, S - V) * 2^(-idle / halflife): it banks no credit for idle time,
-    and a lead it had (service beyond its share) fades with the usage half-life.
+    and a lead it had (service beyond its share) fades with the usage half-life. Idle
+    time starts when its last batch completes (a model whose batch is executing is
+    not idle, even with nothing queued).
 
     Escalation: among backlogged models whose oldest request has a latency budget B (its
     version's), the one with the earliest latest-start E = oldest enqueue + B - c is
@@ -130,9 +132,9 @@ class Fair(Policy):
                 m.idle_since = now
             self.discard(m)
             return
-        if m not in self._ready:
-            lead = max(0.0, m.tag - self.vtime) * decay(now - m.idle_since, self._halflife)
-            m.tag = self.vtime + lead
+        if m not in self._ready:  # backlogged again; a model whose batch runs was not idle
+            idle = 0.0 if m.running else now - m.idle_since
+            m.tag = self.vtime + max(0.0, m.tag - self.vtime) * decay(idle, self._halflife)
         cost = m.next_cost()
         self._ready.set(m, (m.tag + cost / m.weight, m.index))
         # (the oldest request's own version: versions side by side may differ in budget)
@@ -185,10 +187,12 @@ class Fair(Policy):
     def dispatched(self, m: ScheduledModel, estimate: float) -> None:
         self.vtime = max(self.vtime, m.tag)
         m.tag += estimate / m.weight
+        m.running = True
 
     def completed(self, m: ScheduledModel, estimate: float, actual: float, now: float) -> None:
         m.tag += (actual - estimate) / m.weight
-        if m not in self._ready:
+        m.running = False
+        if m not in self._ready:  # idle from now, not from when its queue emptied
             m.idle_since = now
 
 

@@ -12,7 +12,7 @@ import copy
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +86,18 @@ def _any_late(reqs, now: float, costs: CostTable, size: int) -> bool:
     """Whether any of ``reqs`` would finish after its deadline in one batch of ``size``."""
     finish = now + costs.estimate(size)
     return any(r.deadline is not None and finish > r.deadline for r in reqs)
+
+
+def _savable(models: Iterable[ScheduledModel], doomed: set[int], now: float) -> bool:
+    """Whether some queued request of ``models`` (the backlogged ones), outside
+    ``doomed`` (ids), can finish in time alone (edf: shedding the doomed ones then
+    saves it time)."""
+
+    def in_time(r: Request) -> bool:
+        size = r.version.spec.size_for(r.rows)
+        return id(r) not in doomed and not _any_late((r,), now, r.version.costs, size)
+
+    return any(m.queue.any_queued(in_time) for m in models)
 
 
 class Scheduler:
@@ -442,7 +454,7 @@ class Scheduler:
                     held.append((m, self._policy.withhold(m)))
                     due = until if due is None else min(due, until)
                     continue
-                batch = self._plan(m, now)
+                batch = self._plan(m, now, held)
                 if batch is not None:
                     self._policy.dispatched(m, batch.estimate)
                 self._policy.update(m, now)
@@ -455,10 +467,13 @@ class Scheduler:
             for m, token in held:
                 self._policy.restore(m, token)
 
-    def _plan(self, m: ScheduledModel, now: float) -> Batch | None:
+    def _plan(
+        self, m: ScheduledModel, now: float, held: list[tuple[ScheduledModel, object]]
+    ) -> Batch | None:
         """Take the longest prefix of ``m``'s queue that one batch can hold: same
         version and input signature, at most ``max_rows`` rows, never splitting a
-        request. It runs at the smallest compiled size holding its rows."""
+        request. It runs at the smallest compiled size holding its rows. ``held``: the
+        models withheld in this decision (still backlogged, for edf's shedding)."""
         queue = m.queue
         while True:
             taken: list[Request] = []
@@ -492,7 +507,8 @@ class Scheduler:
                 doomed = {
                     id(r) for r in taken if _any_late((r,), now, costs, spec.size_for(r.rows))
                 }
-                if doomed and self._savable(doomed, now):  # shed, then plan again
+                others = itertools.chain(self._policy.backlogged(), (h for h, _ in held))
+                if doomed and _savable(others, doomed, now):  # shed, then plan again
                     for r in taken:
                         if id(r) in doomed:
                             size = spec.size_for(r.rows)
@@ -511,16 +527,6 @@ class Scheduler:
             for r in taken:
                 self._unqueue(r, State.RUNNING)
             return Batch(m, version, taken, rows, size, estimate)
-
-    def _savable(self, doomed: set[int], now: float) -> bool:
-        """Whether some queued request, of any model, outside ``doomed`` (ids) can
-        finish in time alone (edf: shedding the doomed ones then saves it time)."""
-
-        def in_time(r: Request) -> bool:
-            size = r.version.spec.size_for(r.rows)
-            return id(r) not in doomed and not _any_late((r,), now, r.version.costs, size)
-
-        return any(m.queue.live and m.queue.any_queued(in_time) for m in self._models.values())
 
     async def _execute(self, batch: Batch) -> None:
         """Run ``batch`` and answer its requests."""

@@ -3,6 +3,8 @@ live weight changes, latency-budget escalation, no banked credit."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 from support.assertions import raises
@@ -130,6 +132,26 @@ async def test_an_idle_model_banks_no_credit(autojump_clock):
     # straight away an even split, not a burst for the newcomer
     got = shares(ex, ["busy", "late"], since=10.0, until=10.5)
     assert got["late"] == pytest.approx(0.5, rel=0.10)
+
+
+async def test_a_model_whose_batch_is_running_is_not_idle(autojump_clock):
+    """A model whose queue empties at each dispatch and refills while its own batch runs
+    was never idle: the charge of that batch does not fade. Equal weights, 1 s batches,
+    ``b`` saturated, ``a`` sent one request every 0.95 s: an even split (it was 54/46
+    when re-entry counted the running batch as idle time)."""
+    ex, sched = scheduler_of(spec("a", (8,)), spec("b", (8,)), cost=1.0, ema_halflife_seconds=2.0)
+    sched.warm_costs("a", {8: 1.0})
+    sched.warm_costs("b", {8: 1.0})
+
+    async def send_a(sched):
+        async with trio.open_nursery() as nursery:
+            while True:
+                nursery.start_soon(client_loop, sched, "a", 1, math.inf)
+                await trio.sleep(0.95)
+
+    await saturate(sched, ex, {"b": 4}, seconds=200.0, during=send_a)
+    got = shares(ex, ["a", "b"], since=20.0, until=200.0)
+    assert got["a"] == pytest.approx(0.5, abs=0.01)
 
 
 @pytest.mark.parametrize("budget", [None, 0.05])

@@ -259,3 +259,43 @@ async def test_expired_requests_are_dropped_at_dispatch_too(autojump_clock):
         await sched.drain()
     assert isinstance(stale.error, DeadlineExceeded)
     assert fresh.result is not None and len(ex.calls) == 1 and ex.calls[0].size == 1
+
+
+async def test_edf_counts_a_model_held_for_company_as_one_that_shedding_saves(autojump_clock):
+    """The request that shedding would save time may be one of a model withheld in
+    this decision (selected first, by its earlier deadline, then left to wait out its
+    queue delay): the doomed request is shed still."""
+    ex = FakeExecutor(cost=0.01)
+    sched = Scheduler(config(discipline="edf", cost_ema_alpha=1.0), ex)
+    sched.add_model(spec("m", (1,)))
+    sched.add_model(spec("held", (1, 8), max_queue_delay=0.2))
+    sched.warm_costs("m", {1: 1.0})
+    async with trio.open_nursery() as nursery:
+        waiting = await queued(nursery, sched, "held", [rows(3, 1)], deadline=0.4)
+        doomed = await queued(nursery, sched, "m", [rows(1, 1)], deadline=0.5)
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert isinstance(doomed.error, DeadlineExceeded) and doomed.finished_at == 0.0
+    assert waiting.result is not None
+
+
+async def test_an_edf_decision_looks_only_at_backlogged_models(autojump_clock):
+    """Deciding whether to shed looks at the queues of backlogged models, never at every
+    registered one (specs/scheduler.md, Complexity): idle models' queues go untouched."""
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"an idle model's queue was read ({name})")
+
+    sched = Scheduler(config(discipline="edf"), FakeExecutor(cost=0.01))
+    for i in range(3):
+        sched.add_model(spec(f"idle{i}", (1,)))
+        sched._models[f"idle{i}"].queue = Untouchable()
+    sched.add_model(spec("m", (1,)))
+    sched.warm_costs("m", {1: 1.0})
+    async with trio.open_nursery() as nursery:
+        doomed = await queued(nursery, sched, "m", [rows(1, 1)], deadline=0.5)
+        fine = await queued(nursery, sched, "m", [rows(2, 1)])
+        await nursery.start(sched.run)
+        await sched.drain()
+    assert isinstance(doomed.error, DeadlineExceeded) and fine.result is not None
