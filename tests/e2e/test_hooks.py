@@ -42,9 +42,13 @@ def pre(x):
 POST = """
 import rsrv
 
+mode = {"v": "ok"}
+
 
 @rsrv.postprocess(inputs=["y"], outputs=["y"])
 def post(y):
+    if mode["v"] == "one_row":
+        return y[:1].copy()
     return y
 """
 
@@ -90,6 +94,17 @@ def test_a_preprocess_that_makes_no_rows_is_internal(repo, cache_dir):
         assert code == "StatusCode.INTERNAL"
         assert (
             message == "model 'pre': preprocess produced 'x' with no rows (batch axis of extent 0)"
+        )
+
+
+def test_a_postprocess_that_answers_other_rows_than_the_request_is_internal(repo, cache_dir):
+    """One row for a request of two was served as the answer (OK)."""
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        hook_globals(worker, "post")["mode"]["v"] = "one_row"
+        assert status(client, "post") == (
+            "StatusCode.INTERNAL",
+            "model 'post': client output 'y' has 1 rows along its batch axis after the "
+            "postprocess; the request has 2",
         )
 
 

@@ -925,6 +925,35 @@ def test_a_call_whose_inputs_disagree_on_rows_is_the_glues_error(tmp_path, cache
     )
 
 
+DOUBLING_PY = """\
+import numpy as np
+import rsrv
+
+
+@rsrv.meta(inputs=["x"], outputs=["y"])
+def doubling(call, x):
+    y = call("tiny", {"x": x})["y"]
+    return {"y": np.concatenate([y, y])}
+"""
+
+
+def test_a_meta_answering_other_rows_than_the_request_is_internal(
+    tmp_path, tiny_template, cache_dir
+):
+    """Two rows for a request of one were served as the answer (OK)."""
+    repo = tmp_path / "repo"
+    add_tiny(repo, tiny_template, "tiny")
+    write_meta(repo, "doubling", ["tiny"], DOUBLING_PY)
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        with pytest.raises(InferenceServerException) as info:
+            infer(client, "doubling", {"x": rows(1)})
+    assert (info.value.status(), info.value.message()) == (
+        "StatusCode.INTERNAL",
+        "model 'doubling': client output 'y' has 2 rows along its batch axis after the "
+        "meta hook; the request has 1",
+    )
+
+
 def test_load_time_rules(tmp_path, tiny_template, cache_dir):
     repo = tmp_path / "repo"
     add_tiny(repo, tiny_template, "tiny")

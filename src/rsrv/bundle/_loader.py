@@ -115,6 +115,16 @@ def load_bundle(path: Path, name: str | None = None) -> Bundle:
             f"@rsrv.meta, and {name} has no model.py"
         )
     if sig.kind == "meta":
+        stray = sorted(
+            f.name
+            for f in path.iterdir()
+            if f.name == "weights.safetensors" or _MODULE_RE.fullmatch(f.name)
+        )
+        if stray:
+            raise BundleError(
+                f"{path / stray[0]}: a meta bundle has no modules and no weights file "
+                "(it calls other models); remove it"
+            )
         hooks = _load_hooks(model_py, sig, name) if has_py else Hooks()
         return Bundle(name, path, manifest_path, manifest, sig, {}, None, hooks, {})
 

@@ -28,11 +28,20 @@ class ModuleSignature:
 
 
 def read_module(path: Path) -> bytes | str:
-    """Return the module as bytecode (bytes) or text (str), as PJRT's compiler accepts it."""
+    """Return the module as bytecode (bytes) or text (str), as PJRT's compiler accepts it.
+
+    Raises ``ValueError`` (``not a StableHLO module: ...``) for a file that is neither
+    bytecode nor UTF-8 text, OSError when it cannot be read."""
     data = path.read_bytes()
     if data.startswith(_BYTECODE_MAGIC):
         return data
-    return data.decode("utf-8")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"not a StableHLO module: neither bytecode nor UTF-8 text (byte {e.start} "
+            f"is {data[e.start]:#04x})"
+        ) from None
 
 
 def read_signature(source: bytes | str, entry: str = "main") -> ModuleSignature:

@@ -10,17 +10,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import logging
+import os
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rsrv.bundle import is_model_name
 from rsrv.export._errors import ExportError
 from rsrv.export._jax import export_jax
 from rsrv.export._parity import Parity
-from rsrv.export._program import Input, Output
+from rsrv.export._program import Input, Output, export_program
 
 
 @dataclass
@@ -74,29 +77,51 @@ def export_model(model: Any, params: Any = None, *, out_dir: str | Path, **optio
     keywords: inputs, outputs, batch_sizes and export_program's others.
     """
     kind = framework_of(model)
+    adapter = _adapter(kind)
     if kind == "jax":
-        return export_jax(model, {} if params is None else params, out_dir=out_dir, **options)
+        return adapter(model, {} if params is None else params, out_dir=out_dir, **options)
     if kind == "flax.linen":
-        from rsrv.export._flax import export_flax_linen
-
         if params is None:
             raise ExportError(
                 "a Linen module needs its variables: export_model(module, variables, ...)"
             )
-        return export_flax_linen(model, params, out_dir=out_dir, **options)
+        return adapter(model, params, out_dir=out_dir, **options)
     if params is not None:
         raise ExportError(f"a {kind} module carries its own parameters; pass params=None")
+    return adapter(model, out_dir=out_dir, **options)
+
+
+def _adapter(kind: str) -> Callable[..., Path]:
+    """The export function for a :func:`framework_of` kind."""
+    if kind == "jax":
+        return export_jax
+    if kind == "flax.linen":
+        from rsrv.export._flax import export_flax_linen
+
+        return export_flax_linen
     if kind == "flax.nnx":
         from rsrv.export._flax import export_flax_nnx
 
-        return export_flax_nnx(model, out_dir=out_dir, **options)
+        return export_flax_nnx
     if kind == "equinox":
         from rsrv.export._equinox import export_equinox
 
-        return export_equinox(model, out_dir=out_dir, **options)
+        return export_equinox
     from rsrv.export._torch import export_torch
 
-    return export_torch(model, out_dir=out_dir, **options)
+    return export_torch
+
+
+def _option_names(adapter: Callable[..., Path]) -> set[str]:
+    """The keywords ``ExportSpec.options`` may hold for ``adapter``: its own and
+    export_program's, less those the spec sets itself."""
+    names = {
+        p.name
+        for fn in (adapter, export_program)
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    return names - {"out_dir", "inputs", "outputs", "batch_sizes"}
 
 
 def export_spec(
@@ -115,6 +140,13 @@ def export_spec(
                 f"the factory's dict has unknown key(s) {', '.join(unknown)} "
                 f"(known: {', '.join(sorted(known))})"
             )
+        missing = [
+            f.name
+            for f in fields(ExportSpec)
+            if f.default is MISSING and f.default_factory is MISSING and f.name not in spec
+        ]
+        if missing:
+            raise ExportError(f"the factory's dict has no {', '.join(missing)}")
         spec = ExportSpec(**spec)
     elif not isinstance(spec, ExportSpec):
         raise ExportError(
@@ -125,6 +157,14 @@ def export_spec(
         sizes = [1]  # unbatched models ignore it; batched ones need --batch-sizes
         if any("n" in i.shape for i in spec.inputs):
             raise ExportError("no batch sizes: pass --batch-sizes or set ExportSpec.batch_sizes")
+    kind = framework_of(spec.model)
+    known = _option_names(_adapter(kind))
+    unknown = sorted(set(spec.options) - known)
+    if unknown:
+        raise ExportError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for a {kind} model "
+            f"(known: {', '.join(sorted(known))})"
+        )
     options = {**spec.options, **overrides}
     return export_model(
         spec.model,
@@ -240,6 +280,14 @@ def export_main(args: argparse.Namespace) -> int:
             or (spec.get("name") if isinstance(spec, Mapping) else getattr(spec, "name", None))
             or factory.__name__
         )
+        if not isinstance(name, str) or not _is_bundle_name(name):
+            print(
+                f"rsrv export: model name {name!r} cannot name a bundle of {args.out}: "
+                "it must be one path component, not starting with '.' (a repository "
+                "scan passes over hidden entries)",
+                file=sys.stderr,
+            )
+            return 2
         overrides: dict[str, Any] = {}
         if args.no_parity:
             overrides["parity"] = False
@@ -256,3 +304,15 @@ def export_main(args: argparse.Namespace) -> int:
         return 0
     finally:
         log.removeHandler(handler)
+
+
+def _is_bundle_name(name: str) -> bool:
+    """Whether ``REPO/name`` is a model directory a repository scan finds."""
+    return (
+        bool(name)
+        and not name.startswith(".")
+        and "/" not in name
+        and os.sep not in name
+        and "\0" not in name
+        and is_model_name(name)
+    )

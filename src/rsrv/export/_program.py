@@ -22,10 +22,12 @@ import io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
 import jax
+import msgspec
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 
@@ -124,11 +126,22 @@ def flatten_weights(tree: Any, **kwargs: Any) -> tuple[list[str], list[Any], Any
 
 @dataclass(frozen=True, slots=True)
 class Output:
-    """An executable output; dtype and shape come from tracing. ``batch_axis`` None = none."""
+    """An executable output; dtype and shape come from tracing. ``batch_axis`` None = none,
+    else the index of the batch axis in the output's shape, counted from 0 (ExportError
+    for a negative one: the output's rank is known only once traced)."""
 
     name: str
     batch_axis: int | None = 0
     letters: str | None = None
+
+    def __post_init__(self) -> None:
+        axis = self.batch_axis
+        index = isinstance(axis, Integral) and not isinstance(axis, bool)
+        if axis is not None and not (index and axis >= 0):
+            raise ExportError(
+                f"output {self.name!r}: batch_axis {axis!r} must be None or an axis index "
+                "counted from 0"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +211,7 @@ def export_program(
     sizes = compiled_sizes(inputs, batch_sizes)
     batched = sizes != [0]
     record = (
-        dict(provenance)
+        _readable_provenance(provenance)
         if provenance is not None
         else collect_provenance(program.framework, program.packages, jax_enable_x64=x64)
     )
@@ -313,6 +326,21 @@ def _trace(
     return modules, out_avals
 
 
+def _readable_provenance(provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """``provenance`` as given, once known to be writable to the manifest and readable
+    from it (ExportError before any tracing otherwise: a numpy scalar, an object, a
+    key that is not a string)."""
+    record = dict(provenance)
+    try:
+        msgspec.yaml.decode(msgspec.yaml.encode(record), type=dict[str, Any])
+    except (TypeError, msgspec.MsgspecError) as e:
+        raise ExportError(
+            f"provenance cannot be written to the manifest: {e}; give it strings, "
+            "Python numbers, booleans, None, lists and mappings with string keys"
+        ) from None
+    return record
+
+
 def _used_state(program: Program, state: list, xs, ws) -> list[int]:
     """Indices of the ``state`` leaves the traced call reads (dead code eliminated)."""
     from jax._src.interpreters import partial_eval as pe
@@ -329,15 +357,38 @@ def _used_state(program: Program, state: list, xs, ws) -> list[int]:
 
 
 def as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
+    """The function's result as one array per named output, in ``outputs`` order: one
+    array, a tuple or list of them, or a mapping from exactly the output names.
+
+    Raises ExportError for a mapping whose keys are not the names, and for an element
+    that is not one array (a nested tuple or dict, None): jax would flatten it, and
+    the outputs would be named by position in its flattening, not as the function meant.
+    """
     if isinstance(result, Mapping):
-        missing = [o.name for o in outputs if o.name not in result]
-        if missing:
+        names = [o.name for o in outputs]
+        missing = [n for n in names if n not in result]
+        extra = [str(k) for k in result if k not in names]
+        if missing or extra:
             raise ExportError(
-                f"the function returns a mapping without output(s) "
-                f"{', '.join(map(repr, missing))} (it has {', '.join(result)})"
+                "the function returns a mapping whose keys are not the outputs named: "
+                + "; ".join(
+                    f"{what} {', '.join(map(repr, keys))}"
+                    for what, keys in (("missing", missing), ("not named", extra))
+                    if keys
+                )
             )
-        return tuple(result[o.name] for o in outputs)
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        values = tuple(result[n] for n in names)
+    else:
+        values = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    for k, value in enumerate(values):
+        leaves = jax.tree_util.tree_leaves(value)
+        if len(leaves) != 1 or leaves[0] is not value:
+            what = f"output {outputs[k].name!r}" if k < len(outputs) else f"result #{k}"
+            raise ExportError(
+                f"the function's {what} is a {type(value).__name__}, not an array: return one "
+                "array per named output (a tuple, a list or a mapping of arrays)"
+            )
+    return values
 
 
 _PYTHON_NUMBERS = {bool: np.bool_, int: np.int32, float: np.float32}

@@ -97,12 +97,13 @@ def _without_pytree_deprecations() -> Iterator[None]:
 
 
 def torch_program(module: Any, inputs: list[Input], sizes: list[int]) -> Program:
-    """The :class:`Program` of ``module(*inputs)``, exported at each batch size."""
-    import torch
-
+    """The :class:`Program` of ``module(*inputs)``, exported at each batch size.
+    Raises ExportError with :func:`torch_unavailable_reason`'s reason first."""
     torchax_export, reason = _load()
     if reason is not None:
         raise ExportError(reason)
+    import torch
+
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"export_torch needs a torch.nn.Module, got {type(module).__name__}")
     was_training = module.training

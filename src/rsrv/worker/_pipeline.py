@@ -126,6 +126,7 @@ class Pipeline:
                 )
             outputs, seconds = await self.meta.run(served, inputs, deadline)
             _check_made(served, served.bundle.signature.client_outputs, outputs, "meta hook")
+            _check_client_rows(served, inputs, outputs, "meta hook")
             for stats in served.statistics:  # the device time of its sub-calls
                 stats.compute_infer.add(seconds)
             served.meta_statistics.requests += 1
@@ -195,6 +196,7 @@ class Pipeline:
             )
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")
             outputs.update(made)
+            _check_client_rows(served, inputs, outputs, "postprocess")
             for stats in both:
                 stats.compute_output.add(trio.current_time() - start)
         # Recorded once the request has its outputs: per successful request, as Triton.
@@ -275,6 +277,30 @@ def _check_rows_agree(served: ServedModel, exec_inputs: Mapping[str, np.ndarray]
             f"model {served.name!r}: preprocess made executable inputs of {sorted(rows)} "
             "rows; they must agree"
         )
+
+
+def _check_client_rows(
+    served: ServedModel,
+    inputs: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray],
+    hook: str,
+) -> None:
+    """The client outputs (made by ``hook`` or passed through) have the request's rows
+    along their batch axes, as ``n`` on client tensors means (bundle.md §3): else the
+    hook's error (Internal), never an answer of other rows."""
+    sig = served.bundle.signature
+    rows = next(
+        (inputs[t.name].shape[t.batch_axis] for t in sig.client_inputs if t.batch_axis is not None),
+        None,
+    )
+    if rows is None:
+        return
+    for t in sig.client_outputs:
+        if t.batch_axis is not None and (got := outputs[t.name].shape[t.batch_axis]) != rows:
+            raise Internal(
+                f"model {served.name!r}: client output {t.name!r} has {got} rows along its "
+                f"batch axis after the {hook}; the request has {rows}"
+            )
 
 
 def _bytes_objects(array: np.ndarray, where: str) -> np.ndarray:

@@ -344,6 +344,14 @@ def test_module_that_is_not_stablehlo(tiny_bundle):
     assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.b2.mlir: not a StableHLO module: ")
 
 
+def test_module_that_is_neither_bytecode_nor_text(tiny_bundle):
+    (tiny_bundle / "model.b2.mlir").write_bytes(b"\x1f\x8b\x08\x00 gzip, say")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b2.mlir: not a StableHLO module: neither bytecode nor UTF-8 "
+        "text (byte 1 is 0x8b)"
+    )
+
+
 def test_module_argument_count(tiny_bundle, tmp_path):
     """A module traced with one more input than the manifest declares."""
     other = export_jax(
@@ -707,6 +715,16 @@ def test_meta_bundle_loads(tmp_path):
     b = load_bundle(write_meta(tmp_path, META_MANIFEST))
     assert b.kind == "meta" and b.modules == {} and b.weights is None
     assert b.signature.calls == ("tiny",) and b.hooks.meta.outputs == ("y",)
+
+
+@pytest.mark.parametrize("stray", ["model.b4.mlir", "model.mlir", "weights.safetensors"])
+def test_meta_with_a_module_or_weights_file(tmp_path, stray):
+    bundle = write_meta(tmp_path, META_MANIFEST)
+    (bundle / stray).write_bytes(b"left over")
+    assert error(bundle) == (
+        f"{bundle}/{stray}: a meta bundle has no modules and no weights file (it calls other "
+        "models); remove it"
+    )
 
 
 def test_meta_without_model_py(tmp_path):

@@ -863,7 +863,13 @@ def test_cli_file_factories_names_and_errors(tmp_path, capsys):
     assert "no batch sizes" in capsys.readouterr().err
     assert cli_main([*args, "--name", "cached", "--cache-dir", str(tmp_path / "c")]) == 2
     assert "--no-parity skips the gate: give one of them" in capsys.readouterr().err
-    assert listing(repo) == ["as_dict", "renamed"]
+    for name in ("../escaped", "sub/model", ".hidden"):  # a bundle no scan of repo finds
+        assert cli_main([*args, "--name", name]) == 2
+        assert f"model name {name!r} cannot name a bundle of {repo}" in capsys.readouterr().err
+    assert listing(repo) == ["as_dict", "renamed"] and listing(tmp_path) == [
+        "factories.py",
+        "repo",
+    ]
 
 
 def test_export_spec_dicts_are_checked(tmp_path):
@@ -873,4 +879,20 @@ def test_export_spec_dicts_are_checked(tmp_path):
         export_spec({"modle": None, "inputs": [], "outputs": []}, tmp_path / "a")
     with pytest.raises(ExportError, match="must return an ExportSpec or a dict"):
         export_spec([1, 2], tmp_path / "a")
+    with pytest.raises(ExportError, match="^the factory's dict has no outputs$"):
+        export_spec({"model": lambda p, x: x, "inputs": []}, tmp_path / "a")
+    typo = ExportSpec(
+        model=lambda p, x: x,
+        inputs=[Input("x", np.float32, ("n", 2))],
+        outputs=["y"],
+        batch_sizes=[1],
+        options={"descripton": "typo"},
+    )
+    with pytest.raises(ExportError) as info:
+        export_spec(typo, tmp_path / "a")
+    assert str(info.value) == (
+        "unknown option(s) 'descripton' for a jax model (known: client_inputs, "
+        "client_outputs, description, model_py, parity, provenance, x64)"
+    )
+    assert not (tmp_path / "a").exists()
     assert isinstance(ExportSpec(model=None, inputs=[], outputs=[]).options, dict)

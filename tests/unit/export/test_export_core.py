@@ -341,6 +341,62 @@ def test_output_count_mismatch(tmp_path):
     _assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("returns", "message"),
+    [
+        # jax would flatten the dict, sorted: 'q' would have held the function's 'p'
+        (
+            lambda x: ({"q": x + 1, "p": x - 1},),
+            "the function's output 'q' is a dict, not an array",
+        ),
+        (lambda x: (x, (x, x)), "the function's output 'p' is a tuple, not an array"),
+        (lambda x: (x, None), "the function's output 'p' is a NoneType, not an array"),
+        (lambda x: (x, (x,)), "the function's output 'p' is a tuple, not an array"),
+        (
+            lambda x: {"q": x, "p": x, "debug": x},
+            "the function returns a mapping whose keys are not the outputs named: "
+            "not named 'debug'",
+        ),
+        (
+            lambda x: {"q": x},
+            "the function returns a mapping whose keys are not the outputs named: missing 'p'",
+        ),
+    ],
+)
+def test_a_result_that_is_not_one_array_per_named_output_is_refused(tmp_path, returns, message):
+    with pytest.raises(ExportError) as info:
+        export_jax(
+            lambda p, x: returns(x),
+            {},
+            inputs=[Input("x", np.float32, ("n", 3))],
+            outputs=["q", "p"],
+            batch_sizes=[2],
+            out_dir=tmp_path / "m",
+            parity=False,
+        )
+    assert str(info.value).startswith(message)
+    _assert_nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("axis", [-1, 1.0, True])
+def test_a_batch_axis_that_is_not_an_index_from_0_is_refused(axis):
+    with pytest.raises(ExportError) as info:
+        Output("y", batch_axis=axis)
+    assert str(info.value) == (
+        f"output 'y': batch_axis {axis!r} must be None or an axis index counted from 0"
+    )
+
+
+def test_a_provenance_the_manifest_cannot_hold_is_refused_before_tracing(tmp_path):
+    with pytest.raises(ExportError) as info:
+        export(tmp_path / "m", provenance={"accuracy": np.float32(0.9)})
+    assert str(info.value).startswith(
+        "provenance cannot be written to the manifest: Encoding objects of type "
+        "numpy.float32 is unsupported; "
+    )
+    _assert_nothing_written(tmp_path)
+
+
 def test_output_without_batch_axis(tmp_path):
     with pytest.raises(ExportError) as info:
         export(tmp_path / "m", outputs=[Output("y", batch_axis=1), "s"])

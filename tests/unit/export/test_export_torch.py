@@ -215,3 +215,22 @@ def test_an_incompatible_pair_is_refused_with_the_reason(tmp_path):
         )
     assert str(info.value) == reason
     assert list(tmp_path.iterdir()) == []
+
+
+def test_without_torch_the_reason_is_raised_as_an_export_error(tmp_path):
+    try:
+        metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        pass
+    else:
+        pytest.skip("torch is installed here")
+    with pytest.raises(ExportError) as info:
+        export_torch(
+            object(),
+            inputs=[Input("x", np.float32, ("n", 2))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "t",
+        )
+    assert str(info.value) == torch_unavailable_reason()
+    assert list(tmp_path.iterdir()) == []
