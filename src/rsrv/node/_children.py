@@ -68,7 +68,8 @@ class ChildState(enum.Enum):
 def restart_delay(restarts: int, policy: SupervisorConfig) -> float:
     """Seconds before restart number ``restarts`` (1, 2, ...) of a run of crashes:
     backoff_seconds doubled each time, at most max_backoff_seconds."""
-    return min(policy.backoff_seconds * 2.0 ** (restarts - 1), policy.max_backoff_seconds)
+    doublings = min(restarts - 1, 64)  # (2.0 ** 1024 overflows; any cap is reached by then)
+    return min(policy.backoff_seconds * 2.0**doublings, policy.max_backoff_seconds)
 
 
 def describe_exit(code: int) -> str:
@@ -265,7 +266,8 @@ class Child:
             self._process, self._halt, self.ready = None, None, False
         uptime = trio.current_time() - self.started_at
         self.last_exit = describe_exit(process.returncode)
-        stopping = self._stop.is_set() and not self.killed
+        # (kept down: the node is stopping, and waits for the gateway's drain first)
+        stopping = (self._stop.is_set() or self._down) and not self.killed
         # (ended by the node's SIGTERM itself: a child still starting, before its handler)
         if stopping and process.returncode not in (0, -signal.SIGTERM):
             self.broke_off = self.last_exit

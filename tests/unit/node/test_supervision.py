@@ -191,6 +191,8 @@ async def test_stdout_and_stderr_on_one_pipe_never_interleave_their_lines():
 def test_restart_delays_double_up_to_the_limit():
     policy = SupervisorConfig(backoff_seconds=0.5, max_backoff_seconds=3)
     assert [restart_delay(n, policy) for n in range(1, 6)] == [0.5, 1, 2, 3, 3]
+    # "restart for ever" as a large max_restarts: 2.0 ** 1024 overflowed at restart 1025
+    assert restart_delay(1025, policy) == restart_delay(10**9, policy) == 3
 
 
 def child(
@@ -402,6 +404,16 @@ async def test_a_child_kept_down_is_not_restarted_and_kill_is_at_once(tmp_path):
             await trio.sleep(0.2)
             c.kill()
     assert c.killed and c.last_exit == "signal SIGKILL"
+
+
+async def test_a_child_kept_down_that_is_killed_from_elsewhere_did_not_drain():
+    """A worker killed (the OOM killer, say) while the node's gateway drains, before the
+    worker's own stop: the node said every child drained, and exited 0."""
+    c = child("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", SupervisorConfig(), [])
+    c.keep_down()
+    with trio.fail_after(30):
+        await c.run()
+    assert c.broke_off == "signal SIGKILL" and c.state is ChildState.STOPPED
 
 
 async def test_a_child_stopped_while_waiting_to_be_restarted_did_not_drain():
