@@ -6,6 +6,30 @@ Every layer raises these; the protocol layer maps ``code`` to a gRPC status once
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def nursery_unwrapped() -> Iterator[None]:
+    """Around ``async with trio.open_nursery()`` (or a block that holds one): what its
+    one failing task raised (the block's own exception, most often) comes out as
+    itself, not in the group the nursery wraps it in. Exactly that layer is removed: a
+    group the task raised stays a group, and the exception keeps its own context and
+    cause (what it was raised while handling still shows in its traceback)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        exc = group.exceptions[0]
+        context, suppress = exc.__context__, exc.__suppress_context__
+        try:
+            raise exc  # (sets its __context__ to the group: put back below)
+        finally:
+            exc.__context__, exc.__suppress_context__ = context, suppress
+            del exc, group, context  # (no reference cycle through this frame)
+
 
 def alone(exc: BaseException) -> BaseException:
     """``exc`` out of the exception groups of one that wrap it (a trio nursery wraps

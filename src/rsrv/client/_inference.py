@@ -26,7 +26,7 @@ from rsrv.client._errors import InferenceServerError
 from rsrv.client._rpc import ChannelClient, open_stream
 from rsrv.client._streaming import InferStream
 from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
-from rsrv.errors import alone
+from rsrv.errors import nursery_unwrapped
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference import model_config_pb2
 
@@ -152,18 +152,21 @@ class InferenceClient(ChannelClient):
     @asynccontextmanager
     async def stream(self, *, timeout: float | None = None) -> AsyncIterator[InferStream]:
         """A ModelStreamInfer stream (see :class:`InferStream`); ``timeout`` bounds the
-        whole stream. Opening it is retried as a unary call is (``retry``) while the
-        server cannot be reached. Leaving the block normally half-closes the stream and waits for
-        the server to end it (answers not read are dropped); a stream that ended with
-        an error status raises InferenceServerError then."""
-        try:
-            async with open_stream(
-                self.channel,
-                SERVICE + "ModelStreamInfer",
-                metadata=self._metadata,
-                timeout=timeout,
-                retry=self.retry,
-            ) as call:
+        whole stream. Opening it is retried (``retry``) while no connection to the
+        server can be made. A stream the server turns away once open (REFUSED_STREAM,
+        a GOAWAY below it: nothing on it was processed) is not opened again: its
+        requests fail UNAVAILABLE with ``reached_server`` False, and the caller may open
+        another. Leaving the block normally half-closes the stream and waits for the
+        server to end it (answers not read are dropped); a stream that ended with an
+        error status raises InferenceServerError then."""
+        async with open_stream(
+            self.channel,
+            SERVICE + "ModelStreamInfer",
+            metadata=self._metadata,
+            timeout=timeout,
+            retry=self.retry,
+        ) as call:
+            with nursery_unwrapped():  # (the block's own exception, not in a group)
                 async with trio.open_nursery() as nursery:
                     stream = InferStream(call)
                     nursery.start_soon(stream._read)
@@ -173,9 +176,6 @@ class InferenceClient(ChannelClient):
                         call.cancel()
                         raise
                     await call.end()
-        except BaseExceptionGroup as group:  # the block's own exception, not a group
-            exc = alone(group)
-            raise exc from exc.__cause__  # (keeps the exception's own cause)
         if call.status is not StatusCode.OK:
             raise InferenceServerError(
                 call.status, call.message, reached_server=call.reached_server

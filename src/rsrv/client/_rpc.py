@@ -104,9 +104,11 @@ async def open_stream(
     timeout: float | None = None,
     retry: RetryPolicy = NO_RETRY,
 ) -> AsyncIterator[StreamingCall]:
-    """``channel.stream`` with ``retry`` of its opening: a stream that could not reach
-    the server is opened again, as :func:`call_unary` sends a call again (once the
-    stream is open, what was sent on it may have been processed: no retry)."""
+    """``channel.stream`` with ``retry`` of its opening: a stream whose connection could
+    not be made is opened again, as :func:`call_unary` sends a call again. Once the
+    stream is open nothing is retried: what was sent on it may have been processed, and
+    a refusal the server sends later (REFUSED_STREAM, GOAWAY) ends it with
+    ``reached_server`` False for the caller to open another."""
     deadline = math.inf if timeout is None else trio.current_time() + timeout
     attempt = 0
     while True:

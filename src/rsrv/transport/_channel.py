@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import trio
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.errors import alone
+from rsrv.errors import nursery_unwrapped
 from rsrv.transport import _frames as F
 from rsrv.transport._client import ClientConnection, connect
 from rsrv.transport._client_calls import StreamingCall, UnaryResult, unary_result
@@ -421,16 +421,13 @@ async def open_channel(
     exception raised in the block comes out as itself, not in an exception group (the
     channel's own tasks raise none)."""
     channel = Channel(host, port, tls=tls, server_hostname=server_hostname, limits=limits)
-    try:
+    with nursery_unwrapped():
         async with trio.open_nursery() as nursery:
             await nursery.start(channel.run)
             try:
                 yield channel
             finally:
                 await channel.aclose()
-    except BaseExceptionGroup as group:
-        exc = alone(group)
-        raise exc from exc.__cause__  # (keeps the exception's own cause)
 
 
 def grpc_timeout(seconds: float) -> bytes:

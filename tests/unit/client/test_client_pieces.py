@@ -46,6 +46,49 @@ async def test_a_client_is_entered_once_at_a_time():
             assert (await client.channel.unary(UNARY, b"hi")).response == b"hi"
 
 
+async def test_what_the_block_raises_comes_out_as_it_was_raised():
+    """Out of ``async with`` a client or a stream: the block's exception as itself (not
+    in the group of the client's own nursery), a group the block raised as that group
+    (a one-member group was stripped of its layers), with its context still shown."""
+
+    def raised_while_handling() -> ValueError:
+        try:
+            raise KeyError("first")
+        except KeyError:
+            return ValueError("second")
+
+    async with echo_server() as echo:
+        for where in ("client", "stream"):
+            for thrown in (
+                KeyError("plain"),
+                ExceptionGroup("mine", [KeyError("one")]),
+                ExceptionGroup("outer", [ExceptionGroup("inner", [ValueError(1)])]),
+            ):
+                with pytest.raises(BaseException) as info:
+                    async with InferenceClient("127.0.0.1", echo.port) as client:
+                        if where == "client":
+                            raise thrown
+                        async with client.stream():
+                            raise thrown
+                # (trio's cancel scopes may hand a group on as a copy: compare contents)
+                assert repr(info.value) == repr(thrown), where
+            error = raised_while_handling()
+            with pytest.raises(ValueError) as info:
+                async with InferenceClient("127.0.0.1", echo.port) as client:
+                    if where == "client":
+                        try:
+                            raise KeyError("first")
+                        except KeyError:
+                            raise error  # noqa: B904 (its context is the point)
+                    async with client.stream():
+                        try:
+                            raise KeyError("first")
+                        except KeyError:
+                            raise error  # noqa: B904
+            assert isinstance(info.value.__context__, KeyError), where
+            assert not info.value.__suppress_context__, where
+
+
 async def test_a_client_whose_open_failed_can_be_entered_again():
     async with echo_server() as echo:
         client = InferenceClient("127.0.0.1", echo.port)
