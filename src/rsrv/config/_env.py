@@ -111,7 +111,8 @@ def _is_scalar(tp: Any) -> bool:
 
 
 def env_variables() -> dict[str, tuple[tuple[str, ...], Any]]:
-    """Every recognised variable -> (key path in the worker settings, field type)."""
+    """Every variable that sets a key of the worker settings -> (its key path, field
+    type). The device variables (GPUS_VARIABLE, CPU_WORKERS_VARIABLE) are read apart."""
     table: dict[str, tuple[tuple[str, ...], Any]] = {}
     repo = next(f for f in msgspec.structs.fields(NodeConfig) if f.name == "model_repo")
     table[ENV_PREFIX + "MODEL_REPO"] = (("model_repo",), repo.type)
