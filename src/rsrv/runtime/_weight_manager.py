@@ -233,6 +233,21 @@ class WeightManager:
             return frozenset(self._waiting)
         return frozenset(self._waiting).union(self._expected)
 
+    def _prefetch_fits(self, key: str, nbytes: int, protected: frozenset[str]) -> bool:
+        """Whether a prefetch of ``key`` fits beside the ``protected`` models, counting
+        the room those not yet resident take once their own transfers come: a prefetch
+        queued ahead of the demand of the model about to run must not take its room
+        (it was copied, then evicted by that demand, and copied again at its own run)."""
+        coming = sum(
+            self.nbytes(k)
+            for k in protected
+            if k != key
+            and k in self.placements
+            and self.placements[k].residency != "device"
+            and not self.cache.is_resident(k)
+        )
+        return self.cache.fits(nbytes + coming, protected)
+
     def _request(self, key: str) -> _Transfer:
         """The pending transfer of ``key``, queued for the transfer task if new."""
         transfer = self._transfers.get(key)
@@ -263,7 +278,7 @@ class WeightManager:
         nbytes = self.nbytes(key)
         if not pinned and self.cache.enabled:
             protected = self._protected_from(key)  # about to be used: never evict them
-            if key not in self._waiting and not self.cache.fits(nbytes, protected):
+            if key not in self._waiting and not self._prefetch_fits(key, nbytes, protected):
                 log.debug(
                     "prefetch of %s skipped: %d bytes do not fit beside the models in use",
                     key,
@@ -292,7 +307,7 @@ class WeightManager:
         pinned = placement.residency == "device"
         if not pinned and self.cache.enabled:
             protected = self._protected_from(key)
-            if key not in self._waiting and not self.cache.fits(nbytes, protected):
+            if key not in self._waiting and not self._prefetch_fits(key, nbytes, protected):
                 log.debug("prefetch of %s dropped: the room it had is taken", key)
                 free(arrays)
                 return

@@ -854,6 +854,30 @@ async def test_a_prefetch_leaves_the_model_whose_batch_waits_for_the_device(file
         nursery.cancel_scope.cancel()
 
 
+async def test_a_prefetch_queued_before_the_demand_of_the_model_about_to_run_is_skipped(files):
+    """Budget for one model, nothing resident: a's batch waits for the device, c's
+    prefetch is asked for before a's lease. c was copied into the free room, evicted by
+    a's demand at once, and copied again at its own run: one wasted load."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, W, files)
+        executor = DeviceExecutor(m)
+        ran = []
+        for name in "ac":
+            executor.versions[name] = SimpleNamespace(
+                key=name, compiled=SimpleNamespace(run=lambda size, x, w: ran.append(1) or [])
+            )
+        async with executor._device:
+            nursery.start_soon(executor.execute, "a", 1, [])
+            await wait_all_tasks_blocked()
+            await executor.prefetch("c")  # no room beside a, whose copy is to come
+        with trio.fail_after(30):
+            while not ran:
+                await trio.sleep(0.001)
+        assert m.cache.is_resident("a") and not m.cache.is_resident("c")
+        assert m.cache.counters.loads == 1 and m.cache.counters.evictions == 0
+        nursery.cancel_scope.cancel()
+
+
 # -- a residency change while the weights are copied -----------------------------------------
 
 
