@@ -336,8 +336,9 @@ def closed_loop(
     outputs as binary data) and ``url`` is the server's HTTP address.
 
     ``inputs`` maps model name -> input name -> array; each request of thread ``i`` goes
-    to ``choose(rng, i)`` (default: the first model). Only requests that start after the
-    warm-up and finish within the window count, for throughput and latency alike.
+    to ``choose(rng, i)`` (default: the first model). Requests that finish within the
+    window (after the warm-up) count, for throughput and latency alike: completions
+    per second of the window, with no client's request in flight at an edge lost.
     ``at_start`` / ``at_end`` run in the calling thread when the window opens and closes
     (e.g. to read server counters).
     """
@@ -396,7 +397,7 @@ def closed_loop(
                     time.sleep(0.01)
                     continue
                 t1 = time.perf_counter()
-                if t0 >= start and t1 <= end:
+                if start <= t1 <= end:  # (one that straddles an edge counts once, at its end)
                     mine.append(t1 - t0)
                     counts[model] = counts.get(model, 0) + 1
                     budget[0] -= 1  # approximate across threads; only a safety bound
@@ -522,11 +523,12 @@ def rounds(n: int) -> str:
 
 
 def load_cell(s: dict | None, extra: str = "") -> str:
-    """A closed loop's result as a table cell: "req/s (p50 / p99[; extra])" (ms), or "-"
-    when it has none (no request completed)."""
+    """A closed loop's result as a table cell: "req/s (p50 / p99[; extra])" (ms), and
+    "; N errors" when requests failed; "-" when it has none (no request completed)."""
     if not s or s.get("p50_ms") is None:
         return "-"
-    return f"{s['req_s']:,.0f} ({s['p50_ms']:.2f} / {s['p99_ms']:.2f}{extra})"
+    failed = f"; {s['errors']} errors" if s.get("errors") else ""
+    return f"{s['req_s']:,.0f} ({s['p50_ms']:.2f} / {s['p99_ms']:.2f}{extra}{failed})"
 
 
 def times(value: float | None, values: Sequence[float] = ()) -> str:
@@ -636,6 +638,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     if not a or not b or math.isnan(a) or math.isnan(b):
         return None
     return a / b
+
+
+def rps_ratio(a: LoadResult, b: LoadResult) -> float | None:
+    """``a``'s req/s over ``b``'s; None (no figure) when either had failed requests."""
+    return None if a.errors or b.errors else ratio(a.rps, b.rps)
 
 
 def save_json(name: str, data: dict) -> Path:

@@ -4,8 +4,11 @@ benchmarks/scheduler_decision.py), run as a subprocess that writes its JSON."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from common import RESULTS, ROOT, log, save_json
@@ -13,15 +16,21 @@ from common import RESULTS, ROOT, log, save_json
 
 def run_script(figure: int, script: str, result: str, quick: bool, limit: float) -> dict:
     """Run benchmarks/SCRIPT (``--quick`` in quick mode, ``--out results/RESULT.json``)
-    as a subprocess; collect what it printed and the JSON it wrote."""
+    as a subprocess; collect what it printed and the JSON it wrote. Its temporary files
+    go to a directory of their own (TMPDIR), removed here however it ended: a script
+    killed at ``limit`` seconds leaves none behind."""
     out = RESULTS / f"{result}.json"
     argv = [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out)]
     argv += ["--quick"] if quick else []
     data = {"figure": figure, "script": f"benchmarks/{script}", "json": None, "stdout": ""}
     started = time.time()
     log(f"fig {figure}: {' '.join(argv[1:])}")
+    scratch = tempfile.mkdtemp(prefix=f"rsrv-fig{figure}-")
+    env = {**os.environ, "TMPDIR": scratch}
     try:
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+        proc = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit
+        )
         data["stdout"] = proc.stdout
         data["status"] = (
             "ok"
@@ -32,6 +41,8 @@ def run_script(figure: int, script: str, result: str, quick: bool, limit: float)
         stdout = e.stdout or b""
         data["stdout"] = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
         data["status"] = f"timed out after {limit:.0f} s"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if out.is_file() and out.stat().st_mtime >= started:
         try:
             data["json"] = json.loads(out.read_text())

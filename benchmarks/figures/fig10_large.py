@@ -47,14 +47,16 @@ import bundles
 NUMBER = 10
 MODES = ("unary", "stream")
 
-#: The probe: ServerLive in a loop for argv[2] seconds on argv[1]; prints its latencies
-#: (ms) as JSON.
+#: The probe: once connected (one ServerLive answered), prints "ready", then ServerLive
+#: in a loop for argv[2] seconds on argv[1], every call timed; prints its latencies (ms)
+#: as JSON.
 PROBE = """
 import json, sys, time
 import grpc
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pbg
 stub = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(sys.argv[1]))
 stub.ServerLive(pb.ServerLiveRequest())
+print("ready", flush=True)
 latencies, end = [], time.perf_counter() + float(sys.argv[2])
 while time.perf_counter() < end:
     t = time.perf_counter()
@@ -159,12 +161,16 @@ def _loop(stub, request, mode: str, seconds: float) -> tuple[int, float]:
 
 
 def _probed(worker: ServerProcess, seconds: float, work):
-    """``work()``'s result, and the probe's latencies (ms) while it ran."""
+    """``work()``'s result, and the probe's latencies (ms) from 0.1 s before it began
+    to about 0.1 s after it ended (the probe's timing starts once it is connected)."""
     probe = subprocess.Popen(
         [sys.executable, "-c", PROBE, f"{HOST}:{worker.port}", str(seconds + 0.2)],
         stdout=subprocess.PIPE,
         text=True,
     )
+    if probe.stdout.readline().strip() != "ready":
+        probe.kill()
+        raise RuntimeError(f"the ServerLive probe of {worker.url} did not start")
     time.sleep(0.1)
     result = work()
     out, _ = probe.communicate(timeout=seconds + 60)

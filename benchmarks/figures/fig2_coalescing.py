@@ -19,9 +19,9 @@ from common import (
     interleave,
     load_cell,
     log,
-    ratio,
     round_ratios,
     rounds,
+    rps_ratio,
     save_json,
     save_plot,
     start_rsrv,
@@ -90,7 +90,7 @@ def run(quick: bool) -> dict:
             d = counters[(label, c)]
             dispatches, served = sum(a for a, _ in d), sum(b for _, b in d)
             row[label]["rows_per_dispatch"] = round(served / dispatches, 2) if dispatches else None
-        row["speedup"] = ratio(by["[1,8,32]"].rps, by["[1]"].rps)
+        row["speedup"] = rps_ratio(by["[1,8,32]"], by["[1]"])
         row["rounds_speedup"] = round_ratios(by["[1,8,32]"], by["[1]"])
         rows.append(row)
     data = {

@@ -10,11 +10,12 @@ windows: the load generator, the worker, the gateway), which on a machine whose 
 they share sets the throughput.
 
 (b) Coalescing: two workers on fifo with a 2 ms queue delay
-(``scheduler.max_queue_delay_seconds``) and a dense model compiled at [1, 8], and two
-gateways in front of the same two workers, one round robin and one lpt_packing (two
-replicas, fill routing); 16 closed-loop clients through each gateway in interleaved
-rounds. Rows per execution from the workers' ModelControlStatus (rows served over
-dispatches, summed over both workers, read when each window opens and closes).
+(``scheduler.max_queue_delay_seconds``) and a dense model compiled at [1, 8], and three
+gateways in front of the same two workers: round robin, lpt_packing (two replicas, fill
+routing) with its default run hold, and lpt_packing without one; 16 closed-loop clients
+through each gateway in interleaved rounds. Rows per execution from the workers'
+ModelControlStatus (rows served over dispatches, summed over both workers, read when each
+window opens and closes).
 
 (c) The same hop with a C load generator: h2load (benchmarks/h2load.py; c connections,
 one stream each, the same ModelInfer body) straight to the worker, through the gateway,
@@ -56,6 +57,7 @@ from common import (
     ratio,
     round_ratios,
     rounds,
+    rps_ratio,
     save_json,
     start_rsrv,
     stop_all,
@@ -186,7 +188,7 @@ def closed_loop_overhead(p: Params, servers: dict[str, ServerProcess], x) -> lis
                 "concurrency": c,
                 "direct": by["direct"].summary(),
                 "gateway": by["gateway"].summary(),
-                "ratio": ratio(by["gateway"].rps, by["direct"].rps),
+                "ratio": rps_ratio(by["gateway"], by["direct"]),
                 "rounds_ratio": round_ratios(by["gateway"], by["direct"]),
                 "cpu_us_per_request": {
                     n: {k: round(v * 1e6 / max(completed[n], 1)) for k, v in cpu[n].items()}
@@ -319,7 +321,8 @@ def coalescing(p: Params) -> dict:
     per_dispatch = {}
     for mode, pairs in counts.items():
         dispatches, served = sum(a for a, _ in pairs), sum(b for _, b in pairs)
-        per_dispatch[mode] = served / dispatches if dispatches else None
+        # (no figure from a mode whose requests failed: its batches say nothing)
+        per_dispatch[mode] = served / dispatches if dispatches and not by[mode].errors else None
     return {
         "clients": p.fill_clients,
         "rows_per_execution": per_dispatch,
@@ -328,6 +331,8 @@ def coalescing(p: Params) -> dict:
         # the ratio if every lpt_packing execution ran a full batch: no routing does better
         "ceiling": ratio(max(SIZES), per_dispatch["round_robin"]),
         "req_s": {m: r.summary()["req_s"] for m, r in by.items()},
+        "errors": {m: r.errors for m, r in by.items()},
+        "first_error": {m: r.first_error for m, r in by.items() if r.errors},
     }
 
 
@@ -401,11 +406,15 @@ def report(d: dict) -> tuple[list[str], list[list]]:
         "",
         table(
             [
-                [m, f"{c['rows_per_execution'][m]:.2f}", f"{c['req_s'][m]:,.0f}"]
+                [
+                    m,
+                    _or_dash(c["rows_per_execution"][m]),
+                    f"{c['req_s'][m]:,.0f}",
+                    c.get("errors", {}).get(m, 0),
+                ]
                 for m in MODES
-                if c["rows_per_execution"][m] is not None
             ],
-            ["gateway mode", "rows per execution", "req/s"],
+            ["gateway mode", "rows per execution", "req/s", "failed requests"],
         ),
         "",
         f"lpt_packing / round robin: {times(c['ratio'])} (without a run hold: "
@@ -431,7 +440,12 @@ def report(d: dict) -> tuple[list[str], list[list]]:
         ],
     ]
     out += [f"- {n}" for n in d.get("notes", [])]
+    out += [f"- 9b {m}: first error: {e}" for m, e in c.get("first_error", {}).items()]
     return out, rows
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _h2load_report(h: dict | None) -> list[str]:
