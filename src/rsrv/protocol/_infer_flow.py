@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import trio
 
+from rsrv import threads
 from rsrv.bundle import Tensor
 from rsrv.protocol._backend import InferenceBackend, ServedModelView
 from rsrv.protocol._calls import call_deadline
@@ -38,7 +39,7 @@ async def off_loop(seconds: float, fn: Callable[..., T], *args) -> T:
     """``fn(*args)``: in a worker thread when expected to take ``seconds`` longer than
     :data:`OFFLOAD_SECONDS`, else here (no checkpoint then)."""
     if seconds > OFFLOAD_SECONDS:
-        return await trio.to_thread.run_sync(fn, *args)
+        return await threads.run_sync(fn, *args)
     return fn(*args)
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import trio
 
+from rsrv import threads
 from rsrv.asgi import answer_lifespan, request_path
 from rsrv.errors import InvalidArgument, ResourceExhausted, RsrvError, Unavailable
 from rsrv.protocol._calls import Admission, Restriction
@@ -208,9 +209,7 @@ class RestService:
         encoding = headers.get("content-encoding", "")
         if encoding.strip().lower() in ("", "identity"):
             return body
-        return await trio.to_thread.run_sync(
-            _inflate, body, encoding, limit, limiter=self._inflating
-        )
+        return await threads.run_sync(_inflate, body, encoding, limit, limiter=self._inflating)
 
     async def _discard(self, receive) -> None:
         """Read and drop what the client keeps sending of a refused body (never held), so

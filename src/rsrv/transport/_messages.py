@@ -26,6 +26,8 @@ import trio
 from purerpc.grpclib.exceptions import RpcFailedError
 from purerpc.grpclib.status import Status, StatusCode
 
+from rsrv import threads
+
 __all__ = ["Compressed", "InflateBudget", "MessageError", "MessageReader", "frame"]
 
 _HEADER = struct.Struct(">?I")
@@ -195,7 +197,7 @@ class MessageReader:
         """``message`` inflated, up to the message limit, in a worker thread (one of
         ``limiter``'s, which bounds the memory inflating takes); the bytes are the
         caller's once it returns, so nothing is charged to the inflate budget."""
-        return await trio.to_thread.run_sync(
+        return await threads.run_sync(
             self._decompress, message.payload, self._limit, limiter=limiter
         )
 

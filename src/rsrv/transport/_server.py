@@ -24,6 +24,7 @@ from purerpc.grpclib.exceptions import RpcFailedError
 from purerpc.grpclib.status import StatusCode
 from purerpc.rpc import Cardinality
 
+from rsrv import threads
 from rsrv.errors import alone
 from rsrv.transport._call import ServerCall
 from rsrv.transport._cap import ConnectionCap
@@ -70,7 +71,7 @@ class Method:
     async def parse(self, raw: bytes) -> Any:
         """``decode(raw)``, in a worker thread when it is large and ``parse_large``."""
         if self.parse_large and len(raw) > PARSE_ON_LOOP_BYTES:
-            return await trio.to_thread.run_sync(self.decode, raw)
+            return await threads.run_sync(self.decode, raw)
         return self.decode(raw)
 
 

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import trio
 
+from rsrv import threads
 from rsrv.errors import NotFound
 from rsrv.runtime import WeightManager, zero_inputs
 from rsrv.worker._models import ServedModel
@@ -87,7 +88,7 @@ class DeviceExecutor:
                         if last is not None and last < self.inline_below:
                             outputs, seconds = _timed(served, size, inputs, weights)
                         else:
-                            outputs, seconds = await trio.to_thread.run_sync(
+                            outputs, seconds = await threads.run_sync(
                                 _timed, served, size, inputs, weights, limiter=self._limiter
                             )
                         self._seconds[(key, size)] = seconds

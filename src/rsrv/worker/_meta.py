@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from rsrv import threads
 from rsrv.errors import DeadlineExceeded, FailedPrecondition
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class MetaRunner:
                 "for a meta slot (scheduler.meta_concurrency)"
             )
         try:
-            outputs = await trio.to_thread.run_sync(run_hook, limiter=self._threads)
+            outputs = await threads.run_sync(run_hook, limiter=self._threads)
         finally:
             self.limiter.release()
         return outputs, sum(compute)

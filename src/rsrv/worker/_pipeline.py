@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 import trio
 
+from rsrv import threads
 from rsrv.bundle import Tensor, rows_mismatch
 from rsrv.dtypes import DType
 from rsrv.errors import (
@@ -168,7 +169,7 @@ class Pipeline:
         # The version chosen for the request is held (``held``) while its preprocess runs:
         # a reload or retirement meanwhile leaves it to run there.
         if hooks.preprocess:
-            made = await trio.to_thread.run_sync(
+            made = await threads.run_sync(
                 hooks.preprocess.run, name, inputs, limiter=self._hook_limiter(name)
             )
             exec_inputs.update(made)
@@ -191,7 +192,7 @@ class Pipeline:
         }
         if hooks.postprocess:
             start = trio.current_time()
-            made = await trio.to_thread.run_sync(
+            made = await threads.run_sync(
                 hooks.postprocess.run, name, outputs, limiter=self._hook_limiter(name)
             )
             _check_made(served, served.bundle.signature.client_outputs, made, "postprocess")

@@ -3,17 +3,20 @@ where large requests are parsed."""
 
 from __future__ import annotations
 
+import gc
 import gzip
 import struct
 import threading
+import types
 import zlib
 
 import pytest
 from purerpc.grpclib.status import StatusCode
 
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.transport._connection import _parse_timeout
 from rsrv.transport._messages import InflateBudget, MessageError, MessageReader, frame
-from rsrv.transport._server import PARSE_ON_LOOP_BYTES, Method
+from rsrv.transport._server import PARSE_ON_LOOP_BYTES, Method, request_decoder
 
 MIB = 1 << 20
 
@@ -142,3 +145,27 @@ async def test_a_large_request_is_parsed_off_the_loop():
     assert await kept.parse(large) == len(large)
     main = threading.main_thread()
     assert [t is main for t in threads] == [True, False, True]
+
+
+async def test_a_large_request_that_fails_to_parse_is_not_held_after_the_failure():
+    """What a failed parse raised came back from its thread in a reference cycle that
+    held the request's bytes (255 MiB inflated from a gzip bomb) until a collection."""
+    parsed = Method("/a.B/C", None, request_decoder(pb.ModelInferRequest), bytes, parse_large=True)
+    raw = b"\xff" * (PARSE_ON_LOOP_BYTES + 1)  # not a protobuf message
+
+    def holding() -> int:  # frames (of the failed parse) that still hold the request
+        return sum(
+            1
+            for o in gc.get_objects()
+            if isinstance(o, types.FrameType) and any(v is raw for v in o.f_locals.values())
+        )
+
+    gc.collect()
+    gc.disable()
+    before = holding()
+    try:
+        with pytest.raises(MessageError, match="cannot parse the request"):
+            await parsed.parse(raw)
+        assert holding() == before  # none of the parse's frames
+    finally:
+        gc.enable()
