@@ -311,38 +311,48 @@ class CatchUp:
                     if not away:
                         del self.dropped[name]
 
-    async def _present(self, worker: WorkerLink) -> set[str] | None:
-        """The models READY or LOADING on ``worker`` now: its RepositoryIndex's, and
-        the sub-models of its metas, which only its ModelControlStatus lists. None when
-        the index cannot be read."""
+    async def _present(self, worker: WorkerLink) -> tuple[dict[str, str], set[str]] | None:
+        """The models READY or LOADING on ``worker`` now, with their states (its
+        RepositoryIndex's, and the sub-models of its metas, which only its
+        ModelControlStatus lists), and every name its index lists (what its repository
+        holds). None when the index cannot be read."""
         answer = await self._call(worker, REPOSITORY_INDEX, b"")
         if answer is None:
             return None
         index = pb.RepositoryIndexResponse.FromString(answer).models
-        present = {m.name for m in index if m.state in _PRESENT}
+        listed = {m.name for m in index}
+        present = {m.name: m.state for m in index if m.state in _PRESENT}
         result = await self._result(worker, CONTROL_STATUS, b"")
         if result.status == StatusCode.UNIMPLEMENTED:  # no control service: no metas
-            return present
+            return present, listed
         if result.status != StatusCode.OK:  # a meta's sub-models would look absent
             return None
         control = control_pb.ModelControlStatusResponse.FromString(result.response or b"")
-        present.update(m.name for m in control.models if m.state in _PRESENT)
-        return present
+        for m in control.models:
+            if m.state in _PRESENT:
+                present.setdefault(m.name, m.state)
+                listed.add(m.name)
+        return present, listed
 
     async def _models_on(self, worker: WorkerLink) -> None:
         """Loads and unloads by what the worker holds now (each awaited to its end, so
-        the next pass reads their outcome), then the settings of what it holds."""
+        the next pass reads their outcome), then the settings of what it holds: of a
+        model still LOADING there (a restarted worker's own start-up), at the next round
+        (a worker refuses them while it loads)."""
         if not (self.loads or self.unloads or self.settings):
             return
-        present = await self._present(worker)
-        if present is None:
+        read = await self._present(worker)
+        if read is None:
             return
+        present, listed = read
         for model, body in list(self.loads.items()):  # (a load may come in meanwhile)
             if model in present or self.loads.get(model) is not body:
                 continue
+            if model not in listed and not _writes_files(body):
+                continue  # not in its repository (NOT_FOUND when it was done there)
             log.info("loading %s on %s, as it was loaded through the gateway", model, worker.name)
             if await self._call(worker, INFERENCE + "RepositoryModelLoad", body) is not None:
-                present.add(model)
+                present[model] = "READY"
                 self.forward.discovery.changed()  # (who holds it: a setting must see it)
             if self.loads.get(model) is not body:  # unloaded meanwhile: look again
                 self.start([worker])
@@ -350,11 +360,15 @@ class CatchUp:
             if model in present and self.unloads.get(model) is body:
                 log.info("unloading %s on %s, as it was through the gateway", model, worker.name)
                 if await self._call(worker, INFERENCE + "RepositoryModelUnload", body) is not None:
-                    present.discard(model)
+                    del present[model]
                     self.forward.discovery.changed()
                 if self.unloads.get(model) is not body:  # loaded meanwhile: look again
                     self.start([worker])
         for model, held in list(self.settings.items()):
+            if present.get(model) == "LOADING":  # not in line yet: again at the next round
+                self._failed.add(id(worker))
+                self._unfinished.add(id(worker))
+                continue
             if model in present:
                 for method, body in list(held.items()):
                     if self.settings.get(model) is not held or held.get(method) is not body:
@@ -384,6 +398,13 @@ class CatchUp:
             method = path.rsplit("/", 1)[1]
             log.warning("%s on %s failed: %s", method, worker.name, result.message)
         return result
+
+
+def _writes_files(load: bytes) -> bool:
+    """Whether a RepositoryModelLoad request carries file overrides (which may create
+    the model's directory in a repository without it)."""
+    request = pb.RepositoryModelLoadRequest.FromString(load)
+    return any(key.startswith("file:") for key in request.parameters)
 
 
 def _merged(kind, held: bytes | None, body: bytes) -> bytes:

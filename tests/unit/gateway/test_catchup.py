@@ -37,11 +37,17 @@ def region(name: str, key: str = "/k") -> bytes:
     return request.SerializeToString()
 
 
+#: The models of every fake worker's repository (its RepositoryIndex lists those not
+#: loaded UNAVAILABLE, "unloaded", as an explicit-mode worker does).
+REPOSITORY = frozenset({"a", "b", "c", "d", "m", "x", "y", "L", "gone", "held", "own", "part"})
+
+
 @dataclass
 class Process:
     """What one worker process holds."""
 
     models: set[str] = field(default_factory=set)
+    loading: set[str] = field(default_factory=set)  # listed LOADING (its start-up loads)
     regions: dict[str, str] = field(default_factory=dict)  # name -> key
     residency: dict[str, int] = field(default_factory=dict)  # model -> residency floor
     weight: dict[str, float] = field(default_factory=dict)  # model -> fair-share weight
@@ -69,6 +75,7 @@ class FakeWorkers:
         self.subs: dict[str, set[str]] = {}
         self.during: dict[tuple[str, str], object] = {}
         self.sent: list[tuple[str, str, str]] = []
+        self.repository = {n: set(REPOSITORY) for n in names}  # worker -> its models
 
     def worker(self, name: str) -> WorkerLink:
         return self.fleet.by_name[name]
@@ -113,12 +120,14 @@ class FakeWorkers:
             )
             return ok(status)
         if method == "RepositoryIndex":
-            index = pb.RepositoryIndexResponse(
-                models=[
-                    pb.RepositoryIndexResponse.ModelIndex(name=m, state="READY")
-                    for m in process.models
-                ]
-            )
+            row = pb.RepositoryIndexResponse.ModelIndex
+            rows = [row(name=m, state="READY") for m in process.models]
+            rows += [row(name=m, state="LOADING") for m in process.loading]
+            rows += [
+                row(name=m, state="UNAVAILABLE", reason="unloaded")
+                for m in self.repository[name] - process.models - process.loading
+            ]
+            index = pb.RepositoryIndexResponse(models=rows)
             self.sent.append((method, "", name))
             return ok(index)
         if method == "SystemSharedMemoryStatus":
@@ -149,6 +158,9 @@ class FakeWorkers:
         elif method == "SetModelPolicy":
             request = cpb.SetModelPolicyRequest.FromString(body)
             what = request.name
+            if what in process.loading:  # (as a worker refuses it)
+                self.sent.append((method, what, name))
+                return UnaryResult(StatusCode.UNAVAILABLE, f"model '{what}' is loading")
             if request.HasField("weight"):
                 process.weight[what] = request.weight
         elif method == "TraceSetting":
@@ -551,6 +563,12 @@ async def test_a_catch_up_the_worker_shed_is_tried_again_at_the_next_round():
     await catchup.replay([worker])
     assert fake.changes() == [("RepositoryModelLoad", "a", "w0")]
     assert fake.fleet.returned() == []
+    # one whose load writes the model's files is replayed: they create it there
+    written = pb.RepositoryModelLoadRequest(model_name="x")
+    written.parameters["file:1/model.mlir"].bytes_param = b"module {}"
+    catchup.loaded("x", written.SerializeToString())
+    await catchup.replay([worker])
+    assert fake.changes()[-1] == ("RepositoryModelLoad", "x", "w0")
 
 
 async def test_a_metas_sub_model_is_present_and_an_unread_control_status_loads_nothing():
@@ -810,3 +828,37 @@ async def test_settings_forgotten_by_an_unload_meanwhile_are_not_replayed():
     fake.during[("SetModelResidency", "a")] = client_unloads_then_loads
     await replay(catchup, worker)
     assert catchup.settings == {} and fake.processes["w0"].weight == {}, fake.changes()
+
+
+async def test_a_policy_for_a_model_still_loading_after_a_restart_is_set_once_it_is_ready():
+    """A restarted static worker is ready while its own start-up loads run: the policy
+    replayed then was refused ("is loading"), not tried again, and lost."""
+    fake, catchup, worker = one_worker()
+    assert fake.fleet.returned() == [worker]
+    catchup.set("a", "SetModelPolicy", policy("a", weight=3.0), 0)
+    fake.processes["w0"] = Process(loading={"a"})
+    await catchup.replay([worker])
+    assert fake.processes["w0"].weight == {} and fake.changes() == []
+    assert fake.fleet.returned() == [worker]  # brought in line again at the next round
+    fake.processes["w0"].loading.clear()
+    fake.processes["w0"].models.add("a")
+    await catchup.replay([worker])
+    assert fake.processes["w0"].weight == {"a": 3.0}
+    assert fake.fleet.returned() == []
+
+
+async def test_a_load_is_not_replayed_on_a_worker_whose_repository_lacks_the_model():
+    """Left out of catch-up, as of the load's answer: replayed at every pass it failed
+    NOT_FOUND, and the worker was never in line."""
+    fake, catchup, worker = one_worker("a", "x")
+    assert fake.fleet.returned() == [worker]
+    fake.repository["w0"].discard("x")
+    await catchup.replay([worker])
+    assert fake.changes() == [("RepositoryModelLoad", "a", "w0")]
+    assert fake.fleet.returned() == []
+    # one whose load writes the model's files is replayed: they create it there
+    written = pb.RepositoryModelLoadRequest(model_name="x")
+    written.parameters["file:1/model.mlir"].bytes_param = b"module {}"
+    catchup.loaded("x", written.SerializeToString())
+    await catchup.replay([worker])
+    assert fake.changes()[-1] == ("RepositoryModelLoad", "x", "w0")
