@@ -214,19 +214,7 @@ class Forwarder:
                 )
             finally:
                 ticket.release()
-        # No ready worker is known to serve it, even after a refresh. Served by workers
-        # that are down: UNAVAILABLE, worth retrying. Else the answer of a worker that
-        # has it in another state (loading, failed: UNAVAILABLE, as that worker would
-        # say), or of any worker (its NOT_FOUND, with the text a client of that worker
-        # would get).
-        if not self.fleet.ready:
-            raise self._none_ready()
-        down = [w.name for w in self.fleet.workers if not w.ready and head.model in w.serving]
-        if down:
-            raise self._none_ready(
-                f"model {head.model!r} is served by no ready worker (not ready: {', '.join(down)})"
-            )
-        return await self.try_in_order(path, body, metadata, deadline, self.askable(head.model))
+        return await self.try_in_order(path, body, metadata, deadline, self.unserved(head.model))
 
     async def to_model(
         self,
@@ -240,10 +228,25 @@ class Forwarder:
         """A call about ``model`` (ModelReady, ModelMetadata, ModelConfig) to a worker
         serving it (first one that has ``version``, or without one the newest version,
         READY: :meth:`of_version`), failing over like ModelInfer."""
-        names = list(await self.replicas(model)) or self.askable(model)
+        names = list(await self.replicas(model)) or self.unserved(model)
         having = self.of_version(model, version)
         names = [*having, *(n for n in names if n not in having)]
         return await self.try_in_order(path, body, metadata, deadline, names)
+
+    def unserved(self, model: str) -> list[str]:
+        """Who answers for ``model`` when no ready worker is known to serve it, even after
+        a refresh: served by workers that are down, UNAVAILABLE (raised: worth retrying);
+        else :meth:`askable`: a worker that has it in another state (loading, failed:
+        UNAVAILABLE, as that worker would say), or any worker (its NOT_FOUND, with the
+        text a client of that worker would get)."""
+        if not self.fleet.ready:
+            raise self._none_ready()
+        down = [w.name for w in self.fleet.workers if not w.ready and model in w.serving]
+        if down:
+            raise self._none_ready(
+                f"model {model!r} is served by no ready worker (not ready: {', '.join(down)})"
+            )
+        return self.askable(model)
 
     def askable(self, model: str) -> list[str]:
         """Who answers for ``model`` where no ready worker serves it: the ready workers

@@ -120,6 +120,7 @@ class Gateway:
                 grpc,
                 status_of=grpc_status,
                 trailers_of=grpc_trailers,
+                message_setting="grpc.max_message_bytes",
             )
             worker_tls = client_tls(config.worker_client)
         except TLS_ERRORS as e:

@@ -311,6 +311,7 @@ class ServerConnection(Http2Endpoint):
             encoding.decode("latin-1") if encoding else None,
             limits.max_message_bytes,
             None,  # (each call inflates its compressed messages itself)
+            setting=limits.message_setting,
         )
         self.streams[sid] = call
         self._idle_since = None

@@ -108,6 +108,8 @@ class TransportLimits:
     # A connection's reader stops reading while more than this waits unsent to its
     # client (until half is left): a client that sends and does not read holds no more.
     max_unsent_bytes: int = 16 << 20
+    # the configuration key that sets max_message_bytes, named when a message exceeds it
+    message_setting: str = "endpoints.max_message_bytes"
 
 
 class ListenSettings(Protocol):
@@ -178,10 +180,13 @@ class GrpcServer:
         *,
         status_of: Callable[[BaseException], tuple[StatusCode, str]] = default_status,
         trailers_of: Callable[[BaseException], Trailers] | None = None,
+        message_setting: str = "endpoints.max_message_bytes",
     ) -> GrpcServer:
         """A server with the limits and TLS (:func:`server_tls`) of ``settings``; the
-        TLS handshake must finish within the receive timeout. Raises one of TLS_ERRORS
-        when a TLS file cannot be read or used."""
+        TLS handshake must finish within the receive timeout; ``message_setting`` is
+        the key of ``max_message_bytes`` in the file ``settings`` come from (named when a
+        message exceeds it). Raises one of TLS_ERRORS when a TLS file cannot be read or
+        used."""
         s = settings
         return cls(
             methods,
@@ -194,6 +199,7 @@ class GrpcServer:
                 receive_timeout=s.receive_timeout_seconds,
                 handshake_timeout=s.receive_timeout_seconds,
                 idle_timeout=s.idle_connection_seconds,
+                message_setting=message_setting,
             ),
             tls=server_tls(s),
             status_of=status_of,
@@ -322,7 +328,6 @@ class GrpcServer:
             request = _requests(method, call)
         else:
             request = await method.parse(await call.receive_single())
-        limit = self.limits.max_message_bytes
         if method.server_streaming:
             # The handler's generator runs in a task of its own: it may hold a nursery
             # across its yields, and closing it suspended at a yield in a call that was
@@ -330,13 +335,13 @@ class GrpcServer:
             try:
                 async with trio.as_safe_channel(method.handler)(request, call) as responses:
                     async for response in responses:
-                        await call.send(_encode(method, response, limit))
+                        await call.send(_encode(method, response, self.limits))
             except BaseExceptionGroup as group:  # the handler's own exception, to status_of
                 exc = alone(group)
                 raise exc from exc.__cause__
         else:
             response = await method.handler(request, call)
-            await call.send(_encode(method, response, limit), flush=False)  # with the trailers
+            await call.send(_encode(method, response, self.limits), flush=False)  # (+ trailers)
 
 
 async def _requests(method: Method, call: ServerCall):
@@ -376,13 +381,13 @@ def request_decoder(message_type) -> Callable[[bytes], Any]:
     return decode
 
 
-def _encode(method: Method, response: Any, limit: int) -> bytes:
+def _encode(method: Method, response: Any, limits: TransportLimits) -> bytes:
     payload = response if isinstance(response, bytes) else method.encode(response)
-    if len(payload) > limit:
+    if len(payload) > limits.max_message_bytes:
         raise MessageError(
             StatusCode.RESOURCE_EXHAUSTED,
-            f"response of {len(payload)} bytes exceeds the maximum {limit} "
-            "(endpoints.max_message_bytes)",
+            f"response of {len(payload)} bytes exceeds the maximum "
+            f"{limits.max_message_bytes} ({limits.message_setting})",
         )
     return payload
 

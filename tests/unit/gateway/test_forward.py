@@ -88,16 +88,22 @@ async def test_no_worker_ready_carries_a_pushback():
 
 async def test_a_model_whose_workers_are_down_is_unavailable_not_unknown():
     """Another worker is ready but does not serve it: not that worker's NOT_FOUND
-    ("unknown model"), but UNAVAILABLE with the retry pushback."""
+    ("unknown model"), but UNAVAILABLE with the retry pushback; for ModelInfer, and for
+    ModelReady, ModelMetadata and ModelConfig alike (they answered NOT_FOUND)."""
     f = forwarder(ok(b"other"), ok(b"m"))
     up, down = f.fleet.workers
     down.ready, down.index = False, (IndexRow("m", "1", "READY", ""),)
     head = SimpleNamespace(model="m", version="")
-    with pytest.raises(
-        Unavailable, match=r"'m' is served by no ready worker \(not ready: w1\)"
-    ) as info:
-        await f.infer(INFERENCE + "ModelInfer", head, b"", {}, trio.current_time() + 10)
-    assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
+    calls = [
+        f.infer(INFERENCE + "ModelInfer", head, b"", {}, trio.current_time() + 10),
+        f.to_model(INFERENCE + "ModelMetadata", "m", b"", {}, trio.current_time() + 10),
+    ]
+    for call in calls:
+        with pytest.raises(
+            Unavailable, match=r"'m' is served by no ready worker \(not ready: w1\)"
+        ) as info:
+            await call
+        assert grpc_trailers(info.value) == (("grpc-retry-pushback-ms", "2000"),)
     up.index = (IndexRow("n", "1", "READY", ""),)
     down.index = ()  # not served anywhere: the ready worker's own answer
     assert (

@@ -827,3 +827,17 @@ def test_an_encrypted_key_is_refused_without_asking_for_its_passphrase(tmp_path,
         else:
             client_tls_context(str(tmp_path / "ca.pem"), cert, key_file)
     assert "encrypted" in str(info.value)
+
+
+async def test_a_message_over_the_limit_is_refused_naming_the_servers_own_setting():
+    """A gateway's refusals named a worker's key (endpoints.max_message_bytes)."""
+    limits = TransportLimits(max_message_bytes=64, message_setting="grpc.max_message_bytes")
+    async with (
+        echo_server(limits=limits) as echo,
+        open_channel("127.0.0.1", echo.port) as channel,
+    ):
+        received = await channel.unary(UNARY, bytes(100))
+        sent = await channel.unary(SIZED, b"100")
+    assert received.status == sent.status == StatusCode.RESOURCE_EXHAUSTED
+    assert received.message.endswith("larger than the maximum 64 (grpc.max_message_bytes)")
+    assert sent.message.endswith("exceeds the maximum 64 (grpc.max_message_bytes)")
