@@ -77,6 +77,7 @@ NOT_METADATA = frozenset(
     {b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"}
 )
 _PSEUDO = frozenset({b":method", b":scheme", b":path", b":authority"})
+_FORBIDDEN_IN_VALUES = re.compile(rb"[\0\r\n]")
 #: Request headers HTTP/2 forbids (RFC 9113 §8.2.2): a request carrying one is reset.
 CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
@@ -249,6 +250,9 @@ class ServerConnection(Http2Endpoint):
                 return
             if not flags & F.END_STREAM:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "trailers without END_STREAM")
+            if any(name[:1] == b":" for name, _ in headers):  # (RFC 9113 §8.1)
+                self._reset(call, F.PROTOCOL_ERROR)
+                return
             call._on_end()
             return
         self._last_stream = sid
@@ -267,11 +271,16 @@ class ServerConnection(Http2Endpoint):
         method = path = content_type = encoding = timeout = None
         metadata: dict[str, str] = {}
         regular = False
+        pseudo: set[bytes] = set()
         for name, value in headers:
+            if _FORBIDDEN_IN_VALUES.search(value):  # (NUL, CR, LF: RFC 9113 §8.2.1)
+                self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
+                return
             if name[:1] == b":":
-                if regular or name not in _PSEUDO:
+                if regular or name not in _PSEUDO or name in pseudo:  # (§8.3: once each)
                     self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
                     return
+                pseudo.add(name)
                 if name == b":path":
                     path = value
                 elif name == b":method":

@@ -219,8 +219,10 @@ class Http2Endpoint:
             elif kind == F.SETTINGS:
                 self._on_settings(flags, sid, payload)
             elif kind == F.PING:
-                if sid != 0 or len(payload) != 8:
-                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "malformed PING")
+                if sid != 0:
+                    raise F.ConnectionError_(F.PROTOCOL_ERROR, "PING on a stream")
+                if len(payload) != 8:  # (RFC 9113 §6.7)
+                    raise F.ConnectionError_(F.FRAME_SIZE_ERROR, "PING not of 8 bytes")
                 if not flags & F.ACK:
                     self._answer(F.frame(F.PING, F.ACK, 0, payload))
             elif kind == F.PRIORITY:
@@ -228,10 +230,10 @@ class Http2Endpoint:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "PRIORITY on stream 0")
                 if len(payload) != 5:  # a stream error (RFC 9113 §6.3)
                     stream = self.streams.get(sid)
-                    if stream is not None:
-                        self._reset(stream, F.FRAME_SIZE_ERROR)
-                    else:
+                    if stream is None:
                         self._answer(F.rst_stream(sid, F.FRAME_SIZE_ERROR))
+                    elif not stream._closed:
+                        self._reset(stream, F.FRAME_SIZE_ERROR)
             elif kind == F.GOAWAY:
                 if sid != 0:
                     raise F.ConnectionError_(F.PROTOCOL_ERROR, "GOAWAY on a stream")
@@ -250,7 +252,7 @@ class Http2Endpoint:
         if self._recv_window < 0:
             raise F.ConnectionError_(F.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         stream = self.streams.get(sid)
-        if stream is None:  # a finished or refused stream: count it, drop it
+        if stream is None or stream._closed:  # finished, refused or reset: count, drop
             self.acknowledge(None, flow)
             return
         stream.recv_window -= flow
@@ -306,7 +308,7 @@ class Http2Endpoint:
         if sid > self._last_stream:
             raise F.ConnectionError_(F.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
         stream = self.streams.get(sid)
-        if stream is None:
+        if stream is None or stream._closed:  # (reset already, or done sending)
             return
         if increment == 0:
             self._reset(stream, F.PROTOCOL_ERROR)

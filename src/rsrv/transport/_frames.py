@@ -255,8 +255,9 @@ class HeaderDecoder:
         except hpack.exceptions.OversizedHeaderListError:
             # hpack stops mid-block, so its table may no longer match the peer's
             raise ConnectionError_(ENHANCE_YOUR_CALM, "header list too large") from None
-        except hpack.exceptions.HPACKError as e:
-            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {e}") from None
+        except hpack.exceptions.HPACKError as e:  # (its text may show a memory address)
+            why = f"bad header block ({type(e).__name__})"
+            raise ConnectionError_(COMPRESSION_ERROR, why) from None
         size = sum(len(name) + len(value) + 32 for name, value in headers)
         if size > self.max_header_list_size:
             raise HeaderListTooLarge(size, self.max_header_list_size)

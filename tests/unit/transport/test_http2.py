@@ -188,7 +188,7 @@ _LONG_SMALL_BLOCK = b"\x3f\xe1\x1f" * (MAX_HEADER_BLOCK // 3) + hpack.Encoder().
         (F.frame(F.RST_STREAM, 0, 0, bytes(4)), F.PROTOCOL_ERROR),
         (F.frame(F.RST_STREAM, 0, 9, bytes(4)), F.PROTOCOL_ERROR),  # idle stream
         (F.window_update(9, 1), F.PROTOCOL_ERROR),  # idle stream
-        (F.frame(F.PING, 0, 0, b"short"), F.PROTOCOL_ERROR),
+        (F.frame(F.PING, 0, 0, b"short"), F.FRAME_SIZE_ERROR),  # (RFC 9113 §6.7)
         (F.frame(F.SETTINGS, 0, 1, b""), F.PROTOCOL_ERROR),
         (F.frame(F.CONTINUATION, F.END_HEADERS, 1, b""), F.PROTOCOL_ERROR),
         (F.frame(F.HEADERS, F.END_HEADERS, 1, b"\xff\xff\xff\xff"), F.COMPRESSION_ERROR),
@@ -450,6 +450,63 @@ async def test_data_after_the_clients_end_and_a_short_priority_reset_the_stream(
     client.send(client.headers(3))
     assert rst(client.send(F.frame(F.PRIORITY, 0, 3, bytes(4))), 3) == F.FRAME_SIZE_ERROR
     assert rst(client.send(F.frame(F.PRIORITY, 0, 7, bytes(6))), 7) == F.FRAME_SIZE_ERROR
+
+
+async def test_a_stream_reset_for_its_window_is_reset_once():
+    """Every later frame on it brought another RST_STREAM (201 for 200 DATA frames)."""
+    client = Client()
+    client.start()
+    client.conn.stream_window = 10
+    client.send(client.headers(1))
+    assert rst(client.send(F.frame(F.DATA, 0, 1, bytes(11))), 1) == F.FLOW_CONTROL_ERROR
+    for _ in range(3):
+        assert client.send(F.frame(F.DATA, 0, 1, bytes(1))) == []
+        assert client.send(F.window_update(1, 0)) == []
+        assert client.send(F.frame(F.PRIORITY, 0, 1, bytes(4))) == []
+
+
+BASE_REQUEST = [
+    (b":method", b"POST"),
+    (b":scheme", b"http"),
+    (b":path", PATH),
+    (b":authority", b"x"),
+    (b"content-type", b"application/grpc"),
+]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b":path", PATH), *BASE_REQUEST],  # a pseudo-header twice (RFC 9113 §8.3)
+        [*BASE_REQUEST, (b"x-note", b"one\r\ntwo")],  # CR, LF or NUL in a value (§8.2.1)
+        [*BASE_REQUEST, (b"x-note", b"nul\0")],
+    ],
+)
+async def test_a_malformed_request_is_reset(headers):
+    client = Client()
+    client.start()
+    block = client.encoder.encode(headers)
+    assert rst(client.send(F.frame(F.HEADERS, F.END_HEADERS, 1, block)), 1) == F.PROTOCOL_ERROR
+    assert client.calls == []
+
+
+async def test_trailers_with_a_pseudo_header_reset_the_stream():
+    client = Client()
+    client.start()
+    client.send(client.headers(1))
+    (call,) = client.calls
+    trailers = client.encoder.encode([(b":path", PATH)])
+    frames = client.send(F.frame(F.HEADERS, F.END_HEADERS | F.END_STREAM, 1, trailers))
+    assert rst(frames, 1) == F.PROTOCOL_ERROR and call._closed
+
+
+async def test_a_bad_header_block_is_named_without_the_decoders_words():
+    """They showed a memory address (`<memory at 0x7f...>`) to any client."""
+    client = Client()
+    client.start()
+    with pytest.raises(F.ConnectionError_) as info:
+        client.send(F.frame(F.HEADERS, F.END_HEADERS, 1, b"\xff\xff\xff\xff"))
+    assert str(info.value.args[-1]).startswith("bad header block (") and "0x" not in str(info.value)
 
 
 async def test_headers_on_a_closed_stream_and_oversized_header_lists():
