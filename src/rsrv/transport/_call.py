@@ -224,7 +224,8 @@ class ServerCall:
             return None
         message = self.conn.take_message(self)
         if isinstance(message, Compressed):  # (inflated off the event loop)
-            message = await self._reader.inflate(message, self.conn.server.inflating)
+            async with self.conn.inflating:  # (then in turn with other connections')
+                message = await self._reader.inflate(message, self.conn.server.inflating)
         if isinstance(message, MessageError):
             raise message
         self.received_bytes = len(message)

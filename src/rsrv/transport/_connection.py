@@ -118,6 +118,9 @@ class ServerConnection(Http2Endpoint):
         self._read_scope = trio.CancelScope()  # the reader's; its deadline: see _reader
         self._lingers = True  # read on after the server's GOAWAY (see goaway)
         self.max_unsent = limits.max_unsent_bytes
+        # one of its compressed requests at a time queues for the server's inflaters:
+        # a connection's many do not make other clients' wait behind them all
+        self.inflating = trio.CapacityLimiter(1)
         self._idle_since: float | None = self._opened  # None while a call is open
         self.owed = 0  # calls that owe the client an answer (ServerCall._reowe)
         self.last_active = self._opened  # the calls' last activity (see quiet_since)

@@ -18,7 +18,7 @@ import hpack
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.echo import HOLD, SIZED, STREAM, STREAM_SIZED, UNARY, echo_server
+from support.echo import HOLD, SIZED, STREAM, STREAM_SIZED, UNARY, echo_server, wait_for
 from support.rawh2 import RawH2, message
 
 from rsrv.transport import TransportLimits
@@ -774,3 +774,39 @@ async def test_a_unary_call_with_more_than_one_request_message_fails_internal():
             assert echo.started == 1  # the call with one message, alone
         finally:
             raw.close()
+
+
+async def test_connections_take_turns_to_inflate(monkeypatch):
+    """One connection's six compressed requests took both of the server's inflaters
+    in turn: another client's one waited behind all six (19 s behind 24 gzip bombs)."""
+    from rsrv.transport import _messages
+
+    started: list[bytes] = []
+    decompress = _messages.MessageReader._decompress
+
+    def slow(reader, payload, room):
+        started.append(gzip.decompress(payload)[:1])
+        time.sleep(0.2)  # (a bomb's inflation)
+        return decompress(reader, payload, room)
+
+    monkeypatch.setattr(_messages.MessageReader, "_decompress", slow)
+    async with echo_server() as echo:
+        busy, other = RawH2(echo.port), RawH2(echo.port)
+        try:
+
+            def send(raw, tag: bytes, count: int) -> list[int]:
+                sids = [raw.start(UNARY, headers=[("grpc-encoding", "gzip")]) for _ in range(count)]
+                for sid in sids:
+                    raw.send(sid, message(gzip.compress(tag), compressed=True), end=True)
+                return sids
+
+            many = await trio.to_thread.run_sync(send, busy, b"a", 6)
+            await wait_for(lambda: len(started) >= 1, "the first inflation")
+            (one,) = await trio.to_thread.run_sync(send, other, b"b", 1)
+            assert await trio.to_thread.run_sync(other.status, one) == (0, "")
+            for sid in many:
+                assert await trio.to_thread.run_sync(busy.status, sid) == (0, "")
+        finally:
+            busy.close()
+            other.close()
+    assert started.index(b"b") <= 3  # (it was 6: after every one of the other's)
