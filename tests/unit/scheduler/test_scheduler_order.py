@@ -274,6 +274,7 @@ async def test_edf_counts_a_model_held_for_company_as_one_that_shedding_saves(au
         waiting = await queued(nursery, sched, "held", [rows(3, 1)], deadline=0.4)
         doomed = await queued(nursery, sched, "m", [rows(1, 1)], deadline=0.5)
         await nursery.start(sched.run)
+        await trio.sleep(1.0)  # (a drain would hurry: no queue delay, nothing held)
         await sched.drain()
     assert isinstance(doomed.error, DeadlineExceeded) and doomed.finished_at == 0.0
     assert waiting.result is not None
