@@ -395,20 +395,19 @@ class WeightManager:
             )
 
     async def compact_and_reload(self, keys: list[str]) -> int:
-        """CompactMemory: free every evictable weight, then load ``keys`` again; returns
-        how many were copied onto the device (not those that stayed: pinned, executing,
-        or listed twice). A key retired meanwhile (a reload replaced its version while the
-        others were copied) is passed over, not the whole call's NotFound."""
+        """CompactMemory: free every evictable weight, then load ``keys`` again, each as
+        a prefetch is (never beside the models in use, or about to be, beyond the budget:
+        one that does not fit is passed over); returns how many were copied onto the
+        device (not those that stayed: pinned, executing, or listed twice). A key retired
+        meanwhile (a reload replaced its version while the others were copied) is passed
+        over too. Raises the error of a copy that failed."""
         self.compact()
         reloaded = 0
         for key in keys:
             if self.cache.is_resident(key):
                 continue
-            try:
-                await self._ensure(key)
-            except NotFound:
-                continue
-            reloaded += 1
+            await self.prefetch(key)  # (a demand was loaded over the budget beside a run)
+            reloaded += self.cache.is_resident(key)
         return reloaded
 
     async def set_residency(self, key: str, residency: str) -> None:

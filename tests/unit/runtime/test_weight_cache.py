@@ -1015,3 +1015,17 @@ async def test_compaction_passes_over_a_version_retired_while_it_reloads(files):
                 await trio.sleep(0.01)
         assert reloading == [1] and m.cache.is_resident("b")
         nursery.cancel_scope.cancel()
+
+
+async def test_compaction_beside_an_execution_reloads_only_what_fits(files, monkeypatch):
+    """Budget for one model; a executes (leased) while CompactMemory reloads b: b was
+    loaded anyway, a demand, and the cache held 2W (warning: held by models in use)."""
+    async with trio.open_nursery() as nursery:
+        m = await manager(nursery, W, files)
+        peaks = record_peaks(monkeypatch, m)
+        async with m.lease("a"):
+            assert await m.compact_and_reload(["b"]) == 0  # no room beside a: passed over
+            assert m.cache.is_resident("a") and not m.cache.is_resident("b")
+        assert await m.compact_and_reload(["b"]) == 1  # a is idle now: freed, b reloaded
+        assert m.cache.is_resident("b") and max(peaks) == W
+        nursery.cancel_scope.cancel()
