@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import gc
 import traceback
-import types
 
 import pytest
 import trio
+from support.assertions import frames_holding
 
 from rsrv.threads import run_sync
 
@@ -21,20 +21,13 @@ async def test_a_failure_keeps_its_chain_and_traceback_but_not_its_locals():
         except KeyError:
             raise ExceptionGroup("both", [ValueError("second")])  # noqa: B904
 
-    def holding() -> int:
-        return sum(
-            1
-            for o in gc.get_objects()
-            if isinstance(o, types.FrameType) and any(v is big for v in o.f_locals.values())
-        )
-
     gc.collect()
     gc.disable()
-    before = holding()
+    before = frames_holding(big)
     try:
         with pytest.raises(ExceptionGroup) as info:
             await run_sync(fails, big)
-        assert holding() == before  # none of fails' frames
+        assert frames_holding(big) == before  # none of fails' frames
     finally:
         gc.enable()
     assert isinstance(info.value.__context__, KeyError)

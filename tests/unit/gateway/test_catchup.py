@@ -563,12 +563,6 @@ async def test_a_catch_up_the_worker_shed_is_tried_again_at_the_next_round():
     await catchup.replay([worker])
     assert fake.changes() == [("RepositoryModelLoad", "a", "w0")]
     assert fake.fleet.returned() == []
-    # one whose load writes the model's files is replayed: they create it there
-    written = pb.RepositoryModelLoadRequest(model_name="x")
-    written.parameters["file:1/model.mlir"].bytes_param = b"module {}"
-    catchup.loaded("x", written.SerializeToString())
-    await catchup.replay([worker])
-    assert fake.changes()[-1] == ("RepositoryModelLoad", "x", "w0")
 
 
 async def test_a_metas_sub_model_is_present_and_an_unread_control_status_loads_nothing():

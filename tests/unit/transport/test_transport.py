@@ -7,11 +7,11 @@ import gc
 import gzip
 import struct
 import threading
-import types
 import zlib
 
 import pytest
 from purerpc.grpclib.status import StatusCode
+from support.assertions import frames_holding
 
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.transport._connection import _parse_timeout
@@ -153,19 +153,12 @@ async def test_a_large_request_that_fails_to_parse_is_not_held_after_the_failure
     parsed = Method("/a.B/C", None, request_decoder(pb.ModelInferRequest), bytes, parse_large=True)
     raw = b"\xff" * (PARSE_ON_LOOP_BYTES + 1)  # not a protobuf message
 
-    def holding() -> int:  # frames (of the failed parse) that still hold the request
-        return sum(
-            1
-            for o in gc.get_objects()
-            if isinstance(o, types.FrameType) and any(v is raw for v in o.f_locals.values())
-        )
-
     gc.collect()
     gc.disable()
-    before = holding()
+    before = frames_holding(raw)
     try:
         with pytest.raises(MessageError, match="cannot parse the request"):
             await parsed.parse(raw)
-        assert holding() == before  # none of the parse's frames
+        assert frames_holding(raw) == before  # none of the parse's frames
     finally:
         gc.enable()
