@@ -82,6 +82,33 @@ _FORBIDDEN_IN_VALUES = re.compile(rb"[\0\r\n]")
 CONNECTION_SPECIFIC = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
+
+
+#: What :func:`_checked` makes of a header list that no request (or trailers) may carry.
+_MALFORMED = object()
+
+
+def _checked(headers: list) -> list | object:
+    """``headers`` (decoded, cached with their block: so checked once per block), or
+    _MALFORMED when RFC 9113 forbids them: a pseudo-header that is unknown, given twice
+    or after a regular header (§8.3), an upper-case or connection-specific name (§8.2),
+    NUL, CR or LF in a value (§8.2.1). Its stream is then reset."""
+    regular = False
+    pseudo: set[bytes] = set()
+    for name, value in headers:
+        if _FORBIDDEN_IN_VALUES.search(value):
+            return _MALFORMED
+        if name[:1] == b":":
+            if regular or name not in _PSEUDO or name in pseudo:
+                return _MALFORMED
+            pseudo.add(name)
+        elif name != name.lower() or name in CONNECTION_SPECIFIC:
+            return _MALFORMED
+        else:
+            regular = True
+    return headers
+
+
 _METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
 _NOT_SENDABLE = NOT_METADATA | CONNECTION_SPECIFIC | {b"user-agent"}
 
@@ -109,7 +136,7 @@ class ServerConnection(Http2Endpoint):
 
     def __init__(self, stream: trio.abc.Stream, server: GrpcServer, peer: str):
         limits = server.limits
-        super().__init__(stream, 2 * limits.max_message_bytes)  # (the endpoint caps it)
+        super().__init__(stream, 2 * limits.max_message_bytes, _checked)  # (it caps the window)
         self.server = server
         self.peer = peer
         self.max_streams = limits.max_streams_per_connection
@@ -253,7 +280,7 @@ class ServerConnection(Http2Endpoint):
                 return
             if not flags & F.END_STREAM:
                 raise F.ConnectionError_(F.PROTOCOL_ERROR, "trailers without END_STREAM")
-            if any(name[:1] == b":" for name, _ in headers):  # (RFC 9113 §8.1)
+            if headers is _MALFORMED or any(name[:1] == b":" for name, _ in headers):  # (§8.1)
                 self._reset(call, F.PROTOCOL_ERROR)
                 return
             call._on_end()
@@ -273,26 +300,16 @@ class ServerConnection(Http2Endpoint):
     def _on_request(self, sid: int, flags: int, headers) -> None:
         method = path = content_type = encoding = timeout = None
         metadata: dict[str, str] = {}
-        regular = False
-        pseudo: set[bytes] = set()
+        if headers is _MALFORMED:
+            self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
+            return
         for name, value in headers:
-            if _FORBIDDEN_IN_VALUES.search(value):  # (NUL, CR, LF: RFC 9113 §8.2.1)
-                self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
-                return
             if name[:1] == b":":
-                if regular or name not in _PSEUDO or name in pseudo:  # (§8.3: once each)
-                    self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
-                    return
-                pseudo.add(name)
                 if name == b":path":
                     path = value
                 elif name == b":method":
                     method = value
                 continue
-            regular = True
-            if name != name.lower() or name in CONNECTION_SPECIFIC:
-                self._answer(F.rst_stream(sid, F.PROTOCOL_ERROR))
-                return
             if name == b"content-type":
                 content_type = value
             elif name == b"grpc-timeout":
