@@ -11,8 +11,9 @@ locals of the thread's frames cleared, and raises it on the loop: no cycle forms
 
 from __future__ import annotations
 
-import traceback
+import inspect
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any, TypeVar
 
 import trio
@@ -47,9 +48,31 @@ def _caught(fn: Callable[..., T], args: tuple) -> tuple[bool, list]:
             if exc is None or id(exc) in seen:
                 continue
             seen.add(id(exc))
-            traceback.clear_frames(exc.__traceback__)  # (this frame, running, is left)
+            _clear_frames(exc.__traceback__)
             pending += [exc.__cause__, exc.__context__]
             if isinstance(exc, BaseExceptionGroup):
                 pending += exc.exceptions
         del exc, pending, fn, args  # (the traceback keeps this frame: drop what it holds)
         return False, [e]
+
+
+#: Frames of generators and coroutines: a chained exception may come from one the
+#: caller keeps suspended, which clearing its frame would end.
+_SUSPENDABLE = (
+    inspect.CO_GENERATOR
+    | inspect.CO_COROUTINE
+    | inspect.CO_ASYNC_GENERATOR
+    | inspect.CO_ITERABLE_COROUTINE
+)
+
+
+def _clear_frames(tb: TracebackType | None) -> None:
+    """The locals of the plain functions' frames in ``tb`` dropped (not the running
+    one's: this thread's own, which keeps only what :func:`_caught` leaves it)."""
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
+            try:
+                tb.tb_frame.clear()
+            except RuntimeError:  # (still running)
+                pass
+        tb = tb.tb_next

@@ -38,3 +38,26 @@ async def test_results_and_limiter_are_trios():
     limiter = trio.CapacityLimiter(1)
     assert await run_sync(lambda a, b: a + b, 2, 3, limiter=limiter) == 5
     assert limiter.borrowed_tokens == 0
+
+
+async def test_a_generator_the_caller_keeps_is_not_ended_by_a_chained_failure():
+    """An exception chained from one a suspended generator holds (its frame in that
+    exception's traceback): clearing every chained frame ended the generator."""
+
+    def remembering():
+        while True:
+            try:
+                raise ValueError("remembered")
+            except ValueError as e:
+                error = e
+            yield error  # (suspended here, in error's traceback)
+
+    kept = remembering()
+    next(kept)
+
+    def fails():
+        raise RuntimeError("failed") from next(kept)
+
+    with pytest.raises(RuntimeError):
+        await run_sync(fails)
+    assert isinstance(next(kept), ValueError)

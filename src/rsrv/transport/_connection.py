@@ -275,6 +275,8 @@ class ServerConnection(Http2Endpoint):
             if call is None:
                 self._answer(F.rst_stream(sid, F.STREAM_CLOSED))
                 return
+            if call._closed:  # (answered or reset already: dropped, as its DATA is)
+                return
             if isinstance(headers, F.HeaderListTooLarge):
                 self._reset(call, F.ENHANCE_YOUR_CALM)
                 return

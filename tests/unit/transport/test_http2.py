@@ -463,6 +463,8 @@ async def test_a_stream_reset_for_its_window_is_reset_once():
         assert client.send(F.frame(F.DATA, 0, 1, bytes(1))) == []
         assert client.send(F.window_update(1, 0)) == []
         assert client.send(F.frame(F.PRIORITY, 0, 1, bytes(4))) == []
+    trailers = client.encoder.encode([(b":path", PATH)])  # (malformed: reset, if it were open)
+    assert client.send(F.frame(F.HEADERS, F.END_HEADERS | F.END_STREAM, 1, trailers)) == []
 
 
 BASE_REQUEST = [
