@@ -65,6 +65,7 @@ a copy from it is under way lets that copy finish.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -74,6 +75,7 @@ from dataclasses import dataclass
 
 from rsrv.errors import (
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -242,7 +244,10 @@ class SharedMemoryRegistry:
             start = region.info.offset + offset
             done = 0
             while done < byte_size:
-                n = os.preadv(fd, [view[done:]], start + done)
+                try:
+                    n = os.preadv(fd, [view[done:]], start + done)
+                except OSError as e:
+                    raise _copy_failed(region, "read", e) from None
                 if n <= 0:
                     raise _shrunk(region, start + done)
                 done += n
@@ -260,7 +265,10 @@ class SharedMemoryRegistry:
             start = region.info.offset + offset
             done = 0
             while done < size:
-                done += os.pwrite(fd, view[done:], start + done)
+                try:
+                    done += os.pwrite(fd, view[done:], start + done)
+                except OSError as e:
+                    raise _copy_failed(region, "write", e) from None
         return size
 
     def _region(self, region: str | Registration, offset: int, byte_size: int) -> Registration:
@@ -308,6 +316,20 @@ class SharedMemoryRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._regions)
+
+
+def _copy_failed(region: Registration, how: str, error: OSError) -> RsrvError:
+    """A ``pread`` / ``pwrite`` of the region's object that failed: RESOURCE_EXHAUSTED
+    when the memory behind it ran out (a sparse object written on a full ``/dev/shm``),
+    else INTERNAL; naming the region and the system's reason."""
+    info = region.info
+    message = (
+        f"cannot {how} shared memory object '{info.key}' of region '{info.name}': "
+        f"{error.strerror or error}"
+    )
+    if error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EDQUOT):
+        return ResourceExhausted(message)
+    return Internal(message)
 
 
 def _shrunk(region: Registration, size: int) -> InvalidArgument:

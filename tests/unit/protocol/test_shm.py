@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import uuid
@@ -12,7 +13,13 @@ import pytest
 import tritonclient.utils.shared_memory as tshm
 from support.assertions import raises
 
-from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from rsrv.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from rsrv.protocol._shm import (
     DISABLED_MESSAGE,
     AlreadyExists,
@@ -333,3 +340,24 @@ def test_concurrent_reads_while_registrations_change(posix_shm):
     reg.close()
     assert not errors, errors
     assert counts["ok"] > 0
+
+
+def test_a_copy_the_system_refuses_names_the_region_and_why(registry, posix_shm, monkeypatch):
+    """A write to a sparse object on a full /dev/shm fails ENOSPC (an I/O error EIO):
+    it was an unmapped OSError, INTERNAL without the region's name."""
+    obj = posix_shm(64)
+    registry.register("r", "/" + obj.name, 0, 64)
+
+    def refused(code):
+        def call(*args):
+            raise OSError(code, os.strerror(code))
+
+        return call
+
+    monkeypatch.setattr(os, "pwrite", refused(errno.ENOSPC))
+    expected = f"cannot write shared memory object '/{obj.name}' of region 'r'"
+    with raises(ResourceExhausted, expected, "No space left on device"):
+        registry.write("r", 0, b"x")
+    monkeypatch.setattr(os, "preadv", refused(errno.EIO))
+    with raises(Internal, "cannot read shared memory object", "Input/output error"):
+        registry.read("r", 0, 1)
