@@ -91,12 +91,16 @@ def parse_version(text: str) -> int | None:
     if text == "":
         return None
     if _DECIMAL.fullmatch(text):
-        # (Python refuses to convert thousands of digits; 20 already exceed int64)
-        number = int(text) if len(text) <= 20 else MAX_VERSION + 1
+        # (Python refuses to convert thousands of digits; 20 already exceed int64;
+        # leading zeros count for nothing: "0...07" is 7, as Triton's stol reads it)
+        digits = text.lstrip("0") or "0"
+        number = int(digits) if len(digits) <= 20 else MAX_VERSION + 1
         if number <= MAX_VERSION:
             return number
         detail = f"above the largest version {MAX_VERSION}"
     elif text.startswith("-") and _DECIMAL.fullmatch(text[1:]):
+        if not text[1:].strip("0"):  # ("-0" is 0 to Triton's stol: not negative)
+            return 0
         raise InvalidArgument(
             f"invalid model version specified '{text}' , version should be an integral value > 0"
         )

@@ -61,7 +61,10 @@ def test_node_file_policy_decodes():
     assert not config.allow_file_overrides
 
 
-@pytest.mark.parametrize(("text", "number"), [("", None), ("1", 1), ("0", 0), ("0042", 42)])
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [("", None), ("1", 1), ("0", 0), ("0042", 42), ("0" * 25 + "7", 7), ("-0", 0), ("-000", 0)],
+)
 def test_version_strings(text, number):
     assert parse_version(text) == number
 
