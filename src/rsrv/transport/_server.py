@@ -25,7 +25,7 @@ from purerpc.grpclib.status import StatusCode
 from purerpc.rpc import Cardinality
 
 from rsrv import threads
-from rsrv.errors import alone
+from rsrv.errors import nursery_unwrapped
 from rsrv.transport._call import ServerCall
 from rsrv.transport._cap import ConnectionCap
 from rsrv.transport._connection import ServerConnection
@@ -332,13 +332,10 @@ class GrpcServer:
             # The handler's generator runs in a task of its own: it may hold a nursery
             # across its yields, and closing it suspended at a yield in a call that was
             # cancelled (a reset, the deadline) must end only this call.
-            try:
+            with nursery_unwrapped():  # (the handler's own exception, to status_of)
                 async with trio.as_safe_channel(method.handler)(request, call) as responses:
                     async for response in responses:
                         await call.send(_encode(method, response, self.limits))
-            except BaseExceptionGroup as group:  # the handler's own exception, to status_of
-                exc = alone(group)
-                raise exc from exc.__cause__
         else:
             response = await method.handler(request, call)
             await call.send(_encode(method, response, self.limits), flush=False)  # (+ trailers)
