@@ -424,6 +424,24 @@ def _explicit_index(triton) -> list[tuple[str, str, str, str]]:
     ]
 
 
+def test_explicit_mode_index_reads_the_repository_off_the_event_loop(repo, cache_dir, monkeypatch):
+    # listing the repository stats every model directory (slow on a network volume)
+    from rsrv.worker import _reporting
+
+    threads = []
+
+    def discover(path):
+        threads.append(threading.current_thread().name)
+        return real(path)
+
+    real = _reporting.discover
+    monkeypatch.setattr(_reporting, "discover", discover)
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    with running(config) as w, connect(w) as triton:
+        assert ("classifier", "", "UNAVAILABLE", "unloaded") in _explicit_index(triton)
+    assert threads and "rsrv-test-worker" not in threads
+
+
 def test_explicit_mode_load_and_unload(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
     unloaded = [(name, "", "UNAVAILABLE", "unloaded") for name in sorted(MODELS)]

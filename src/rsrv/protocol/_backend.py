@@ -224,7 +224,9 @@ class InferenceBackend(Protocol):
         empty ``name``: of every ready version of every model."""
         ...
 
-    def index(self) -> list[IndexEntry]: ...
+    async def index(self) -> list[IndexEntry]:
+        """RepositoryIndex's rows, every model's versions and states."""
+        ...
 
     async def load_model(
         self,

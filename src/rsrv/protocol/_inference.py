@@ -188,7 +188,7 @@ class InferenceService(GRPCInferenceServiceServicer):
                 pb.RepositoryIndexResponse.ModelIndex(
                     name=e.name, version=e.version, state=e.state, reason=e.reason
                 )
-                for e in self.backend.index()
+                for e in await self.backend.index()
                 if not message.ready or e.state == "READY"
             ]
         )

@@ -63,12 +63,22 @@ def _snapshot(worker: Worker, served: ServedModel) -> Snapshot:
     )
 
 
-def index(worker: Worker) -> list[IndexEntry]:
+def repository_names(repo: Path) -> set[str]:
+    """The model directories of ``repo``, by name; none when it cannot be listed. It
+    reads the file system (a stat per model): callers run it in a thread."""
+    try:
+        return {p.name for p in discover(repo)}
+    except (BundleError, OSError):
+        return set()
+
+
+def index(worker: Worker, in_repository: set[str]) -> list[IndexEntry]:
     """RepositoryIndex: one entry per version of every model entry (one without a
     version for a model no version of which was tried), except ready models that a
     loaded meta model calls (they serve only their metas); a meta waiting for a callee
-    is UNAVAILABLE with the names it waits for. In explicit mode, every other model
-    directory of the repository is listed UNAVAILABLE, reason "unloaded" (Triton's)."""
+    is UNAVAILABLE with the names it waits for. Every other name of ``in_repository``
+    (the repository's model directories, in explicit mode) is listed UNAVAILABLE,
+    reason "unloaded" (Triton's)."""
     models = worker.models
     hidden = {
         c
@@ -77,13 +87,7 @@ def index(worker: Worker) -> list[IndexEntry]:
         for c in e.model.bundle.signature.calls
         if models.ready(c)
     }
-    unloaded: set[str] = set()
-    if worker.config.model_control_mode == "explicit":
-        try:
-            unloaded = {p.name for p in discover(Path(worker.config.model_repo))}
-        except (BundleError, OSError):
-            pass
-        unloaded -= set(models.entries)
+    unloaded = in_repository - set(models.entries)
     out = []
     for name in sorted(set(models.entries) | unloaded):
         if name in unloaded:

@@ -44,6 +44,7 @@ from rsrv.runtime import (
 )
 from rsrv.runtime import device as default_device
 from rsrv.scheduler import Scheduler
+from rsrv.threads import run_sync
 from rsrv.transport import TLS_ERRORS, GrpcServer, methods_of
 from rsrv.worker import _files as files_override
 from rsrv.worker import _reporting as reporting
@@ -207,8 +208,11 @@ class Worker:
     def statistics(self, name: str, version: int | None) -> list[ModelStatisticsSnapshot]:
         return reporting.statistics(self, name, version)
 
-    def index(self) -> list[IndexEntry]:
-        return reporting.index(self)
+    async def index(self) -> list[IndexEntry]:
+        in_repository = set()
+        if self.config.model_control_mode == "explicit":
+            in_repository = await run_sync(reporting.repository_names, Path(self.config.model_repo))
+        return reporting.index(self, in_repository)
 
     def control_status(self) -> ControlSnapshot:
         return reporting.control(self)
