@@ -242,6 +242,7 @@ def _resolve_one(
         cache_dir=_absolute(
             merged.cache_dir, cwd if f"{ENV_PREFIX}CACHE_DIR" in from_env else base
         ),
+        cache_max_bytes=merged.cache_max_bytes,
         model_control_mode=merged.model_control_mode,
         model_poll_seconds=merged.model_poll_seconds,
         runtime=merged.runtime,

@@ -346,6 +346,13 @@ class GlobalConfig(_Strict):
     cache_dir: Annotated[
         PathText, _doc("Compilation cache directory; `~` expanded, relative to the node file.")
     ] = "~/.cache/rsrv"
+    cache_max_bytes: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        _doc(
+            "Most bytes of compiled executables kept in `cache_dir`; the least recently "
+            "used go first. Null: no limit."
+        ),
+    ] = None
     model_control_mode: Annotated[
         ControlMode,
         _doc(
@@ -575,6 +582,7 @@ class WorkerConfig(_Strict):
     index: int
     model_repo: str
     cache_dir: str
+    cache_max_bytes: int | None
     model_control_mode: ControlMode
     model_poll_seconds: float
     runtime: RuntimeConfig

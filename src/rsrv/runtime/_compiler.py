@@ -9,7 +9,11 @@ built for them. Each entry carries the SHA-256 of its executable, checked before
 loaded: an entry damaged on disk (which could still load, and crash the process) is
 removed and compiled again. Entries are written atomically (a temporary file renamed
 into place; one left by a process killed while writing is removed by the next start
-after an hour). Nothing evicts entries: the cache grows with every distinct module.
+after an hour). With ``max_bytes`` set, each write removes the least recently used
+entries (by modification time, which a hit renews) until the entries' total is within
+it; without it, the cache grows with every distinct module. Workers that share the
+directory each apply their own bound; an entry one removes is compiled again by any
+other that needs it.
 """
 
 from __future__ import annotations
@@ -44,13 +48,16 @@ class CompileResult:
 
 
 class Compiler:
-    """Compiles modules for the configured device; thread-safe (each call is independent)."""
+    """Compiles modules for the configured device; thread-safe (each call is independent).
+    ``cache_dir``: where compiled executables are kept (none: not kept); ``max_bytes``:
+    the most bytes of them kept there (none: no limit)."""
 
-    def __init__(self, cache_dir: Path | None = None):
+    def __init__(self, cache_dir: Path | None = None, max_bytes: int | None = None):
         self._device = device()
         self._client = self._device.client
         self._devices = xla_client.DeviceList((self._device,))
         self._cache = Path(cache_dir) / "executables" if cache_dir else None
+        self._max_bytes = max_bytes
         self._salt = hashlib.sha256(
             b"\0".join(
                 [
@@ -78,6 +85,9 @@ class Compiler:
             try:
                 blob = _checked(path)
                 exe = self._client.deserialize_executable(blob, self._devices, options)
+                if self._max_bytes is not None:
+                    with contextlib.suppress(OSError):  # (removed since by another worker)
+                        os.utime(path)  # recently used: evicted last
                 return CompileResult(exe, time.perf_counter() - start, True)
             except FileNotFoundError:  # a miss
                 pass
@@ -86,7 +96,11 @@ class Compiler:
         exe = self._client.compile_and_load(source, self._devices, options)
         if path is not None:
             blob = self._client.serialize_executable(exe)
-            self._store(path, _MAGIC + hashlib.sha256(blob).digest() + blob)
+            entry = _MAGIC + hashlib.sha256(blob).digest() + blob
+            if self._max_bytes is None or len(entry) <= self._max_bytes:
+                self._store(path, entry)
+                if self._max_bytes is not None:
+                    _evict(self._cache, self._max_bytes, keep=path)
         return CompileResult(exe, time.perf_counter() - start, False)
 
     def _entry(self, source: bytes | str) -> Path | None:
@@ -137,6 +151,29 @@ def _cpu_features() -> bytes:
     except OSError:
         pass
     return platform.processor().encode()
+
+
+def _evict(cache: Path, max_bytes: int, keep: Path) -> None:
+    """Remove the least recently modified entries of ``cache`` but ``keep`` until their
+    total size is at most ``max_bytes``."""
+    entries = []
+    try:
+        for path in cache.glob("*.bin"):
+            with contextlib.suppress(OSError):  # (removed meanwhile)
+                st = path.stat()
+                entries.append((st.st_mtime, st.st_size, path))
+    except OSError:
+        return
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        if path == keep:
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            log.info("compilation cache: removed %s (least recently used)", path.name)
+        total -= size
 
 
 def _sweep(cache: Path) -> None:

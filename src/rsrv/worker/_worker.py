@@ -252,7 +252,7 @@ class Worker:
 
         cfg = self.config
         ep = cfg.endpoints
-        self.loader.compiler = Compiler(Path(cfg.cache_dir))
+        self.loader.compiler = Compiler(Path(cfg.cache_dir), cfg.cache_max_bytes)
         server = self.server
         try:
             async with trio.open_nursery() as nursery:

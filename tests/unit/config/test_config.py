@@ -400,6 +400,7 @@ def test_env_overrides_apply(tmp_path):
         "INFERENCE_SERVER_LOGGING_LEVEL": "WARNING",
         "INFERENCE_SERVER_MODEL_POLL_SECONDS": "2.5",
         "INFERENCE_SERVER_RUNTIME_WEIGHT_STAGING": "pinned",
+        "INFERENCE_SERVER_CACHE_MAX_BYTES": "5000000000",
         "UNRELATED": "ignored",
     }
     worker = worker_of(tmp_path, "global:\n  runtime: {backend: cuda}", env=env)
@@ -413,8 +414,9 @@ def test_env_overrides_apply(tmp_path):
     assert worker.logging.level == "warning"
     assert worker.model_poll_seconds == 2.5
     assert worker.runtime.weight_staging == "pinned"
+    assert worker.cache_max_bytes == 5_000_000_000
     assert "INFERENCE_SERVER_ENDPOINTS_PORT=9100" in worker.overrides
-    assert len(worker.overrides) == 9
+    assert len(worker.overrides) == 10
 
 
 @pytest.mark.parametrize("text", ["none", "None", ""])

@@ -39,6 +39,46 @@ def test_an_entry_is_loaded_until_it_is_damaged_then_compiled_again(tmp_path, ca
     assert Compiler(tmp_path).compile(MODULE).cached
 
 
+def test_a_bounded_cache_removes_the_least_recently_used_entries(tmp_path):
+    """(Nothing was ever removed: the cache grew with every module a worker loaded.)"""
+    modules = [
+        (ROOT / "bundles" / "classifier" / f"model.b{n}.mlir").read_bytes() for n in (1, 4, 8)
+    ]
+    unbounded = Compiler(tmp_path / "sizes")
+    names, sizes = [], []  # each module's entry (its name is its key: the same below)
+    for module in modules:
+        unbounded.compile(module)
+        (new,) = set(entries(tmp_path / "sizes")) - {
+            tmp_path / "sizes" / "executables" / n for n in names
+        }
+        names.append(new.name)
+        sizes.append(new.stat().st_size)
+    a, b, c = modules
+
+    def kept() -> set[str]:
+        return {names.index(e.name) for e in entries(tmp_path)}
+
+    # room for two of the three (sizes vary by some bytes between compilations)
+    compiler = Compiler(tmp_path, max_bytes=sum(sizes) - min(sizes) // 2)
+    for module in (a, b):
+        assert not compiler.compile(module).cached
+        time.sleep(0.05)  # (mtimes a coarse file system clock still orders)
+    assert compiler.compile(a).cached  # a hit renews a: b is now the least recently used
+    time.sleep(0.05)
+    assert not compiler.compile(c).cached
+    assert kept() == {0, 2}
+    for module in (a, c):
+        assert compiler.compile(module).cached
+        time.sleep(0.05)
+    assert not compiler.compile(b).cached  # (and now a, the oldest, goes)
+    assert kept() == {1, 2}
+
+    # an entry larger than the whole bound is not written, and removes nothing
+    tiny = Compiler(tmp_path, max_bytes=min(sizes) // 2)
+    assert not tiny.compile(a).cached
+    assert kept() == {1, 2}
+
+
 def test_the_key_covers_the_xla_flags(tmp_path, monkeypatch):
     """Machine code built under other XLA flags (another ISA) is not handed over."""
     Compiler(tmp_path).compile(MODULE)
