@@ -246,10 +246,11 @@ def request_path(scope) -> str:
 
 
 class PlainApp:
-    """Answers GET and HEAD with ``route(path)``, computed when asked; other methods
-    get 405. ``route`` returns a :class:`Response` (``NOT_FOUND`` for unknown paths)."""
+    """Answers GET and HEAD with ``await route(path)``, computed when asked; other
+    methods get 405. ``route`` returns a :class:`Response` (``NOT_FOUND`` for unknown
+    paths)."""
 
-    def __init__(self, route: Callable[[str], Response]):
+    def __init__(self, route: Callable[[str], Awaitable[Response]]):
         self.route = route
 
     async def __call__(self, scope, receive, send) -> None:
@@ -259,7 +260,7 @@ class PlainApp:
             return
         headers = []
         if scope["method"] in ("GET", "HEAD"):
-            response = self.route(request_path(scope))
+            response = await self.route(request_path(scope))
         else:
             response = _NOT_ALLOWED
             headers.append((b"allow", b"GET, HEAD"))  # (RFC 9110: a 405 says which)
@@ -275,20 +276,21 @@ class PlainApp:
 def admin_app(
     *,
     ready: Callable[[], bool],
-    metrics: Callable[[], Response],
+    metrics: Callable[[], Awaitable[bytes]],
     health: Callable[[], Response] = lambda: _OK,
 ) -> PlainApp:
     """The admin endpoints of an rsrv process, each answer computed when asked:
     ``/healthz`` (``health()``; 200 "ok" by default), ``/readyz`` (200 while ``ready()``,
-    else 503) and ``/metrics`` (``metrics()``); any other path 404."""
+    else 503) and ``/metrics`` (``await metrics()``: Prometheus's text format); any
+    other path 404."""
 
-    def route(path: str) -> Response:
+    async def route(path: str) -> Response:
         if path == "/healthz":
             return health()
         if path == "/readyz":
             return _READY if ready() else _NOT_READY
         if path == "/metrics":
-            return metrics()
+            return Response(200, await metrics(), PROMETHEUS)
         return NOT_FOUND
 
     return PlainApp(route)

@@ -14,7 +14,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rsrv.asgi import PROMETHEUS, Response, admin_app, json_response, serve_http
+from rsrv.asgi import admin_app, json_response, serve_http
 
 if TYPE_CHECKING:
     from rsrv.gateway._gateway import Gateway
@@ -96,9 +96,13 @@ async def serve_gateway_admin(
     """Serve until cancelled; ``task_status.started()`` once listening."""
     registry = CollectorRegistry()
     registry.register(_GatewayCollector(gateway))
+
+    async def metrics() -> bytes:  # (per worker: small, so rendered on the loop)
+        return generate_latest(registry)
+
     app = admin_app(
         ready=lambda: gateway.ready,
-        metrics=lambda: Response(200, generate_latest(registry), PROMETHEUS),
+        metrics=metrics,
         health=lambda: json_response(_health(gateway)),
     )
     await serve_http(app, host, port, "rsrv.gateway.admin", task_status=task_status)

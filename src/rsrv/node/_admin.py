@@ -17,7 +17,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rsrv.asgi import PROMETHEUS, Response, admin_app, json_response, serve_http
+from rsrv.asgi import admin_app, json_response, serve_http
 from rsrv.config import NodePlan
 
 if TYPE_CHECKING:
@@ -93,9 +93,13 @@ async def serve_node_admin(
     """Serve until cancelled; ``task_status.started()`` once listening."""
     registry = CollectorRegistry()
     registry.register(_NodeCollector(supervisor))
+
+    async def metrics() -> bytes:  # (per worker: small, so rendered on the loop)
+        return generate_latest(registry)
+
     app = admin_app(
         ready=lambda: supervisor.ready,
-        metrics=lambda: Response(200, generate_latest(registry), PROMETHEUS),
+        metrics=metrics,
         health=lambda: json_response(health(supervisor)),
     )
     await serve_http(app, host, port, "rsrv.node.admin", task_status=task_status)

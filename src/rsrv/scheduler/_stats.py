@@ -75,6 +75,7 @@ class StatsRecorder:
         "batch_sizes",
         "failures",
         "waits",
+        "_percentiles",
     )
 
     def __init__(self) -> None:
@@ -85,22 +86,28 @@ class StatsRecorder:
         self.batch_sizes: Counter[int] = Counter()
         self.failures: Counter[str] = Counter()
         self.waits: deque[float] = deque(maxlen=WAIT_SAMPLES)
+        self._percentiles: dict[str, float] | None = {}  # None: to compute again
 
     def dispatched(self, size: int, waits: list[float]) -> None:
         self.dispatches += 1
         self.batch_sizes[size] += 1
         self.waits.extend(waits)
+        self._percentiles = None
 
     def failed(self, code: str) -> None:
         self.failures[code] += 1
 
     def percentiles(self) -> dict[str, float]:
-        if not self.waits:
-            return {}
-        p50, p90, p99 = np.percentile(np.fromiter(self.waits, float), [50, 90, 99])
-        return {
-            "p50": float(p50),
-            "p90": float(p90),
-            "p99": float(p99),
-            "max": float(max(self.waits)),
-        }
+        """The waits' percentiles (a new dict), computed once per change of the waits
+        (a scrape of many idle models reads them again and again)."""
+        if self._percentiles is None and not self.waits:
+            self._percentiles = {}
+        elif self._percentiles is None:
+            p50, p90, p99 = np.percentile(np.fromiter(self.waits, float), [50, 90, 99])
+            self._percentiles = {
+                "p50": float(p50),
+                "p90": float(p90),
+                "p99": float(p99),
+                "max": float(max(self.waits)),
+            }
+        return dict(self._percentiles)

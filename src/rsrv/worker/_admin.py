@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from rsrv.asgi import PROMETHEUS, Response, admin_app, serve_http
+from rsrv.asgi import admin_app, serve_http
 from rsrv.worker._metrics import exposition
 
 if TYPE_CHECKING:
@@ -20,6 +20,6 @@ async def serve_admin(
     computed from the worker's live state."""
     app = admin_app(
         ready=lambda: worker.ready and not worker.admission.closed,  # (draining: not)
-        metrics=lambda: Response(200, exposition(worker), PROMETHEUS),
+        metrics=lambda: exposition(worker),
     )
     await serve_http(app, host, port, "rsrv.admin", task_status=task_status)

@@ -18,7 +18,13 @@ import trio
 from rsrv.asgi import PlainApp, Response, serve_http
 
 SIZE = 6 << 20
-APP = PlainApp(lambda path: Response(200, bytes(SIZE)))
+
+
+async def _route(path: str) -> Response:
+    return Response(200, bytes(SIZE))
+
+
+APP = PlainApp(_route)
 
 
 def read_slowly(port: int, pause: float) -> int:

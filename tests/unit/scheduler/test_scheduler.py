@@ -32,6 +32,7 @@ from rsrv.errors import (
 from rsrv.scheduler import ModelSpec, Scheduler
 from rsrv.scheduler._costs import CostTable, DecayedSum
 from rsrv.scheduler._heap import KeyedHeap
+from rsrv.scheduler._stats import StatsRecorder
 
 # -- coalescing -----------------------------------------------------------------------
 
@@ -551,6 +552,19 @@ async def test_prefetch_names_the_model_expected_next(autojump_clock):
 
 
 # -- costs, usage, stats ---------------------------------------------------------------
+
+
+def test_wait_percentiles_follow_each_dispatch():
+    """(They are computed once per change: a scrape reads every model's.)"""
+    recorder = StatsRecorder()
+    assert recorder.percentiles() == {}
+    recorder.dispatched(1, [1.0])
+    assert recorder.percentiles() == {"p50": 1.0, "p90": 1.0, "p99": 1.0, "max": 1.0}
+    recorder.percentiles()["p50"] = 7.0  # a copy: the caller's to change
+    recorder.dispatched(4, [3.0, 3.0, 3.0])
+    assert recorder.percentiles() == {"p50": 3.0, "p90": 3.0, "p99": 3.0, "max": 3.0}
+    recorder.dispatched(1, [])
+    assert recorder.percentiles()["p50"] == 3.0
 
 
 async def test_costs_and_stats(autojump_clock):
