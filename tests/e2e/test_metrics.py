@@ -101,6 +101,35 @@ def test_a_scrape_renders_its_text_off_the_event_loop(repo, cache_dir, monkeypat
     assert threads and "rsrv-test-worker" not in threads
 
 
+def test_a_call_its_client_timed_out_counts_as_deadline_exceeded(tmp_path, cache_dir):
+    """The client's timer starts before its request is sent, so its reset at the
+    deadline reached the worker before the worker's own deadline: 7 of 8 such calls
+    were counted CANCELLED."""
+    repo = tmp_path / "repo"
+    export_linear(repo / "slow", seed=0, work=3000)
+    port, config = with_metrics(repo, cache_dir, SCHEDULER_MAX_QUEUE_DELAY_SECONDS=0.005)
+    statuses, done = [], threading.Semaphore(0)
+
+    def answered(result, error):
+        statuses.append("OK" if error is None else error.status())
+        done.release()
+
+    with running(config) as worker, connect(worker) as client:
+        infer_y(client, "slow", X[:1])
+        for i in range(60):  # a queue, so that the timed-out calls wait past their deadline
+            timeout = {"client_timeout": 0.05} if i % 2 == 0 else {}
+            client.async_infer("slow", [x_input(X[:1])], answered, **timeout)
+        for _ in range(60):
+            assert done.acquire(timeout=60)
+        timed_out = statuses.count("StatusCode.DEADLINE_EXCEEDED")
+        assert timed_out > 0 and set(statuses) <= {"OK", "StatusCode.DEADLINE_EXCEEDED"}
+        scrape = Scrape(port)
+        assert not scrape.samples("rsrv_requests", "_total", model="slow", status="CANCELLED")
+        # (a call answered just before its client gave up is the worker's OK)
+        assert 0 < scrape.total("rsrv_requests", model="slow", status="DEADLINE_EXCEEDED")
+        assert scrape.total("rsrv_requests", model="slow", status="DEADLINE_EXCEEDED") <= timed_out
+
+
 def test_metrics_count_what_was_sent(repo, cache_dir):
     """Sequential requests (one dispatch each) with known rows and statuses, and a
     weight budget that holds one model, so switching models loads and evicts."""

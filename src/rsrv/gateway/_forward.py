@@ -23,7 +23,7 @@ from rsrv.errors import DeadlineExceeded, RsrvError, Unavailable
 from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
 from rsrv.gateway._peek import InferHead
-from rsrv.protocol import pushback_of
+from rsrv.protocol import deadline_cut_off, pushback_of
 from rsrv.transport import DEADLINE_MESSAGE, UnaryResult
 
 __all__ = [
@@ -297,7 +297,7 @@ class Forwarder:
             except DeadlineExceeded:
                 raise  # (not sent: no time was left)
             except BaseException:  # cut off by the client: counted as the client sees it
-                expired = trio.current_time() >= deadline
+                expired = deadline_cut_off(deadline)
                 _count(
                     worker.routed, StatusCode.DEADLINE_EXCEEDED if expired else StatusCode.CANCELLED
                 )

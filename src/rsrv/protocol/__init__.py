@@ -25,6 +25,7 @@ from rsrv.protocol._calls import (
     Admission,
     Restriction,
     call_deadline,
+    deadline_cut_off,
     guard,
 )
 from rsrv.protocol._control import FROM_RESIDENCY, RESIDENCY, ControlService
@@ -82,6 +83,7 @@ __all__ = [
     "SharedMemoryRegistry",
     "ShmTarget",
     "call_deadline",
+    "deadline_cut_off",
     "decode_request",
     "encode_response",
     "grpc_status",

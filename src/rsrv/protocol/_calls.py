@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+import trio
+
 from rsrv.errors import ResourceExhausted, Unavailable
 from rsrv.transport import Method
 
@@ -33,6 +35,7 @@ __all__ = [
     "Admission",
     "Restriction",
     "call_deadline",
+    "deadline_cut_off",
     "guard",
     "protocol_of",
 ]
@@ -41,6 +44,20 @@ __all__ = [
 call_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
     "call_deadline", default=math.inf
 )
+
+#: How long before its deadline a call's reset still counts as the deadline's: a
+#: client's timer starts before its request is sent, and ours when it arrives, so the
+#: client gives up (and resets the call) that much before our deadline passes.
+DEADLINE_SLACK_SECONDS = 0.05
+
+
+def deadline_cut_off(deadline: float) -> bool:
+    """Whether a call with ``deadline`` (trio's clock) that ended cancelled was cut off
+    by its deadline (DEADLINE_EXCEEDED), rather than abandoned by its client
+    (CANCELLED): the deadline has passed, or the reset came within
+    :data:`DEADLINE_SLACK_SECONDS` of it."""
+    return trio.current_time() >= deadline - DEADLINE_SLACK_SECONDS
+
 
 #: Protocol groups: Triton's names for its RPCs, and ``control`` for rsrv's control service.
 PROTOCOLS: Mapping[str, tuple[str, ...]] = {

@@ -22,7 +22,7 @@ import trio
 from rsrv import threads
 from rsrv.bundle import Tensor
 from rsrv.protocol._backend import InferenceBackend, ServedModelView
-from rsrv.protocol._calls import call_deadline
+from rsrv.protocol._calls import call_deadline, deadline_cut_off
 from rsrv.protocol._status import grpc_status
 from rsrv.protocol._tensors import BYTES_ELEMENT_SECONDS, COPY_BYTE_SECONDS
 
@@ -83,8 +83,8 @@ async def infer_counted(
     expected to take longer than :data:`OFFLOAD_SECONDS`. Every
     outcome is recorded once on ``backend`` with the seconds since ``start``
     (``time.perf_counter``): OK with the request's rows, or a failure under its status
-    name (a cancelled call: DEADLINE_EXCEEDED when the call's own deadline has passed,
-    else CANCELLED). Exceptions propagate unchanged."""
+    name (a cancelled call: DEADLINE_EXCEEDED when its own deadline cut it off, as
+    :func:`deadline_cut_off` tells, else CANCELLED). Exceptions propagate unchanged."""
     try:
         with backend.hold(served) as held:  # (no checkpoint since the version was chosen)
             prepared, deadline = await off_loop(prepare_seconds, prepare, trio.current_time())
@@ -95,8 +95,7 @@ async def infer_counted(
         backend.record(served, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
         raise
     except BaseException:  # cancelled: the deadline expired, or the call was abandoned
-        expired = trio.current_time() >= call_deadline.get()
-        status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+        status = "DEADLINE_EXCEEDED" if deadline_cut_off(call_deadline.get()) else "CANCELLED"
         backend.record(served, False, time.perf_counter() - start, status, 0)
         raise
     rows = _rows(served.bundle.signature.client_inputs, inputs)
