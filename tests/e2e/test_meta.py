@@ -129,7 +129,7 @@ def scrape(worker) -> str:
     so it runs in a trio context of the test thread's own."""
 
     async def collect():
-        return exposition(worker).decode()
+        return (await exposition(worker)).decode()
 
     return trio.run(collect)
 

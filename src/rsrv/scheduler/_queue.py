@@ -54,6 +54,7 @@ class Request:
     expiry: float  # must be dispatched before this: min(deadline, enqueued + dispatch timeout)
     order: tuple  # service order within the queue; smaller first
     state: State = State.QUEUED
+    abandoned: bool = False  # its caller was cancelled while it executed
     done: trio.Event = field(default_factory=trio.Event)
     result: Result | None = None
     error: RsrvError | None = None

@@ -321,16 +321,18 @@ class Scheduler:
         try:
             with trio.move_on_at(self._trio_time(req.expiry)):
                 await req.done.wait()
+            if req.state is State.QUEUED:  # its expiry came first
+                self._fail_queued(req, self._expired(req, self._clock()))
+            elif not req.done.is_set():  # executing: the answer is on its way
+                await req.done.wait()
         except BaseException:
             if req.state is State.QUEUED:  # cancelled before dispatch: withdraw
                 self._unqueue(req, State.DONE)
                 self._settle(req, code="CANCELLED")
                 self._refresh(req.model)
+            elif req.state is State.RUNNING:  # its batch runs on, for no one
+                req.abandoned = True
             raise
-        if req.state is State.QUEUED:  # its expiry came first
-            self._fail_queued(req, self._expired(req, self._clock()))
-        elif not req.done.is_set():  # executing: the answer is on its way
-            await req.done.wait()
         return req.outcome()
 
     def _admit(
@@ -672,7 +674,9 @@ class Scheduler:
         if not req.answer(result, error):
             return
         stats = req.model.stats
-        if result is not None:
+        if req.abandoned:  # its caller was cancelled while its batch executed
+            stats.failed("CANCELLED")
+        elif result is not None:
             stats.requests += 1
             stats.rows += req.rows if req.version.spec.batched else 1
         else:

@@ -16,7 +16,8 @@ WAIT_SAMPLES = 1024
 class SchedulingCounters:
     """One model's counters, cheap to take (no percentiles, no copies): what a status of
     every model reads (ModelControlStatus). Counts are cumulative since the model was
-    added: ``requests`` / ``rows`` were answered with outputs, ``dispatches`` executions
+    added: ``requests`` / ``rows`` were answered with outputs (to a caller still
+    waiting: one cancelled while its batch ran is not counted), ``dispatches`` executions
     were started, ``compute_seconds`` is their summed execute() wall time;
     ``queue_depth`` requests wait now; ``max_batch_size`` is the current version's
     effective max batch size."""
@@ -35,11 +36,12 @@ class SchedulingStats(SchedulingCounters):
     """A snapshot of one model's scheduling statistics (all versions together): its
     counters, and ``batch_sizes`` (executions per compiled size), ``failures``
     (requests answered with an error, by status code; ``CANCELLED`` for withdrawn
-    ones), ``wait_samples`` (the queue waits of the last dispatched requests, oldest
-    first) summarised in ``wait_percentiles`` (keys ``p50``, ``p90``, ``p99``, ``max``;
-    empty before any dispatch), ``usage_ema`` (the decayed sum of compute seconds,
-    half-life ``ema_halflife_seconds``, now) and ``costs`` (the learned seconds per
-    compiled size of the current version)."""
+    ones, and ones whose caller was cancelled while their batch ran), ``wait_samples``
+    (the queue waits of the last dispatched requests, oldest first) summarised in
+    ``wait_percentiles`` (keys ``p50``, ``p90``, ``p99``, ``max``; empty before any
+    dispatch), ``usage_ema`` (the decayed sum of compute seconds, half-life
+    ``ema_halflife_seconds``, now) and ``costs`` (the learned seconds per compiled size
+    of the current version)."""
 
     name: str
     queued_rows: int

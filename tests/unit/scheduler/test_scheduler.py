@@ -323,6 +323,9 @@ async def test_cancelled_while_executing_the_batch_finishes_for_the_others(autoj
         await sched.drain()
     assert len(ex.calls) == 1 and ex.calls[0].size == 4
     np.testing.assert_array_equal(other.result.outputs[0], rows(1, 1) * 10)
+    # its rows ran, but were answered to no one (they were counted as served)
+    stats = sched.stats("m")
+    assert (stats.requests, stats.rows, stats.failures) == (1, 1, {"CANCELLED": 1})
 
 
 # -- lifecycle -------------------------------------------------------------------------
