@@ -198,6 +198,9 @@ class Discovery:
         if result.status == StatusCode.OK and result.response is not None:
             self._failing.discard(key)
             return result.status, result.response
+        if result.status == StatusCode.RESOURCE_EXHAUSTED:  # at its in-flight cap: busy
+            log.debug("worker %s is busy: %s", worker.name, result.message)
+            return result.status, None
         # A worker that answered before and is now unreachable is going away (the
         # "not ready" warning says so); one that never answered is warned about; so is
         # one refusing the gateway's own call for its restricted protocol's header.
@@ -232,12 +235,16 @@ class Discovery:
         was_ready, marks = worker.ready, worker.unreachable_marks
         ready, index, control = False, worker.index, worker.control
         with trio.move_on_after(self.settings.probe_timeout_seconds * 3):
-            _, answer = await self._call(worker, SERVER_READY)
+            status, answer = await self._call(worker, SERVER_READY)
+            if status == StatusCode.RESOURCE_EXHAUSTED:  # at its in-flight cap: busy,
+                worker.ever_answered, ready = True, was_ready  # not wedged: as it was
             if answer is not None:
                 worker.ever_answered = True
                 ready = pb.ServerReadyResponse.FromString(answer).ready
-                _, answer = await self._call(worker, REPOSITORY_INDEX)
-                if answer is not None:
+                status, answer = await self._call(worker, REPOSITORY_INDEX)
+                if status == StatusCode.RESOURCE_EXHAUSTED:
+                    ready = was_ready  # busy: its last index stands
+                elif answer is not None:
                     index = tuple(
                         IndexRow(m.name, m.version, m.state, m.reason)
                         for m in pb.RepositoryIndexResponse.FromString(answer).models

@@ -134,12 +134,12 @@ async def test_a_failed_control_call_keeps_what_is_known_of_a_ready_worker(caplo
     channel = ScriptedChannel(worker_answers(["meta"], subs=["part"]))
     fleet, worker, discovery = fleet_of(channel)
     await discovery.round()
-    channel.answers[CONTROL_STATUS] = StatusCode.RESOURCE_EXHAUSTED
+    channel.answers[CONTROL_STATUS] = StatusCode.INTERNAL
     channel.opened += 1  # (so that it is asked again)
     with caplog.at_level(logging.WARNING, "rsrv.gateway"):
         await discovery.round()
     assert "part" in fleet.routes  # the last answer stands
-    assert "RESOURCE_EXHAUSTED to ModelControlStatus" in caplog.text
+    assert "INTERNAL to ModelControlStatus" in caplog.text
     # Down, then back with its control status failing: nothing of the old run is kept.
     channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=False)
     await discovery.round()
@@ -158,6 +158,31 @@ async def test_a_failed_control_call_keeps_what_is_known_of_a_ready_worker(caplo
     channel.calls.clear()
     await discovery.round()
     assert channel.calls == ["ServerReady", "RepositoryIndex"]  # answered: not asked again
+
+
+async def test_a_worker_busy_at_its_inflight_cap_is_answering_not_down(caplog):
+    """(A worker whose in-flight cap the gateway's own calls filled refused the probes
+    RESOURCE_EXHAUSTED, and was taken out of the routes at peak load, the gateway not
+    ready when all were.)"""
+    channel = ScriptedChannel(worker_answers(["lin"]))
+    fleet, worker, discovery = fleet_of(channel)
+    await discovery.round()
+    for busy in (REPOSITORY_INDEX, SERVER_READY, CONTROL_STATUS):
+        channel.answers[busy] = StatusCode.RESOURCE_EXHAUSTED
+        with caplog.at_level(logging.WARNING, "rsrv.gateway"):
+            await discovery.round()
+        assert worker.ready and fleet.routes["lin"] == ("w0",) and worker.probe_failures == 0
+    assert caplog.text == ""
+    # busy as it comes back: not ready until it answers
+    channel.answers = worker_answers(["lin"])
+    channel.answers[SERVER_READY] = pb.ServerReadyResponse(ready=False)
+    await discovery.round()
+    channel.answers[SERVER_READY] = StatusCode.RESOURCE_EXHAUSTED
+    await discovery.round()
+    assert not worker.ready and "lin" not in fleet.routes
+    channel.answers = worker_answers(["lin"])
+    await discovery.round()
+    assert worker.ready and fleet.routes["lin"] == ("w0",)
 
 
 async def test_a_restart_whose_first_control_call_fails_is_seen_at_the_next_answer():
