@@ -64,14 +64,15 @@ class IndexRow:
     reason: str
 
 
-def is_local_host(host: str) -> bool:
+def is_local_host(host: str) -> bool | None:
     """Whether ``host`` names this machine, so that a system shared-memory region here
     is visible there: every address it resolves to is loopback, unspecified (``0.0.0.0``
-    and ``::`` reach this machine), or one of this machine's own."""
+    and ``::`` reach this machine), or one of this machine's own. None when the name
+    does not resolve now (it may later: a Kubernetes Service not yet published)."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
     except OSError:
-        return False
+        return None
     return bool(infos) and all(_is_own(family, sockaddr) for family, _, _, _, sockaddr in infos)
 
 
@@ -111,7 +112,7 @@ class WorkerLink:
     host: str
     port: int
     channel: WorkerChannel
-    local: bool
+    local: bool | None  # on this machine (is_local_host); None: its name did not resolve
     from_dns: bool = False
     ready: bool = False
     index: tuple[IndexRow, ...] = ()

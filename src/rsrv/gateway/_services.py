@@ -34,7 +34,7 @@ from purerpc.grpclib.status import StatusCode
 
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from rsrv.gateway._catchup import CatchUp
-from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink
+from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink, is_local_host
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed, first_failure, merge_each
 from rsrv.gateway._merge import (
     common_regions,
@@ -46,6 +46,7 @@ from rsrv.gateway._peek import WireError, peek_infer, peek_name
 from rsrv.protocol import Admission, grpc_status, stream_error, stream_response
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
+from rsrv.threads import run_sync
 from rsrv.transport import Method, ServerCall
 
 __all__ = ["GatewayServices"]
@@ -306,12 +307,19 @@ class GatewayServices:
 
     # -- shared memory -------------------------------------------------------------------------
 
-    def _require_local(self) -> None:
+    async def _require_local(self) -> None:
+        for w in self.fleet.workers:
+            if w.local is None:  # its name did not resolve: it may now
+                w.local = await run_sync(is_local_host, w.host)
         remote = [w for w in self.fleet.workers if not w.local]
         if remote:
             raise FailedPrecondition(
                 "system shared memory needs every worker on the gateway's host; "
-                + ", ".join(f"{w.name} is at {w.address}" for w in remote)
+                + ", ".join(
+                    f"{w.name} is at {w.address}"
+                    + (" (its name does not resolve)" if w.local is None else "")
+                    for w in remote
+                )
             )
 
     async def shm_status(self, body: bytes, call: ServerCall) -> bytes:
@@ -331,7 +339,7 @@ class GatewayServices:
         return merged.SerializeToString()
 
     async def shm_register(self, body: bytes, call: ServerCall) -> bytes:
-        self._require_local()
+        await self._require_local()
         request = _parse(pb.SystemSharedMemoryRegisterRequest, body)
         targets = list(self.fleet.ready)
         try:
@@ -387,7 +395,7 @@ class GatewayServices:
             self.catchup.stray(name, left)
 
     async def shm_unregister(self, body: bytes, call: ServerCall) -> bytes:
-        self._require_local()
+        await self._require_local()
         request = _parse(pb.SystemSharedMemoryUnregisterRequest, body)
         targets = list(self.fleet.ready)
         try:

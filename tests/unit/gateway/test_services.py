@@ -11,7 +11,7 @@ import trio
 from purerpc.grpclib.status import StatusCode
 from support.gateway import Answering, FakeDiscovery, client_call, fleet_of, ok
 
-from rsrv.errors import NotFound, Unavailable
+from rsrv.errors import FailedPrecondition, NotFound, Unavailable
 from rsrv.gateway._fleet import Fleet, IndexRow
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed
 from rsrv.gateway._services import GatewayServices
@@ -272,3 +272,30 @@ async def test_a_failed_register_is_undone_only_where_it_may_have_taken_effect()
             request.SerializeToString(), client_call("SystemSharedMemoryRegister")
         )
     assert undone == [["late", "ok"]]
+
+
+async def test_a_worker_whose_name_did_not_resolve_at_start_is_asked_again(monkeypatch):
+    """(A worker named in DNS only after the gateway started was judged on another
+    host for the gateway's whole life: shared memory was refused for ever.)"""
+    from rsrv.gateway import _services
+
+    fleet = fleet_of("w0", "late", ready=True)
+    late = fleet.workers[1]
+    late.host, late.address, late.local = "late.test", "late.test:1", None
+    resolved = {}
+    monkeypatch.setattr(_services, "is_local_host", lambda host: resolved.get(host))
+    services = GatewayServices(
+        fleet, Fixed(fleet, {"w0": ok(b""), "late": ok(b"")}), Admission(0), 4
+    )
+    request = pb.SystemSharedMemoryRegisterRequest(name="r", key="/k", byte_size=64)
+    with pytest.raises(
+        FailedPrecondition, match=r"late is at late.test:1 \(its name does not resolve\)"
+    ):
+        await services.shm_register(
+            request.SerializeToString(), client_call("SystemSharedMemoryRegister")
+        )
+    resolved["late.test"] = True
+    await services.shm_register(
+        request.SerializeToString(), client_call("SystemSharedMemoryRegister")
+    )
+    assert late.local is True and services.catchup.regions == {"r": request.SerializeToString()}
