@@ -75,12 +75,13 @@ async def infer_counted(
     prepare: Callable[[float], tuple[Prepared, float | None]],
     finish: Callable[[Mapping[str, np.ndarray]], T],
     prepare_seconds: float = 0.0,
+    finish_seconds: Callable[[Mapping[str, np.ndarray]], float] = encode_seconds,
 ) -> T:
     """``prepare(now)`` validates (returns the request ready to decode and its absolute
     deadline, None for none; ``now`` is trio's clock), its inputs are materialized, the
     backend runs them, ``finish(outputs)`` encodes. Preparing (expected to take
-    ``prepare_seconds``), materializing and encoding run in a worker thread when
-    expected to take longer than :data:`OFFLOAD_SECONDS`. Every
+    ``prepare_seconds``), materializing and encoding (``finish_seconds(outputs)``) run
+    in a worker thread when expected to take longer than :data:`OFFLOAD_SECONDS`. Every
     outcome is recorded once on ``backend`` with the seconds since ``start``
     (``time.perf_counter``): OK with the request's rows, or a failure under its status
     name (a cancelled call: DEADLINE_EXCEEDED when its own deadline cut it off, as
@@ -90,7 +91,7 @@ async def infer_counted(
             prepared, deadline = await off_loop(prepare_seconds, prepare, trio.current_time())
             inputs = await off_loop(prepared.seconds, prepared.materialize)
             outputs = await backend.infer(served, inputs, deadline, held)
-        response = await off_loop(encode_seconds(outputs), finish, outputs)
+        response = await off_loop(finish_seconds(outputs), finish, outputs)
     except Exception as e:  # counted under the status the client receives
         backend.record(served, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
         raise

@@ -50,6 +50,7 @@ from rsrv.protocol._rest_codec import (
     parse_rest_request,
     rest_deadline,
     rest_decode_seconds,
+    rest_encode_seconds,
     rest_outputs,
     rest_priority,
 )
@@ -260,7 +261,13 @@ class RestService:
             return header_json, b"".join([header_json, *parts]) if parts else None
 
         header_json, body = await infer_counted(
-            backend, served, start, prepare, finish, _json_length(call) * JSON_PARSE_BYTE_SECONDS
+            backend,
+            served,
+            start,
+            prepare,
+            finish,
+            _json_length(call) * JSON_PARSE_BYTE_SECONDS,
+            lambda outputs: rest_encode_seconds(outputs, plan[1]),
         )
         if body is None:
             return Reply(200, header_json)
