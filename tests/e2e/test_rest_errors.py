@@ -773,6 +773,39 @@ def received_after(worker, request: bytes) -> bytes:
 # -- probes, floods and clients that misbehave -----------------------------------------------
 
 
+def test_an_answer_being_compressed_holds_its_slot_so_a_shutdown_waits_for_it(worker, monkeypatch):
+    """(Compressed once out of its in-flight slot, a large gzip answer was lost at a
+    graceful shutdown, which waits only for the calls in flight: the client got 0 bytes.)"""
+    started, release = threading.Event(), threading.Event()
+    real = rest_module._compress
+
+    def compress(body, encoding):
+        started.set()
+        assert release.wait(30)
+        return real(body, encoding)
+
+    monkeypatch.setattr(rest_module, "_compress", compress)
+    monkeypatch.setattr(rest_module, "COMPRESS_ON_LOOP", 0)  # (in a thread: the loop goes on)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}]}
+    answers = queue.Queue()
+    path = "/v2/models/classifier/infer"
+    headers = {"Accept-Encoding": "gzip"}
+    asking = threading.Thread(
+        target=lambda: answers.put(request(worker, "POST", path, body, headers))
+    )
+    asking.start()
+    try:
+        assert started.wait(30)
+        assert worker.admission.inflight == 1
+    finally:
+        release.set()
+        asking.join(30)
+    answer = answers.get(timeout=1)
+    assert answer.status == 200 and answer.headers["content-encoding"] == "gzip"
+    assert json.loads(gzip.decompress(answer.body))["outputs"][0]["shape"] == [1, 10]
+    wait_until(lambda: worker.admission.inflight == 0)
+
+
 def test_the_probes_answer_while_the_worker_drains(worker):
     """/v2/health/live and /ready answer from the stop signal on (a Kubernetes probe
     must not fail as a refusal): live true, ready false; other requests are 503."""

@@ -136,11 +136,7 @@ class RestService:
             reply = json_reply({"error": message}, status)
             if isinstance(e, NoRoute) and e.allowed:
                 reply.headers.append((b"allow", ", ".join(e.allowed).encode()))
-        # Only inference responses are compressed (as Triton does): clients such as
-        # aiohttp ask for gzip on every request but inflate only what tritonclient does.
-        infer = path.endswith("/infer") and 200 <= reply.status < 300
-        accept = headers.get("accept-encoding", "") if infer else ""
-        await _send(send, reply, accept, self._inflating, head=scope["method"] == "HEAD")
+        await _send(send, reply, head=scope["method"] == "HEAD")
 
     async def _handle(self, method: str, path: str, headers: dict[str, str], receive) -> Reply:
         try:
@@ -163,7 +159,9 @@ class RestService:
             return await getattr(self.routes, name)(call)
         with self.admission:
             if name == "infer":
-                return await _cancel_on_disconnect(self.infer(call), receive)
+                reply = await _cancel_on_disconnect(self.infer(call), receive)
+                # (in its slot: a graceful shutdown waits for it)
+                return await _compressed(reply, headers.get("accept-encoding"), self._inflating)
             return await getattr(self.routes, name)(call)
 
     async def _body(self, headers: dict[str, str], receive) -> bytes:
@@ -431,21 +429,28 @@ def _compress(body: bytes, encoding: str) -> bytes:
     return zlib.compress(body)
 
 
-async def _send(
-    send, reply: Reply, accept: str, limiter: trio.CapacityLimiter, *, head: bool = False
-) -> None:
-    """Answer ``reply``, compressed as ``accept`` asks when it names gzip or deflate: in a
+async def _compressed(reply: Reply, accept: str | None, limiter: trio.CapacityLimiter) -> Reply:
+    """``reply``, compressed as ``accept`` asks when it names gzip or deflate: in a
     worker thread (``limiter``) above COMPRESS_ON_LOOP bytes, never holding the loop
-    for long. ``head``: its headers alone (a HEAD request)."""
-    body = reply.body
-    headers = [(b"content-type", reply.content_type.encode()), *reply.headers]
-    encoding = _accepted(accept) if accept and body else None
-    if encoding is not None and len(body) <= COMPRESS_ON_LOOP:
-        body = _compress(body, encoding)
-    elif encoding is not None:
-        body = await trio.to_thread.run_sync(_compress, body, encoding, limiter=limiter)
-    if encoding is not None:
-        headers.append((b"content-encoding", encoding.encode()))
-    headers.append((b"content-length", str(len(body)).encode()))
+    for long. Only inference answers are (as Triton does): clients such as aiohttp ask
+    for gzip on every request but inflate only what tritonclient does."""
+    encoding = _accepted(accept) if accept and reply.body else None
+    if encoding is None:
+        return reply
+    if len(reply.body) <= COMPRESS_ON_LOOP:
+        body = _compress(reply.body, encoding)
+    else:
+        body = await threads.run_sync(_compress, reply.body, encoding, limiter=limiter)
+    headers = [*reply.headers, (b"content-encoding", encoding.encode())]
+    return Reply(reply.status, body, reply.content_type, headers)
+
+
+async def _send(send, reply: Reply, *, head: bool = False) -> None:
+    """Answer ``reply``; ``head``: its headers alone (a HEAD request)."""
+    headers = [
+        (b"content-type", reply.content_type.encode()),
+        *reply.headers,
+        (b"content-length", str(len(reply.body)).encode()),
+    ]
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": b"" if head else body})
+    await send({"type": "http.response.body", "body": b"" if head else reply.body})
