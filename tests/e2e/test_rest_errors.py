@@ -135,9 +135,13 @@ def test_empty_model_name(worker):
     assert (answer.status, answer.error) == (400, "model_name is empty")
 
 
-def test_malformed_version(client):
+def test_malformed_version(worker, client):
     with raises_http(400, "failed to get model version from specified version string 'x1'"):
         client.infer("classifier", [http_input("x", x_rows(1))], model_version="x1")
+    # an empty version segment is no endpoint (it was the default version)
+    answer = request(worker, "GET", "/v2/models/classifier/versions//ready")
+    assert answer.status == 404 and "no KServe V2 endpoint" in answer.error
+    assert request(worker, "POST", "/v2/models/classifier/versions//infer", b"{}").status == 404
 
 
 # -- inputs through tritonclient.http ------------------------------------------------------------
