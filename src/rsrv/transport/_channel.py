@@ -218,7 +218,7 @@ class Channel:
                 except _Unreachable as e:
                     return UnaryResult(StatusCode.UNAVAILABLE, str(e), reached_server=False)
                 block = self._block(path, metadata, deadline)
-                stream = conn.open_stream(block, deadline=deadline)
+                stream = conn.open_stream(block, deadline=deadline, unary=True)
                 if opened is not None:
                     opened.append(stream)
                 try:

@@ -173,15 +173,21 @@ class ClientConnection(Http2Endpoint):
         self.flush()
 
     def open_stream(
-        self, block: bytes, *, end_stream: bool = False, deadline: float = math.inf
+        self,
+        block: bytes,
+        *,
+        end_stream: bool = False,
+        deadline: float = math.inf,
+        unary: bool = False,
     ) -> ClientStream:
         """Open a stream whose request headers are ``block`` (queued, not flushed);
-        ``deadline`` (trio time) is the call's, for the status of a send it cuts short."""
+        ``deadline`` (trio time) is the call's, for the status of a send it cuts short;
+        ``unary``: its call takes one response message (a second ends it INTERNAL)."""
         sid = self._last_stream + 2 if self._last_stream else 1
         self._last_stream = sid
         if sid >= LAST_STREAM_ID - 2:
             self.draining = True  # stream ids run out: the pool opens another connection
-        stream = ClientStream(self, sid, deadline)
+        stream = ClientStream(self, sid, deadline, unary)
         self.streams[sid] = stream
         self.write_headers(sid, block, end_stream=end_stream)
         return stream

@@ -76,6 +76,7 @@ class ClientStream:
         "metadata",
         "trailers",
         "reached_server",
+        "unary",
         "half_closed",
         "_sending",
         "_end_asked",
@@ -87,10 +88,13 @@ class ClientStream:
         "_window",
     )
 
-    def __init__(self, conn: ClientConnection, sid: int, deadline: float = math.inf):
+    def __init__(
+        self, conn: ClientConnection, sid: int, deadline: float = math.inf, unary: bool = False
+    ):
         self.conn = conn
         self.id = sid
         self.deadline = deadline  # the call's (trio time)
+        self.unary = unary  # one response message: a second ends the call
         self.send_window = conn.peer_initial_window
         self.recv_window = conn.stream_window
         self.recv_unacked = 0
@@ -153,13 +157,22 @@ class ClientStream:
             self.conn.acknowledge(None, flow)
             self._abort(StatusCode.INTERNAL, "the server sent DATA before its headers")
             return
-        for message in self._reader.feed(data):
+        # (a unary call's: at most the one too many; a server sending a window of tiny
+        # messages would otherwise take several times its window in objects)
+        room = 2 - len(self._inbox) if self.unary else None
+        for message in self._reader.feed(data, room):
             if isinstance(message, MessageError):
                 self.conn.acknowledge(None, flow)
                 status = message.status
                 self._abort(status.status_code, status.status_message)
                 return
             self._inbox.append(message)
+        if self.unary and len(self._inbox) > 1:
+            self.conn.acknowledge(None, flow)
+            self._abort(
+                StatusCode.INTERNAL, "the server sent more than one message for a unary call"
+            )
+            return
         self.conn.received(self, flow)
         self._wake()
 

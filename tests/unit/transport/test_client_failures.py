@@ -251,3 +251,30 @@ async def test_a_server_announcing_push_is_a_protocol_error():
             result = await channel.unary(UNARY, b"x", timeout=5)
     assert result.status is StatusCode.UNAVAILABLE and not result.reached_server
     assert goaway == [F.PROTOCOL_ERROR]
+
+
+async def test_a_unary_call_answered_with_many_messages_ends_at_the_second():
+    """(Every message was split out and kept until the call ended: a window of 2-byte
+    messages took over 1 GiB of the gateway's memory for one call.) After the second,
+    the stream is reset and the call fails INTERNAL; nothing more is kept."""
+    resets = []
+
+    async def handler(peer):
+        await peer.send(SETTINGS)
+        _, _, sid, _ = await peer.until(F.HEADERS)
+        tiny = struct.pack(">?I", False, 2) + b"ok"
+        await peer.send(
+            peer.headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+            + F.frame(F.DATA, 0, sid, tiny * 3000)
+        )
+        _, _, _, payload = await peer.until(F.RST_STREAM)
+        resets.append(payload)
+
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port) as channel:
+            result = await channel.unary(PATH, b"x", timeout=3)
+            with trio.fail_after(3):
+                while not resets:
+                    await trio.sleep(0.01)
+    assert result.status is StatusCode.INTERNAL
+    assert result.message == "the server sent more than one message for a unary call"
