@@ -129,6 +129,7 @@ class Gateway:
             max_concurrent_streams=config.worker_client.max_concurrent_streams,
             max_send_message_bytes=grpc.max_message_bytes,
             max_receive_message_bytes=grpc.max_message_bytes,
+            message_setting="grpc.max_message_bytes",
         )
         self._channel_settings = (worker_tls, limits)
 

@@ -60,7 +60,10 @@ class ClientLimits:
     ones above ``max_receive_message_bytes`` (decompressed) RESOURCE_EXHAUSTED.
     ``connect_timeout``: a connection (TCP and TLS) must be up within this.
     ``accept_compressed``: ask the server to compress its responses (gzip, deflate);
-    compressed responses are inflated either way.
+    without it, a compressed response fails its call INTERNAL (as the server was not
+    asked to compress; inflating it would hold the event loop). ``message_setting``
+    names the setting behind both message limits in their errors (None: these
+    fields).
     """
 
     max_concurrent_streams: int = 256
@@ -70,6 +73,7 @@ class ClientLimits:
     max_receive_message_bytes: int = 1 << 28
     connect_timeout: float = 10.0
     accept_compressed: bool = False
+    message_setting: str | None = None
 
 
 class _Unreachable(Exception):
@@ -107,6 +111,7 @@ class Channel:
         self.tls = tls
         self.server_hostname = server_hostname
         self.limits = limits
+        self._send_setting = limits.message_setting or "ClientLimits.max_send_message_bytes"
         self.connections: list[ClientConnection] = []
         self.opened = 0  # connections opened so far (a server restart makes a new one)
         self._spare: ClientConnection | None = None  # uncapped calls' when the pool is full
@@ -201,7 +206,7 @@ class Channel:
             return UnaryResult(
                 StatusCode.RESOURCE_EXHAUSTED,
                 f"request of {len(request)} bytes is larger than the channel's maximum "
-                f"{self.limits.max_send_message_bytes} (ClientLimits.max_send_message_bytes)",
+                f"{self.limits.max_send_message_bytes} ({self._send_setting})",
                 reached_server=False,
             )
         stream = None
@@ -357,6 +362,10 @@ class Channel:
                     max_send=limits.max_send_message_bytes,
                     max_receive=limits.max_receive_message_bytes,
                     on_change=self._on_change,
+                    accept_compressed=limits.accept_compressed,
+                    send_setting=self._send_setting,
+                    receive_setting=limits.message_setting
+                    or "ClientLimits.max_receive_message_bytes",
                 )
                 self._nursery.start_soon(conn.run)
                 await conn.ready.wait()

@@ -108,10 +108,16 @@ class ClientConnection(Http2Endpoint):
         max_send: int,
         max_receive: int,
         on_change: Callable[[ClientConnection], None],
+        accept_compressed: bool = False,
+        send_setting: str = "ClientLimits.max_send_message_bytes",
+        receive_setting: str = "ClientLimits.max_receive_message_bytes",
     ):
         super().__init__(stream, stream_window, _parse_headers)
         self.max_send = max_send
         self.max_receive = max_receive
+        self.accept_compressed = accept_compressed
+        self.send_setting = send_setting  # what sets max_send, named when a message exceeds it
+        self.receive_setting = receive_setting
         self.budget = InflateBudget(max(4 * max_receive, 1 << 30))
         self.peer_max_streams = ASSUMED_MAX_STREAMS
         self.draining = False  # GOAWAY received (or sent): no new streams

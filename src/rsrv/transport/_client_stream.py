@@ -126,7 +126,8 @@ class ClientStream:
                 encoding,
                 self.conn.max_receive,
                 self.conn.budget,
-                "ClientLimits.max_receive_message_bytes",
+                self.conn.receive_setting,
+                compressed=self.conn.accept_compressed,
             )
             if not end_stream:
                 if http != b"200":
@@ -260,7 +261,7 @@ class ClientStream:
         if len(payload) > self.conn.max_send:
             raise MessageTooLarge(
                 f"message of {len(payload)} bytes is larger than the channel's maximum "
-                f"{self.conn.max_send} (ClientLimits.max_send_message_bytes)"
+                f"{self.conn.max_send} ({self.conn.send_setting})"
             )
         conn = self.conn
         data = whole = memoryview(frame(payload))

@@ -91,6 +91,7 @@ class MessageReader:
         "_limit",
         "_budget",
         "_setting",
+        "_accepts_compressed",
         "_charged",
         "inflated",
     )
@@ -101,8 +102,11 @@ class MessageReader:
         limit: int,
         budget: InflateBudget | None,
         setting: str = "endpoints.max_message_bytes",
+        *,
+        compressed: bool = True,
     ):
         self._buf = bytearray()
+        self._accepts_compressed = compressed  # (a client that did not ask: refused)
         self._length: int | None = None  # payload length of the message being read
         self._compressed = False
         self._skip = 0  # bytes of an oversized message still to discard
@@ -174,6 +178,12 @@ class MessageReader:
             return MessageError(
                 StatusCode.INTERNAL,
                 "the message has the compressed flag set, but the call declared no grpc-encoding",
+            )
+        if not self._accepts_compressed:
+            return MessageError(
+                StatusCode.INTERNAL,
+                f"the message is compressed ({encoding}), but compressed responses were not "
+                "asked for (ClientLimits.accept_compressed)",
             )
         if encoding not in ACCEPTED_ENCODINGS:
             return MessageError(
