@@ -59,8 +59,9 @@ class ClientLimits:
     a stream's message :class:`MessageTooLarge`, the stream going on), received
     ones above ``max_receive_message_bytes`` (decompressed) RESOURCE_EXHAUSTED.
     ``connect_timeout``: a connection (TCP and TLS) must be up within this.
-    ``accept_compressed``: ask the server to compress its responses (gzip, deflate);
-    without it, a compressed response fails its call INTERNAL (as the server was not
+    ``accept_compressed``: ask the server to compress its responses (gzip, deflate),
+    which are then inflated as they arrive, on the event loop (for small answers on a
+    slow link); without it, a compressed response fails its call INTERNAL (as the server was not
     asked to compress; inflating it would hold the event loop). ``message_setting``
     names the setting behind both message limits in their errors (None: these
     fields).
