@@ -88,12 +88,13 @@ class FakeDiscovery:
     def __init__(self, interval_seconds: float = 2.0, on_refresh=lambda: None):
         self.settings = SimpleNamespace(interval_seconds=interval_seconds)
         self.on_refresh = on_refresh
-        self.wakes = self.changes = self.refreshes = 0
+        self.wakes = self.stales = self.changes = self.refreshes = 0
 
     def wake(self) -> None:
         self.wakes += 1
 
-    stale = wake
+    def stale(self) -> None:
+        self.stales += 1
 
     def changed(self) -> None:
         self.changes += 1

@@ -92,7 +92,7 @@ class Discovery:
                 self._background = None
 
     def wake(self) -> None:
-        """Run the next round now (an operator's repack, a worker found unreachable)."""
+        """Run the next round now (an operator's repack)."""
         self._wake.set()
 
     def changed(self) -> None:
@@ -102,9 +102,11 @@ class Discovery:
         self._wake.set()
 
     def stale(self) -> None:
-        """A worker answered NOT_FOUND for a model the routes gave it: wake the next
-        round, at most once per ``refresh_min_seconds`` (a client asking for an unknown
-        model must not turn each request into a probe of the whole fleet)."""
+        """A call found the routes out of date (a worker answered NOT_FOUND for a model
+        they gave it, or was found unreachable): wake the next round, at most once per
+        ``refresh_min_seconds`` (a client asking for an unknown model, or a worker
+        refusing every call while it answers the probes, must not turn each request
+        into a probe of the whole fleet)."""
         self._woken_round()
 
     def _woken_round(self) -> int:

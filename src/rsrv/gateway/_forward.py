@@ -165,7 +165,7 @@ class Forwarder:
             )
         if result.status == StatusCode.UNAVAILABLE and not result.reached_server:
             self.fleet.mark_unreachable(worker)
-            self.discovery.wake()
+            self.discovery.stale()
         return result
 
     # -- routed by the scheduler ------------------------------------------------------
