@@ -83,7 +83,11 @@ class Gateway:
             "grpc.max_concurrent_requests_per_worker x workers",
         )
         self.services = GatewayServices(
-            self.fleet, self.forwarder, self.admission, grpc.max_requests_per_stream
+            self.fleet,
+            self.forwarder,
+            self.admission,
+            grpc.max_requests_per_stream,
+            grpc.max_message_bytes,
         )
         self.control = GatewayControl(self.scheduler, self.discovery.wake)
         self.stopping = False

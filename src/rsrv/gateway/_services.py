@@ -32,7 +32,13 @@ import trio
 from google.protobuf.message import DecodeError, Message
 from purerpc.grpclib.status import StatusCode
 
-from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rsrv.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from rsrv.gateway._catchup import CatchUp
 from rsrv.gateway._fleet import CallResult, Fleet, WorkerLink, is_local_host
 from rsrv.gateway._forward import CONTROL, INFERENCE, Forwarder, Relayed, first_failure, merge_each
@@ -42,7 +48,7 @@ from rsrv.gateway._merge import (
     merge_index,
     sum_statistics,
 )
-from rsrv.gateway._peek import WireError, peek_infer, peek_name
+from rsrv.gateway._peek import InferHead, WireError, peek_infer, peek_name
 from rsrv.protocol import Admission, grpc_status, stream_error, stream_response
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.rsrv.control.v1 import control_pb2 as control_pb
@@ -81,11 +87,13 @@ class GatewayServices:
         forwarder: Forwarder,
         admission: Admission,
         max_requests_per_stream: int,
+        max_message_bytes: int = 1 << 31,
     ):
         self.fleet = fleet
         self.admission = admission
         self.forward = forwarder
         self.max_requests_per_stream = max_requests_per_stream
+        self.max_message_bytes = max_message_bytes  # grpc.max_message_bytes
         self.catchup = CatchUp(forwarder)
 
     def methods(self) -> list[Method]:
@@ -228,10 +236,7 @@ class GatewayServices:
     # -- inference --------------------------------------------------------------------------
 
     async def model_infer(self, body: bytes, call: ServerCall) -> bytes:
-        try:
-            head = peek_infer(body)
-        except WireError as e:
-            raise InvalidArgument(f"malformed ModelInferRequest: {e}") from None
+        head = _peeked(body)
         return await self.forward.infer(call.path, head, body, call.metadata, call.deadline)
 
     async def model_stream_infer(self, messages, call: ServerCall):
@@ -245,11 +250,16 @@ class GatewayServices:
         async def one(body: bytes) -> None:
             model = request_id = ""
             try:
-                head = peek_infer(body)
+                head = _peeked(body)
                 model, request_id = head.model, head.id
                 with self.admission:  # each request on a stream is one call in flight
                     answer = stream_response(
                         await self.forward.infer(path, head, body, call.metadata, call.deadline)
+                    )
+                if len(answer) > self.max_message_bytes:  # (its own failure, as a worker's)
+                    raise ResourceExhausted(
+                        f"response of {len(answer)} bytes exceeds the maximum "
+                        f"{self.max_message_bytes} (grpc.max_message_bytes)"
                     )
             except Exception as e:
                 answer = stream_error(grpc_status(e)[1], model, request_id)
@@ -476,6 +486,14 @@ _UNSURE = frozenset(
         StatusCode.UNAVAILABLE,
     }
 )
+
+
+def _peeked(body: bytes) -> InferHead:
+    """What routing reads of a ModelInferRequest; InvalidArgument when malformed."""
+    try:
+        return peek_infer(body)
+    except WireError as e:
+        raise InvalidArgument(f"malformed ModelInferRequest: {e}") from None
 
 
 def _maybe_done(result: CallResult) -> bool:

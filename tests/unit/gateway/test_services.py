@@ -6,6 +6,8 @@ one model version, and of control calls, to the workers that hold it."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
@@ -299,3 +301,34 @@ async def test_a_worker_whose_name_did_not_resolve_at_start_is_asked_again(monke
         request.SerializeToString(), client_call("SystemSharedMemoryRegister")
     )
     assert late.local is True and services.catchup.regions == {"r": request.SerializeToString()}
+
+
+async def test_a_stream_answers_each_request_on_its_own_even_one_too_large_or_malformed():
+    """(An answer the stream's framing took past grpc.max_message_bytes ended the whole
+    stream, cancelling the requests beside it; a malformed request was answered
+    "WireError: ...", not ModelInfer's text.)"""
+
+    class Sized:
+        async def infer(self, path, head, body, metadata, deadline):
+            size = 990 if head.id == "big" else 10  # (big: 998 bytes in all)
+            return pb.ModelInferResponse(
+                id=head.id, raw_output_contents=[bytes(size)]
+            ).SerializeToString()
+
+    fleet = fleet_of("w0", ready=True)
+    services = GatewayServices(fleet, Sized(), Admission(0), 4, max_message_bytes=1000)
+    bodies = [pb.ModelInferRequest(model_name="m", id=i).SerializeToString() for i in ("a", "big")]
+
+    async def requests():
+        for body in (bodies[0], bodies[1], b"\xff\xff\xff", bodies[0]):
+            yield body
+
+    stream = services.model_stream_infer(requests(), client_call("ModelStreamInfer"))
+    async with aclosing(stream):  # (run to its end in this task, as the transport does)
+        answers = [pb.ModelStreamInferResponse.FromString(a) async for a in stream]
+    errors = sorted(a.error_message for a in answers if a.error_message)
+    assert len(answers) == 4 and [a.infer_response.id for a in answers].count("a") == 2
+    assert errors == [
+        "malformed ModelInferRequest: truncated varint",
+        "response of 1001 bytes exceeds the maximum 1000 (grpc.max_message_bytes)",
+    ]
