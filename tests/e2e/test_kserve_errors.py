@@ -471,6 +471,42 @@ async def test_grpc_timeout_ends_a_stream(worker):
     )
 
 
+async def test_a_stream_message_that_cannot_be_parsed_is_answered_on_the_stream(worker):
+    """(It ended the stream INVALID_ARGUMENT, cancelling the requests running beside it
+    and dropping those after it.) As any failed request: its error_message, and the
+    stream goes on."""
+
+    class Garbage:  # (a message whose bytes are no ModelInferRequest)
+        DESCRIPTOR = pb.ModelInferRequest.DESCRIPTOR
+
+        def SerializeToString(self) -> bytes:
+            return b"\xff\xff\xff"
+
+    requests = []
+    for i in range(4):
+        request = pb.ModelInferRequest(model_name="classifier", id=f"r{i}")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 256])
+        request.raw_input_contents.append(x_rows(1).tobytes())
+        requests.append(request)
+    async with raw_channel(worker) as channel:
+        answers = await channel.stream(
+            "ModelStreamInfer",
+            [*requests[:2], Garbage(), *requests[2:]],
+            pb.ModelStreamInferResponse,
+            keep_open=False,
+        )
+    assert sorted(a.infer_response.id for a in answers if not a.error_message) == [
+        "r0",
+        "r1",
+        "r2",
+        "r3",
+    ]
+    (failed,) = [a for a in answers if a.error_message]
+    assert failed.error_message.startswith(
+        "cannot parse the request as inference.ModelInferRequest"
+    )
+
+
 def test_client_timeout_is_also_counted_by_the_server(triton):
     """tritonclient's client_timeout gives up on the client side too; the server still
     enforces the same deadline and counts the failure."""

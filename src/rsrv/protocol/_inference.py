@@ -29,6 +29,7 @@ from rsrv.protocol._parameters import request_deadline, request_priority
 from rsrv.protocol._status import grpc_status
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 from rsrv.protocol.generated.inference.grpc_service_grpc import GRPCInferenceServiceServicer
+from rsrv.transport import Unparsed
 from rsrv.versions import parse_version
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,14 @@ class InferenceService(GRPCInferenceServiceServicer):
         slots = trio.Semaphore(self.backend.max_requests_per_stream)
 
         async def one(message, size: int):
-            try:
-                with self.backend.admission:  # each request on a stream is one call in flight
-                    response = await self._infer(message, size, stream=True)
-            except Exception as e:  # (in-band: a stream outlives a failed request)
-                response = stream_error(grpc_status(e)[1], message.model_name, message.id)
+            if isinstance(message, Unparsed):  # (its model and id: unknown)
+                response = stream_error(grpc_status(message.error)[1], "", "")
+            else:
+                try:
+                    with self.backend.admission:  # each request on a stream: one in flight
+                        response = await self._infer(message, size, stream=True)
+                except Exception as e:  # (in-band: a stream outlives a failed request)
+                    response = stream_error(grpc_status(e)[1], message.model_name, message.id)
             try:
                 await send.send(response)
             finally:

@@ -50,7 +50,9 @@ class Method:
     """One RPC of a service.
 
     ``handler(request, call)`` for a unary request, ``handler(requests, call)`` with an
-    async iterator of requests for a streaming one; it returns the response, or is an
+    async iterator of requests for a streaming one (an :class:`Unparsed` in place of a
+    message that cannot be decoded: the handler may answer it and read on); it returns
+    the response, or is an
     async generator of responses for a streaming response, which the server runs in a
     task of its own (``trio.as_safe_channel``), so it may hold a nursery across its
     yields. ``decode`` parses a request
@@ -341,9 +343,21 @@ class GrpcServer:
             await call.send(_encode(method, response, self.limits), flush=False)  # (+ trailers)
 
 
+@dataclass(frozen=True, slots=True)
+class Unparsed:
+    """What a streaming handler is given in place of a request message that cannot be
+    decoded (``error``: why, INVALID_ARGUMENT): the messages after it are read on."""
+
+    error: MessageError
+
+
 async def _requests(method: Method, call: ServerCall):
     while (raw := await call.receive()) is not None:
-        yield await method.parse(raw)
+        try:
+            message = await method.parse(raw)
+        except MessageError as e:  # (a message that was received whole: the next may be fine)
+            message = Unparsed(e)
+        yield message
 
 
 _LISTEN_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
