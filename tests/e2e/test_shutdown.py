@@ -239,7 +239,9 @@ def test_shutdown_answers_accepted_requests_and_unmaps_shared_memory(tmp_path, c
 
 def test_an_idle_open_stream_does_not_hold_up_shutdown(tmp_path, cache_dir, caplog):
     """A ModelStreamInfer stream left open (idle) is not a call in flight: shutdown
-    finishes at once instead of waiting out the grace period."""
+    finishes at once instead of waiting out the grace period, and ends the stream
+    UNAVAILABLE, "server is shutting down" (it closed the connection under it: "Stream
+    removed (Socket closed ...)", no status of the server's)."""
     export_linear(tmp_path / "repo" / "m", seed=3)
     config = static(tmp_path, cache_dir, ENDPOINTS_SHUTDOWN_GRACE_SECONDS=30)
     answers: list[Any] = []
@@ -250,6 +252,9 @@ def test_an_idle_open_stream_does_not_hold_up_shutdown(tmp_path, cache_dir, capl
         assert not isinstance(answers[0], Exception), answers[0]
         assert worker.admission.inflight == 0  # the open stream itself holds no slot
         shut_down(worker)
+        wait_until(lambda: len(answers) == 2, timeout=10)
+        assert answers[1].status() == "StatusCode.UNAVAILABLE"
+        assert answers[1].message() == "server is shutting down", answers[1].message()
         client.stop_stream(cancel_requests=True)
     # not the 30 s grace period: the drain found nothing in flight
     grace = [r.getMessage() for r in caplog.records if "grace period" in r.getMessage()]

@@ -69,6 +69,7 @@ class ServerCall:
         "deadline",
         "peer",
         "scope",
+        "ended_by",
         "unary_request",
         "received_bytes",
         "_reader",
@@ -98,6 +99,7 @@ class ServerCall:
         self.deadline: float = deadline
         self.peer: str = conn.peer
         self.scope = trio.CancelScope()  # cancelled by RST_STREAM
+        self.ended_by: BaseException | None = None  # the server's own reason (end_with)
         self.unary_request = True  # set by the server (streams_requests)
         self.received_bytes = 0
         self._reader: MessageReader | None = None
@@ -119,6 +121,13 @@ class ServerCall:
         self.send_window = 0
 
     # -- inbound, called by the connection's reader -----------------------------------
+
+    def end_with(self, reason: BaseException) -> None:
+        """End the call from the server's side (its shutdown): its handler is cancelled,
+        and the client receives ``reason``'s status and trailers (``status_of``)."""
+        if not self._closed:
+            self.ended_by = reason
+            self.scope.cancel()
 
     def _on_data(self, data: bytes, flow: int) -> None:
         if self._closed:

@@ -230,13 +230,21 @@ class GrpcServer:
                 nursery.start_soon(self._accept, listener, nursery)
             task_status.started(self.port)
 
-    async def close(self, timeout: float = 2.0) -> None:
+    async def close(self, timeout: float = 2.0, *, ending: BaseException | None = None) -> None:
         """Stop accepting, then close every connection: what each has queued is sent,
         then GOAWAY. Returns once they are closed (at most ``timeout`` seconds). Calls
-        still running are cancelled: answer them first (the worker drains before this).
-        """
+        still running are cancelled: answer them first (the worker drains before this);
+        with ``ending``, each is answered ``ending``'s status first (an open stream with
+        nothing running: a clean end, not a connection closed under it)."""
         for listener in self._listeners:
             await listener.aclose()
+        if ending is not None:
+            for conn in list(self.connections):
+                for call in list(conn.calls.values()):
+                    call.end_with(ending)
+            with trio.move_on_after(timeout):
+                while any(conn.calls for conn in self.connections):
+                    await trio.sleep(0.01)
         for conn in list(self.connections):
             conn.goaway()
         with trio.move_on_after(timeout):
@@ -315,7 +323,10 @@ class GrpcServer:
                     code, message = self.status_of(e)
                     if self.trailers_of is not None:
                         trailers = self.trailers_of(e)
-            if call.scope.cancelled_caught:  # a reset, or the deadline
+            if call.scope.cancelled_caught and call.ended_by is not None:  # (the server's)
+                code, message = self.status_of(call.ended_by)
+                trailers = self.trailers_of(call.ended_by) if self.trailers_of else ()
+            elif call.scope.cancelled_caught:  # a reset, or the deadline
                 code, trailers = StatusCode.DEADLINE_EXCEEDED, ()
                 streaming = method.client_streaming or method.server_streaming
                 message = "deadline (grpc-timeout) expired before the " + (

@@ -316,8 +316,9 @@ class Worker:
         regions = len(self.shm.status())
         self.shm.close()
         log.info("shutdown: released %d shared memory region(s); stopping", regions)
-        # The last answers are flushed, then GOAWAY: clients see a clean end.
-        await self.server.close()
+        # The last answers are flushed, open streams (idle now) are ended UNAVAILABLE,
+        # then GOAWAY: clients see a clean end.
+        await self.server.close(ending=Unavailable("server is shutting down", retry_after=0.0))
         if self.http_port is not None:  # its answers under way (503s too) are finished
             self.rest_stop.set()
             with trio.move_on_after(REST_CLOSE_SECONDS):
