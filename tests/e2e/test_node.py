@@ -207,7 +207,9 @@ def test_the_restart_limit_stops_the_node_non_zero(tmp_path, node):
 
 def test_sigterm_under_load_answers_every_accepted_request(tmp_path, node):
     """Requests held 100 ms in a preprocess hook on both workers when the node gets
-    SIGTERM: every one is answered correctly, the node exits 0, no child is left."""
+    SIGTERM: every one is answered correctly, the node exits 0, no child is left; a
+    second SIGTERM once it has stopped changes nothing (it ended the node by that signal
+    while its output was flushed: exit -15)."""
     export_linear(tmp_path / "repo" / "slow", seed=0, work=3000, hook_seconds=0.1)
     n = node()
     children = n.wait_serving()
@@ -228,6 +230,11 @@ def test_sigterm_under_load_answers_every_accepted_request(tmp_path, node):
             send(i)
         wait_until(lambda: len(answers) >= 2, 30, "the first answers")
         n.process.send_signal(signal.SIGTERM)
+        stopped = "node stopped: every child drained and exited"
+        wait_until(
+            lambda: any(stopped in line for line in n.stderr), 60, "the stop", interval=0.002
+        )
+        n.process.send_signal(signal.SIGTERM)  # (a no-op once it has exited)
         status = n.wait_exit(60)
         wait_until(lambda: len(answers) == 40, 10, "every answer")
     finally:

@@ -117,41 +117,40 @@ class Supervisor:
     async def run(self) -> int:
         """Supervise until a signal or a failure; returns the exit status. Output is
         written by its own tasks meanwhile (``OutputSink``), and flushed at the end (for
-        at most 2 s)."""
-        async with trio.open_nursery() as writers:
-            for sink in self.output:
-                await writers.start(sink.run)
-            try:
-                return await self._supervise()
-            finally:
-                with trio.move_on_after(2.0) as flushing:
-                    flushing.shield = True
-                    for sink in self.output:
-                        await sink.flushed()
-                writers.cancel_scope.cancel()
-
-    async def _supervise(self) -> int:
-        self.started_at = trio.current_time()
+        at most 2 s). Stop signals are watched until then: one during the flush changes
+        nothing (Python's default would end the node by that signal)."""
         with trio.open_signal_receiver(*stop_signals()) as signals:  # (SIGHUP: a closed terminal)
-            async with trio.open_nursery() as nursery:
-                admin = join_address(self.plan.host, self.plan.metrics_port)
-                unbound: BaseException | None = None
+            async with trio.open_nursery() as writers:
+                for sink in self.output:
+                    await writers.start(sink.run)
                 try:
-                    await nursery.start(
-                        serve_node_admin, self, self.plan.host, self.plan.metrics_port
-                    )
-                except* OSError as group:  # nothing started yet: one line, a failed start
-                    unbound = first_error(group)
-                if unbound is not None:
-                    log.error("node admin HTTP: cannot listen on %s: %s", admin, unbound)
-                    return 1
-                log.info("node admin HTTP on %s", admin)
-                for child in self.children:
-                    nursery.start_soon(child.run)
-                nursery.start_soon(self._watch_signals, signals)
-                await self._stop_requested.wait()
-                await self._stop_children()
-                nursery.cancel_scope.cancel()
+                    return await self._supervise(signals)
+                finally:
+                    with trio.move_on_after(2.0) as flushing:
+                        flushing.shield = True
+                        for sink in self.output:
+                            await sink.flushed()
+                    writers.cancel_scope.cancel()
+
+    async def _supervise(self, signals) -> int:
+        self.started_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            admin = join_address(self.plan.host, self.plan.metrics_port)
+            unbound: BaseException | None = None
+            try:
+                await nursery.start(serve_node_admin, self, self.plan.host, self.plan.metrics_port)
+            except* OSError as group:  # nothing started yet: one line, a failed start
+                unbound = first_error(group)
+            if unbound is not None:
+                log.error("node admin HTTP: cannot listen on %s: %s", admin, unbound)
+                return 1
+            log.info("node admin HTTP on %s", admin)
+            for child in self.children:
+                nursery.start_soon(child.run)
+            nursery.start_soon(self._watch_signals, signals)
+            await self._stop_requested.wait()
+            await self._stop_children()
+            nursery.cancel_scope.cancel()
         if self.failure is not None:
             log.error("node stopped: %s", self.failure)
             return 1
@@ -242,4 +241,8 @@ def node_main(node_file: str | None) -> int:
             spec.port,
             f", device {spec.device or 'none'}" if spec.kind == "worker" else "",
         )
-    return trio.run(Supervisor(plan, specs, output).run)
+    try:
+        return trio.run(Supervisor(plan, specs, output).run)
+    finally:  # stopped: a stop signal as the process exits changes nothing
+        for signum in stop_signals():
+            signal.signal(signum, signal.SIG_IGN)
