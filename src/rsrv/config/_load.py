@@ -143,6 +143,8 @@ def _decode(data: bytes, fmt: str, where: str) -> Any:
             f"{where}: invalid {fmt}: not UTF-8 (byte {exc.object[exc.start]:#04x} at "
             f"offset {exc.start})"
         ) from None
+    except RecursionError:  # (tomllib parses nested arrays and tables recursively)
+        raise ConfigError(f"{where}: invalid {fmt}: nested too deeply") from None
     # An empty YAML file is a node with every default.
     return {} if raw is None else raw
 

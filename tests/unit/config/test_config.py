@@ -246,6 +246,18 @@ def test_explicit_yaml_tags_that_cannot_be_read_are_errors_naming_the_file(tmp_p
 
 
 @pytest.mark.parametrize(
+    "text", ["a = " + "[" * 2000 + "]" * 2000, "a = " + "{b = " * 2000 + "}" * 2000]
+)
+def test_a_toml_file_nested_too_deeply_is_an_error_naming_the_file(tmp_path, text):
+    """(It was a RecursionError traceback.)"""
+    path = write(tmp_path, "node.toml", text)
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}: invalid TOML: nested too deeply$"
+    ):
+        load_node(path)
+
+
+@pytest.mark.parametrize(
     ("name", "text", "message"),
     [
         ("node.yaml", "global: {model_poll_seconds: .inf}\n", "expected a finite number"),
