@@ -67,7 +67,21 @@ def add_ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key-file", help="the key of --tls-cert-file")
 
 
+#: The options only one command takes (the others' are every command's).
+_OWN_OPTIONS = {
+    "wait": "repack",
+    "fill_mode": "set-replicas",
+    "fill_factor": "set-replicas",
+    "allow_unknown": "set-replicas",
+}
+
+
 def _request(command: str, args: list[str], options: argparse.Namespace):
+    for option, owner in _OWN_OPTIONS.items():
+        given = getattr(options, option, CTL_OPTIONS[option])
+        if owner != command and given != CTL_OPTIONS[option]:
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} is an option of {owner}, not of {command}")
     if command in ("status", "repack") and args:
         wait = " (the time to wait is --wait S)" if command == "repack" else ""
         raise ValueError(f"{command} takes no arguments, not {' '.join(args)!r}{wait}")

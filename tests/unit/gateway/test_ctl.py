@@ -47,6 +47,23 @@ def test_a_malformed_command_line_is_refused_saying_why(command, args, message):
         _request(command, args, options)
 
 
+@pytest.mark.parametrize(
+    ("command", "args", "option", "value"),
+    [
+        ("status", [], "wait", 3.0),
+        ("repack", [], "fill_mode", "spread"),
+        ("set-policy", ["hysteresis=0.1"], "fill_factor", 2.0),
+        ("status", [], "allow_unknown", True),
+    ],
+)
+def test_an_option_of_another_command_is_refused(command, args, option, value):
+    """(`rsrv gateway status --wait 3` made its call, the option silently dropped.)"""
+    options = argparse.Namespace(**{option: value})
+    flag = "--" + option.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{flag} is an option of .*, not of {command}$"):
+        _request(command, args, options)
+
+
 def test_replica_counts():
     options = argparse.Namespace(fill_mode="", allow_unknown=False, fill_factor=None)
     counts = [
