@@ -122,6 +122,19 @@ class ServerCall:
 
     # -- inbound, called by the connection's reader -----------------------------------
 
+    @property
+    def idle(self) -> bool:
+        """A stream whose client's requests have all been answered (an open
+        ModelStreamInfer between requests): ending it now cuts nothing short."""
+        return not (self._closed or self.unary_request) and (
+            self._messages_in <= self._messages_out
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Its trailers were sent, or the stream was reset."""
+        return self._closed
+
     def end_with(self, reason: BaseException) -> None:
         """End the call from the server's side (its shutdown): its handler is cancelled,
         and the client receives ``reason``'s status and trailers (``status_of``)."""

@@ -233,17 +233,19 @@ class GrpcServer:
     async def close(self, timeout: float = 2.0, *, ending: BaseException | None = None) -> None:
         """Stop accepting, then close every connection: what each has queued is sent,
         then GOAWAY. Returns once they are closed (at most ``timeout`` seconds). Calls
-        still running are cancelled: answer them first (the worker drains before this);
-        with ``ending``, each is answered ``ending``'s status first (an open stream with
-        nothing running: a clean end, not a connection closed under it)."""
+        still running are cancelled: answer them first (the worker drains before this).
+        With ``ending``, an idle stream (every request on it answered: nothing is cut
+        short) is answered ``ending``'s status first, a clean end rather than its
+        connection closed under it; a call still at work is not (``ending`` may say it
+        was never processed: a retry pushback)."""
         for listener in self._listeners:
             await listener.aclose()
         if ending is not None:
-            for conn in list(self.connections):
-                for call in list(conn.calls.values()):
-                    call.end_with(ending)
+            idle = [c for conn in self.connections for c in conn.calls.values() if c.idle]
+            for call in idle:
+                call.end_with(ending)
             with trio.move_on_after(timeout):
-                while any(conn.calls for conn in self.connections):
+                while not all(call.closed for call in idle):
                     await trio.sleep(0.01)
         for conn in list(self.connections):
             conn.goaway()

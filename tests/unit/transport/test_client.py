@@ -38,6 +38,7 @@ from rsrv.transport import (
     Channel,
     ClientLimits,
     GrpcServer,
+    MessageError,
     MessageTooLarge,
     Method,
     TransportLimits,
@@ -376,6 +377,33 @@ async def test_bidirectional_stream():
             assert call.status is StatusCode.OK
             with pytest.raises(CallEnded):
                 await call.send(b"late")
+
+
+async def test_a_close_ending_calls_ends_idle_streams_and_not_calls_at_work():
+    """At shutdown, an open stream whose requests are answered ends with the server's
+    status (its connection was closed under it); a call still at work does not get it
+    (the status may say "never processed": it ran)."""
+    ending = MessageError(StatusCode.UNAVAILABLE, "server is shutting down")
+    async with echo_server() as echo, open_channel("127.0.0.1", echo.port) as channel:
+        async with trio.open_nursery() as nursery, channel.stream(STREAM) as call:
+            held = []
+
+            async def hold():
+                held.append(await channel.unary(HOLD, b""))
+
+            nursery.start_soon(hold)
+            await call.send(b"one")
+            assert await call.__anext__() == b"one"
+            await wait_for(lambda: echo.active == 1, "the held call")
+            await echo.server.close(timeout=5, ending=ending)
+            assert [m async for m in call] == []
+            assert (call.status, call.message) == (
+                StatusCode.UNAVAILABLE,
+                "server is shutting down",
+            )
+            await wait_for(lambda: held, "the held call's end")
+        assert held[0].status is StatusCode.UNAVAILABLE
+        assert held[0].message != "server is shutting down" and held[0].reached_server
 
 
 async def test_an_oversized_stream_message_is_refused_alone():
