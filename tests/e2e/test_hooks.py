@@ -34,12 +34,20 @@ def pre(x):
         raise KeyboardInterrupt()
     if mode["v"] == "exit":
         raise SystemExit(3)
+    if mode["v"] == "own":  # (a class of the user's deriving from BaseException)
+        raise type("Own", (BaseException,), {})("mine")
+    if mode["v"] == "cancelled":
+        import asyncio
+
+        raise asyncio.CancelledError()
     if mode["v"] == "block":
         gate.wait(60)
     return x
 """
 
 POST = """
+import time
+
 import rsrv
 
 mode = {"v": "ok"}
@@ -49,6 +57,8 @@ mode = {"v": "ok"}
 def post(y):
     if mode["v"] == "one_row":
         return y[:1].copy()
+    if mode["v"] == "slow":
+        time.sleep(1.0)
     return y
 """
 
@@ -72,11 +82,18 @@ def status(client, model: str, timeout: float = 10) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "raised"), [("interrupt", "KeyboardInterrupt: "), ("exit", "SystemExit: 3")]
+    ("mode", "raised"),
+    [
+        ("interrupt", "KeyboardInterrupt: "),
+        ("exit", "SystemExit: 3"),
+        ("own", "Own: mine"),
+        ("cancelled", "CancelledError: "),
+    ],
 )
 def test_a_hook_raising_what_ends_a_process_fails_its_request_only(repo, cache_dir, mode, raised):
     """KeyboardInterrupt or SystemExit in user code ended the worker's trio run: every
-    model of the worker went down with the one request."""
+    model of the worker went down with the one request (and still did with any other
+    BaseException of its own, asyncio's CancelledError included)."""
     with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
         hook_globals(worker, "pre")["mode"]["v"] = mode
         assert status(client, "pre") == (
@@ -84,6 +101,20 @@ def test_a_hook_raising_what_ends_a_process_fails_its_request_only(repo, cache_d
             f"model 'pre': preprocess hook 'pre' failed: {raised}",
         )
         assert status(client, "plain") == ("OK", "")
+
+
+def test_a_hook_still_running_at_the_calls_deadline_does_not_answer_ok(repo, cache_dir):
+    """(Its thread finished past the deadline, and the call was answered OK, counted a
+    success.) It ends DEADLINE_EXCEEDED, counted a failure."""
+    with running(worker_config(repo, cache_dir)) as worker, connect(worker) as client:
+        hook_globals(worker, "post")["mode"]["v"] = "slow"
+        assert status(client, "post", timeout=0.3)[0] == "StatusCode.DEADLINE_EXCEEDED"
+
+        def stats():
+            return client.get_inference_statistics("post").model_stats[0].inference_stats
+
+        wait_until(lambda: stats().fail.count == 1)
+        assert stats().success.count == 0
 
 
 def test_a_preprocess_that_makes_no_rows_is_internal(repo, cache_dir):

@@ -582,6 +582,45 @@ def test_deadline_is_inherited_by_sub_calls(tiny_repo, cache_dir, pool):
         client.close()
 
 
+ZEROING_PY = """\
+import rsrv
+
+
+@rsrv.preprocess(inputs=["x"], outputs=["x"])
+def pre(x):
+    try:
+        x[:] = 0  # (refused: its inputs are read-only, as a client's)
+    except ValueError:
+        pass
+    return x
+"""
+
+KEEPER_PY = """\
+import numpy as np
+
+import rsrv
+
+
+@rsrv.meta(inputs=["x"], outputs=["y"])
+def keeper(call, x):
+    mine = np.array(x)  # the glue's own, writable array
+    call("zeroing", {"x": mine})
+    return call("tiny", {"x": mine})["y"]
+"""
+
+
+def test_a_sub_models_hook_cannot_change_the_glues_arrays(tiny_repo, tiny_template, cache_dir):
+    """(call() handed the glue's arrays on as they were: a sub-model's preprocess zeroed
+    them in place, where a client's inputs are read-only.)"""
+    (add_tiny(tiny_repo, tiny_template, "zeroing") / "model.py").write_text(ZEROING_PY)
+    write_meta(tiny_repo, "keeper", ["zeroing", "tiny"], KEEPER_PY)
+    with running(worker_config(tiny_repo, cache_dir)) as worker, connect(worker) as client:
+        x = rows(1.5, 2)
+        np.testing.assert_allclose(
+            infer(client, "keeper", {"x": x})["y"], tiny_reference(tiny_template, x), rtol=1e-6
+        )
+
+
 def test_grpc_deadline_stops_the_glue(tiny_repo, cache_dir):
     """A grpc-timeout is a deadline too: the glue's next call after it fails (with
     DEADLINE_EXCEEDED, or Cancelled when the transport cancels the call first) instead

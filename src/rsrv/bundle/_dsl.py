@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import trio
 
 from rsrv.errors import Internal, RsrvError
 
@@ -59,15 +60,19 @@ class Hook:
         model's ``Internal`` error naming the hook (rsrv's own errors pass through)."""
         try:
             return self.apply(tensors, *leading)
-        except RsrvError:
+        except (RsrvError, trio.Cancelled):  # (a meta call's Cancelled: the trio side's)
             raise
-        # (user code: its KeyboardInterrupt or SystemExit fails the request, never the
-        # worker; a meta call's trio.Cancelled, from the trio side, passes through)
-        except (Exception, KeyboardInterrupt, SystemExit, GeneratorExit) as e:
+        # (user code: whatever it raises, KeyboardInterrupt, SystemExit or a class of its
+        # own deriving from BaseException included, fails the request, never the worker)
+        except BaseException as e:
             raise Internal(
-                f"model {model!r}: {self.kind} hook {self.fn.__name__!r} failed: "
-                f"{type(e).__name__}: {e}"
+                f"model {model!r}: {self.kind} hook {self.name!r} failed: {type(e).__name__}: {e}"
             ) from None
+
+    @property
+    def name(self) -> str:
+        """The hook's name in messages (a callable object's: its class name)."""
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
 
 
 def _declare(kind: HookKind, inputs: Sequence[str], outputs: Sequence[str]):
@@ -109,7 +114,7 @@ def meta(*, inputs: Sequence[str], outputs: Sequence[str]):
 
 def _bind_outputs(hook: Hook, result: Any) -> dict[str, np.ndarray]:
     names = hook.outputs
-    where = f"{hook.kind} hook {hook.fn.__name__!r}"
+    where = f"{hook.kind} hook {hook.name!r}"
     if isinstance(result, Mapping):
         if set(result) != set(names):
             raise ValueError(f"{where} returned tensors {sorted(result)}, declared {list(names)}")

@@ -92,6 +92,9 @@ async def infer_counted(
             inputs = await off_loop(prepared.seconds, prepared.materialize)
             outputs = await backend.infer(served, inputs, deadline, held)
         response = await off_loop(finish_seconds(outputs), finish, outputs)
+        # (a thread, a hook's or the encoding's, finishes whatever the call's deadline:
+        # one that passed meanwhile ends the call here, not answered OK)
+        await trio.lowlevel.checkpoint_if_cancelled()
     except Exception as e:  # counted under the status the client receives
         backend.record(served, False, time.perf_counter() - start, grpc_status(e)[0].name, 0)
         raise

@@ -14,7 +14,7 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -73,9 +73,9 @@ class MetaRunner:
                 raise TypeError("call(model, tensors) takes a dict of numpy arrays by name")
             if hook_thread and threading.get_ident() == hook_thread[0]:
                 # In the request's task: cancelling the request cancels the call.
-                return trio.from_thread.run(sub_call, model, dict(tensors))
+                return trio.from_thread.run(sub_call, model, _read_only(tensors))
             # From a thread of the glue's own: trio runs it, not bound to the request.
-            return trio.from_thread.run(sub_call, model, dict(tensors), trio_token=token)
+            return trio.from_thread.run(sub_call, model, _read_only(tensors), trio_token=token)
 
         def run_hook() -> dict[str, np.ndarray]:
             hook_thread.append(threading.get_ident())
@@ -97,3 +97,15 @@ class MetaRunner:
         finally:
             self.limiter.release()
         return outputs, sum(compute)
+
+
+def _read_only(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The glue's tensors as the sub-model's hooks see a client's: read-only views (its
+    hooks changed the glue's own arrays in place)."""
+    out = {}
+    for name, value in tensors.items():
+        if isinstance(value, np.ndarray):
+            value = value.view()
+            value.flags.writeable = False
+        out[name] = value
+    return out

@@ -33,7 +33,7 @@ from rsrv.bundle import (
 from rsrv.bundle._manifest import Manifest, decode_manifest, resolve_manifest
 from rsrv.bundle._stablehlo import read_module
 from rsrv.bundle_check import check_main
-from rsrv.errors import BundleError
+from rsrv.errors import BundleError, Internal
 from rsrv.export import Input, export_jax
 from rsrv.runtime import Compiler, compile_bundle, weights_to_device
 from rsrv.versions import VersionPolicy
@@ -611,6 +611,25 @@ def test_an_async_hook_is_refused_at_import(tiny_bundle):
         "plain function, not async def 'post' (hooks run in a worker thread; a meta's call() "
         "blocks there)"
     )
+
+
+def test_a_callable_object_hook_serves_and_is_named_by_its_class(tiny_bundle):
+    """(A hook without __name__, a callable object or functools.partial, loaded READY and
+    then failed every request: AttributeError, naming neither model nor hook.)"""
+    (tiny_bundle / "model.py").write_text(
+        "import numpy as np\n\nimport rsrv\n\n\n"
+        "class Scale:\n"
+        "    def __call__(self, y):\n"
+        "        if not y.size:\n"
+        "            raise ValueError('empty')\n"
+        "        return y * 2\n\n\n"
+        'post = rsrv.postprocess(inputs=["y"], outputs=["y"])(Scale())\n'
+    )
+    hook = load_bundle(tiny_bundle).hooks.postprocess
+    y = np.ones((2, 2), np.float32)
+    np.testing.assert_array_equal(hook.run("m", {"y": y})["y"], y * 2)
+    with pytest.raises(Internal, match="^model 'm': postprocess hook 'Scale' failed: ValueError"):
+        hook.run("m", {"y": y[:0]})
 
 
 def test_hook_naming_unknown_tensor(tiny_bundle):
