@@ -77,6 +77,16 @@ def test_it_shows_what_operators_watch(dashboard):
     } <= used
 
 
+def test_meta_models_are_offered_and_not_counted_twice(dashboard):
+    """A meta model has no queue or execution series (specs/metrics.md), and its compute
+    seconds are its sub-models': the model picker read rsrv_queue_depth (no metas to
+    pick), and the device time share stacked a meta's time on its sub-models'."""
+    (picker,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    assert picker["query"]["query"] == "label_values(rsrv_requests_total, model)"
+    share = [q for q in queries(dashboard) if "rsrv_compute_seconds_total" in q]
+    assert share and all("and on (instance, model) rsrv_executions_total" in q for q in share)
+
+
 def test_panels_are_well_formed(dashboard):
     assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
     panels = dashboard["panels"]
