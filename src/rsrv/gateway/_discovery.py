@@ -60,6 +60,8 @@ class Discovery:
     ):
         self.fleet = fleet
         self.settings = config.discovery
+        # a worker busy for longer than any call of the gateway's lasts is stuck, not busy
+        self._busy_limit = config.worker_client.request_timeout_seconds
         self.headers: Iterable[tuple[str, str]] = tuple(config.worker_client.headers.items())
         self.needs_control = needs_control
         self.on_round = on_round
@@ -233,13 +235,34 @@ class Discovery:
             self._failing.add(key)
         return result.status, None
 
+    def _still_busy(self, worker: WorkerLink, was_ready: bool) -> bool:
+        """Whether a worker whose probe found it at its in-flight cap stays as it was
+        (busy, not wedged): ready or not, until it has refused every probe for longer
+        than any call of the gateway's lasts (worker_client.request_timeout_seconds),
+        when its slots are held by calls that do not end: then not ready."""
+        now = trio.current_time()
+        if worker.busy_since is None:
+            worker.busy_since = now
+        if not was_ready or now - worker.busy_since < self._busy_limit:
+            return was_ready
+        log.warning(
+            "worker %s (%s) has refused every probe at its in-flight cap for %.0f s, "
+            "longer than worker_client.request_timeout_seconds: no traffic until it answers",
+            worker.name,
+            worker.address,
+            now - worker.busy_since,
+        )
+        return False
+
     async def _probe(self, worker: WorkerLink) -> None:
         was_ready, marks = worker.ready, worker.unreachable_marks
         ready, index, control = False, worker.index, worker.control
         with trio.move_on_after(self.settings.probe_timeout_seconds * 3):
             status, answer = await self._call(worker, SERVER_READY)
             if status == StatusCode.RESOURCE_EXHAUSTED:  # at its in-flight cap: busy,
-                worker.ever_answered, ready = True, was_ready  # not wedged: as it was
+                worker.ever_answered, ready = True, self._still_busy(worker, was_ready)
+            else:
+                worker.busy_since = None
             if answer is not None:
                 worker.ever_answered = True
                 ready = pb.ServerReadyResponse.FromString(answer).ready

@@ -119,6 +119,7 @@ class WorkerLink:
     control: Any = None
     ever_answered: bool = False
     probe_failures: int = 0  # probe rounds in a row without an answer
+    busy_since: float | None = None  # since when every probe found it at its in-flight cap
     instance: str = ""
     restarted: bool = False
     away: bool = True

@@ -186,6 +186,33 @@ async def test_a_worker_busy_at_its_inflight_cap_is_answering_not_down(caplog):
     assert worker.ready and fleet.routes["lin"] == ("w0",)
 
 
+async def test_a_worker_refusing_every_probe_longer_than_any_call_lasts_is_stuck(autojump_clock):
+    """(Its slots held by calls that never end, a hung execution say, it stayed ready for
+    ever, every client call refused RESOURCE_EXHAUSTED.) Past worker_client.
+    request_timeout_seconds of refusals it gets no traffic, until it answers again."""
+    channel = ScriptedChannel(worker_answers(["lin"]))
+    fleet, worker, discovery = fleet_of(channel)  # (request_timeout_seconds: 60)
+    await discovery.round()
+    channel.answers[SERVER_READY] = StatusCode.RESOURCE_EXHAUSTED
+    await discovery.round()
+    await trio.sleep(59)
+    await discovery.round()
+    assert worker.ready  # busy, so far
+    channel.answers = worker_answers(["lin"])  # a probe answered ends the streak
+    await discovery.round()
+    channel.answers[SERVER_READY] = StatusCode.RESOURCE_EXHAUSTED
+    await discovery.round()
+    await trio.sleep(59)
+    await discovery.round()
+    assert worker.ready
+    await trio.sleep(2)
+    await discovery.round()
+    assert not worker.ready and "lin" not in fleet.routes
+    channel.answers = worker_answers(["lin"])
+    await discovery.round()
+    assert worker.ready and fleet.routes["lin"] == ("w0",)
+
+
 async def test_a_restart_whose_first_control_call_fails_is_seen_at_the_next_answer():
     channel = ScriptedChannel(worker_answers(["lin"], instance="first"))
     _, worker, discovery = fleet_of(channel)
