@@ -30,7 +30,15 @@ from support.references import (
     grader_reference,
 )
 from support.rest import http_connect, http_input, with_http
-from support.serving import held_device, on_port, running, sched_stats, worker_config
+from support.serving import (
+    LOOP_THREAD,
+    held_device,
+    on_port,
+    running,
+    sched_stats,
+    threads_calling,
+    worker_config,
+)
 from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
 
@@ -428,18 +436,11 @@ def test_explicit_mode_index_reads_the_repository_off_the_event_loop(repo, cache
     # listing the repository stats every model directory (slow on a network volume)
     from rsrv.worker import _reporting
 
-    threads = []
-
-    def discover(path):
-        threads.append(threading.current_thread().name)
-        return real(path)
-
-    real = _reporting.discover
-    monkeypatch.setattr(_reporting, "discover", discover)
+    threads = threads_calling(monkeypatch, _reporting, "discover")
     config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
     with running(config) as w, connect(w) as triton:
         assert ("classifier", "", "UNAVAILABLE", "unloaded") in _explicit_index(triton)
-    assert threads and "rsrv-test-worker" not in threads
+    assert threads and LOOP_THREAD not in threads
 
 
 def test_explicit_mode_load_and_unload(repo, cache_dir):

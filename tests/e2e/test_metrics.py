@@ -16,7 +16,7 @@ from support.bundles import WEIGHT_BYTES, ImportGate, X, export_linear, infer_y,
 from support.clients import connect, failure, infer_input
 from support.metrics import Scrape, get, get_absolute
 from support.procfs import listening_ports
-from support.serving import free_port, running, worker_config
+from support.serving import LOOP_THREAD, free_port, running, threads_calling, worker_config
 from support.waiting import wait_until
 
 
@@ -86,19 +86,12 @@ def test_a_scrape_renders_its_text_off_the_event_loop(repo, cache_dir, monkeypat
     for 200 ms. The loop now only copies the values.)"""
     from rsrv.worker import _metrics
 
-    threads = []
-
-    def generate_latest(reading):
-        threads.append(threading.current_thread().name)
-        return real(reading)
-
-    real = _metrics.generate_latest
-    monkeypatch.setattr(_metrics, "generate_latest", generate_latest)
+    threads = threads_calling(monkeypatch, _metrics, "generate_latest")
     port, config = with_metrics(repo, cache_dir)
     with running(config) as worker, connect(worker) as client:
         infer_y(client, "a", X)
         assert Scrape(port).total("rsrv_requests", model="a", status="OK") == 1
-    assert threads and "rsrv-test-worker" not in threads
+    assert threads and LOOP_THREAD not in threads
 
 
 def test_a_call_its_client_timed_out_counts_as_deadline_exceeded(tmp_path, cache_dir):

@@ -11,7 +11,6 @@ import asyncio
 import gzip
 import json
 import os
-import threading
 import uuid
 import zlib
 
@@ -32,7 +31,14 @@ from support.rest import (
     request,
     with_http,
 )
-from support.serving import ServerProcess, node_config, running, worker_config
+from support.serving import (
+    LOOP_THREAD,
+    ServerProcess,
+    node_config,
+    running,
+    threads_calling,
+    worker_config,
+)
 from support.waiting import wait_until
 from tritonclient import utils
 
@@ -251,18 +257,11 @@ def test_an_answer_of_many_json_values_is_encoded_off_the_event_loop(worker, mon
     other call of the worker waited.) Here each value is priced at a second."""
     from rsrv.protocol import _rest_codec
 
-    threads = []
-
-    def json_values(array, dtype, what):
-        threads.append(threading.current_thread().name)
-        return real(array, dtype, what)
-
-    real = _rest_codec._json_values
-    monkeypatch.setattr(_rest_codec, "_json_values", json_values)
+    threads = threads_calling(monkeypatch, _rest_codec, "_json_values")
     monkeypatch.setattr(_rest_codec, "JSON_VALUE_ENCODE_SECONDS", 1.0)
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}]}
     assert request(worker, "POST", "/v2/models/classifier/infer", body).status == 200
-    assert threads and "rsrv-test-worker" not in threads
+    assert threads and LOOP_THREAD not in threads
 
 
 def test_json_binary_output_parameter(worker):

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from support.bundles import X, export_linear, infer_y, matches, x_input
 from support.clients import connect, raises_status, stats_of
-from support.serving import held_device, node_config, running, sched_stats
+from support.serving import LOOP_THREAD, held_device, node_config, running, sched_stats
 from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
 
@@ -422,7 +422,7 @@ def test_a_request_decoding_in_a_thread_runs_on_the_load_it_was_accepted_for(
     materialize = _tensors.Decoding.materialize
 
     def held_materialize(self):
-        if threading.current_thread().name != "rsrv-test-worker":  # (a worker thread)
+        if threading.current_thread().name != LOOP_THREAD:  # (a worker thread)
             entered.set()
             assert go.wait(30)
         return materialize(self)

@@ -83,6 +83,24 @@ class _Loop:
 
 _loops: dict[int, _Loop] = {}  # id(worker) -> its loop, while running
 
+#: The thread an in-process worker's trio loop runs in (:func:`running`).
+LOOP_THREAD = "rsrv-test-worker"
+
+
+def threads_calling(monkeypatch, owner: Any, name: str) -> list[str]:
+    """Replace the function ``owner.name`` with one that records the name of the thread
+    each call runs in, then calls it; returns that (growing) list: whether work was
+    done off the event loop (:data:`LOOP_THREAD` not in it)."""
+    threads: list[str] = []
+    real = getattr(owner, name)
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return threads
+
 
 @contextmanager
 def running(config, **options) -> Iterator[Worker]:
@@ -109,7 +127,7 @@ def running(config, **options) -> Iterator[Worker]:
             started.set()
 
     loop = _loops[id(worker)] = _Loop(
-        threading.Thread(target=thread_main, name="rsrv-test-worker", daemon=True)
+        threading.Thread(target=thread_main, name=LOOP_THREAD, daemon=True)
     )
     loop.thread.start()
     try:
