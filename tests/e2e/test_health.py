@@ -109,7 +109,8 @@ def test_graceful_shutdown_is_not_serving_and_health_is_never_shed(repo, cache_d
             gate.set()
             stopping.join(30)
             assert not stopping.is_alive()
-            assert watch.wait_ended() == "UNAVAILABLE"  # the server closed the connection
+            assert watch.wait_ended() == "UNAVAILABLE"  # ended by the server's close, last thing
+            assert watch.ended_message == "server is shutting down"  # (not "Socket closed")
             assert watch.statuses == ["SERVING", "NOT_SERVING"]
     wait_until(lambda: answers, 10, "the held request's answer")
     assert matches(answers[0].as_numpy("y"), 0, X)

@@ -43,12 +43,14 @@ class Watch:
 
     ``statuses``: every status received, in order; ``ended``: the stream's end, as the
     gRPC code name (``"UNAVAILABLE"`` when the server went away, ``"CANCELLED"`` after
-    :meth:`close`), None while it is open. Use it as a context manager.
+    :meth:`close`), None while it is open, and ``ended_message`` its details. Use it as
+    a context manager.
     """
 
     def __init__(self, address: str, service: str = ""):
         self.statuses: list[str] = []
         self.ended: str | None = None
+        self.ended_message = ""
         self._channel = grpc.insecure_channel(address)
         stub = health_pb2_grpc.HealthStub(self._channel)
         self._call = stub.Watch(health_pb2.HealthCheckRequest(service=service))
@@ -61,6 +63,7 @@ class Watch:
                 self.statuses.append(status_name(response))
             self.ended = "OK"
         except grpc.RpcError as e:
+            self.ended_message = e.details()
             self.ended = e.code().name
 
     def wait_for(self, status: str, timeout: float = 20.0) -> None:

@@ -17,7 +17,8 @@ Guarantees:
 * ``Check`` never waits: it reads ``ready()`` once and answers.
 * ``Watch`` sends the current status at once, then every change, each within
   ``poll_seconds`` (0.25 s) of ``ready()`` changing, never the same status twice in a
-  row; it ends only when the client ends it or the server closes the connection. One
+  row; it ends only when the client ends it or the server stops (its close ends it
+  UNAVAILABLE, ``GrpcServer.close(ending=...)``). One
   task (:meth:`HealthService.run`) polls ``ready()`` for every stream, which waits
   without a timer of its own; at most ``max_watches`` streams are open at once (half
   the server's connection limit: :meth:`HealthService.beside`), more fail

@@ -124,11 +124,15 @@ class ServerCall:
 
     @property
     def idle(self) -> bool:
-        """A stream whose client's requests have all been answered (an open
-        ModelStreamInfer between requests): ending it now cuts nothing short."""
-        return not (self._closed or self.unary_request) and (
-            self._messages_in <= self._messages_out
-        )
+        """A stream whose client's requests have all been answered, so that ending it
+        now cuts nothing short: an open ModelStreamInfer between requests, a Health
+        Watch once it has sent a status (a unary call's one answer is followed by its
+        trailers at once)."""
+        if self._closed:
+            return False
+        if self.unary_request:
+            return self._messages_out >= 1
+        return self._messages_in <= self._messages_out
 
     @property
     def closed(self) -> bool:
