@@ -120,8 +120,6 @@ class ServerCall:
         self.recv_unacked = 0
         self.send_window = 0
 
-    # -- inbound, called by the connection's reader -----------------------------------
-
     @property
     def idle(self) -> bool:
         """A stream whose client's requests have all been answered, so that ending it
@@ -145,6 +143,8 @@ class ServerCall:
         if not self._closed:
             self.ended_by = reason
             self.scope.cancel()
+
+    # -- inbound, called by the connection's reader -----------------------------------
 
     def _on_data(self, data: bytes, flow: int) -> None:
         if self._closed:
