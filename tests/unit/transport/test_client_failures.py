@@ -278,3 +278,71 @@ async def test_a_unary_call_answered_with_many_messages_ends_at_the_second():
                     await trio.sleep(0.01)
     assert result.status is StatusCode.INTERNAL
     assert result.message == "the server sent more than one message for a unary call"
+
+
+async def test_a_stream_answered_with_many_tiny_messages_holds_them_as_bytes():
+    """(Every message was split out at once: a window of 2-byte messages took several
+    times its size in objects.) A stream's inbox holds a few; the rest wait as bytes,
+    and are read, every one, before the server's status ends the call; a message cut
+    short at the end still fails it."""
+    from rsrv.transport._endpoint import INBOX_LIMIT
+
+    async def handler(peer):
+        await peer.send(SETTINGS)
+        _, _, sid, _ = await peer.until(F.HEADERS)
+        tiny = b"".join(struct.pack(">?I", False, 2) + b"%02d" % (i % 100) for i in range(3000))
+        cut = struct.pack(">?I", False, 9) + b"abc" if peer.index else b""
+        await peer.send(
+            peer.headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+            + F.frame(F.DATA, 0, sid, tiny + cut)
+            + peer.headers(sid, [("grpc-status", "0")], end=True)
+        )
+        await trio.sleep(1)
+
+    async with raw_server(handler) as (port, _):
+        for cut_short in (False, True):
+            async with open_channel("127.0.0.1", port) as channel:
+                async with channel.stream(PATH) as call:
+                    await call.send(b"x")
+                    first = await call.__anext__()
+                    assert len(call._stream._inbox) <= INBOX_LIMIT + 1  # (the rest as bytes)
+                    rest = [m async for m in call]
+                assert [first, *rest] == [b"%02d" % (i % 100) for i in range(3000)]
+                if cut_short:
+                    assert (call.status, call.message) == (
+                        StatusCode.INTERNAL,
+                        "the server ended the call mid-message",
+                    )
+                else:
+                    assert call.status is StatusCode.OK
+
+
+async def test_a_stream_left_with_held_messages_unread_ends_without_a_reset():
+    """The server ended the stream (trailers) while messages of it wait unread: leaving
+    it early ends the call with the server's status, sending no RST_STREAM CANCEL for a
+    stream closed already."""
+    frames = []
+
+    async def handler(peer):
+        await peer.send(SETTINGS)
+        _, _, sid, _ = await peer.until(F.HEADERS)
+        tiny = (struct.pack(">?I", False, 2) + b"ok") * 100
+        await peer.send(
+            peer.headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+            + F.frame(F.DATA, 0, sid, tiny)
+            + peer.headers(sid, [("grpc-status", "0")], end=True)
+        )
+        with trio.move_on_after(1):
+            while True:
+                frames.append(await peer.frame())
+
+    async with raw_server(handler) as (port, _):
+        async with open_channel("127.0.0.1", port) as channel:
+            async with channel.stream(PATH) as call:
+                await call.send(b"x")
+                assert await call.__anext__() == b"ok"
+            assert call.status is StatusCode.OK  # (the server's: it had ended the call)
+            await trio.sleep(0.2)
+    # (one RST_STREAM NO_ERROR: our side of the stream was open, as grpc-go sends)
+    resets = [struct.unpack(">I", f[3])[0] for f in frames if f[0] == F.RST_STREAM]
+    assert resets == [F.NO_ERROR]
