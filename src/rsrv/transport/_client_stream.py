@@ -13,7 +13,6 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.transport import _frames as F
-from rsrv.transport._endpoint import INBOX_LIMIT
 from rsrv.transport._messages import MessageError, MessageReader, frame
 
 DEADLINE_MESSAGE = "deadline exceeded (client timeout)"  # a call's own deadline passed
@@ -87,7 +86,6 @@ class ClientStream:
         "_deferred",
         "_waiter",
         "_window",
-        "_ending",
     )
 
     def __init__(
@@ -115,9 +113,6 @@ class ClientStream:
         self._deferred = 0  # flow-controlled bytes not yet acknowledged
         self._waiter: trio.lowlevel.Task | None = None  # the caller, parked in _wait
         self._window: trio.Event | None = None
-        # the server's trailers while messages it sent are still held back (the
-        # status is final once they have been read)
-        self._ending: tuple[StatusCode, str] | None = None
 
     # -- from the reader ----------------------------------------------------------------
 
@@ -147,9 +142,6 @@ class ClientStream:
         self._end_sending()
         if grpc is not None:
             code = _status_of(grpc)
-            if self._inbox and self._reader.partial and not self.unary:
-                self._end_after_reading(code, message)
-                return
             if code == StatusCode.OK and self._reader.partial:
                 code, message = StatusCode.INTERNAL, "the server ended the call mid-message"
             self._finish(code, message)
@@ -159,38 +151,31 @@ class ClientStream:
             self._finish(StatusCode.INTERNAL, "the server ended the call without a grpc-status")
 
     def _on_data(self, data: bytes, flow: int) -> None:
-        if self.done or self._ending is not None:
+        if self.done:
             self.conn.acknowledge(None, flow)
             return
         if self._reader is None:
             self.conn.acknowledge(None, flow)
             self._abort(StatusCode.INTERNAL, "the server sent DATA before its headers")
             return
-        if not self._split(data):
-            self.conn.acknowledge(None, flow)
-            return
-        self.conn.received(self, flow)
-        self._wake()
-
-    def _split(self, data: bytes = b"") -> bool:
-        """Add the messages ``data`` completes to the inbox: a unary call's, at most the
-        one too many (which ends it); a stream's, up to one more than INBOX_LIMIT (flow
-        control then stops), the reader keeping the rest as bytes for :meth:`_refill`
-        (a server sending a window of tiny messages would otherwise take several times
-        its window in objects). False once that ended the call."""
-        room = 2 - len(self._inbox) if self.unary else max(INBOX_LIMIT + 1 - len(self._inbox), 0)
+        # (a unary call's: at most the one too many; a server sending a window of tiny
+        # messages would otherwise take several times its window in objects)
+        room = 2 - len(self._inbox) if self.unary else None
         for message in self._reader.feed(data, room):
             if isinstance(message, MessageError):
+                self.conn.acknowledge(None, flow)
                 status = message.status
                 self._abort(status.status_code, status.status_message)
-                return False
+                return
             self._inbox.append(message)
         if self.unary and len(self._inbox) > 1:
+            self.conn.acknowledge(None, flow)
             self._abort(
                 StatusCode.INTERNAL, "the server sent more than one message for a unary call"
             )
-            return False
-        return True
+            return
+        self.conn.received(self, flow)
+        self._wake()
 
     def _on_end(self) -> None:
         if not self.done:
@@ -207,30 +192,7 @@ class ClientStream:
             self.conn.flush()
 
     def _refill(self) -> None:
-        """Split out what the reader held back while the inbox was full (called as a
-        message is taken, see Http2Endpoint.take_message); once the server's trailers
-        came and every message has been read, the call ends with their status."""
-        if self._reader is not None and self._reader.partial and not self.done:
-            self._split()
-        if self._ending is not None and not self._inbox:
-            code, message = self._ending
-            self._ending = None
-            if code == StatusCode.OK and self._reader.partial:
-                code, message = StatusCode.INTERNAL, "the server ended the call mid-message"
-            self._finish(code, message)
-
-    def _end_after_reading(self, code: StatusCode, message: str) -> None:
-        """The trailers, while messages are held back unread: the stream is over for
-        the connection (nothing more to acknowledge), and the call ends with ``code``
-        once its messages have been read (:meth:`_refill`)."""
-        self._ending = (code, message)
-        self._closed = True
-        if self._deferred:
-            self.conn.acknowledge(None, self._deferred)
-            self._deferred = 0
-        self.conn.forget(self)
-        self._wake()
-        self._window_opened()  # (a send waiting for window: the call has ended)
+        """(Nothing held back: answers are split out as they arrive.)"""
 
     def _on_reset(self, code: int) -> None:
         if self.done:
@@ -267,11 +229,8 @@ class ClientStream:
         await trio.lowlevel.wait_task_rescheduled(abort)
 
     def _abort(self, code: StatusCode, message: str) -> None:
-        """End the stream on our side: RST_STREAM CANCEL (unless the server's trailers
-        closed it already: messages of it were left unread), status ``code``."""
-        if self._ending is None:
-            self.conn.reset_stream(self.id, F.CANCEL)
-        self._ending = None
+        """End the stream on our side: RST_STREAM CANCEL, status ``code``."""
+        self.conn.reset_stream(self.id, F.CANCEL)
         self._finish(code, message)
         self.conn.flush()
 
@@ -297,8 +256,6 @@ class ClientStream:
         DEADLINE_EXCEEDED past the call's deadline) if part of the message has gone
         out, since the rest can never follow; if none has, the call goes on as if this
         send had not been made. One task sends at a time."""
-        if self._ending is not None:  # (the server ended it: its last messages are unread)
-            raise CallEnded(f"the call has ended ({self._ending[0]})")
         if self.done or self.half_closed:
             raise CallEnded(f"the call has ended ({self.status})" if self.done else "half-closed")
         if len(payload) > self.conn.max_send:
@@ -327,8 +284,8 @@ class ClientStream:
                     else:
                         self.cancel(message="the call was cancelled in the middle of a message")
                     raise
-                if self.done or self._ending is not None:
-                    raise CallEnded(f"the call has ended ({self.status or self._ending[0]})")
+                if self.done:
+                    raise CallEnded(f"the call has ended ({self.status})")
             ended = end
         finally:
             self._sending = False
@@ -347,7 +304,7 @@ class ClientStream:
         """Half-close: tell the server no more messages follow (idempotent). During
         another task's :meth:`send`, the end follows that message (or goes at once if
         that send is cancelled before any of it went out)."""
-        if self.done or self._ending is not None:
+        if self.done:
             return
         if self._sending:
             self._end_asked = self.half_closed = True
@@ -356,7 +313,7 @@ class ClientStream:
             self._write_end()
 
     def _write_end(self) -> None:
-        if not self.done and self._ending is None:
+        if not self.done:
             self.conn.queue(F.frame(F.DATA, F.END_STREAM, self.id))
             self.conn.flush()
 
@@ -379,14 +336,8 @@ class ClientStream:
         return messages
 
     def cancel(self, code: StatusCode = StatusCode.CANCELLED, message: str = "") -> None:
-        """End the call now (RST_STREAM CANCEL) unless it has ended; never raises. (A
-        call whose server has ended it, messages of it left unread, ends with the
-        server's status.)"""
-        if self._ending is not None:
-            code, message = self._ending
-            self._ending = None
-            self._finish(code, message)
-        elif not self.done:
+        """End the call now (RST_STREAM CANCEL) unless it has ended; never raises."""
+        if not self.done:
             self._abort(code, message or "the call was cancelled by the client")
 
 
