@@ -21,7 +21,6 @@ import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.config import GatewayConfig, join_address, split_address, unusable_tls
-from rsrv.errors import Unavailable
 from rsrv.gateway._admin import serve_gateway_admin
 from rsrv.gateway._control import GatewayControl
 from rsrv.gateway._discovery import Discovery
@@ -276,6 +275,6 @@ class Gateway:
             log.warning(
                 "shutdown grace period expired with %d call(s) in flight", self.admission.inflight
             )
-        await self.server.close(ending=Unavailable("server is shutting down", retry_after=0.0))
+        await self.server.close(ending=self.admission.refusal())
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()

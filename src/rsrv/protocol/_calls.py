@@ -137,8 +137,15 @@ class Admission:
         self.closed = True
 
     def check_open(self) -> None:
-        if self.closed:  # not processed: a client may retry (elsewhere, or after a restart)
-            raise Unavailable("server is shutting down", retry_after=0.0)
+        if self.closed:
+            raise self.refusal()
+
+    @staticmethod
+    def refusal() -> Unavailable:
+        """What a call the draining server did not process gets (with a retry pushback:
+        a client may send it again, elsewhere or after a restart); a stream left open
+        when the server stops is ended with it too."""
+        return Unavailable("server is shutting down", retry_after=0.0)
 
     def __enter__(self):
         self.check_open()

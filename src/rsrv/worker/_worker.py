@@ -318,7 +318,7 @@ class Worker:
         log.info("shutdown: released %d shared memory region(s); stopping", regions)
         # The last answers are flushed, open streams (idle now) are ended UNAVAILABLE,
         # then GOAWAY: clients see a clean end.
-        await self.server.close(ending=Unavailable("server is shutting down", retry_after=0.0))
+        await self.server.close(ending=self.admission.refusal())
         if self.http_port is not None:  # its answers under way (503s too) are finished
             self.rest_stop.set()
             with trio.move_on_after(REST_CLOSE_SECONDS):
