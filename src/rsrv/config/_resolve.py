@@ -93,7 +93,7 @@ def _backend(node: NodeConfig, env: Mapping[str, str]) -> str:
 
 
 def _entries(
-    node: NodeConfig, backend: str, devices: list[str] | None, env: Mapping[str, str]
+    node: NodeConfig, backend: str, devices: list[str] | None, env: Mapping[str, str], where: str
 ) -> list[WorkerEntry]:
     """The file's workers, else worker0..N-1: one per device, or ``cpu_workers``.
     Raises ConfigError for an ``INFERENCE_SERVER_CPU_WORKERS`` that does not parse, or
@@ -113,7 +113,37 @@ def _entries(
         count = node.cpu_workers if text is None else int(text)
     else:
         count = max(1, len(devices or ()))
+    _check_port_room(node, count, env, where)
     return [WorkerEntry(name=f"worker{i}") for i in range(count)]
+
+
+def _check_port_room(node: NodeConfig, count: int, env: Mapping[str, str], where: str) -> None:
+    """Raise, before any of them is resolved, the error :func:`_resolve_one` would give
+    the first of ``count`` numbered workers whose derived port passes 65535 (each worker
+    takes milliseconds to resolve: minutes, for a count in the millions)."""
+    if count > 65535:
+        raise ConfigError(f"{where}: {count} workers: more than there are ports for them")
+    grpc = node.base_port
+    what = f"base_port {grpc}"
+    if grpc is None:
+        offset = _WORKER_PORT_OFFSET if count > 1 else 0
+        grpc, what = node.port + offset, f"port {node.port} + {offset} (base_port unset)"
+    first = []
+    for key, base, base_what in (
+        ("port", grpc, what),
+        ("metrics_port", node.metrics_base_port, f"metrics_base_port {node.metrics_base_port}"),
+        ("http_port", node.http_base_port, f"http_base_port {node.http_base_port}"),
+    ):
+        explicit = getattr(node.global_.endpoints, key) is not None
+        if base is None or explicit or f"{ENV_PREFIX}ENDPOINTS_{key.upper()}" in env:
+            continue  # (not derived: every worker has the same one)
+        if base + count - 1 > 65535:
+            first.append((max(65536 - base, 0), base_what))
+    if first:
+        index, what = min(first, key=lambda item: item[0])
+        raise ConfigError(
+            f"{where}: worker 'worker{index}': {what} + worker index {index} exceeds 65535"
+        )
 
 
 _NUMBERED = re.compile(r"worker[0-9]+")
@@ -368,7 +398,7 @@ def plan_node(
     devices, found = [], ""
     if backend != "cpu" and may_detect:  # (the number of workers may follow)
         devices, found = detect_devices(node, device_env, where)
-    entries = _entries(node, backend, devices if found else None, env)
+    entries = _entries(node, backend, devices if found else None, env, where)
     _check_node(node, entries, where, count_known=detect or bool(node.workers))
     base_port = node.base_port
     if base_port is None:

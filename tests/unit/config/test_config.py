@@ -706,6 +706,14 @@ def test_a_pin_on_a_worker_the_machine_decides_is_checked_on_the_machine(tmp_pat
             "port: 65500\ncpu_workers: 2",
             "port 65500 + 100 (base_port unset) + worker index 0 exceeds 65535",
         ),
+        # Refused before any worker is resolved (a few ms each: it took minutes).
+        (
+            "cpu_workers: 60000",
+            "worker 'worker57435': port 8001 + 100 (base_port unset) + worker index 57435 "
+            "exceeds 65535",
+        ),
+        ("cpu_workers: 60000\nmetrics_base_port: 65000", "worker 'worker536': metrics_base_port"),
+        ("cpu_workers: 99999999", "99999999 workers: more than there are ports for them"),
     ],
 )
 def test_port_collisions_rejected(tmp_path, yaml, message):
