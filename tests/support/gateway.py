@@ -82,16 +82,18 @@ def client_call(method: str, service: str = INFERENCE) -> SimpleNamespace:
 
 class FakeDiscovery:
     """What the forwarder and the services use of Discovery: its interval (retry
-    pushback), the wake-ups calls give it (counted), and refreshes (counted; each runs
-    ``on_refresh``, which stands for the round)."""
+    pushback), the wake-ups calls give it (counted; each runs ``on_wake``), and
+    refreshes (counted; each runs ``on_refresh``): the hooks stand for the round."""
 
-    def __init__(self, interval_seconds: float = 2.0, on_refresh=lambda: None):
+    def __init__(self, interval_seconds: float = 2.0, on_refresh=lambda: None, on_wake=None):
         self.settings = SimpleNamespace(interval_seconds=interval_seconds)
         self.on_refresh = on_refresh
+        self.on_wake = on_wake or (lambda: None)
         self.wakes = self.stales = self.changes = self.refreshes = 0
 
     def wake(self) -> None:
         self.wakes += 1
+        self.on_wake()
 
     def stale(self) -> None:
         self.stales += 1

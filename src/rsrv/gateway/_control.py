@@ -16,6 +16,7 @@ import trio
 
 from rsrv.config import MAX_FILL_FACTOR, ConfigError, ModelPlacementConfig, SchedulingConfig
 from rsrv.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from rsrv.gateway._discovery import Discovery
 from rsrv.gateway._fill import INFLIGHT_WARNING, FillRouter, fill_quantum
 from rsrv.gateway._placement import ALL_REPLICAS
 from rsrv.gateway._scheduling import Scheduling, fill_settings, packing_settings
@@ -63,9 +64,9 @@ def _method(name: str, handler, request_type) -> Method:
 class GatewayControl:
     """The control service of one gateway; :meth:`methods` is its table."""
 
-    def __init__(self, scheduling: Scheduling, wake_discovery):
+    def __init__(self, scheduling: Scheduling, discovery: Discovery):
         self.scheduling = scheduling
-        self.wake_discovery = wake_discovery
+        self.discovery = discovery
         self.generation = 0
 
     def methods(self) -> list[Method]:
@@ -133,6 +134,7 @@ class GatewayControl:
             rates=planner.rates if planner else None,
             fill=fill,
             policy=planner.settings.placement if planner else None,
+            ready_workers=len(s.fleet.ready),
         )
         workers = worker_views(
             ledger=s.ledger,
@@ -246,6 +248,10 @@ class GatewayControl:
         if not name:
             raise InvalidArgument("name is empty")
         if name not in s.fleet.routes and not request.allow_unknown_model:
+            await self.discovery.changes_seen()  # (loaded through the gateway a moment ago)
+            if name not in s.fleet.routes:
+                await self.discovery.refresh()
+        if name not in s.fleet.routes and not request.allow_unknown_model:
             raise NotFound(
                 f"model {name!r} is not served by any ready worker "
                 "(allow_unknown_model, or --allow-unknown on the command line, places it ahead "
@@ -303,13 +309,15 @@ class GatewayControl:
     async def repack(self, request, call: ServerCall) -> pb.RepackResponse:
         self._require_packing("Repack")
         if math.isnan(request.wait_seconds) or request.wait_seconds < 0:
-            raise InvalidArgument("wait_seconds must be >= 0")  # (larger ones are clamped)
+            raise InvalidArgument(  # (larger ones are clamped)
+                f"wait_seconds must be a number >= 0, not {request.wait_seconds:g}"
+            )
         wait = min(request.wait_seconds, MAX_WAIT_SECONDS)
         s = self.scheduling
         if wait > 0 and not s.fleet.ready:
             raise Unavailable("no worker is ready: a repack cannot run")
         sequence = s.request_repack()
-        self.wake_discovery()
+        self.discovery.wake()
         clock = s.planner.clock
         start = trio.current_time()
         with trio.move_on_after(wait):

@@ -89,7 +89,7 @@ class Gateway:
             grpc.max_requests_per_stream,
             grpc.max_message_bytes,
         )
-        self.control = GatewayControl(self.scheduler, self.discovery.wake)
+        self.control = GatewayControl(self.scheduler, self.discovery)
         self.stopping = False
         self.port: int | None = None
         self._nursery: trio.Nursery | None = None

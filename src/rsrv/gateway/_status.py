@@ -69,11 +69,14 @@ def model_views(
     rates: ArrivalRates | None = None,
     fill: FillSettings | None = None,
     policy: PlacementPolicy | None = None,
+    ready_workers: int = 0,
 ) -> tuple[ModelView, ...]:
     """One view per model discovered, placed or measured, sorted by name.
 
     ``routes``: model -> discovered workers. ``result``/``rates``/``fill``/``policy``: the
-    lpt_packing state (None outside lpt_packing).
+    lpt_packing state (None outside lpt_packing); there, a model's effective replicas
+    are its configured count clamped to the ``ready_workers`` (what the next repack
+    places, and what SetModelPlacement answers); elsewhere, the workers serving it.
     """
     placements = result.placements if result else {}
     names = sorted(set(routes) | set(placements) | set(meta.models))
@@ -92,7 +95,9 @@ def model_views(
             ModelView(
                 name=name,
                 configured_replicas=policy.configured(name) if policy else ALL_REPLICAS,
-                effective_replicas=len(pairs),
+                effective_replicas=(
+                    policy.effective(name, ready_workers) if policy else len(pairs)
+                ),
                 replicas=tuple(
                     ReplicaView(w, weight, ledger.outstanding(name, w), ledger.routed(name, w))
                     for w, weight in pairs

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from support.gateway import packed
+from support.gateway import FakeDiscovery, packed, serve_models
 
 from rsrv.config import MAX_FILL_FACTOR
-from rsrv.errors import InvalidArgument
+from rsrv.errors import InvalidArgument, NotFound
 from rsrv.gateway._control import GatewayControl
 from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
 
@@ -20,7 +20,7 @@ from rsrv.protocol.generated.rsrv.gateway.v1 import gateway_pb2 as pb
 @pytest.fixture
 def control() -> GatewayControl:
     _, scheduling = packed("w0", "w1")  # "m", max batch 8
-    return GatewayControl(scheduling, lambda: None)
+    return GatewayControl(scheduling, FakeDiscovery())
 
 
 def routes(control: GatewayControl) -> None:
@@ -85,20 +85,40 @@ async def test_set_placement_answers_the_counts_the_status_shows(
     assert (clamped in answer.warnings) == (configured > 2)
     status = await control.status(pb.GetSchedulingStatusRequest(), None)
     (model,) = status.models
-    assert model.configured_replicas == configured
+    # (the status gave the replicas placed, 1, until the next repack)
+    assert (model.configured_replicas, model.effective_replicas) == (configured, effective)
     assert status.policy.generation == control.generation == 1
+
+
+async def test_set_placement_waits_for_the_round_showing_a_model_just_loaded():
+    """A load through the gateway, then set-replicas at once: it waits for the discovery
+    round that shows the model (it answered NOT_FOUND), and is NOT_FOUND only when
+    that round does not show it."""
+    fleet, scheduling = packed("w0", "w1")
+
+    def round_finds_n():
+        for worker in fleet.workers:
+            serve_models(worker, ["m", "n"])
+        fleet.rebuild_routes()
+
+    discovery = FakeDiscovery(on_refresh=round_finds_n)
+    control = GatewayControl(scheduling, discovery)
+    answer = await control.set_placement(pb.SetModelPlacementRequest(name="n", replicas=2), None)
+    assert (answer.configured_replicas, answer.effective_replicas, discovery.refreshes) == (2, 2, 1)
+    with pytest.raises(NotFound, match="model 'gone' is not served by any ready worker"):
+        await control.set_placement(pb.SetModelPlacementRequest(name="gone", replicas=2), None)
 
 
 @pytest.mark.parametrize("wait", [1e9, math.inf])
 async def test_a_repack_wait_past_its_cap_is_clamped(autojump_clock, wait):
     """At most 120 s: an infinite wait too (it was refused "must be >= 0")."""
     _, scheduling = packed("w0", "w1")
-    control = GatewayControl(scheduling, scheduling.tick)  # (the round it wakes ticks)
+    control = GatewayControl(scheduling, FakeDiscovery(on_wake=scheduling.tick))  # (a round ticks)
     answer = await control.repack(pb.RepackRequest(wait_seconds=wait), None)
     assert answer.completed
 
 
-@pytest.mark.parametrize("wait", [-1.0, math.nan])
-async def test_a_negative_or_nan_repack_wait_is_refused(control, wait):
-    with pytest.raises(InvalidArgument, match="wait_seconds must be >= 0"):
+@pytest.mark.parametrize(("wait", "shown"), [(-1.0, "-1"), (math.nan, "nan")])
+async def test_a_negative_or_nan_repack_wait_is_refused(control, wait, shown):
+    with pytest.raises(InvalidArgument, match=f"wait_seconds must be a number >= 0, not {shown}$"):
         await control.repack(pb.RepackRequest(wait_seconds=wait), None)

@@ -59,11 +59,13 @@ def test_lpt_views_report_placement_load_and_memory():
             rates=rates,
             fill=fill,
             policy=policy,
+            ready_workers=1,
         )
     }
     assert list(views) == ["a", "b", "d", "new"]
     a = views["a"]
-    assert (a.configured_replicas, a.effective_replicas, a.placed, a.drifted) == (2, 2, True, False)
+    # effective: the configured 2 clamped to the one ready worker (placed on two before)
+    assert (a.configured_replicas, a.effective_replicas, a.placed, a.drifted) == (2, 1, True, False)
     assert a.replicas == (ReplicaView("w0", 0.5, 3, 2), ReplicaView("w1", 0.5, 0, 0))
     assert (a.utilization, a.arrival_rate, a.cost_seconds) == (0.5, 10.0, 0.05)
     assert (a.max_batch, a.fill_mode, a.fill_quantum, a.weight_bytes) == (8, "run", 8, 6 * GB)
