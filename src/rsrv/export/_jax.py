@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import tree_unflatten
 
-from rsrv.export._program import Program, export_program, flatten_weights
+from rsrv.export._program import Program, export_program, flatten_weights, number_as_weight
 
 
 def export_jax(fn: Callable[..., Any], params: Any, **options: Any) -> Path:
@@ -29,8 +29,9 @@ def export_jax(fn: Callable[..., Any], params: Any, **options: Any) -> Path:
         return fn(tree_unflatten(treedef, ws), *xs)
 
     source = jax.jit(fn)  # the source's own path: jax.jit with params as arguments
+    typed = tree_unflatten(treedef, [number_as_weight(leaf) for leaf in leaves])
 
     def reference(*xs):
-        return source(jax.tree.map(jnp.asarray, params), *map(jnp.asarray, xs))
+        return source(jax.tree.map(jnp.asarray, typed), *map(jnp.asarray, xs))
 
     return export_program(Program(call, names, leaves, reference), **options)

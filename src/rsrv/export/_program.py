@@ -394,6 +394,13 @@ def as_outputs(result: Any, outputs: Sequence[Output]) -> tuple:
 _PYTHON_NUMBERS = {bool: np.bool_, int: np.int32, float: np.float32}
 
 
+def number_as_weight(leaf: Any) -> Any:
+    """A Python number as the weight it becomes (an array of jax's default dtype, no
+    longer weakly typed); any other leaf as it is."""
+    dtype = _PYTHON_NUMBERS.get(type(leaf))
+    return leaf if dtype is None else np.asarray(leaf, dtype)
+
+
 def _weight_array(name: str, leaf: Any) -> np.ndarray:
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -405,7 +412,7 @@ def _weight_array(name: str, leaf: Any) -> np.ndarray:
     try:
         # A Python number takes jax's default dtype (jax would trace it weakly typed; a
         # weight has a dtype): np.asarray would make a float float64, switching x64 on.
-        array = np.asarray(leaf, _PYTHON_NUMBERS.get(type(leaf)))
+        array = np.asarray(number_as_weight(leaf))
     except (TypeError, ValueError, OverflowError) as e:
         raise ExportError(f"weight {name!r} is not an array: {type(leaf).__name__} ({e})") from None
     try:

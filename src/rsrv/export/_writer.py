@@ -81,8 +81,12 @@ def write_bundle(
     staging directory is removed and ``out_dir`` is left as it was."""
     from safetensors.numpy import save_file
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    made = _make_parents(out_dir.parent)  # (removed again when refused)
+    try:
+        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
+    except BaseException:
+        _remove_made(made)
+        raise
     try:
         doc = {k: v for k, v in msgspec.to_builtins(manifest).items() if v not in (None, {}, [])}
         (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
@@ -107,8 +111,31 @@ def write_bundle(
         _swap_in(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_made(made)
         raise
     return out_dir
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents; returns those it created, deepest
+    first."""
+    missing = []
+    for d in (directory, *directory.parents):
+        if d.exists():
+            break
+        missing.append(d)
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_made(made: list[Path]) -> None:
+    """Remove the directories :func:`_make_parents` created, while empty (a refused
+    export writes nothing)."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from rsrv.export import (
     export_model,
     framework_of,
 )
+from rsrv.export._parity import TOLERANCES
 
 SIZES = [1, 4, 8]
 # a fixed provenance: byte-comparable manifests
@@ -448,11 +450,92 @@ def test_parity_gate_catches_rows_that_depend_on_the_batch(tmp_path, sizes):
         )
     assert str(info.value).startswith(
         "PARITY: output 'y' at batch size 4 differs from the "
-        "source framework (the same row in a batch of 4)"
+        "source framework (row 0 of the same batch of 4)"
     )
     assert "the other rows zero as the server pads them" in str(info.value)
     assert "Rows are not computed independently" in str(info.value)
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("fn", "caught"),
+    [
+        # (row 0 alone answers as in the batch: the first row's check passed these)
+        (lambda p, x: jnp.cumsum(x, axis=0) * p["w"], "row 3 of the same batch of 4"),
+        (lambda p, x: x - x[:1] + p["w"], "row 3 of the same batch of 4"),
+        (lambda p, x: x + jnp.arange(x.shape[0])[:, None] * p["w"], "in reverse order"),
+    ],
+)
+def test_parity_gate_catches_rows_that_depend_on_earlier_rows(tmp_path, fn, caught):
+    """A row's answer that depends on the rows before it, or on where it sits in the
+    batch: served, a request's rows sit anywhere in a batch, beside other requests'
+    (these exported, and one client's rows changed the answers of another). Refused,
+    it leaves nothing, not even the parents of ``out_dir`` it made (they were left)."""
+    with pytest.raises(ExportError, match=re.escape(caught)):
+        export_jax(
+            fn,
+            {"w": np.float32(2.0)},
+            inputs=[Input("x", np.float32, ("n", 3))],
+            outputs=["y"],
+            batch_sizes=[4],
+            out_dir=tmp_path / "new" / "repo" / "m",
+        )
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_parity_tolerance_follows_a_low_precision_output(tmp_path, dtype, caplog):
+    """The same rows at two batch sizes differ in their last bits in bf16 and f16 (jax
+    itself answers so): with f32's tolerance the gate refused such a model, blaming
+    batching; an explicit tolerance still applies to every output."""
+    caplog.set_level("INFO", logger="rsrv.export")
+    rng = np.random.default_rng(0)
+    d = 512
+    params = {k: (rng.standard_normal((d, d)) / np.sqrt(d)).astype(dtype) for k in "ab"}
+    options = dict(inputs=[Input("x", dtype, ("n", d))], outputs=["y"], batch_sizes=[1, 4, 16, 64])
+
+    def mlp(p, x):
+        return jax.nn.gelu(x @ p["a"]) @ p["b"]
+
+    export_jax(mlp, params, out_dir=tmp_path / "m", **options)
+    rtol, atol = TOLERANCES[np.dtype(dtype).name]
+    assert any(f"(rtol {rtol:g}, atol {atol:g})" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ExportError, match="within rtol 0.0001, atol 1e-05"):
+        export_jax(mlp, params, out_dir=tmp_path / "n", parity=Parity(1e-4, 1e-5), **options)
+
+
+def test_parity_make_inputs_of_another_dtype_or_shape_is_refused(tmp_path):
+    """It ran, and failed with the runtime's own error (JaxRuntimeError: ... f64[2,3])."""
+    options = dict(
+        inputs=[Input("x", np.float32, ("n", 3))],
+        outputs=["y"],
+        batch_sizes=[2],
+        out_dir=tmp_path / "m",
+    )
+    made = Parity(make_inputs=lambda n: [np.random.default_rng(0).standard_normal((n, 3))])
+    with pytest.raises(
+        ExportError,
+        match=r"returned float64\[2, 3\] for input 'x', which is "
+        r"float32\[2, 3\]",
+    ):
+        export_jax(lambda p, x: x * 2, {}, parity=made, **options)
+    made = Parity(make_inputs=lambda n: [])
+    with pytest.raises(ExportError, match=r"make_inputs\(2\) returned 0 arrays for 1 inputs"):
+        export_jax(lambda p, x: x * 2, {}, parity=made, **options)
+
+
+def test_a_python_number_weight_passes_the_gate_with_a_low_precision_input(tmp_path):
+    """The number is an f32 weight (specs/export.md section 2): the gate's reference ran
+    it weakly typed (bf16 out), so such a model was always refused."""
+    out = export_jax(
+        lambda p, x: x * p["s"],
+        {"s": 2.0},
+        inputs=[Input("x", jnp.bfloat16, ("n", 3))],
+        outputs=["y"],
+        batch_sizes=[2],
+        out_dir=tmp_path / "m",
+    )
+    assert manifest(out)["executable_outputs"][0]["dtype"] == "f32"
 
 
 def test_parity_gate_compares_smaller_sizes_with_the_same_rows_of_the_largest(tmp_path):
