@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import re
 import sys
 import weakref
@@ -31,6 +32,7 @@ from rsrv.errors import BundleError
 
 UNBATCHED = 0  # module key of a model without a batch axis
 _MODULE_RE = re.compile(r"model(?:\.b([1-9][0-9]*))?\.mlir")  # (no b01 beside b1)
+_MODULE_LIKE = re.compile(r"model\.b.*\.mlir")  # (b01, b0, bx: refused, not ignored)
 _IDENT = re.compile(r"\W")
 _import_counter = itertools.count()
 
@@ -80,8 +82,24 @@ class Bundle:
         return self.weights.nbytes if self.weights else 0
 
 
+def regular_file(file: Path) -> bool:
+    """Whether ``file`` is a regular file (symbolic links followed): True; False when
+    nothing is there. BundleError for anything else in its place, which would otherwise
+    be taken for no file at all (a dangling or looping symbolic link, a directory) or
+    hang its reader (a FIFO)."""
+    if file.is_file():
+        return True
+    if not os.path.lexists(file):
+        return False
+    if file.is_symlink():
+        what = "a symbolic link that does not lead to a file"
+    else:
+        what = "a directory" if file.is_dir() else "not a regular file"
+    raise BundleError(f"{file}: {what}")
+
+
 def find_manifest(path: Path) -> Path | None:
-    found = [path / n for n in MANIFEST_NAMES if (path / n).is_file()]
+    found = [path / n for n in MANIFEST_NAMES if regular_file(path / n)]
     if len(found) > 1:
         raise BundleError(f"{path}: more than one manifest ({', '.join(p.name for p in found)})")
     return found[0] if found else None
@@ -99,7 +117,7 @@ def load_bundle(path: Path, name: str | None = None) -> Bundle:
     sig = resolve_manifest(manifest, manifest_path, name)
 
     model_py = path / "model.py"
-    has_py = model_py.is_file()
+    has_py = regular_file(model_py)
     for field, given in (
         ("client_inputs", manifest.client_inputs),
         ("client_outputs", manifest.client_outputs),
@@ -129,7 +147,7 @@ def load_bundle(path: Path, name: str | None = None) -> Bundle:
         return Bundle(name, path, manifest_path, manifest, sig, {}, None, hooks, {})
 
     weights_path = path / "weights.safetensors"
-    if not weights_path.is_file():
+    if not regular_file(weights_path):
         raise BundleError(f"{weights_path}: missing (every model bundle has a weights file)")
     try:
         weights = read_weights_header(weights_path)
@@ -223,7 +241,13 @@ def _discover_modules(path: Path, sig: Signature, manifest_path: Path) -> dict[i
     for file in path.iterdir():
         m = _MODULE_RE.fullmatch(file.name)
         if m:
+            regular_file(file)  # (raises for anything else)
             present[int(m.group(1)) if m.group(1) else None] = file
+        elif _MODULE_LIKE.fullmatch(file.name):
+            raise BundleError(
+                f"{file}: not a module name: model.b<N>.mlir takes a batch size N from 1, "
+                "without leading zeros"
+            )
     declared = sig.compiled_batch_sizes
     if not declared:
         extra = sorted(k for k in present if k is not None)

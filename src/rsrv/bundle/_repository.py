@@ -4,6 +4,7 @@ holding one bundle (version 1) or numbered version directories of bundles."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from rsrv.bundle._loader import Bundle, load_bundle
@@ -15,10 +16,18 @@ log = logging.getLogger("rsrv.bundle")
 
 
 def has_manifest(path: Path) -> bool:
-    """``path`` holds a manifest file (one or more: load_bundle reports two). Raises
-    BundleError when it cannot be read (no permission: it may hold one)."""
+    """``path`` holds a manifest (one or more: load_bundle reports two), or something
+    named as one (a dangling symbolic link: load_bundle says what is wrong with it, where
+    skipping the directory would hide the model). Raises BundleError when it cannot be
+    read (no permission: it may hold one)."""
     try:
-        return any((path / name).is_file() for name in MANIFEST_NAMES)
+        for name in MANIFEST_NAMES:
+            try:
+                os.lstat(path / name)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            return True
+        return False
     except OSError as e:
         raise BundleError(f"{path}: cannot be read: {e.strerror or e}") from None
 

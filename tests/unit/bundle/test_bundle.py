@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import struct
@@ -320,7 +321,53 @@ def test_a_module_named_with_leading_zeros_is_not_a_module(tiny_bundle):
     """(model.b01.mlir would stand for batch size 1 beside model.b1.mlir, one of them
     dropped by directory order)"""
     (tiny_bundle / "model.b1.mlir").rename(tiny_bundle / "model.b01.mlir")
-    assert error(tiny_bundle).startswith(f"{tiny_bundle}/model.b1.mlir: missing")
+    assert error(tiny_bundle) == (
+        f"{tiny_bundle}/model.b01.mlir: not a module name: model.b<N>.mlir takes a batch "
+        "size N from 1, without leading zeros"
+    )
+
+
+@pytest.mark.parametrize("name", ["model.b0.mlir", "model.b1x.mlir"])
+def test_another_model_b_mlir_is_refused_not_ignored(tiny_bundle, name):
+    """specs/bundle.md section 4: no other model.b*.mlir (they were passed over)."""
+    shutil.copy(tiny_bundle / "model.b1.mlir", tiny_bundle / name)
+    assert error(tiny_bundle).startswith(f"{tiny_bundle}/{name}: not a module name")
+
+
+@pytest.mark.parametrize("file", ["model.py", "weights.safetensors", "model.b1.mlir"])
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        ("dangling", "a symbolic link that does not lead to a file"),
+        ("loop", "a symbolic link that does not lead to a file"),
+        ("directory", "a directory"),
+        ("fifo", "not a regular file"),
+    ],
+)
+def test_a_bundle_file_that_is_not_a_regular_file_is_refused(tiny_bundle, file, kind, what):
+    """A dangling model.py was taken for none (the model served without its hooks); a
+    FIFO module hung the loader; a looping weights file was reported missing."""
+    path = tiny_bundle / file
+    path.unlink(missing_ok=True)
+    if kind == "dangling":
+        path.symlink_to(tiny_bundle / "nowhere")
+    elif kind == "loop":
+        path.symlink_to(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    assert error(tiny_bundle) == f"{path}: {what}"
+
+
+def test_a_dangling_manifest_is_a_model_that_fails_not_nothing(tiny_bundle):
+    """A model directory whose manifest is a dangling link was skipped by discovery
+    (the repository and `rsrv bundle check REPO` said nothing of it)."""
+    manifest = tiny_bundle / "manifest.yaml"
+    manifest.unlink()
+    manifest.symlink_to(tiny_bundle / "gone.yaml")
+    assert discover(tiny_bundle.parent) == [tiny_bundle]
+    assert error(tiny_bundle) == f"{manifest}: a symbolic link that does not lead to a file"
 
 
 def test_undeclared_extra_module(tiny_bundle):
