@@ -31,15 +31,21 @@ from rsrv.bundle._repository import (
     scan,
     version_policy_of,
 )
-from rsrv.bundle._safetensors import ORDER_KEY, WeightInfo, WeightsFile, read_weights_header
+from rsrv.bundle._safetensors import (
+    ORDER_KEY,
+    WeightInfo,
+    WeightsFile,
+    file_identity,
+    read_weights_header,
+)
 from rsrv.bundle._stablehlo import ArgType, ModuleSignature, read_module, read_signature
 
 __all__ = [
     "BATCH_LETTER", "FORMAT_VERSION", "MANIFEST_NAMES", "ORDER_KEY", "UNBATCHED", "ArgType",
     "Batching", "Bundle", "Hook", "Hooks", "Manifest", "ModuleSignature", "Signature", "Tensor",
     "TensorSpec", "WeightInfo", "WeightsFile", "decode_manifest", "defines_bundle", "discover",
-    "find_manifest", "has_manifest", "is_model_name", "load_bundle", "meta", "model_versions",
-    "postprocess",
+    "file_identity", "find_manifest", "has_manifest", "is_model_name", "load_bundle", "meta",
+    "model_versions", "postprocess",
     "preprocess", "read_module", "read_signature", "read_weights_header", "resolve_manifest",
     "rows_mismatch", "scan", "version_policy_of",
 ]  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +35,13 @@ class WeightInfo:
 
 @dataclass(frozen=True, slots=True)
 class WeightsFile:
-    """The header of a weights file: the executable's weight arguments, in order."""
+    """The header of a weights file: the executable's weight arguments, in order, and
+    the file it was read from (``identity``: see :func:`file_identity`)."""
 
     path: Path
     data_offset: int  # where the data region starts in the file
     weights: tuple[WeightInfo, ...]  # in argument order
+    identity: tuple[int, ...] = ()
     nbytes: int = field(init=False)  # of every weight (summed once: status calls read it)
 
     def __post_init__(self) -> None:
@@ -50,9 +53,19 @@ def _ints(value) -> bool:
     return isinstance(value, list) and all(type(x) is int for x in value)
 
 
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file as it was: device, inode (reused once freed), size and modification time.
+    A weights file whose identity differs from its header's is another file: its data
+    is not where the header says."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def read_weights_header(path: Path) -> WeightsFile:
-    """Read and check the header; raise ``ValueError`` naming what is wrong."""
+    """Read and check the header; raise ``ValueError`` naming what is wrong. The
+    identity is the file's the header was read from (a bundle replaced by rename
+    meanwhile is caught when the data is read)."""
     with open(path, "rb") as f:
+        identity = file_identity(os.fstat(f.fileno()))
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("not a safetensors file (shorter than its 8-byte header length)")
@@ -71,7 +84,7 @@ def read_weights_header(path: Path) -> WeightsFile:
         raise ValueError(f"not a safetensors file (header is not JSON: {e})") from None
     except RecursionError:
         raise ValueError("not a safetensors file (its header nests too deep)") from None
-    size = path.stat().st_size - 8 - n
+    size = identity[2] - 8 - n
     if not isinstance(header, dict):
         raise ValueError("not a safetensors file (its header is not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
@@ -118,4 +131,4 @@ def read_weights_header(path: Path) -> WeightsFile:
     for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
         if start < end:
             raise ValueError(f"tensors {first!r} and {second!r} overlap in the file")
-    return WeightsFile(path, 8 + n, tuple(infos))
+    return WeightsFile(path, 8 + n, tuple(infos), identity)

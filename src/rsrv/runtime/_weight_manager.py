@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import jax
 import trio
 
-from rsrv.bundle import WeightsFile
+from rsrv.bundle import WeightsFile, file_identity
 from rsrv.errors import FailedPrecondition, NotFound
 from rsrv.runtime._allocator import AllocatorStats, measured_scratch
 from rsrv.runtime._staging import HostWeights, Staging, free, place, stage, staging_route, to_device
@@ -47,18 +47,13 @@ class FileReplaced(OSError):
     """The weights file at a version's path is no longer the one it loaded."""
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    """A file as it was: device, inode (reused once freed), size and modification time."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 @dataclass(eq=False, slots=True)
 class Placement:
     file: WeightsFile | None
     residency: str
     host: HostWeights | None = None  # the staged floor of a "system" model
     fd: int | None = None  # an "unpinned" model's weights file, open since load
-    identity: tuple[int, ...] | None = None  # of the file it loaded: see _identity
+    identity: tuple[int, ...] | None = None  # of the file its header came from
 
     def open(self) -> None:
         """Hold the file open, so this version keeps reading its own weights even after
@@ -70,7 +65,7 @@ class Placement:
     def _open_checked(self) -> int:
         assert self.file is not None
         fd = os.open(self.file.path, os.O_RDONLY)
-        if self.identity is not None and _identity(os.fstat(fd)) != self.identity:
+        if self.identity is not None and file_identity(os.fstat(fd)) != self.identity:
             os.close(fd)
             raise FileReplaced(f"{self.file.path} was replaced since it loaded")
         return fd
@@ -155,8 +150,8 @@ class WeightManager:
     async def add(self, key: str, file: WeightsFile | None, residency: str) -> None:
         """Register a model version: stage its host floor, or place it now if pinned."""
         placement = Placement(file, residency)
-        if file is not None:
-            placement.identity = _identity(await trio.to_thread.run_sync(os.stat, file.path))
+        if file is not None:  # (a file renamed in since the header was read: FileReplaced)
+            placement.identity = file.identity or None
         if file is not None and residency == "system":
             placement.host = await self._staged_floor(placement)
         elif residency == "unpinned":

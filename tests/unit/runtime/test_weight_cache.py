@@ -40,7 +40,7 @@ from rsrv.runtime._staging import (
     to_device,
 )
 from rsrv.runtime._weight_cache import WeightCache
-from rsrv.runtime._weight_manager import WeightManager, weight_budget
+from rsrv.runtime._weight_manager import FileReplaced, WeightManager, weight_budget
 from rsrv.worker._executor import DeviceExecutor
 
 W = 4096  # bytes of one test model's weights
@@ -758,6 +758,18 @@ async def test_a_residency_change_keeps_the_weights_the_version_loaded(files):
         with pytest.raises(FailedPrecondition, match="was replaced since it loaded"):
             await m.set_residency("a", "unpinned")
         assert m.placements["a"].residency == "system" and m.host_resident("a")
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("residency", ["system", "unpinned", "device"])
+async def test_a_file_replaced_after_its_header_was_read_is_not_loaded(files, residency):
+    """Renamed in while the version loaded (model.py imported, modules compiled): its
+    identity was taken at registration, so the new file's bytes were read at the old
+    header's offsets, and the model served garbage, READY."""
+    replace_by_rename(files["a"].path, 9.0)  # (its header was read before)
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(FileReplaced, match="was replaced since it loaded"):
+            await manager(nursery, 4 * W, {"a": files["a"]}, residency=residency)
         nursery.cancel_scope.cancel()
 
 
