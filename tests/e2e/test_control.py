@@ -407,6 +407,35 @@ async def test_a_residency_set_during_a_reload_holds_for_the_new_load(repo, cach
             assert (a.residency, a.weight) == (pb.RESIDENCY_SYSTEM, 1.0)  # forgotten
 
 
+async def test_residency_and_compaction_wait_for_a_first_load(repo, cache_dir, monkeypatch):
+    """A controller loading a model and setting its floor at once: SetModelResidency and
+    CompactMemory sent while its first load runs wait for it (both answered UNAVAILABLE
+    "model 'a' is loading" at once; a reload was waited for)."""
+    warm_up = DeviceExecutor.warm_up
+    warming = threading.Event()
+
+    async def slow_warm_up(self, served):
+        warming.set()
+        await trio.sleep(0.5)
+        return await warm_up(self, served)
+
+    monkeypatch.setattr(DeviceExecutor, "warm_up", slow_warm_up)
+    config = worker_config(repo, cache_dir, MODEL_CONTROL_MODE="explicit")
+    async with serving(config) as (worker, client):
+        async with ControlClient("127.0.0.1", worker.port) as control:
+            for call in (
+                lambda: control.set_residency("a", "device"),
+                lambda: control.compact_memory(["a"]),
+            ):
+                async with trio.open_nursery() as nursery:
+                    warming.clear()
+                    nursery.start_soon(trio.to_thread.run_sync, client.load_model, "a")
+                    while not warming.is_set():
+                        await trio.sleep(0.01)
+                    await call()
+                client.unload_model("a")
+
+
 async def test_set_model_residency_needs_explicit_mode(repo, cache_dir):
     config = worker_config(repo, cache_dir, MODEL_POLL_SECONDS=60)
     async with serving(config) as (worker, _):

@@ -327,6 +327,14 @@ class ModelLoader:
                     "meta model %s calls %s, not (yet) in the repository", name, ", ".join(missing)
                 )
 
+    async def settled(self, name: str) -> None:
+        """Wait until no load or unload of ``name`` is under way (at once when none is):
+        a control call sent right after RepositoryModelLoad finds the model loaded."""
+        lock = self._loading.get(name)
+        if lock is not None and lock.locked():
+            async with lock:
+                pass
+
     @contextlib.asynccontextmanager
     async def locked(self, names: Iterable[str]) -> AsyncIterator[None]:
         """The load locks of ``names``: no load or unload of those models runs in the

@@ -416,6 +416,7 @@ class Worker:
             "SetModelResidency",
             "; residency then comes from scheduler.models.<name>.residency",
         )
+        await self.loader.settled(name)  # (its first load: not served until it ends)
         served = self.models.get(name)
         # Under the load locks of the models changed: a load or unload of one of them
         # comes before or after, whole (a reload would miss the floor, an unload forget it
@@ -457,6 +458,8 @@ class Worker:
         served version; a meta model's weights are those of the models it calls);
         returns how many models were reloaded and the resident bytes after."""
         keys: dict[str, None] = {}  # ordered, without duplicates
+        for name in reload:
+            await self.loader.settled(name)
         for name in reload:
             keys.update((t.key, None) for t in self._weight_owners(self.models.get(name)))
         reloaded = await self.weights.compact_and_reload(list(keys))
