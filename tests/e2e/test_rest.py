@@ -252,6 +252,25 @@ def test_plain_json_as_curl_sends_it(worker):
     assert json.loads(zlib.decompress(deflated.body)) == reply
 
 
+def test_a_body_of_megabytes_is_read_into_one_buffer(worker):
+    """Past 1 MiB a body of a known length is copied into one buffer as it arrives (the
+    pieces were joined at the end, holding the loop): an inference request, a body that
+    is only whitespace (an empty object) and one that does not parse read as before."""
+    x = x_rows(2)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 256], "data": x.tolist()}]}
+    padded = json.dumps(body).encode() + b" " * (3 << 20)
+    answer = request(worker, "POST", "/v2/models/classifier/infer", padded)
+    assert answer.status == 200, answer.body[:200]
+    (out,) = answer.json()["outputs"]
+    np.testing.assert_allclose(
+        np.array(out["data"], np.float32).reshape(2, 10), grpc_logits(worker, x), rtol=1e-6
+    )
+    blank = request(worker, "POST", "/v2/repository/index", b" " * (2 << 20))
+    assert blank.status == 200 and {m["name"] for m in blank.json()} >= {"classifier"}
+    broken = request(worker, "POST", "/v2/repository/index", b"{" + b" " * (2 << 20))
+    assert broken.status == 400 and "cannot parse the index request body" in broken.json()["error"]
+
+
 def test_an_answer_of_many_json_values_is_encoded_off_the_event_loop(worker, monkeypatch):
     """(Priced as a memory copy, 1M values written as JSON held the loop 0.5 s: every
     other call of the worker waited.) Here each value is priced at a second."""

@@ -36,6 +36,10 @@ _INT64 = {
 }
 
 
+#: A request body: bytes, or a read-only view of the bytes of one received in pieces.
+Body = bytes | memoryview
+
+
 @dataclass(slots=True)
 class Call:
     """One REST request, its body read (and inflated) whole."""
@@ -44,7 +48,7 @@ class Call:
     path: str
     params: dict[str, str]
     headers: Mapping[str, str]
-    body: bytes = b""
+    body: Body = b""
 
 
 @dataclass(slots=True)
@@ -97,12 +101,14 @@ def _numbers(message, out: dict) -> None:
 async def _json_body(call: Call, what: str) -> dict:
     """The body as a JSON object ({} when empty), parsed in a worker thread when large;
     InvalidArgument otherwise."""
-    if not call.body.strip():
+    if not call.body:
         return {}
     try:
         seconds = len(call.body) * JSON_PARSE_BYTE_SECONDS
         value = await off_loop(seconds, msgspec.json.decode, call.body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        if not bytes(call.body).strip():  # (only here: it copies the body)
+            return {}
         # (a string not UTF-8; JSON nested past the decoder's depth)
         raise InvalidArgument(
             f"cannot parse the {what} request body as JSON: {json_error_text(e)}"
