@@ -323,10 +323,15 @@ class GatewayControl:
         with trio.move_on_after(wait):
             while clock.operator_completed < sequence:
                 await trio.sleep(0.02)
+        completed = clock.operator_completed >= sequence
+        warnings = list(s.warnings)
+        if wait > 0 and not completed:
+            warnings.append(f"not completed within {wait:g} s: it runs at a coming round")
         return pb.RepackResponse(
             sequence=sequence,
             completed_sequence=clock.operator_completed,
-            completed=clock.operator_completed >= sequence,
+            completed=completed,
             waited_seconds=trio.current_time() - start,
             repack=self._repack_status(),
+            warnings=warnings,
         )

@@ -115,7 +115,15 @@ async def test_a_repack_wait_past_its_cap_is_clamped(autojump_clock, wait):
     _, scheduling = packed("w0", "w1")
     control = GatewayControl(scheduling, FakeDiscovery(on_wake=scheduling.tick))  # (a round ticks)
     answer = await control.repack(pb.RepackRequest(wait_seconds=wait), None)
-    assert answer.completed
+    assert answer.completed and not answer.warnings
+
+
+async def test_a_repack_wait_that_ends_first_says_so(autojump_clock):
+    _, scheduling = packed("w0", "w1")
+    control = GatewayControl(scheduling, FakeDiscovery())  # (no round runs)
+    answer = await control.repack(pb.RepackRequest(wait_seconds=2), None)
+    assert not answer.completed
+    assert list(answer.warnings) == ["not completed within 2 s: it runs at a coming round"]
 
 
 @pytest.mark.parametrize(("wait", "shown"), [(-1.0, "-1"), (math.nan, "nan")])
