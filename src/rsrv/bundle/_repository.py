@@ -4,7 +4,6 @@ holding one bundle (version 1) or numbered version directories of bundles."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from rsrv.bundle._loader import Bundle, load_bundle
@@ -23,7 +22,7 @@ def has_manifest(path: Path) -> bool:
     try:
         for name in MANIFEST_NAMES:
             try:
-                os.lstat(path / name)
+                (path / name).lstat()
             except (FileNotFoundError, NotADirectoryError):
                 continue
             return True

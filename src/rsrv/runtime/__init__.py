@@ -26,12 +26,12 @@ from rsrv.runtime._staging import (
     to_device,
 )
 from rsrv.runtime._weight_cache import CacheCounters, Resident, WeightCache
-from rsrv.runtime._weight_manager import Placement, WeightManager, weight_budget
+from rsrv.runtime._weight_manager import FileReplaced, Placement, WeightManager, weight_budget
 
 __all__ = [
     "ALIGN", "AllocatorStats", "CacheCounters", "CompileResult", "CompiledModel", "Compiler",
-    "DeviceInfo", "DeviceUnavailable", "HostWeights", "Placement", "Resident", "Staging",
-    "WeightCache", "WeightManager", "allocator_limit", "compile_bundle", "configure",
+    "DeviceInfo", "DeviceUnavailable", "FileReplaced", "HostWeights", "Placement", "Resident",
+    "Staging", "WeightCache", "WeightManager", "allocator_limit", "compile_bundle", "configure",
     "device", "free", "measured_scratch", "open_device", "pin", "place", "platform", "stage",
     "staging_route", "to_device", "weight_budget", "weights_to_device", "zero_inputs",
 ]  # fmt: skip

@@ -19,7 +19,7 @@ from rsrv.bundle import Bundle, discover, load_bundle, model_versions, version_p
 from rsrv.config import ModelSchedConfig, WorkerConfig
 from rsrv.errors import BundleError, InvalidArgument
 from rsrv.protocol import LoadOverride
-from rsrv.runtime import Compiler, WeightManager
+from rsrv.runtime import Compiler, FileReplaced, WeightManager
 from rsrv.scheduler import Scheduler
 from rsrv.versions import DEFAULT_POLICY, VersionPolicy
 from rsrv.worker._executor import DeviceExecutor
@@ -30,6 +30,9 @@ from rsrv.worker._watcher import fingerprint
 __all__ = ["ModelLoader"]
 
 log = logging.getLogger(__name__)
+
+#: Loads of one version when its files are renamed in meanwhile (a load of the new ones)
+_ATTEMPTS = 3
 
 
 class ModelLoader:
@@ -214,43 +217,37 @@ class ModelLoader:
         name, number = entry.name, version.number
         if version.model is None:  # (a failed load tried again: LOADING, as Triton says)
             version.state, version.reason = LoadState.LOADING, ""
-        served = None
-        try:
-            served = await build_model(
-                version.path,
-                self.compiler,
-                self.models.next_generation(),
-                number,
-                name,
-                bundle,
-            )
-            self._check_calls(served)
-            costs = {}
-            if served.compiled:
-                served.residency = self.weights.residency_for(
-                    self.residency.get(name, sched.residency)
-                )
-                self.executor.versions[served.key] = served
-                await self.weights.add(served.key, served.bundle.weights, served.residency)
-                costs = await self.executor.warm_up(served)
-        except Exception as e:  # a bad bundle must never take the worker down
-            if served is not None:
-                self.executor.retire(served.key)
-            # (the text, not the exception: a log record that keeps it, with its frames,
-            # keeps what they hold, a failed load's model.py module among them)
-            reason = version.reason = str(e)
-            if version.model is None:
-                version.state = LoadState.UNAVAILABLE
-                log.error("model %s version %d unavailable: %s", name, number, reason)
-            else:
-                log.error(
-                    "reload of model %s version %d failed; its load %d keeps serving: %s",
-                    name,
+        for attempt in range(1, _ATTEMPTS + 1):
+            served = None
+            try:
+                served = await build_model(
+                    version.path,
+                    self.compiler,
+                    self.models.next_generation(),
                     number,
-                    version.model.generation,
-                    reason,
+                    name,
+                    bundle,
                 )
-            return
+                self._check_calls(served)
+                costs = {}
+                if served.compiled:
+                    served.residency = self.weights.residency_for(
+                        self.residency.get(name, sched.residency)
+                    )
+                    self.executor.versions[served.key] = served
+                    await self.weights.add(served.key, served.bundle.weights, served.residency)
+                    costs = await self.executor.warm_up(served)
+                break
+            except Exception as e:  # a bad bundle must never take the worker down
+                if served is not None:
+                    self.executor.retire(served.key)
+                if isinstance(e, FileReplaced) and attempt < _ATTEMPTS:
+                    # renamed in while it loaded (a bundle rewritten at once): the new files
+                    log.info("model %s version %d: %s; loading it again", name, number, e)
+                    bundle = None
+                    continue
+                self._build_failed(name, version, e)
+                return
         previous = version.model
         self.pipeline.serving(served)
         spec = served.spec().with_policy(sched) if served.compiled else None
@@ -275,6 +272,23 @@ class ModelLoader:
             served.max_queue_delay = self.scheduler.queue_delay(name, served.version)
         elif previous is not None and previous.compiled:  # (now a meta: the old one drains)
             self.scheduler.remove_version(name, previous.version)
+
+    @staticmethod
+    def _build_failed(name: str, version: VersionEntry, error: Exception) -> None:
+        # (the text, not the exception: a log record that keeps it, with its frames,
+        # keeps what they hold, a failed load's model.py module among them)
+        reason = version.reason = str(error)
+        if version.model is None:
+            version.state = LoadState.UNAVAILABLE
+            log.error("model %s version %d unavailable: %s", name, version.number, reason)
+        else:
+            log.error(
+                "reload of model %s version %d failed; its load %d keeps serving: %s",
+                name,
+                version.number,
+                version.model.generation,
+                reason,
+            )
 
     def _retire(self, entry: ModelEntry, number: int, why: str) -> None:
         """Stop serving version ``number``; requests queued for it finish first."""
