@@ -138,16 +138,26 @@ class InferenceClient(ChannelClient):
         """Run ``model`` on ``inputs`` (name -> array, or :class:`ShmInput` for data in
         a registered shared-memory region); ``outputs`` names the outputs to return (or
         :class:`ShmOutput` to have one written to a region), None for all. Raises
-        ValueError / TypeError for an input with no KServe datatype."""
-        request = build_request(
+        ValueError / TypeError for an input with no KServe datatype. ``timeout`` covers
+        encoding the request too."""
+        start = trio.current_time()
+        payload = build_request(
             model,
             inputs,
             outputs,
             version=version,
             request_id=request_id,
             parameters=parameters,
-        )
-        return InferResult(await self._call("ModelInfer", request, pb.ModelInferResponse, timeout))
+        ).SerializeToString()
+        left = None if timeout is None else timeout - (trio.current_time() - start)
+        response = await self.infer_serialized(payload, timeout=left)
+        return InferResult(pb.ModelInferResponse.FromString(response))
+
+    async def infer_serialized(self, payload: bytes, *, timeout: float | None = None) -> bytes:
+        """ModelInfer of a serialized ModelInferRequest: the serialized response (what
+        :meth:`infer` sends and parses; ``SyncInferenceClient`` encodes and parses in
+        the caller's thread, not on the client's loop)."""
+        return await self._call_serialized("ModelInfer", payload, timeout)
 
     @asynccontextmanager
     async def stream(self, *, timeout: float | None = None) -> AsyncIterator[InferStream]:

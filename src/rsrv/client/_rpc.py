@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 import ssl
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +26,7 @@ from rsrv.transport import (
     open_channel,
 )
 
-__all__ = ["ChannelClient", "RetryPolicy", "call_unary", "open_stream", "unary_message"]
+__all__ = ["ChannelClient", "RetryPolicy", "call_unary", "open_stream"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,20 @@ async def call_unary(
         delay = max(retry.backoff(attempt - 1), pushback or 0.0)
         if trio.current_time() + delay >= deadline:
             return result
-        await trio.sleep(delay)
+        if await _closed_during(channel, delay):
+            return result
+
+
+async def _closed_during(channel: Channel, seconds: float) -> bool:
+    """Sleep ``seconds``, or until ``channel`` is closed (then True: a call waiting to be
+    retried ends at once, not after the server's pushback, however long)."""
+    end = trio.current_time() + seconds
+    while not channel.closed:
+        left = end - trio.current_time()
+        if left <= 0:
+            return False
+        await trio.sleep(min(left, 0.05))
+    return True
 
 
 @asynccontextmanager
@@ -126,33 +139,7 @@ async def open_stream(
             if delay is None or trio.current_time() + delay >= deadline:
                 yield call
                 return
-        await trio.sleep(delay)
-
-
-async def unary_message(
-    channel: Channel,
-    path: str,
-    request: Any,
-    response_type: Any,
-    error: Callable[[UnaryResult], BaseException],
-    *,
-    metadata: Sequence[tuple[str, str]] = (),
-    timeout: float | None = None,
-    retry: RetryPolicy = NO_RETRY,
-) -> Any:
-    """Call ``path`` with protobuf ``request``; the parsed ``response_type`` message.
-    A call that does not succeed raises ``error(result)``."""
-    result = await call_unary(
-        channel,
-        path,
-        request.SerializeToString(),
-        metadata=metadata,
-        timeout=timeout,
-        retry=retry,
-    )
-    if not result.ok:
-        raise error(result)
-    return response_type.FromString(result.response)
+        await _closed_during(channel, delay)  # (closed: the next attempt ends at once)
 
 
 class ChannelClient:
@@ -182,6 +169,8 @@ class ChannelClient:
     ):
         if not isinstance(port, int) or isinstance(port, bool):
             raise TypeError(f"port must be an int, not {type(port).__name__}")
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} is not a TCP port (1 to 65535)")
         for name, value in (headers or {}).items():
             problem = metadata_problem(name, value)
             if problem is not None:
@@ -195,16 +184,23 @@ class ChannelClient:
         self.retry = retry
 
     async def _call(self, method: str, request: Any, response_type: Any, timeout) -> Any:
-        return await unary_message(
+        """``method`` with protobuf ``request``: the parsed ``response_type`` message."""
+        payload = request.SerializeToString()
+        return response_type.FromString(await self._call_serialized(method, payload, timeout))
+
+    async def _call_serialized(self, method: str, payload: bytes, timeout) -> bytes:
+        """``method`` with a serialized request: the serialized response."""
+        result = await call_unary(
             self.channel,
             self.service + method,
-            request,
-            response_type,
-            InferenceServerError.of,
+            payload,
             metadata=self._metadata,
             timeout=timeout,
             retry=self.retry,
         )
+        if not result.ok:
+            raise InferenceServerError.of(result)
+        return result.response
 
     async def __aenter__(self):
         if self._stack is not None:

@@ -12,6 +12,7 @@ what ``raw_input_contents`` would hold.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections.abc import Sequence
@@ -34,13 +35,14 @@ class SharedMemoryRegion:
         self.name = name
         self.key = key if key.startswith("/") else "/" + key
         path = os.path.join(_SHM_DIR, self.key[1:])
-        if "/" in self.key[1:] or not self.key[1:]:
+        if "/" in self.key[1:] or self.key[1:] in ("", ".", ".."):
             raise ValueError(f"shared memory key {key!r} must be one name, e.g. '/input0'")
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
                 os.ftruncate(fd, byte_size)
+                _reserve(fd, byte_size, self.key)
             elif os.fstat(fd).st_size < byte_size:
                 raise ValueError(f"shared memory object {self.key} is smaller than {byte_size}")
             self._map = mmap.mmap(fd, byte_size) if byte_size else None
@@ -58,8 +60,8 @@ class SharedMemoryRegion:
         """Copy ``arrays`` (one array, or several one after the other) into the region
         at ``offset``; returns the bytes written. BYTES (object) arrays are written
         serialized. Raises ValueError when they do not fit."""
-        if isinstance(arrays, np.ndarray):
-            arrays = [arrays]
+        if isinstance(arrays, (np.ndarray, np.generic)):
+            arrays = [np.asarray(arrays)]
         pieces = [_wire(a) for a in arrays]
         size = sum(len(p) for p in pieces)
         if offset < 0 or offset + size > self.byte_size:
@@ -126,8 +128,24 @@ class SharedMemoryRegion:
 
 def create_shared_memory_region(name: str, key: str, byte_size: int) -> SharedMemoryRegion:
     """Create POSIX shared-memory object ``key`` of ``byte_size`` bytes, mapped, to be
-    registered as region ``name``. Raises FileExistsError when ``key`` exists."""
+    registered as region ``name``, its memory allocated now. Raises FileExistsError when
+    ``key`` exists, OSError (ENOSPC) when /dev/shm has no room for it."""
     return SharedMemoryRegion(name, key, byte_size, create=True)
+
+
+def _reserve(fd: int, byte_size: int, key: str) -> None:
+    """Allocate the object's memory now: a write into an object /dev/shm has no room
+    for would kill the process (SIGBUS), where this is an OSError (ENOSPC)."""
+    if not byte_size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, byte_size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):  # (a file system that cannot)
+            return
+        raise OSError(
+            e.errno, f"shared memory object {key}: no room for {byte_size} bytes ({e.strerror})"
+        ) from None
 
 
 def _wire(array: np.ndarray) -> bytes | memoryview:

@@ -3,6 +3,7 @@ received as they come and matched to their requests by id."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -29,9 +30,11 @@ class InferStream:
     :meth:`infer` sends a request and returns its own answer (other answers are not
     consumed); :meth:`send` only sends, and :meth:`receive` (or ``async for``) returns
     the answers no :meth:`infer` is waiting for, in arrival order. A request without
-    an id gets a unique one (``rsrv-<n>``), since answers are matched by id: a request
-    (:meth:`infer` or :meth:`send`) with the id of an :meth:`infer` still waiting, or of
-    a cancelled one whose answer is still to come, is a ValueError, and is not sent. A
+    an id gets a unique one (``rsrv-<n>``, none in use on the stream), since answers
+    are matched by id: a request (:meth:`infer` or :meth:`send`) with the id of an
+    :meth:`infer` still waiting, or of a cancelled one whose answer is still to come, and
+    an :meth:`infer` with the id of a :meth:`send` whose answer is still to come, is a
+    ValueError, and is not sent. A
     failed request raises :class:`InferenceServerError` (code UNKNOWN: a stream's error
     answer carries only the server's text; ``request_id`` says which); one larger than
     ``max_send_message_bytes`` fails RESOURCE_EXHAUSTED without being sent, and the
@@ -51,6 +54,7 @@ class InferStream:
         self._send_lock = trio.StrictFIFOLock()
         self._waiting: dict[str, list] = {}  # id -> [event, answer]
         self._abandoned: set[str] = set()  # ids of cancelled infers: their answers go
+        self._sent: collections.Counter[str] = collections.Counter()  # send()s unanswered
         self._unclaimed_in, self._unclaimed = trio.open_memory_channel(math.inf)
         self._ended: InferenceServerError | None = None
 
@@ -66,10 +70,28 @@ class InferStream:
     ) -> str:
         """Send one request (as ``InferenceClient.infer`` takes it); returns its id.
         ValueError for an id whose answer could not be told apart (see the class)."""
-        request_id = request_id or f"rsrv-{next(_ids)}"
+        request_id = request_id or self._new_id()
         self._check_unambiguous(request_id)
-        await self._send_request(model, inputs, outputs, version, request_id, parameters)
+        self._sent[request_id] += 1
+        try:
+            await self._send_request(model, inputs, outputs, version, request_id, parameters)
+        except BaseException:
+            self._answered(request_id)  # (not sent: no answer comes)
+            raise
         return request_id
+
+    def _new_id(self) -> str:
+        while True:  # (skipping ids the caller gave that look like ours)
+            request_id = f"rsrv-{next(_ids)}"
+            in_use = self._waiting.keys() | self._abandoned | self._sent.keys()
+            if request_id not in in_use:
+                return request_id
+
+    def _answered(self, request_id: str) -> None:
+        """A send()'s answer came (or it was not sent)."""
+        self._sent[request_id] -= 1
+        if self._sent[request_id] <= 0:
+            del self._sent[request_id]
 
     async def _send_request(
         self, model, inputs, outputs, version: str, request_id: str, parameters
@@ -107,8 +129,13 @@ class InferStream:
         parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> InferResult:
         """Send one request and wait for its answer (same arguments as :meth:`send`)."""
-        request_id = request_id or f"rsrv-{next(_ids)}"
+        request_id = request_id or self._new_id()
         self._check_unambiguous(request_id)
+        if request_id in self._sent:
+            raise ValueError(
+                f"request id {request_id!r}: the answer of a request sent with that id is "
+                "still to come on this stream (answers are matched by id); use another id"
+            )
         slot = self._waiting[request_id] = [trio.Event(), None]
         sent = False
         try:
@@ -197,9 +224,12 @@ class InferStream:
                     slot[1] = answer
                     slot[0].set()
                 else:
+                    if request_id in self._sent:
+                        self._answered(request_id)
                     self._unclaimed_in.send_nowait(answer)
             self._ended = self._stream_error()
             self._abandoned.clear()
+            self._sent.clear()
             for slot in self._waiting.values():
                 slot[0].set()
 

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
 from rsrv.client._inference import InferenceClient
+from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
+from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = ["SyncInferenceClient"]
 
@@ -38,7 +42,6 @@ _METHODS = (
     "repository_index",
     "load_model",
     "unload_model",
-    "infer",
     "register_system_shared_memory",
     "unregister_system_shared_memory",
     "system_shared_memory_status",
@@ -93,7 +96,9 @@ class _Loop:
                 finally:
                     self._calls.discard(scope)
                     self._call_ended.unpark_all()
-        raise InferenceServerError(StatusCode.UNAVAILABLE, "the client was closed")
+        raise InferenceServerError(
+            StatusCode.UNAVAILABLE, "the client was closed", reached_server=False
+        )
 
     def stop(self) -> None:
         """Ask the loop to close the channel and end; from any thread, without waiting."""
@@ -143,6 +148,33 @@ class SyncInferenceClient:
             if not isinstance(e, Exception):  # interrupted (Ctrl-C): ends on the loop too
                 loop.cancel(scope)
             raise
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray | ShmInput],
+        outputs: Sequence[str | ShmOutput] | None = None,
+        *,
+        version: str = "",
+        request_id: str = "",
+        parameters: Mapping[str, bool | int | float | str] | None = None,
+        timeout: float | None = None,
+    ) -> InferResult:
+        """``InferenceClient.infer``, blocking: the request is encoded and the answer
+        parsed in the calling thread (on the client's loop they held up every other
+        thread's call, beyond its timeout); ``timeout`` covers the encoding too."""
+        start = time.monotonic()
+        payload = build_request(
+            model,
+            inputs,
+            outputs,
+            version=version,
+            request_id=request_id,
+            parameters=parameters,
+        ).SerializeToString()
+        left = None if timeout is None else timeout - (time.monotonic() - start)
+        response = self._run("infer_serialized", payload, timeout=left)
+        return InferResult(pb.ModelInferResponse.FromString(response))
 
     def close(self) -> None:
         """Close the channel and join the client's thread (idempotent)."""

@@ -105,6 +105,8 @@ deserialize_bytes = decode_bytes_tensor
 
 
 def _set_parameter(params: Any, key: str, value: bool | int | float | str) -> None:
+    if isinstance(value, np.generic):  # (np.int64(3), np.bool_(True): their Python value)
+        value = value.item()
     if isinstance(value, bool):
         params[key].bool_param = value
     elif isinstance(value, int):
@@ -134,8 +136,11 @@ def build_request(
     parameters: Mapping[str, bool | int | float | str] | None = None,
 ) -> pb.ModelInferRequest:
     """The ModelInferRequest of ``inputs`` (name -> array or :class:`ShmInput`),
-    asking for ``outputs`` (names or :class:`ShmOutput`; None: every output). Raises
+    asking for ``outputs`` (names or :class:`ShmOutput`, or one of them; None: every
+    output). Raises
     ValueError / TypeError for an array or parameter that has no KServe form."""
+    if isinstance(outputs, (str, ShmOutput)):  # (one output: not a sequence of letters)
+        outputs = [outputs]
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for key, value in (parameters or {}).items():
         _set_parameter(request.parameters, key, value)
@@ -146,7 +151,10 @@ def build_request(
             _shm_parameters(tensor.parameters, value.region, value.byte_size, value.offset)
             continue
         array = _as_array(value)
-        datatype = datatype_of(array)
+        try:
+            datatype = datatype_of(array)
+        except ValueError as e:
+            raise ValueError(f"input {name!r}: {e}") from None
         request.inputs.add(name=name, datatype=datatype, shape=array.shape)
         if datatype == "BYTES":
             raw.append(serialize_bytes(array))
@@ -167,8 +175,10 @@ class InferResult:
     ``outputs``: name -> array for the outputs carried in the response (read-only views
     of its bytes; BYTES as object arrays); ``tensors``: name -> :class:`OutputTensor`
     for every output, those in shared memory included (read them with
-    ``SharedMemoryRegion.read``). ``model_name``, ``model_version``, ``id``,
-    ``parameters`` (name -> value) and ``response`` (the protobuf message) as received.
+    ``SharedMemoryRegion.read``, at the tensor's ``offset`` plus the offset the region
+    was registered at: the server's offsets count from the registered window).
+    ``model_name``, ``model_version``, ``id``, ``parameters`` (name -> value) and
+    ``response`` (the protobuf message) as received.
     """
 
     def __init__(self, response: Any):

@@ -4,7 +4,9 @@ not fill their shape, errors that cross processes, and a stream's answers."""
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import pickle
 import re
 import uuid
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import trio
 from purerpc.grpclib.status import StatusCode
-from support.echo import UNARY, echo_server
+from support.echo import UNARY, echo_server, wait_for
 
 from rsrv.client import (
     InferenceClient,
@@ -24,7 +26,7 @@ from rsrv.client import (
 )
 from rsrv.client._tensors import InferResult, build_request, deserialize_bytes
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
-from rsrv.transport import GrpcServer, Method
+from rsrv.transport import GrpcServer, Method, UnaryResult
 
 
 def test_backoff_is_capped_for_any_attempt():
@@ -108,6 +110,8 @@ async def test_a_client_whose_open_failed_can_be_entered_again():
         ({"X-User": "a"}, 8001, "headers['X-User']: not a metadata key a call may carry"),
         ({"grpc-timeout": "1S"}, 8001, "headers['grpc-timeout']: not a metadata key"),
         ({}, "8001", "port must be an int, not str"),
+        ({}, 70000, "port 70000 is not a TCP port (1 to 65535)"),  # (retried 5 times)
+        ({}, -1, "port -1 is not a TCP port"),
         ({"x-k": b"v"}, 8001, "headers['x-k']: a header is a str and its value a str, not bytes"),
         ({b"x-k": "v"}, 8001, "a header is a str and its value a str, not bytes"),  # (said str)
     ],
@@ -222,6 +226,111 @@ async def test_an_infer_cancelled_before_its_request_was_sent_drops_no_answer():
         with trio.fail_after(5):
             assert (await stream.receive()).id == "job-1"
         nursery.cancel_scope.cancel()
+
+
+async def test_an_infer_with_the_id_of_a_send_still_unanswered_is_refused():
+    """send("job") then infer("job"): the infer took the send's answer (the wrong
+    output) and its own went to receive(). Refused now; an automatic id skips a
+    caller's id of its form."""
+    call = HeldCall()
+    call.flowing.set()
+    stream = InferStream(call)
+    x = {"x": np.zeros((1,), np.float32)}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream._read)
+        await stream.send("m", x, request_id="job")
+        with trio.fail_after(5), pytest.raises(ValueError, match="'job': the answer of a"):
+            await stream.infer("m", x, request_id="job")  # (it waited, and took the send's)
+        upcoming = f"rsrv-{int(stream._new_id().split('-')[1]) + 1}"
+        await stream.send("m", x, request_id=upcoming)
+        auto = await stream.send("m", x)
+        assert auto != upcoming and call.sent == ["job", upcoming, auto]
+        call.answer("job")
+        with trio.fail_after(5):
+            assert (await stream.receive()).id == "job"
+        got = []
+
+        async def infer_job():
+            got.append(await stream.infer("m", x, request_id="job"))  # answered: free
+
+        nursery.start_soon(infer_job)
+        await wait_for(lambda: "job" in stream._waiting, "the second job sent")
+        call.answer("job")
+        await wait_for(lambda: got, "its answer")
+        nursery.cancel_scope.cancel()
+
+
+def test_a_refusal_with_a_retry_pushback_never_reached_the_server():
+    """A gateway with no ready worker, a worker shutting down: they say so with a
+    pushback, and the error said reached_server True, without the pushback."""
+    refused = UnaryResult(
+        StatusCode.UNAVAILABLE, "no worker is ready", trailers=(("grpc-retry-pushback-ms", "2000"),)
+    )
+    error = InferenceServerError.of(refused)
+    assert (error.reached_server, error.retry_after) == (False, 2.0)
+    failed = InferenceServerError.of(UnaryResult(StatusCode.UNAVAILABLE, "reset"))
+    assert (failed.reached_server, failed.retry_after) == (True, None)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.reached_server, copy.retry_after) == (False, 2.0)
+
+
+async def test_closing_the_client_ends_a_long_pushback_wait_at_once():
+    """The server asked for 30 s between attempts: a client closed meanwhile ended the
+    call only once they had passed (5 s in the report)."""
+    pushback = (("grpc-retry-pushback-ms", "30000"),)
+    async with echo_server(trailers_of=lambda error: pushback) as echo:
+        client = InferenceClient("127.0.0.1", echo.port, retry=RetryPolicy(attempts=3))
+        client.service = "/rsrv.test.Echo/"
+        ended = []
+
+        async def call():
+            with pytest.raises(InferenceServerError) as raised:
+                await client._call_serialized("Fail", b"14:busy", None)
+            ended.append(raised.value)
+
+        with trio.fail_after(10):  # (a guard: the wait was 30 s)
+            async with trio.open_nursery() as nursery:
+                async with client:
+                    nursery.start_soon(call)
+                    await wait_for(lambda: echo.started == 1, "the first attempt")
+        assert ended[0].code is StatusCode.UNAVAILABLE and echo.started == 1
+
+
+def test_shared_memory_that_does_not_fit_is_refused_at_creation(monkeypatch):
+    """An object /dev/shm had no room for was created sparse, and the first write
+    killed the process (SIGBUS), leaving the object behind."""
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    key = f"/rsrv-test-{uuid.uuid4().hex}"
+    with pytest.raises(OSError, match=r"no room for 8388608 bytes \(No space left") as raised:
+        create_shared_memory_region("r", key, 8 << 20)
+    assert raised.value.errno == errno.ENOSPC
+    assert not os.path.exists(f"/dev/shm{key}")
+    for bad in (".", ".."):
+        with pytest.raises(ValueError, match="must be one name"):
+            create_shared_memory_region("r", bad, 8)
+
+
+def test_the_request_takes_one_output_name_numpy_parameters_and_names_a_bad_input():
+    request = build_request(
+        "m",
+        {"x": np.zeros(2, np.float32)},
+        "logits",  # (its letters were asked for: "unexpected output 'l'")
+        parameters={"n": np.int64(3), "flag": np.bool_(True)},  # (TypeError)
+    )
+    assert [o.name for o in request.outputs] == ["logits"]
+    assert request.parameters["n"].int64_param == 3 and request.parameters["flag"].bool_param
+    with pytest.raises(ValueError, match="^input 'z': "):
+        build_request("m", {"z": np.zeros(2, np.complex64)})
+
+
+def test_a_numpy_scalar_is_written_to_shared_memory():
+    with create_shared_memory_region("r", f"/rsrv-test-{uuid.uuid4().hex}", 8) as region:
+        assert region.write(np.float32(2.5)) == 4
+        assert region.read("FP32", [1])[0] == 2.5
 
 
 async def test_an_answer_that_cannot_be_parsed_ends_the_stream_saying_so():
