@@ -289,6 +289,30 @@ def test_sync_client(worker):
     wait_until(lambda: threading.active_count() == before, 10, "the dropped client's thread")
 
 
+def test_a_sync_call_the_close_cuts_short_may_have_reached_the_server(worker):
+    """Its request held on the server's device when the client closes: UNAVAILABLE "the
+    client was closed", with reached_server True (it said False, and the server ran it)."""
+    client = SyncInferenceClient("127.0.0.1", worker.port)
+    got = []
+
+    def call():
+        try:
+            client.infer("classifier", {"x": np.ones((1, 256), np.float32)}, timeout=30)
+        except InferenceServerError as e:
+            got.append(e)
+
+    with held_device(worker):
+        caller = threading.Thread(target=call)
+        caller.start()
+        wait_until(lambda: client._loop._calls, 10, "the call running on the loop")
+        time.sleep(0.3)  # (sent, and held on the device)
+        client.close()
+        caller.join(10)
+    assert [(e.code, e.message, e.reached_server) for e in got] == [
+        (StatusCode.UNAVAILABLE, "the client was closed", True)
+    ]
+
+
 def test_an_interrupted_sync_call_ends_on_the_clients_loop_too(worker):
     """Ctrl-C in a blocking call: the call is cancelled on the client's loop as well
     (its stream reset), not left running there to hold one of the stream slots."""

@@ -88,7 +88,8 @@ class _Loop:
         the client's closing cuts short (waiting between retries, for a connection, for
         its answer) raises InferenceServerError UNAVAILABLE, never trio's Cancelled into
         the caller's thread."""
-        if not self._stop.is_set():
+        started = not self._stop.is_set()
+        if started:
             with scope:
                 self._calls.add(scope)
                 try:
@@ -96,8 +97,10 @@ class _Loop:
                 finally:
                     self._calls.discard(scope)
                     self._call_ended.unpark_all()
+        # (cut short by the close, the scope having swallowed its Cancelled: it may have
+        # been processed; never started: certainly not)
         raise InferenceServerError(
-            StatusCode.UNAVAILABLE, "the client was closed", reached_server=False
+            StatusCode.UNAVAILABLE, "the client was closed", reached_server=started
         )
 
     def stop(self) -> None:

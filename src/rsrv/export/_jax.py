@@ -29,9 +29,9 @@ def export_jax(fn: Callable[..., Any], params: Any, **options: Any) -> Path:
         return fn(tree_unflatten(treedef, ws), *xs)
 
     source = jax.jit(fn)  # the source's own path: jax.jit with params as arguments
-    typed = tree_unflatten(treedef, [number_as_weight(leaf) for leaf in leaves])
 
-    def reference(*xs):
+    def reference(*xs):  # (the leaves as the weights are: a Python number typed)
+        typed = tree_unflatten(treedef, [number_as_weight(leaf) for leaf in leaves])
         return source(jax.tree.map(jnp.asarray, typed), *map(jnp.asarray, xs))
 
     return export_program(Program(call, names, leaves, reference), **options)

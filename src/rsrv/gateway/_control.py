@@ -247,6 +247,16 @@ class GatewayControl:
         name = request.name
         if not name:
             raise InvalidArgument("name is empty")
+        if request.HasField("replicas") and request.replicas < -1:
+            raise InvalidArgument("replicas must be > 0, -1 (every worker) or 0 (the default)")
+        if request.fill_mode not in ("", "inherit", "run", "spread", "inflight"):
+            raise InvalidArgument(
+                f"fill_mode {request.fill_mode!r}: expected run, spread, inflight or inherit"
+            )
+        if request.HasField("fill_factor") and not 0 <= request.fill_factor <= MAX_FILL_FACTOR:
+            raise InvalidArgument(
+                f"fill_factor must be > 0 and <= {MAX_FILL_FACTOR:g}, or 0 for the default"
+            )
         if name not in s.fleet.routes and not request.allow_unknown_model:
             await self.discovery.changes_seen()  # (loaded through the gateway a moment ago)
             if name not in s.fleet.routes:
@@ -257,25 +267,13 @@ class GatewayControl:
                 "(allow_unknown_model, or --allow-unknown on the command line, places it ahead "
                 "of time)"
             )
-        current = s.config.models.get(name, ModelPlacementConfig())
+        current = s.config.models.get(name, ModelPlacementConfig())  # (as it is now)
         replicas, mode, factor = current.replicas, current.fill_mode, current.fill_factor
         if request.HasField("replicas"):
-            if request.replicas < -1:
-                raise InvalidArgument("replicas must be > 0, -1 (every worker) or 0 (the default)")
             replicas = {0: None, -1: "all"}.get(request.replicas, request.replicas)
-        if request.fill_mode == "inherit":
-            mode = None
-        elif request.fill_mode:
-            if request.fill_mode not in ("run", "spread", "inflight"):
-                raise InvalidArgument(
-                    f"fill_mode {request.fill_mode!r}: expected run, spread, inflight or inherit"
-                )
-            mode = request.fill_mode
+        if request.fill_mode:
+            mode = None if request.fill_mode == "inherit" else request.fill_mode
         if request.HasField("fill_factor"):
-            if not 0 <= request.fill_factor <= MAX_FILL_FACTOR:
-                raise InvalidArgument(
-                    f"fill_factor must be > 0 and <= {MAX_FILL_FACTOR:g}, or 0 for the default"
-                )
             factor = request.fill_factor or None
         models = dict(s.config.models)
         models[name] = ModelPlacementConfig(replicas=replicas, fill_mode=mode, fill_factor=factor)

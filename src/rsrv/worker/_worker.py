@@ -416,8 +416,7 @@ class Worker:
             "SetModelResidency",
             "; residency then comes from scheduler.models.<name>.residency",
         )
-        await self.loader.settled(name)  # (its first load: not served until it ends)
-        served = self.models.get(name)
+        served = await self._settled(name)
         # Under the load locks of the models changed: a load or unload of one of them
         # comes before or after, whole (a reload would miss the floor, an unload forget it
         # too early). (A meta reloaded with other calls meanwhile: locked again.)
@@ -458,12 +457,22 @@ class Worker:
         served version; a meta model's weights are those of the models it calls);
         returns how many models were reloaded and the resident bytes after."""
         keys: dict[str, None] = {}  # ordered, without duplicates
-        for name in reload:
-            await self.loader.settled(name)
-        for name in reload:
-            keys.update((t.key, None) for t in self._weight_owners(self.models.get(name)))
+        served = [await self._settled(name) for name in reload]  # (every name checked first)
+        for model in served:
+            keys.update((t.key, None) for t in self._weight_owners(model))
         reloaded = await self.weights.compact_and_reload(list(keys))
         return reloaded, self.weights.cache.resident_bytes
+
+    async def _settled(self, name: str) -> ServedModel:
+        """Model ``name`` as served (NotFound / Unavailable otherwise), once a load or
+        unload of it in progress has ended, and of each model it calls (a meta): a
+        control call right after RepositoryModelLoad finds the model loaded."""
+        await self.loader.settled(name)
+        served = self.models.get(name)
+        if served.bundle.kind == "meta":
+            for callee in served.bundle.signature.calls:
+                await self.loader.settled(callee)
+        return served
 
     def _served(self, name: str) -> list[ServedModel]:
         """Every served version of ``name``, ascending."""

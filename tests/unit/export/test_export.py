@@ -524,6 +524,19 @@ def test_parity_make_inputs_of_another_dtype_or_shape_is_refused(tmp_path):
         export_jax(lambda p, x: x * 2, {}, parity=made, **options)
 
 
+def test_a_python_int_past_int32_is_refused_as_a_weight(tmp_path):
+    """(The gate's reference converted it first: a bare OverflowError.)"""
+    with pytest.raises(ExportError, match="weight 'big' is not an array: int"):
+        export_jax(
+            lambda p, x: x,
+            {"big": 2**40},
+            inputs=[Input("x", np.float32, ("n", 3))],
+            outputs=["y"],
+            batch_sizes=[1],
+            out_dir=tmp_path / "m",
+        )
+
+
 def test_a_python_number_weight_passes_the_gate_with_a_low_precision_input(tmp_path):
     """The number is an f32 weight (specs/export.md section 2): the gate's reference ran
     it weakly typed (bf16 out), so such a model was always refused."""
