@@ -24,6 +24,8 @@ from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
 
 from rsrv.protocol import _infer_flow, _tensors
+from rsrv.runtime import FileReplaced
+from rsrv.worker import _loading
 
 POLL = 0.1
 WRONG = "failed to get model version from specified version string 'wrong_specification'"
@@ -537,6 +539,42 @@ def test_config_override_sets_max_batch_size_for_model_config_and_scheduler(tmp_
         assert client.get_model_config("a").config.max_batch_size == 1
         client.load_model("a")  # a load without the override: the repository's settings
         assert client.get_model_config("a").config.max_batch_size == 4
+
+
+def test_a_version_replaced_while_it_loads_is_loaded_again_and_checked_again(
+    tmp_path, cache_dir, monkeypatch
+):
+    """Version 2's files renamed in during its load (its weights file found replaced):
+    it is built again from the new files, whose batch sizes the load's config override
+    does not allow. It fails alone (version 1 serves), and nothing of its first build
+    stays registered (a retry of the whole load left version 1 registered under a
+    model it removed, and another skipped the check)."""
+    repo = tmp_path / "repo"
+    export_linear(repo / "m" / "1", seed=1)
+    export_linear(repo / "m" / "2", seed=2)
+    build, builds = _loading.build_model, []
+
+    async def replaced_once(path, *args, **kwargs):
+        builds.append(path.name)
+        if builds == ["1", "2"]:
+            export_linear(path, seed=3, batch_sizes=(1, 2))
+            raise FileReplaced(f"{path} was replaced since it loaded")
+        return await build(path, *args, **kwargs)
+
+    monkeypatch.setattr(_loading, "build_model", replaced_once)
+    with (
+        running(node_config(tmp_path, node(repo, cache_dir, "explicit"))) as worker,
+        connect(worker) as client,
+    ):
+        config = {"max_batch_size": 4, "version_policy": {"all": {}}}
+        with raises_status("FAILED_PRECONDITION", "version 2: config override for 'm'"):
+            client.load_model("m", config=json.dumps(config))
+        assert builds == ["1", "2"]  # (checked before it was built again)
+        ((v1, state1, _), (v2, state2, reason2)) = versions(client, "m")
+        assert (v1, state1, v2, state2) == ("1", "READY", "2", "UNAVAILABLE")
+        assert "max_batch_size 4 is not between 1 and the largest" in reason2
+        assert sorted(worker.executor.versions) == sorted(worker.weights.placements) == ["m@1"]
+        assert matches(infer_v(client, "m", "1", X).as_numpy("y"), 1, X)
 
 
 def test_file_overrides_only_where_allowed_and_only_inside_the_model(tmp_path, cache_dir):

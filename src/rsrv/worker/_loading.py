@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -94,9 +94,7 @@ class ModelLoader:
         ones have been tried (requests queued for them finish first), unless none of
         those is ready: then they keep serving. ``override`` (a RepositoryModelLoad
         config) is checked against every selected version before anything changes:
-        InvalidArgument, and nothing happened. A version whose weights file was renamed
-        in while it loaded is loaded again, all of this done anew on the files now there
-        (up to ``_ATTEMPTS`` times; then it fails).
+        InvalidArgument, and nothing happened.
         """
         name = path.name
         async with self._loading.setdefault(name, trio.Lock()):
@@ -104,10 +102,7 @@ class ModelLoader:
             entry = self.models.entries.setdefault(name, ModelEntry(name, path))
             entry.path = path
             try:
-                for attempt in range(1, _ATTEMPTS + 1):
-                    if not await self._sync(entry, force, override, attempt == _ATTEMPTS):
-                        break
-                    log.info("model %s: a weights file was replaced while it loaded; again", name)
+                await self._sync(entry, force, override)
             except InvalidArgument:
                 if created:
                     self.models.entries.pop(name, None)
@@ -115,11 +110,7 @@ class ModelLoader:
             finally:
                 entry.loading = False
 
-    async def _sync(
-        self, entry: ModelEntry, force: bool, override: LoadOverride | None, last: bool = True
-    ) -> bool:
-        """Whether a version's weights file was replaced while it loaded (when not
-        ``last``: it failed then), to be done again."""
+    async def _sync(self, entry: ModelEntry, force: bool, override: LoadOverride | None) -> None:
         name = entry.name
         try:
             found = await trio.to_thread.run_sync(model_versions, entry.path)
@@ -129,7 +120,7 @@ class ModelLoader:
                 )
         except BundleError as e:
             self._model_failed(entry, str(e))
-            return False
+            return
         sched = self.policy_of(name)
         policy = (
             (override.version_policy if override else None)
@@ -147,7 +138,7 @@ class ModelLoader:
             )
             for n in sorted(set(entry.versions) - set(found)):
                 self._retire(entry, n, "its directory is gone")
-            return False
+            return
         if override is not None and override.max_batch_size is not None:
             sched = msgspec.structs.replace(sched, max_batch_size=override.max_batch_size or None)
         if override is not None and override.max_queue_delay is not None:
@@ -163,15 +154,19 @@ class ModelLoader:
                 self._check_override(bundle, override, sched, policy)
                 bundles[n] = bundle
         entry.problem, entry.policy, entry.selected = "", policy, tuple(selected)
-        replaced = False
+        recheck = None
+        if override is not None:  # (a version's files renamed in while it loads)
+
+            def recheck(bundle: Bundle) -> None:
+                self._check_override(bundle, override, sched, policy)
+
         for n in selected:
             version = entry.versions.get(n)
             if version is None:
                 version = entry.versions[n] = VersionEntry(n, found[n])
             version.path = found[n]
             if force or version.model is None or version.fingerprint != prints[n]:
-                built = await self._build(entry, version, prints[n], sched, bundles.get(n), last)
-                replaced |= not built
+                await self._build(entry, version, prints[n], sched, bundles.get(n), recheck)
             else:  # serving its files as they are: nothing to report (a "kept serving")
                 version.reason = ""
         chosen = any(entry.versions[n].model is not None for n in selected)
@@ -187,7 +182,6 @@ class ModelLoader:
             self._retire(entry, n, gone)
         for version in entry.ready():
             version.model.version_policy = policy
-        return replaced
 
     def _check_override(
         self,
@@ -224,40 +218,50 @@ class ModelLoader:
         prints,
         sched: ModelSchedConfig,
         bundle: Bundle | None,
-        last: bool = True,
-    ) -> bool:
-        """Build one version beside the load it replaces; switch only on success.
-        False when, not ``last``, its weights file was replaced while it loaded: nothing
-        changed, for the caller to load it again."""
+        recheck: Callable[[Bundle], None] | None = None,
+    ) -> None:
+        """Build one version beside the load it replaces; switch only on success. One
+        whose weights file is renamed in while it loads is built again from the files
+        now there (their fingerprint taken again, ``recheck`` run on their bundle: a
+        RepositoryModelLoad config), up to ``_ATTEMPTS`` times; then it fails."""
         name, number = entry.name, version.number
         if version.model is None:  # (a failed load tried again: LOADING, as Triton says)
             version.state, version.reason = LoadState.LOADING, ""
-        served = None
-        try:
-            served = await build_model(
-                version.path,
-                self.compiler,
-                self.models.next_generation(),
-                number,
-                name,
-                bundle,
-            )
-            self._check_calls(served)
-            costs = {}
-            if served.compiled:
-                served.residency = self.weights.residency_for(
-                    self.residency.get(name, sched.residency)
+        for attempt in range(1, _ATTEMPTS + 1):
+            served = None
+            try:
+                if attempt > 1:  # (read again: the files were renamed in)
+                    prints = await trio.to_thread.run_sync(fingerprint, version.path)
+                    bundle = await trio.to_thread.run_sync(load_bundle, version.path, name)
+                    if recheck is not None:
+                        recheck(bundle)
+                served = await build_model(
+                    version.path,
+                    self.compiler,
+                    self.models.next_generation(),
+                    number,
+                    name,
+                    bundle,
                 )
-                self.executor.versions[served.key] = served
-                await self.weights.add(served.key, served.bundle.weights, served.residency)
-                costs = await self.executor.warm_up(served)
-        except Exception as e:  # a bad bundle must never take the worker down
-            if served is not None:
-                self.executor.retire(served.key)
-            if isinstance(e, FileReplaced) and not last:
-                return False
-            self._build_failed(name, version, e)
-            return True
+                self._check_calls(served)
+                costs = {}
+                if served.compiled:
+                    served.residency = self.weights.residency_for(
+                        self.residency.get(name, sched.residency)
+                    )
+                    self.executor.versions[served.key] = served
+                    await self.weights.add(served.key, served.bundle.weights, served.residency)
+                    costs = await self.executor.warm_up(served)
+                break
+            except Exception as e:  # a bad bundle must never take the worker down
+                if served is not None:
+                    self.executor.retire(served.key)
+                if isinstance(e, FileReplaced) and attempt < _ATTEMPTS:
+                    # renamed in while it loaded (a bundle rewritten at once): the new files
+                    log.info("model %s version %d: %s; loading it again", name, number, e)
+                    continue
+                self._build_failed(name, version, e)
+                return
         previous = version.model
         self.pipeline.serving(served)
         spec = served.spec().with_policy(sched) if served.compiled else None
@@ -282,7 +286,6 @@ class ModelLoader:
             served.max_queue_delay = self.scheduler.queue_delay(name, served.version)
         elif previous is not None and previous.compiled:  # (now a meta: the old one drains)
             self.scheduler.remove_version(name, previous.version)
-        return True
 
     @staticmethod
     def _build_failed(name: str, version: VersionEntry, error: Exception) -> None:
