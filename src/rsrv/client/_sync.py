@@ -16,16 +16,15 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 import trio
 from purerpc.grpclib.status import StatusCode
 
 from rsrv.client._errors import InferenceServerError
 from rsrv.client._inference import InferenceClient
-from rsrv.client._tensors import InferResult, ShmInput, ShmOutput, build_request
+from rsrv.client._tensors import InferResult, build_request
 from rsrv.protocol.generated.inference import grpc_service_pb2 as pb
 
 __all__ = ["SyncInferenceClient"]
@@ -152,29 +151,13 @@ class SyncInferenceClient:
                 loop.cancel(scope)
             raise
 
-    def infer(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray | ShmInput],
-        outputs: Sequence[str | ShmOutput] | None = None,
-        *,
-        version: str = "",
-        request_id: str = "",
-        parameters: Mapping[str, bool | int | float | str] | None = None,
-        timeout: float | None = None,
-    ) -> InferResult:
-        """``InferenceClient.infer``, blocking: the request is encoded and the answer
-        parsed in the calling thread (on the client's loop they held up every other
-        thread's call, beyond its timeout); ``timeout`` covers the encoding too."""
+    def infer(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> InferResult:
+        """``InferenceClient.infer`` (the same arguments), blocking: the request is
+        encoded and the answer parsed in the calling thread (on the client's loop they
+        held up every other thread's call, beyond its timeout); ``timeout`` covers the
+        encoding too."""
         start = time.monotonic()
-        payload = build_request(
-            model,
-            inputs,
-            outputs,
-            version=version,
-            request_id=request_id,
-            parameters=parameters,
-        ).SerializeToString()
+        payload = build_request(*args, **kwargs).SerializeToString()
         left = None if timeout is None else timeout - (time.monotonic() - start)
         response = self._run("infer_serialized", payload, timeout=left)
         return InferResult(pb.ModelInferResponse.FromString(response))
