@@ -258,8 +258,9 @@ class WeightManager:
             transfer = self._transfers[key]
             try:
                 await self._transfer(key)
-            except Exception as e:
-                log.error("weight transfer of %s failed: %s", key, e)
+            except Exception as e:  # (a replaced file: its waiter says so, a load retries)
+                level = logging.WARNING if isinstance(e, FileReplaced) else logging.ERROR
+                log.log(level, "weight transfer of %s failed: %s", key, e)
                 transfer.error = e
             finally:
                 del self._transfers[key]
