@@ -351,10 +351,13 @@ async def _cancel_on_disconnect(work, receive):
         nursery.start_soon(watch)
     if not outcome:
         raise _Disconnected
-    ok, value = outcome[0]
-    if not ok:
+    ok, value = outcome.pop()  # (the list, in run's frame, would hold the exception)
+    if ok:
+        return value
+    try:
         raise value
-    return value
+    finally:  # (a cycle through the traceback kept the request, body and all, until
+        del value  # a garbage collection)
 
 
 def _count(text: str) -> int | None:
