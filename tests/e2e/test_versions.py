@@ -8,6 +8,7 @@ index, RepositoryModelLoad's config override and file overrides.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import pathlib
@@ -23,6 +24,7 @@ from support.serving import LOOP_THREAD, held_device, node_config, running, sche
 from support.waiting import wait_until
 from tritonclient.grpc import service_pb2
 
+from rsrv.errors import InvalidArgument
 from rsrv.protocol import _infer_flow, _tensors
 from rsrv.runtime import FileReplaced
 from rsrv.worker import _loading
@@ -539,6 +541,32 @@ def test_config_override_sets_max_batch_size_for_model_config_and_scheduler(tmp_
         assert client.get_model_config("a").config.max_batch_size == 1
         client.load_model("a")  # a load without the override: the repository's settings
         assert client.get_model_config("a").config.max_batch_size == 4
+
+
+def test_a_refused_load_is_freed_at_once(tmp_path, cache_dir):
+    """Its error held the load's request (files and all) in a reference cycle through
+    its traceback until a garbage collection."""
+    repo = tmp_path / "repo"
+    export_linear(repo / "m", seed=1)
+
+    def errors() -> int:
+        return sum(isinstance(o, InvalidArgument) for o in gc.get_objects())
+
+    with (
+        running(node_config(tmp_path, node(repo, cache_dir, "explicit"))) as worker,
+        connect(worker) as client,
+    ):
+        gc.collect()
+        gc.disable()
+        try:
+            before = errors()
+            for _ in range(3):
+                with raises_status("INVALID_ARGUMENT", "max_batch_size 100 is not between"):
+                    client.load_model("m", config=json.dumps({"max_batch_size": 100}))
+            assert errors() == before
+        finally:
+            gc.enable()
+        assert worker.models.entries.get("m") is None
 
 
 def test_a_version_replaced_while_it_loads_is_loaded_again_and_checked_again(

@@ -398,8 +398,12 @@ class Worker:
         await done.wait()
         if not ended:
             raise Unavailable("the worker stopped before it was done")
-        if ended[0] is not None:
-            raise ended[0]
+        error = ended.pop()  # (the list, in task's frame, would hold it: a cycle through
+        if error is not None:  # its traceback, keeping the request until a collection)
+            try:
+                raise error
+            finally:
+                del error
 
     async def unload_model(self, name: str) -> None:
         """RepositoryModelUnload (explicit mode): every version; queued requests fail
