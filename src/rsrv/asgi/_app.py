@@ -79,6 +79,14 @@ class _ClosingTCPServer(TCPServer):
                     nursery.start_soon(self._close_after_stop)
                     await super().run()
                     nursery.cancel_scope.cancel()
+        except Exception as e:  # (one connection's failure ends it, never the server)
+            # hypercorn lets some escape: an HTTP/2 :path or :method that is not ASCII
+            # (UnicodeDecodeError) took the whole process down, gRPC port and all.
+            self.config.errorlog.warning(
+                "closed a connection that broke the HTTP server: %s", _described(e)
+            )
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.stream)
         finally:
             cap.open.pop(self, None)
             if scope.cancelled_caught:  # (hypercorn's own close was cancelled too)
@@ -133,6 +141,13 @@ class _ClosingTCPServer(TCPServer):
         idle = getattr(self, "idle_task", None)
         if idle is not None:
             await idle.stop()
+
+
+def _described(error: BaseException) -> str:
+    """``error`` in one line: type and message; a group's first member (a nursery's)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return f"{type(error).__name__}: {error}"[:300]
 
 
 #: An answer is written in pieces of this, each within the send timeout: a client

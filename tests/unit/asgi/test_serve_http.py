@@ -137,6 +137,33 @@ async def test_an_http2_client_that_opens_no_window_is_closed(leaves):
         stop.set()
 
 
+@pytest.mark.parametrize(
+    ("method", "path"), [(b"GET", b"/\xffhealthz"), (b"G\xe9T", b"/x")], ids=["path", "method"]
+)
+async def test_an_http2_request_that_is_not_ascii_ends_its_connection_alone(method, path):
+    """hypercorn decodes :path and :method as ASCII, and its UnicodeDecodeError took the
+    whole server down (a worker's admin or REST port: the process, gRPC port and all)."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = await serving(nursery, stop, send_timeout=0.5)
+        config = h2.config.H2Configuration(
+            client_side=True, validate_outbound_headers=False, normalize_outbound_headers=False
+        )
+        conn = h2.connection.H2Connection(config)
+        conn.initiate_connection()
+        headers = [(b":method", method), (b":path", path), (b":scheme", b"http")]
+        headers.append((b":authority", b"x"))
+        conn.send_headers(1, headers, end_stream=True)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(conn.data_to_send())
+            s.settimeout(5)
+            with trio.fail_after(5):  # closed
+                while await trio.to_thread.run_sync(s.recv, 1 << 16):
+                    pass
+        assert await trio.to_thread.run_sync(answered, port)
+        stop.set()
+
+
 async def test_a_client_reading_slowly_gets_its_whole_answer():
     """At most 128 KiB every 0.1 s: under 1 MiB per 0.5 s send timeout (a timeout per
     1 MiB piece cut such a reader off), but progress all along."""
