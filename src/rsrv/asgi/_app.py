@@ -271,6 +271,8 @@ class PlainApp:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
+        if scope["type"] == "websocket":  # (a GET with Upgrade: websocket got a 500)
+            await _answer_websocket(self.route, scope, receive, send)
         if scope["type"] != "http":
             return
         headers = []
@@ -286,6 +288,25 @@ class PlainApp:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         body = b"" if scope["method"] == "HEAD" else response.body
         await send({"type": "http.response.body", "body": body})
+
+
+async def _answer_websocket(route, scope, receive, send) -> None:
+    """A GET asking to upgrade to a WebSocket: answered as plain HTTP where the server
+    lets an app refuse the upgrade with a response (ASGI's websocket.http.response);
+    else refused (403)."""
+    await receive()  # websocket.connect
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close"})
+        return
+    response = await route(request_path(scope))
+    headers = [
+        (b"content-type", response.content_type.encode()),
+        (b"content-length", str(len(response.body)).encode()),
+    ]
+    await send(
+        {"type": "websocket.http.response.start", "status": response.status, "headers": headers}
+    )
+    await send({"type": "websocket.http.response.body", "body": response.body})
 
 
 def admin_app(

@@ -164,6 +164,43 @@ async def test_an_http2_request_that_is_not_ascii_ends_its_connection_alone(meth
         stop.set()
 
 
+async def test_a_get_asking_for_a_websocket_is_answered_as_plain_http():
+    """(PlainApp ignored the websocket scope, and hypercorn answered 500.)"""
+
+    async def route(path: str) -> Response:
+        return Response(200, b"ok")
+
+    def get(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(
+                b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\n\r\n"
+            )
+            answer = b""
+            while not answer.endswith(b"\r\n\r\nok") and (chunk := s.recv(1000)):
+                answer += chunk
+            return answer
+
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            lambda task_status: serve_http(
+                PlainApp(route),
+                "127.0.0.1",
+                0,
+                "test",
+                send_timeout=1,
+                shutdown_trigger=stop.wait,
+                task_status=task_status,
+            )
+        )
+        with trio.fail_after(10):
+            answer = await trio.to_thread.run_sync(get, int(binds[0].rsplit(":", 1)[1]))
+        assert answer.startswith(b"HTTP/1.1 200")
+        stop.set()
+
+
 async def test_a_client_reading_slowly_gets_its_whole_answer():
     """At most 128 KiB every 0.1 s: under 1 MiB per 0.5 s send timeout (a timeout per
     1 MiB piece cut such a reader off), but progress all along."""
