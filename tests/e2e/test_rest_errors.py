@@ -130,6 +130,17 @@ def test_unavailable_model(client):
         client.infer("broken", [http_input("x", x_rows(1))])
 
 
+def test_a_websocket_upgrade_is_refused(worker):
+    """(The app ignored the websocket scope, and hypercorn answered 500.)"""
+    reply = raw_exchange(
+        worker,
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\n\r\n",
+    )
+    assert reply.startswith(b"HTTP/1.1 403"), reply[:100]
+
+
 def test_empty_model_name(worker):
     answer = infer_raw(worker, {"inputs": []}, model="")
     assert (answer.status, answer.error) == (400, "model_name is empty")

@@ -129,6 +129,9 @@ class RestService:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
+        if scope["type"] == "websocket":  # refused: 403 (ignored, hypercorn answered 500)
+            await receive()
+            await send({"type": "websocket.close"})
         if scope["type"] != "http":
             return
         headers = {
