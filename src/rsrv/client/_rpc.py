@@ -99,13 +99,9 @@ async def call_unary(
 async def _closed_during(channel: Channel, seconds: float) -> bool:
     """Sleep ``seconds``, or until ``channel`` is closed (then True: a call waiting to be
     retried ends at once, not after the server's pushback, however long)."""
-    end = trio.current_time() + seconds
-    while not channel.closed:
-        left = end - trio.current_time()
-        if left <= 0:
-            return False
-        await trio.sleep(min(left, 0.05))
-    return True
+    with trio.move_on_after(seconds):
+        await channel.wait_closed()
+    return channel.closed
 
 
 @asynccontextmanager

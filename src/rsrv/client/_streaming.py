@@ -83,8 +83,11 @@ class InferStream:
     def _new_id(self) -> str:
         while True:  # (skipping ids the caller gave that look like ours)
             request_id = f"rsrv-{next(_ids)}"
-            in_use = self._waiting.keys() | self._abandoned | self._sent.keys()
-            if request_id not in in_use:
+            if not (
+                request_id in self._waiting
+                or request_id in self._abandoned
+                or request_id in self._sent
+            ):
                 return request_id
 
     def _answered(self, request_id: str) -> None:

@@ -123,7 +123,7 @@ class Channel:
         self._opening = 0
         self._changed = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
-        self._closed = False
+        self._closed = trio.Event()  # (set by aclose)
         self._blocks: dict[str, bytes] = {}  # path -> its prebuilt request header block
         authority = host if ":" not in host else f"[{host}]"
         self._common = [
@@ -139,7 +139,11 @@ class Channel:
     @property
     def closed(self) -> bool:
         """True from :meth:`aclose` on: every later call fails UNAVAILABLE, never sent."""
-        return self._closed
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        """Return once the channel is closed (:meth:`aclose`)."""
+        await self._closed.wait()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hold the channel's connections until cancelled or :meth:`aclose`; meant for
@@ -156,7 +160,7 @@ class Channel:
         """Close every connection (GOAWAY) and stop :meth:`run`; calls still in flight
         end UNAVAILABLE ("the client closed the channel ..."), later calls fail
         UNAVAILABLE (never sent)."""
-        self._closed = True
+        self._closed.set()
         for conn in [*self.connections, *filter(None, [self._spare])]:
             conn.closed_here = True
             conn.close()
@@ -292,9 +296,9 @@ class Channel:
         Raises _Unreachable."""
         limits = self.limits
         while True:
-            if self._closed or self._nursery is None:
+            if self.closed or self._nursery is None:
                 raise _Unreachable(
-                    "the channel is closed" if self._closed else "the channel is not running"
+                    "the channel is closed" if self.closed else "the channel is not running"
                 )
             best = None
             for conn in self.connections:
