@@ -123,14 +123,10 @@ def _check_port_room(node: NodeConfig, count: int, env: Mapping[str, str], where
     takes milliseconds to resolve: minutes, for a count in the millions)."""
     if count > 65535:
         raise ConfigError(f"{where}: {count} workers: more than there are ports for them")
-    grpc = node.base_port
-    what = f"base_port {grpc}"
-    if grpc is None:
-        offset = _WORKER_PORT_OFFSET if count > 1 else 0
-        grpc, what = node.port + offset, f"port {node.port} + {offset} (base_port unset)"
+    grpc = _grpc_base(node, count)
     first = []
     for key, base, base_what in (
-        ("port", grpc, what),
+        ("port", grpc, _grpc_base_text(node, grpc)),
         ("metrics_port", node.metrics_base_port, f"metrics_base_port {node.metrics_base_port}"),
         ("http_port", node.http_base_port, f"http_base_port {node.http_base_port}"),
     ):
@@ -187,6 +183,21 @@ def _absolute(path: str, base: Path) -> str:
     return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
 
 
+def _grpc_base(node: NodeConfig, count: int) -> int:
+    """The gRPC port of worker 0 of ``count``: base_port, else the node's port (one
+    worker) or port + _WORKER_PORT_OFFSET."""
+    if node.base_port is not None:
+        return node.base_port
+    return node.port if count == 1 else node.port + _WORKER_PORT_OFFSET
+
+
+def _grpc_base_text(node: NodeConfig, base: int) -> str:
+    """How errors name ``base`` (:func:`_grpc_base`): as the file says it."""
+    if node.base_port is not None:
+        return f"base_port {base}"
+    return f"port {node.port} + {base - node.port} (base_port unset)"
+
+
 def _derived_port(
     explicit: int | None, base: int | None, index: int, what: str, where: str
 ) -> int | None:
@@ -237,9 +248,7 @@ def _resolve_one(
     merged = convert(settings, GlobalConfig, here)
 
     endpoints = merged.endpoints
-    derived = f"base_port {base_port}"
-    if node.base_port is None:  # (the message names what the file says)
-        derived = f"port {node.port} + {base_port - node.port} (base_port unset)"
+    derived = _grpc_base_text(node, base_port)
     port = _derived_port(endpoints.port, base_port, index, derived, here)
     metrics_port = _derived_port(
         endpoints.metrics_port,
@@ -400,9 +409,7 @@ def plan_node(
         devices, found = detect_devices(node, device_env, where)
     entries = _entries(node, backend, devices if found else None, env, where)
     _check_node(node, entries, where, count_known=detect or bool(node.workers))
-    base_port = node.base_port
-    if base_port is None:
-        base_port = node.port if len(entries) == 1 else node.port + _WORKER_PORT_OFFSET
+    base_port = _grpc_base(node, len(entries))
     workers = [
         _resolve_one(
             node, entry, index, env, base, where, base_port=base_port, workers=len(entries)
