@@ -78,16 +78,14 @@ def write_bundle(
     it, then swap it in (see the module docstring). Raises :class:`ExportError` when
     ``out_dir`` is not replaceable by then (:func:`check_replaceable`; check it before
     the work too, to fail early) and whatever ``verify`` raises; on any failure the
-    staging directory is removed and ``out_dir`` is left as it was."""
+    staging directory is removed, and so are the parents of ``out_dir`` it made, and
+    ``out_dir`` is left as it was."""
     from safetensors.numpy import save_file
 
     made = _make_parents(out_dir.parent)  # (removed again when refused)
+    staging = None
     try:
         staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    except BaseException:
-        _remove_made(made)
-        raise
-    try:
         doc = {k: v for k, v in msgspec.to_builtins(manifest).items() if v not in (None, {}, [])}
         (staging / "manifest.yaml").write_bytes(msgspec.yaml.encode(doc))
         for n, data in modules.items():
@@ -110,7 +108,8 @@ def write_bundle(
         check_replaceable(out_dir)  # (as it is now: the caller's check came before the work)
         _swap_in(staging, out_dir)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         _remove_made(made)
         raise
     return out_dir
