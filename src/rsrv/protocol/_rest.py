@@ -190,15 +190,13 @@ class RestService:
                     f"{limit} (endpoints.max_message_bytes)"
                 )
         received = _Received(count if length is not None else None)
-        size = 0
         with trio.move_on_after(self.receive_timeout) as scope:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
                     raise _Disconnected
                 chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
+                if received.size + len(chunk) > limit:
                     if message.get("more_body", False):
                         await self._discard(receive)
                     raise _BodyTooLarge(
@@ -297,20 +295,20 @@ class _Received:
     def __init__(self, length: int | None):
         self._buffer = np.empty(length, np.uint8) if length and length > _JOIN_BELOW else None
         self._pieces: list[bytes] = []
-        self._size = 0
+        self.size = 0  # received so far
 
     def add(self, piece: bytes) -> None:
-        end = self._size + len(piece)
+        end = self.size + len(piece)
         if self._buffer is None:
             if piece:
                 self._pieces.append(piece)
         elif end <= len(self._buffer):
-            self._buffer[self._size : end] = np.frombuffer(piece, np.uint8)
+            self._buffer[self.size : end] = np.frombuffer(piece, np.uint8)
         else:  # (the HTTP layer holds a body to its Content-Length)
             raise _HttpError(
                 "the request body is longer than its Content-Length", 400, "INVALID_ARGUMENT"
             )
-        self._size = end
+        self.size = end
 
     def body(self) -> Body:
         """The body: bytes, or a read-only view of the buffer (bytes are read-only: so
@@ -318,7 +316,7 @@ class _Received:
         if self._buffer is None:
             return self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
         self._buffer.flags.writeable = False
-        return memoryview(self._buffer[: self._size])
+        return memoryview(self._buffer[: self.size])
 
 
 _JOIN_BELOW = 1 << 20  # bytes: a body this short is joined
